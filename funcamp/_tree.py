@@ -1,0 +1,138 @@
+"""Pytree helpers on optree: casting, finiteness checks and leaf-wise selection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["NAMESPACE", "all_finite", "leaf_paths", "tree_cast", "tree_select"]
+
+#: optree namespace under which funcamp registers its own pytree node types.
+NAMESPACE = "funcamp"
+
+PyTree = Any
+
+
+def _flatten_with_path(tree: PyTree) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+    return [_path_str(p) for p in paths], leaves, spec
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    if not path:
+        return "<root>"
+    return "".join(f"[{k!r}]" for k in path)
+
+
+def leaf_paths(tree: PyTree) -> list[str]:
+    """Return a readable path (``['layer']['weight']``) for every leaf of ``tree``, in leaf order."""
+    return _flatten_with_path(tree)[0]
+
+
+def tree_cast(tree: PyTree, dtype: torch.dtype, *, only_floating: bool = True) -> PyTree:
+    """Cast the tensor leaves of a pytree to ``dtype``.
+
+    Args:
+        tree: any pytree (dicts, lists, tuples, NamedTuples, funcamp states).
+        dtype: the target dtype.
+        only_floating: when True (default) only floating-point tensors are cast; integer,
+            bool and complex tensors pass through. When False every tensor leaf is cast.
+
+    Non-tensor leaves always pass through untouched; leaves already in ``dtype`` are returned
+    as they are (no copy).
+
+    Example:
+        >>> import torch, funcamp
+        >>> tree = {"w": torch.ones(2), "step": torch.tensor(3), "name": "fc"}
+        >>> out = funcamp.tree_cast(tree, torch.bfloat16)
+        >>> out["w"].dtype, out["step"].dtype, out["name"]
+        (torch.bfloat16, torch.int64, 'fc')
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"funcamp.tree_cast: `dtype` must be a torch.dtype, got {dtype!r}")
+
+    def cast(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dtype == dtype:
+            return x
+        if only_floating and not x.is_floating_point():
+            return x
+        return x.to(dtype)
+
+    return optree.tree_map(cast, tree, namespace=NAMESPACE)
+
+
+def all_finite(tree: PyTree) -> torch.Tensor:
+    """Return a 0-d bool tensor: True when every floating tensor leaf is free of inf and nan.
+
+    Non-floating and non-tensor leaves are ignored; an empty tree gives True. No host sync.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.all_finite({"a": torch.ones(3), "b": torch.tensor([1.0, float("inf")])})
+        tensor(False)
+        >>> funcamp.all_finite({})
+        tensor(True)
+    """
+    leaves = [
+        x
+        for x in optree.tree_leaves(tree, namespace=NAMESPACE)
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+    ]
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    device = leaves[0].device
+    flags = [torch.isfinite(x).all() if x.numel() else torch.ones((), dtype=torch.bool, device=x.device) for x in leaves]
+    return torch.stack([f.to(device) for f in flags]).all()
+
+
+def tree_select(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree:
+    """Leaf-wise ``torch.where(pred, on_true, on_false)`` over two pytrees of one structure.
+
+    ``pred`` is a 0-d bool tensor (a host-sync-free condition). Tensor leaves are selected with
+    :func:`torch.where`, which keeps each leaf's dtype bit-exactly; non-tensor leaves must be equal
+    in both trees and are kept.
+
+    Example:
+        >>> import torch, funcamp
+        >>> new, old = {"w": torch.tensor([2.0])}, {"w": torch.tensor([1.0])}
+        >>> funcamp.tree_select(torch.tensor(False), new, old)
+        {'w': tensor([1.])}
+    """
+    if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool or pred.dim() != 0:
+        raise TypeError(
+            "funcamp.tree_select: `pred` must be a 0-d bool tensor, got "
+            f"{_describe(pred)}"
+        )
+    paths, true_leaves, spec = _flatten_with_path(on_true)
+    false_leaves, false_spec = optree.tree_flatten(on_false, namespace=NAMESPACE)
+    if spec != false_spec:
+        raise ValueError(
+            "funcamp.tree_select: `on_true` and `on_false` must have the same structure, got "
+            f"{spec} and {false_spec}"
+        )
+    out = []
+    for path, a, b in zip(paths, true_leaves, false_leaves):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(
+                    f"funcamp.tree_select: leaf {path} differs in shape or dtype: "
+                    f"{tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+                )
+            out.append(torch.where(pred, a, b))
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            raise TypeError(f"funcamp.tree_select: leaf {path} is a tensor in only one tree")
+        else:
+            if a != b:
+                raise ValueError(
+                    f"funcamp.tree_select: non-tensor leaf {path} differs: {a!r} vs {b!r}"
+                )
+            out.append(a)
+    return optree.tree_unflatten(spec, out)
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of dtype {x.dtype} and shape {tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r}"
