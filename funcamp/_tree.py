@@ -83,7 +83,10 @@ def all_finite(tree: PyTree) -> torch.Tensor:
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     device = leaves[0].device
-    flags = [torch.isfinite(x).all() if x.numel() else torch.ones((), dtype=torch.bool, device=x.device) for x in leaves]
+    flags = [
+        torch.isfinite(x).all() if x.numel() else torch.ones((), dtype=torch.bool, device=x.device)
+        for x in leaves
+    ]
     return torch.stack([f.to(device) for f in flags]).all()
 
 
@@ -102,8 +105,7 @@ def tree_select(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree
     """
     if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool or pred.dim() != 0:
         raise TypeError(
-            "funcamp.tree_select: `pred` must be a 0-d bool tensor, got "
-            f"{_describe(pred)}"
+            f"funcamp.tree_select: `pred` must be a 0-d bool tensor, got {_describe(pred)}"
         )
     paths, true_leaves, spec = _flatten_with_path(on_true)
     false_leaves, false_spec = optree.tree_flatten(on_false, namespace=NAMESPACE)

@@ -1,0 +1,421 @@
+"""``amp`` and ``full_precision``: per-op casting as a pure function transform.
+
+The transform enters a :class:`torch.overrides.TorchFunctionMode` for the duration of the wrapped
+call and leaves it on exit (also on error), so no global state survives the call. The mode looks
+each torch call up in the policy's dispatch table (callable -> rule), casts the floating inputs as
+the rule says and runs the op with the mode off. Python composites such as
+``F.multi_head_attention_forward`` are re-entered with the mode on, so the torch calls they make
+inside are seen too (see :func:`_unchecked_copies`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import threading
+import types
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from funcamp._ops import (
+    DTYPE_ARG_OPS,
+    OpPolicy,
+    OpRule,
+    _name_index,
+    op_name,
+    python_composites,
+)
+from funcamp._policy import Policy, _cast_floating, get_policy
+
+__all__ = ["amp", "full_precision"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_FLOAT64 = torch.float64
+_FLOAT32 = torch.float32
+
+
+class _Context(NamedTuple):
+    """What the mode applies right now: the innermost policy in force.
+
+    Built eagerly (when ``amp`` wraps a function), never while dynamo traces.
+    """
+
+    policy: Policy
+    compute_dtype: torch.dtype
+    output_dtype: torch.dtype
+    table: dict[Any, tuple[OpRule, str]]  # __name__ (or a user's callable) -> (rule, op)
+    by_identity: bool  # whether the table also holds callables (ops funcamp knows no name of)
+    modules: tuple[tuple[Any, _Context], ...]
+
+
+@functools.lru_cache(maxsize=128)
+def _context(policy: Policy) -> _Context:
+    table: dict[Any, tuple[OpRule, str]] = {}
+    for key, rule in policy.ops.dispatch_table().items():
+        if rule is not OpRule.NONE:
+            name = key if isinstance(key, str) else (op_name(key) or _qualname(key))
+            table[key] = (rule, _NAME_TO_OP.get(name, name) if isinstance(key, str) else name)
+    modules = tuple((key, _context(sub)) for key, sub in policy.module_policies)
+    by_identity = any(not isinstance(k, str) for k in table)
+    return _Context(policy, policy.compute_dtype, policy.output_dtype, table, by_identity, modules)
+
+
+def _qualname(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+# __name__ of an entry point -> canonical op name (e.g. "__rmatmul__" -> "matmul")
+_NAME_TO_OP = {getattr(fn, "__name__", ""): name for fn, name in _name_index().items()}
+
+
+_FULL_PRECISION = _context(Policy(ops=OpPolicy.none()))
+
+
+# -- the re-entry of Python composites --------------------------------------------------------
+def _no_torch_function(*args: Any) -> bool:
+    return False
+
+
+_UNCHECKED_GLOBALS = {
+    "has_torch_function": _no_torch_function,
+    "has_torch_function_unary": _no_torch_function,
+    "has_torch_function_variadic": _no_torch_function,
+}
+
+
+def _unchecked_copies(functions: frozenset[Any]) -> dict[Any, types.FunctionType]:
+    """Copies of Python composites whose ``has_torch_function*`` entry checks say no.
+
+    Calling a composite itself with the mode active would dispatch straight back to the mode
+    from its entry check and recurse forever. Each copy shares the original's code, defaults
+    and closure; only the three check functions are swapped in its globals (one patched copy of
+    each defining module's namespace), so its body runs as written and every torch call it
+    makes reaches the mode. Built once, eagerly, so dynamo only ever sees finished functions.
+    """
+    namespaces: dict[int, dict[str, Any]] = {}
+    copies: dict[tuple[str, str], types.FunctionType] = {}
+    for fn in functions:
+        globals_ = namespaces.get(id(fn.__globals__))
+        if globals_ is None:
+            globals_ = {**fn.__globals__, **_UNCHECKED_GLOBALS}
+            namespaces[id(fn.__globals__)] = globals_
+        clone = types.FunctionType(
+            fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__
+        )
+        clone.__kwdefaults__ = fn.__kwdefaults__
+        clone.__qualname__ = fn.__qualname__
+        clone.__wrapped__ = fn  # type: ignore[attr-defined]
+        key = (fn.__module__, fn.__name__)
+        if key in copies and copies[key].__wrapped__ is not fn:  # type: ignore[attr-defined]
+            raise AssertionError(f"two composites share the name {key}")
+        copies[key] = clone
+    return copies
+
+
+# -- casting ------------------------------------------------------------------------------------
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() and x.dtype is not dtype and x.dtype is not _FLOAT64:
+            return x.to(dtype)
+        return x
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+        return type(x)(_cast(e, dtype) for e in x)
+    return x
+
+
+def _promote(dtype: torch.dtype, x: Any) -> torch.dtype:
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point() and x.dtype is not _FLOAT64:
+            return torch.promote_types(dtype, x.dtype)
+        return dtype
+    if isinstance(x, (list, tuple)):
+        for e in x:
+            dtype = _promote(dtype, e)
+    return dtype
+
+
+def _has_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if kwargs.get("dtype") is not None:
+        return True
+    return any(isinstance(a, torch.dtype) for a in args)
+
+
+def _eligible(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype is not _FLOAT64
+
+
+def cast_args(
+    rule: OpRule,
+    name: str,
+    compute_dtype: torch.dtype,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Apply ``rule`` to the arguments of the op ``name`` (the mode's casting step)."""
+    if rule is OpRule.COMPUTE:
+        dtype = compute_dtype
+    elif rule is OpRule.FLOAT32:
+        if name in DTYPE_ARG_OPS:
+            if args and _eligible(args[0]) and not _has_dtype(args, kwargs):
+                kwargs = {**kwargs, "dtype": _FLOAT32}
+            return args, kwargs
+        dtype = _FLOAT32
+    elif rule is OpRule.PROMOTE:
+        dtype = compute_dtype
+        for a in args:
+            dtype = _promote(dtype, a)
+        for v in kwargs.values():
+            dtype = _promote(dtype, v)
+    else:
+        return args, kwargs
+    args = tuple([_cast(a, dtype) for a in args])
+    if kwargs:
+        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+    return args, kwargs
+
+
+# -- module policies ----------------------------------------------------------------------------
+class _ModuleFrame(NamedTuple):
+    path: str
+    ctx: _Context | None  # the module policy that matched, or None
+
+
+class _ModuleTracker:
+    """Global module hooks, registered only for the duration of one ``amp`` call."""
+
+    def __init__(self, mode: _AmpMode, rules: tuple[tuple[Any, _Context], ...]) -> None:
+        self.mode = mode
+        self.rules = rules
+        self.frames: list[_ModuleFrame] = []
+        self.paths: dict[int, str] = {}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _ModuleTracker:
+        from torch.nn.modules import module as nn_module
+
+        self.handles = [
+            nn_module.register_module_forward_pre_hook(self._pre),
+            nn_module.register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _match(self, module: torch.nn.Module, path: str) -> _Context | None:
+        found: _Context | None = None
+        for key, policy in self.rules:  # globs win over classes; later entries win
+            if isinstance(key, type) and isinstance(module, key) and found is None:
+                found = policy
+        for key, policy in self.rules:
+            if isinstance(key, str) and fnmatch.fnmatchcase(path, key):
+                found = policy
+        return found
+
+    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if not self.frames:
+            self.paths = {}
+            for name, sub in module.named_modules(remove_duplicate=False):
+                self.paths.setdefault(id(sub), name)
+        path = self.paths.get(id(module), type(module).__name__)
+        ctx = self._match(module, path)
+        self.frames.append(_ModuleFrame(path, ctx))
+        if ctx is None:
+            return None
+        self.mode.push(ctx)
+        return _cast_floating(args, ctx.compute_dtype)
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not self.frames:
+            return None
+        frame = self.frames.pop()
+        if frame.ctx is None:
+            return None
+        self.mode.pop()
+        return _cast_floating(output, frame.ctx.output_dtype)
+
+    @property
+    def path(self) -> str | None:
+        return self.frames[-1].path if self.frames else None
+
+
+# -- the mode -------------------------------------------------------------------------------------
+class _AmpMode(TorchFunctionMode):
+    def __init__(self, ctx: _Context, recorder: Any = None) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.saved: list[_Context] = []
+        self.recorder = recorder
+        self.tracker: _ModuleTracker | None = None
+
+    def push(self, ctx: _Context) -> None:
+        self.saved.append(self.ctx)
+        self.ctx = ctx
+
+    def pop(self) -> None:
+        self.ctx = self.saved.pop()
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        ctx = self.ctx
+        name = getattr(func, "__name__", None)
+        entry = ctx.table.get(name)
+        if entry is None and ctx.by_identity:
+            entry = ctx.table.get(func)
+        if entry is None or "out" in kwargs:
+            composite = _COMPOSITES.get((getattr(func, "__module__", None), name))
+            if composite is not None:
+                with self:
+                    return composite(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self.recorder is not None:
+                self.recorder.record(func, None, ctx, args, kwargs, out, self)
+            return out
+        rule, name = entry
+        cargs, ckwargs = cast_args(rule, name, ctx.compute_dtype, args, kwargs)
+        out = func(*cargs, **ckwargs)
+        if self.recorder is not None:
+            self.recorder.record(func, rule, ctx, cargs, ckwargs, out, self)
+        return out
+
+
+def _tensor_unflatten(self: torch.Tensor, dim: Any, sizes: Any) -> torch.Tensor:
+    # Stand-in for Tensor.unflatten, whose Python body calls ``super().unflatten`` (dynamo
+    # cannot trace that from inside a mode handler). torch.unflatten is the same op.
+    return torch.unflatten(self, dim, sizes)
+
+
+_COMPOSITES = _unchecked_copies(python_composites())
+_COMPOSITES[(torch.Tensor.unflatten.__module__, torch.Tensor.unflatten.__name__)] = (
+    _tensor_unflatten  # type: ignore[assignment]
+)
+
+
+class _ActiveModes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_AmpMode] = []
+
+
+_ACTIVE = _ActiveModes()
+
+
+def _run(
+    ctx: _Context, fn: Callable[..., Any], args: Any, kwargs: Any, recorder: Any = None
+) -> Any:
+    """Run ``fn`` with ``ctx`` in force: in a new mode, or as a scope of the active one."""
+    stack = _ACTIVE.stack
+    if stack and recorder is None:
+        mode = stack[-1]
+        mode.push(ctx)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            mode.pop()
+    mode = _AmpMode(ctx, recorder)
+    stack.append(mode)
+    try:
+        with mode:
+            rules = ctx.modules
+            if rules or recorder is not None:
+                mode.tracker = _ModuleTracker(mode, rules)
+                with mode.tracker:
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+    finally:
+        stack.pop()
+
+
+def _check_fn(fn: Any, api: str) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"funcamp.{api}: `fn` must be callable (the function to transform), got "
+            f"{type(fn).__name__} {fn!r}"
+        )
+
+
+def _as_policy(policy: Any, api: str) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return get_policy(policy)
+    raise TypeError(
+        f"funcamp.{api}: `policy` must be a funcamp.Policy or a policy string such as "
+        f"'mixed_bfloat16', got {type(policy).__name__} {policy!r}"
+    )
+
+
+def amp(fn: F, policy: Policy | str) -> F:
+    """Transform ``fn`` so that every torch op inside runs in the dtype ``policy`` says.
+
+    Inside the call each torch op is cast by its :class:`OpRule` (matmuls and convolutions to
+    the compute dtype, reductions, norms and losses to float32 with the default table); the
+    floating outputs of ``fn`` are cast to ``policy.output_dtype``. Inputs and params are not
+    cast at entry (autocast semantics), so gradients come back in the params' dtype. Works
+    eagerly, under ``torch.func.grad/vjp/jvp/vmap/functional_call`` and inside
+    ``torch.compile(fullgraph=True)``; nothing stays active after the call returns or raises.
+
+    Args:
+        fn: the function to transform.
+        policy: a :class:`Policy` or a policy string for :func:`get_policy`.
+
+    Returns:
+        A function with ``fn``'s signature.
+
+    Example:
+        >>> import torch, funcamp
+        >>> def f(x, w):
+        ...     return torch.softmax(x @ w, dim=-1)
+        >>> g = funcamp.amp(f, "params=float32,compute=bfloat16,output=bfloat16")
+        >>> g(torch.randn(2, 3), torch.randn(3, 3)).dtype   # matmul in bf16, softmax in f32
+        torch.bfloat16
+    """
+    _check_fn(fn, "amp")
+    pol = _as_policy(policy, "amp")
+    ctx = _context(pol)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = _run(ctx, fn, args, kwargs)
+        return _cast_floating(out, ctx.output_dtype)
+
+    wrapped.policy = pol  # type: ignore[attr-defined]
+    return wrapped  # type: ignore[return-value]
+
+
+def full_precision(fn: F) -> F:
+    """Run ``fn`` in float32 with casting suspended, also inside an ``amp``-wrapped function.
+
+    Floating tensor inputs (float16/bfloat16) are cast to float32 and no op inside is cast:
+    what ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` and ``autocast(enabled=False)`` do.
+    float64 inputs pass through.
+
+    Example:
+        >>> import torch, funcamp
+        >>> def f(x, w):
+        ...     return funcamp.full_precision(torch.matmul)(x, w)
+        >>> funcamp.amp(f, "mixed_bfloat16")(torch.randn(2, 2), torch.randn(2, 2)).dtype
+        torch.float32
+    """
+    _check_fn(fn, "full_precision")
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _cast_floating((args, kwargs), _FLOAT32)
+        if not _ACTIVE.stack:
+            return fn(*args, **kwargs)
+        return _run(_FULL_PRECISION, fn, args, kwargs)
+
+    return wrapped  # type: ignore[return-value]

@@ -1,0 +1,359 @@
+"""``Policy``: which dtype params, computation and outputs use, and how each op is cast."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Union
+
+import torch
+
+from funcamp._ops import OpKey, OpPolicy, OpRule
+from funcamp._tree import tree_cast
+
+__all__ = ["ModuleKey", "Policy", "get_policy", "parse_dtype"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "float32": torch.float32,
+    "full": torch.float32,
+    "f16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "f64": torch.float64,
+    "float64": torch.float64,
+}
+_CANONICAL_NAME = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+_KEYS = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+}
+_PRESETS = {
+    "mixed_float16": "params=float32,compute=float16,output=float32",
+    "16-mixed": "params=float32,compute=float16,output=float32",
+    "mixed_bfloat16": "params=float32,compute=bfloat16,output=float32",
+    "bf16-mixed": "params=float32,compute=bfloat16,output=float32",
+    "bf16-true": "params=bfloat16,compute=bfloat16,output=bfloat16",
+    "16-true": "params=float16,compute=float16,output=float16",
+    "32-true": "params=float32,compute=float32,output=float32",
+    "64-true": "params=float64,compute=float64,output=float64",
+}
+
+#: A module override is keyed by an ``nn.Module`` subclass or a glob of module paths.
+ModuleKey = Union[type, str]
+
+
+def parse_dtype(name: str, *, api: str = "get_policy") -> torch.dtype:
+    """Parse a dtype name (``f32|float32|full``, ``f16|float16|half``, ``bf16|bfloat16``,
+    ``f64|float64``).
+
+    Example:
+        >>> from funcamp._policy import parse_dtype
+        >>> parse_dtype("bf16")
+        torch.bfloat16
+    """
+    key = name.strip().lower()
+    if key.startswith("torch."):
+        key = key[len("torch.") :]
+    try:
+        return _DTYPE_NAMES[key]
+    except KeyError:
+        raise ValueError(
+            f"funcamp.{api}: unknown dtype name {name!r}; valid names are "
+            + ", ".join(sorted(_DTYPE_NAMES))
+        ) from None
+
+
+def _check_dtype(value: Any, field: str) -> None:
+    if not isinstance(value, torch.dtype) or value not in _FLOAT_DTYPES:
+        got = repr(value) if isinstance(value, torch.dtype) else f"{type(value).__name__} {value!r}"
+        raise TypeError(
+            f"funcamp.Policy: `{field}` must be a floating torch.dtype (torch.float16, "
+            f"torch.bfloat16, torch.float32 or torch.float64), got {got}; use "
+            f"funcamp.get_policy('...') to build a policy from names"
+        )
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast float16/bfloat16/float32 leaves to ``dtype``; float64 only when ``dtype`` is float64."""
+    if dtype == torch.float64:
+        return tree_cast(tree, dtype)
+    import optree
+
+    from funcamp._tree import NAMESPACE
+
+    def cast(x: Any) -> Any:
+        if (
+            isinstance(x, torch.Tensor)
+            and x.is_floating_point()
+            and x.dtype != dtype
+            and x.dtype != torch.float64
+        ):
+            return x.to(dtype)
+        return x
+
+    return optree.tree_map(cast, tree, namespace=NAMESPACE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy: immutable, hashable, inspectable.
+
+    Attributes:
+        param_dtype: dtype parameters are stored in.
+        compute_dtype: dtype ops with the ``COMPUTE`` rule run in.
+        output_dtype: dtype floating outputs of an ``amp``-wrapped function are cast to.
+        ops: the op table (:class:`OpPolicy`); defaults to ``OpPolicy.default()`` (torch's CUDA
+            autocast lists, on every device).
+        module_policies: per-module overrides, ``((ModuleClass or "glob.path", Policy), ...)``;
+            build them with :meth:`with_module_policies`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> p = funcamp.Policy(compute_dtype=torch.bfloat16)
+        >>> str(p)
+        'params=float32,compute=bfloat16,output=float32'
+        >>> p.cast_to_compute({"x": torch.ones(2), "i": torch.arange(2)})["x"].dtype
+        torch.bfloat16
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    output_dtype: torch.dtype = torch.float32
+    ops: OpPolicy = dataclasses.field(default_factory=OpPolicy.default)
+    module_policies: tuple[tuple[ModuleKey, Policy], ...] = ()
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            _check_dtype(getattr(self, field), field)
+        if not isinstance(self.ops, OpPolicy):
+            raise TypeError(
+                f"funcamp.Policy: `ops` must be an OpPolicy (e.g. OpPolicy.default()), got "
+                f"{type(self.ops).__name__}"
+            )
+        if not isinstance(self.module_policies, tuple):
+            raise TypeError(
+                "funcamp.Policy: `module_policies` must be a tuple of (key, Policy) pairs; use "
+                f"Policy.with_module_policies({{...}}), got {type(self.module_policies).__name__}"
+            )
+        for entry in self.module_policies:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise TypeError(
+                    "funcamp.Policy: `module_policies` entries must be (key, Policy) pairs, got "
+                    f"{entry!r}"
+                )
+            _check_module_key(entry[0], "Policy")
+            if not isinstance(entry[1], Policy):
+                raise TypeError(
+                    f"funcamp.Policy: the module policy for {entry[0]!r} must be a Policy, got "
+                    f"{type(entry[1]).__name__}"
+                )
+
+    # -- casting ------------------------------------------------------------------------------
+    def cast_to_param(self, tree: Any) -> Any:
+        """Cast the floating tensor leaves of ``tree`` to ``param_dtype``.
+
+        Integer, bool, non-tensor leaves and float64 leaves (unless ``param_dtype`` is float64)
+        pass through untouched.
+
+        Example:
+            >>> import torch, funcamp
+            >>> funcamp.get_policy("bf16-true").cast_to_param([torch.ones(1)])[0].dtype
+            torch.bfloat16
+        """
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Cast the floating tensor leaves of ``tree`` to ``compute_dtype`` (see
+        :meth:`cast_to_param`).
+
+        Example:
+            >>> import torch, funcamp
+            >>> p = funcamp.get_policy("mixed_bfloat16")
+            >>> p.cast_to_compute((torch.ones(1), torch.ones(1, dtype=torch.float64)))[1].dtype
+            torch.float64
+        """
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Cast the floating tensor leaves of ``tree`` to ``output_dtype`` (see
+        :meth:`cast_to_param`).
+
+        Example:
+            >>> import torch, funcamp
+            >>> p = funcamp.get_policy("mixed_bfloat16")
+            >>> p.cast_to_output(torch.ones(1, dtype=torch.bfloat16)).dtype
+            torch.float32
+        """
+        return _cast_floating(tree, self.output_dtype)
+
+    # -- derived policies ----------------------------------------------------------------------
+    def with_op_rules(self, rules: Mapping[OpKey, OpRule]) -> Policy:
+        """Return a policy whose op table has ``rules`` added or replaced.
+
+        Keys are op names (``"softmax"``) or callables (``torch.nn.functional.softmax``); values
+        are :class:`OpRule`. This policy is unchanged.
+
+        Example:
+            >>> import funcamp
+            >>> p = funcamp.get_policy("mixed_bfloat16")
+            >>> q = p.with_op_rules({"softmax": funcamp.OpRule.COMPUTE})
+            >>> p.ops["softmax"], q.ops["softmax"]
+            (<OpRule.FLOAT32: 'float32'>, <OpRule.COMPUTE: 'compute'>)
+        """
+        if not isinstance(rules, Mapping):
+            raise TypeError(
+                "funcamp.Policy.with_op_rules: `rules` must be a mapping {op: OpRule}, got "
+                f"{type(rules).__name__}"
+            )
+        for op, rule in rules.items():
+            if not isinstance(rule, OpRule):
+                raise TypeError(
+                    f"funcamp.Policy.with_op_rules: the rule for {op!r} must be an OpRule "
+                    f"(OpRule.COMPUTE, OpRule.FLOAT32, OpRule.PROMOTE or OpRule.NONE), got "
+                    f"{type(rule).__name__} {rule!r}"
+                )
+        return dataclasses.replace(self, ops=self.ops.with_rules(rules))
+
+    def with_module_policies(self, policies: Mapping[ModuleKey, Policy | str]) -> Policy:
+        """Return a policy with per-module overrides added (or replaced, for the same key).
+
+        While a matching module runs, its floating inputs are cast to the module policy's
+        compute dtype on entry, its floating outputs to its output dtype on exit, and its op
+        rules apply inside; the innermost matching module wins. Keys are ``nn.Module``
+        subclasses or glob patterns over module paths as ``named_modules()`` gives them for the
+        root module (e.g. ``"encoder.*.norm"``). A value given as a string is parsed with
+        :func:`get_policy` (default op table).
+
+        Example:
+            >>> import torch, funcamp
+            >>> p = funcamp.get_policy("mixed_bfloat16")
+            >>> q = p.with_module_policies({torch.nn.LayerNorm: "float32"})
+            >>> q.module_policies[0][0] is torch.nn.LayerNorm
+            True
+        """
+        if not isinstance(policies, Mapping):
+            raise TypeError(
+                "funcamp.Policy.with_module_policies: `policies` must be a mapping "
+                f"{{ModuleClass or 'glob.path': Policy or str}}, got {type(policies).__name__}"
+            )
+        merged: dict[ModuleKey, Policy] = dict(self.module_policies)
+        for key, value in policies.items():
+            _check_module_key(key, "Policy.with_module_policies")
+            if isinstance(value, str):
+                value = get_policy(value)
+            elif not isinstance(value, Policy):
+                raise TypeError(
+                    f"funcamp.Policy.with_module_policies: the policy for {key!r} must be a "
+                    f"Policy or a policy string, got {type(value).__name__} {value!r}"
+                )
+            merged.pop(key, None)
+            merged[key] = value
+        return dataclasses.replace(self, module_policies=tuple(merged.items()))
+
+    def __str__(self) -> str:
+        return (
+            f"params={_CANONICAL_NAME[self.param_dtype]},"
+            f"compute={_CANONICAL_NAME[self.compute_dtype]},"
+            f"output={_CANONICAL_NAME[self.output_dtype]}"
+        )
+
+    def __repr__(self) -> str:
+        parts = [f"Policy({str(self)!r}"]
+        if self.ops != OpPolicy.default():
+            parts.append(f"ops={self.ops!r}")
+        if self.module_policies:
+            inner = ", ".join(
+                f"{getattr(k, '__name__', k)!s}: {v!r}" for k, v in self.module_policies
+            )
+            parts.append(f"module_policies={{{inner}}}")
+        return ", ".join(parts) + ")"
+
+
+def _check_module_key(key: Any, api: str) -> None:
+    if isinstance(key, str):
+        if not key:
+            raise ValueError(f"funcamp.{api}: a module path glob must not be empty")
+        return
+    if isinstance(key, type) and issubclass(key, torch.nn.Module):
+        return
+    raise TypeError(
+        f"funcamp.{api}: module keys must be torch.nn.Module subclasses or module-path glob "
+        f"strings (e.g. torch.nn.LayerNorm or 'encoder.*.norm'), got {type(key).__name__} {key!r}"
+    )
+
+
+def get_policy(spec: str) -> Policy:
+    """Build a :class:`Policy` from a string, in jmp's grammar.
+
+    ``spec`` is comma-separated ``key=value`` with keys ``p|params``, ``c|compute``,
+    ``o|output`` and dtype names ``f32|float32|full``, ``f16|float16|half``,
+    ``bf16|bfloat16``, ``f64|float64``. Params default to float32, compute follows params,
+    output follows compute. A bare dtype name sets all three. Presets:
+    ``"mixed_float16"``/``"16-mixed"``, ``"mixed_bfloat16"``/``"bf16-mixed"``,
+    ``"bf16-true"``, ``"16-true"``, ``"float32"``/``"32-true"``.
+
+    Raises:
+        ValueError: naming the bad part of ``spec`` and listing what is valid.
+
+    Example:
+        >>> import funcamp
+        >>> str(funcamp.get_policy("c=bf16"))
+        'params=float32,compute=bfloat16,output=bfloat16'
+        >>> str(funcamp.get_policy("mixed_float16"))
+        'params=float32,compute=float16,output=float32'
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"funcamp.get_policy: `spec` must be a str such as 'mixed_bfloat16' or "
+            f"'params=float32,compute=bfloat16', got {type(spec).__name__} {spec!r}"
+        )
+    text = spec.strip().lower()
+    text = _PRESETS.get(text, text)
+    if not text:
+        raise ValueError(_spec_help("empty policy spec"))
+    if "=" not in text:
+        dtype = parse_dtype(text)
+        return Policy(dtype, dtype, dtype)
+    values: dict[str, torch.dtype] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if "=" not in part:
+            raise ValueError(_spec_help(f"bad part {part!r} in {spec!r}: expected key=value"))
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in _KEYS:
+            raise ValueError(_spec_help(f"unknown key {key!r} in {spec!r}"))
+        field = _KEYS[key]
+        if field in values:
+            raise ValueError(_spec_help(f"duplicate key {key!r} in {spec!r}"))
+        values[field] = parse_dtype(value)
+    param = values.get("param_dtype", torch.float32)
+    compute = values.get("compute_dtype", param)
+    output = values.get("output_dtype", compute)
+    return Policy(param, compute, output)
+
+
+def _spec_help(problem: str) -> str:
+    return (
+        f"funcamp.get_policy: {problem}. Valid: comma-separated key=value with keys "
+        "p|params, c|compute, o|output and dtypes f32|float32|full, f16|float16|half, "
+        "bf16|bfloat16, f64|float64; a bare dtype; or a preset ("
+        + ", ".join(sorted({*_PRESETS, "float32"}))
+        + ")"
+    )
