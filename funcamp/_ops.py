@@ -14,7 +14,7 @@ import enum
 import functools
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -49,7 +49,7 @@ class OpRule(enum.Enum):
 
 
 #: An op is named by its canonical (aten-style) name, e.g. ``"linear"``, or given as a callable.
-OpKey = Union[str, Callable[..., Any]]
+OpKey = str | Callable[..., Any]
 
 # ---------------------------------------------------------------------------------------------
 # torch.autocast's lists (aten op names), read from torch's aten/src/ATen/autocast_mode.{h,cpp}.

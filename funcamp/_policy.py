@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -53,7 +53,7 @@ _PRESETS = {
 }
 
 #: A module override is keyed by an ``nn.Module`` subclass or a glob of module paths.
-ModuleKey = Union[type, str]
+ModuleKey = type | str
 
 
 def parse_dtype(name: str, *, api: str = "get_policy") -> torch.dtype:
