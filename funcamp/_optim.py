@@ -1,18 +1,87 @@
-"""Functional optimizers in optax's shape: ``init(params) -> state``, ``update(grads, state, params)``."""
+"""Functional optimizers in optax's shape: ``init(params) -> state``,
+``update(grads, state, params) -> (updates, state)`` and ``apply_updates(params, updates)``.
+
+All states are NamedTuples of tensors (no ``None`` leaves), so they compile, ``vmap``, select with
+:func:`funcamp.tree_select` and checkpoint. Every optimizer keeps a 0-d int32 ``count``: the
+number of updates applied before this one, which is what a learning-rate schedule receives (0 on
+the first step). A skipped step — the caller keeps the old state — does not advance it. Nothing on
+the update path syncs with the host; Python floats are fixed when an optimizer is built, tensors
+(schedules) may change every step without recompiling.
+
+Low-precision parameters
+------------------------
+For float16/bfloat16 params the optimizer math runs in float32 (the moments are float32) and
+``sgd``/``adam``/``adamw`` accept one of three modes that keep small updates from being lost to
+rounding:
+
+* ``master_weights=True`` — a float32 copy of each half param lives in the state; the update is
+  added to it and the param becomes the copy rounded to nearest.
+* ``kahan=True`` — a compensation buffer in the param dtype carries the rounding error of each
+  step into the next (Kahan summation, as in optimi).
+* ``stochastic_rounding=True`` — the new param is rounded up or down at random with probability
+  given by the distance, so it is unbiased. The random bits are a counter-based hash of (seed,
+  count, leaf index, element index) — never the global RNG — so results are deterministic,
+  identical on every rank and identical eager vs compiled.
+
+In these modes the optimizer itself computes the new half param, and its update leaf for that
+param is a :class:`SetParam` holding it; :func:`apply_updates` installs it as is. An additive
+float32 delta cannot do this exactly: with a param of 1.0 no float32 ``u`` makes
+``round(1.0 + u)`` equal a target of 1e-10, while Kahan's compensation needs the exact rounded
+result anyway. The modes do nothing for float32/float64 params (their update leaves are plain
+deltas), so a mixed tree works. All rounding is done on the float32 bit pattern, so eager and
+inductor agree bit for bit. A mode optimizer must be the last transform of a :func:`chain`.
+
+Optimizer state per parameter element (the 0-d ``count``/``seed`` scalars aside):
+
+==========================  =============  ================  ==================
+optimizer                   float32 param  bf16/f16 param    bf16/f16 + mode
+==========================  =============  ================  ==================
+``sgd`` (momentum=0)        0 B            0 B               master 4, kahan 2, SR 0
+``sgd`` (momentum>0)        4 B            4 B               master 8, kahan 6, SR 4
+``adam`` / ``adamw``        8 B            8 B               master 12, kahan 10, SR 8
+``accumulate(opt, k)``      opt + 4 B      opt + 4 B         opt + 4 B
+==========================  =============  ================  ==================
+
+(The param itself is 4 B or 2 B on top.)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from numbers import Real
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from funcamp._tree import NAMESPACE
+from funcamp._lowp import HALF_DTYPES, random_bits, round_nearest, round_stochastic
+from funcamp._schedules import Schedule
+from funcamp._tree import NAMESPACE, tree_select
 
-__all__ = ["Optimizer", "apply_updates", "sgd"]
+__all__ = [
+    "AccumulateState",
+    "AdamState",
+    "KahanState",
+    "LearningRate",
+    "MasterWeightsState",
+    "Optimizer",
+    "SetParam",
+    "SgdState",
+    "StochasticRoundingState",
+    "accumulate",
+    "accumulate_applies",
+    "adam",
+    "adamw",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "sgd",
+]
 
 PyTree = Any
+#: A learning rate: a Python float (fixed), a 0-d tensor, or a schedule of the step count.
+LearningRate = float | torch.Tensor | Schedule
 
 
 class Optimizer(NamedTuple):
@@ -33,42 +102,908 @@ class Optimizer(NamedTuple):
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
 
 
+class SetParam(NamedTuple):
+    """An update leaf that sets a low-precision param to ``value`` (already rounded, in the
+    param's dtype). Produced by the low-precision modes; :func:`apply_updates` installs it.
+
+    Example:
+        >>> import torch, funcamp
+        >>> from funcamp._optim import SetParam
+        >>> p = {"w": torch.ones(2, dtype=torch.bfloat16)}
+        >>> funcamp.apply_updates(p, {"w": SetParam(torch.zeros(2, dtype=torch.bfloat16))})
+        {'w': tensor([0., 0.], dtype=torch.bfloat16)}
+    """
+
+    value: torch.Tensor
+
+
+class MasterWeightsState(NamedTuple):
+    """State of ``master_weights=True``: float32 copies of the half params (empty tensors for
+    the others)."""
+
+    master: PyTree
+
+
+class KahanState(NamedTuple):
+    """State of ``kahan=True``: compensation buffers in the param dtype (empty tensors for
+    float32 params)."""
+
+    compensation: PyTree
+
+
+class StochasticRoundingState(NamedTuple):
+    """State of ``stochastic_rounding=True``: the 0-d int64 seed of the hash."""
+
+    seed: torch.Tensor
+
+
+class SgdState(NamedTuple):
+    """State of :func:`sgd`: ``count`` (0-d int32), ``momentum`` (a params-shaped tree of
+    buffers, or ``()`` without momentum) and ``low`` (a low-precision mode's state or ``()``)."""
+
+    count: torch.Tensor
+    momentum: PyTree
+    low: PyTree
+
+
+class AdamState(NamedTuple):
+    """State of :func:`adam`/:func:`adamw`: ``count`` (0-d int32), ``exp_avg`` and ``exp_avg_sq``
+    (params-shaped trees, float32 for half params) and ``low`` (a mode's state or ``()``)."""
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    exp_avg_sq: PyTree
+    low: PyTree
+
+
+class AccumulateState(NamedTuple):
+    """State of :func:`accumulate`: ``micro_step`` (0-d int32, micro-batches summed so far),
+    ``applies`` (0-d bool, whether the next update applies), ``grad_sum`` (params-shaped float32
+    sums) and ``inner`` (the wrapped optimizer's state)."""
+
+    micro_step: torch.Tensor
+    applies: torch.Tensor
+    grad_sum: PyTree
+    inner: PyTree
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{k!r}]" for k in path) if path else "<root>"
+
+
+def _check_number(
+    api: str,
+    name: str,
+    value: Any,
+    *,
+    low: float = 0.0,
+    high: float | None = None,
+    high_open: bool = True,
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise TypeError(f"funcamp.{api}: `{name}` must be a finite real number, got {value!r}")
+    value = float(value)
+    if high is None:
+        if value < low:
+            raise ValueError(f"funcamp.{api}: `{name}` must be >= {low}, got {value!r}")
+    elif value < low or value > high or (high_open and value == high):
+        bracket = ")" if high_open else "]"
+        raise ValueError(
+            f"funcamp.{api}: `{name}` must be in [{low}, {high}{bracket}, got {value!r}"
+        )
+    return value
+
+
+def _learning_rate(api: str, learning_rate: Any) -> Callable[[torch.Tensor], Any]:
+    """Validate a learning rate and return ``count -> lr`` (a float or a 0-d tensor)."""
+    if isinstance(learning_rate, torch.Tensor):
+        if learning_rate.dim() != 0 or not learning_rate.is_floating_point():
+            raise TypeError(
+                f"funcamp.{api}: `learning_rate` must be a float, a 0-d floating tensor or a "
+                f"schedule, got {_describe(learning_rate)}"
+            )
+        if bool(learning_rate < 0):  # construction time, not the step path
+            raise ValueError(
+                f"funcamp.{api}: `learning_rate` must be >= 0, got {learning_rate.item()!r}"
+            )
+        lr_tensor = learning_rate
+        return lambda count: lr_tensor
+    if callable(learning_rate):
+        return learning_rate
+    lr = _check_number(api, "learning_rate", learning_rate)
+    return lambda count: lr
+
+
+def _low_mode(api: str, master_weights: bool, kahan: bool, stochastic_rounding: bool) -> str | None:
+    chosen = [
+        name
+        for name, on in (
+            ("master_weights", master_weights),
+            ("kahan", kahan),
+            ("stochastic_rounding", stochastic_rounding),
+        )
+        if on
+    ]
+    if len(chosen) > 1:
+        raise ValueError(
+            f"funcamp.{api}: at most one of `master_weights`, `kahan`, `stochastic_rounding` "
+            f"must be True, got {', '.join(chosen)}"
+        )
+    return chosen[0] if chosen else None
+
+
+def _flatten_params(api: str, params: PyTree) -> tuple[list[torch.Tensor], Any]:
+    paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
+            raise TypeError(
+                f"funcamp.{api}: `params` leaf {_path_str(path)} must be a floating tensor, "
+                f"got {_describe(leaf)}"
+            )
+    return leaves, spec
+
+
+def _flatten_grads(
+    api: str, grads: PyTree, params: PyTree, *, need_params: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, Any]:
+    """Flatten ``grads`` (and ``params`` when given), checking that they match leaf by leaf."""
+    gpaths, gleaves, gspec = optree.tree_flatten_with_path(grads, namespace=NAMESPACE)
+    for path, g in zip(gpaths, gleaves):
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+            raise TypeError(
+                f"funcamp.{api}: `grads` leaf {_path_str(path)} must be a floating tensor, "
+                f"got {_describe(g)}"
+            )
+    if params is None:
+        if need_params:
+            raise ValueError(
+                f"funcamp.{api}: `params` must be given to update (weight decay or a "
+                "low-precision mode needs them), got None"
+            )
+        return gleaves, None, gspec
+    ppaths, pleaves, pspec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    if gspec != pspec:
+        gset = {_path_str(p) for p in gpaths}
+        pset = {_path_str(p) for p in ppaths}
+        missing = [_path_str(p) for p in ppaths if _path_str(p) not in gset]
+        extra = [_path_str(p) for p in gpaths if _path_str(p) not in pset]
+        if missing:
+            detail = f"no grad for params leaf {missing[0]}"
+        elif extra:
+            detail = f"a grad at {extra[0]}, which is not a params leaf"
+        else:
+            detail = f"structure {gspec} instead of {pspec}"
+        raise ValueError(
+            f"funcamp.{api}: `grads` must have the same tree structure as `params`, got {detail}"
+        )
+    for path, g, p in zip(gpaths, gleaves, pleaves):
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+            raise TypeError(
+                f"funcamp.{api}: `params` leaf {_path_str(path)} must be a floating tensor, "
+                f"got {_describe(p)}"
+            )
+        if g.shape != p.shape:
+            raise ValueError(
+                f"funcamp.{api}: `grads` leaf {_path_str(path)} must have the param's shape "
+                f"{tuple(p.shape)}, got {tuple(g.shape)}"
+            )
+    return gleaves, pleaves, gspec
+
+
+def _state_leaves(api: str, name: str, tree: PyTree, spec: Any) -> list[torch.Tensor]:
+    try:
+        return spec.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"funcamp.{api}: `state.{name}` must have the tree structure of the grads {spec}, "
+            f"got {optree.tree_structure(tree, namespace=NAMESPACE)}"
+        ) from e
+
+
+def _check_state(api: str, state: Any, cls: type) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"funcamp.{api}: `state` must be a {cls.__name__} from this optimizer's init, "
+            f"got {type(state).__name__}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# math helpers
+
+
+def _use_foreach() -> bool:
+    """Foreach kernels in plain eager only: dynamo/inductor fuse the per-tensor ops anyway, and
+    functorch transforms (vmap) have no batching rules for them. Results are the same."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._functorch.maybe_current_level() is None
+
+
+def _fe(op: str, xs: list[torch.Tensor], other: Any = None) -> list[torch.Tensor]:
+    """``torch._foreach_<op>(xs[, other])`` or the same op leaf by leaf."""
+    if _use_foreach():
+        fn = getattr(torch, f"_foreach_{op}")
+        return fn(xs) if other is None else fn(xs, other)
+    fn = getattr(torch, op)
+    if other is None:
+        return [fn(x) for x in xs]
+    if isinstance(other, (list, tuple)):
+        return [fn(x, y) for x, y in zip(xs, other)]
+    return [fn(x, other) for x in xs]
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _is_half(p: torch.Tensor) -> bool:
+    return p.dtype in HALF_DTYPES
+
+
+def _device(leaves: Sequence[torch.Tensor]) -> torch.device:
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int32, device=_device(leaves))
+
+
+def _empty(p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype or p.dtype, device=p.device)
+
+
+def _as_math(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.to(_math_dtype(x.dtype)) for x in xs]
+
+
+def _neg(lr: Any) -> Any:
+    return -lr
+
+
+def _scalar_tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32 tensor on ``like``'s device for a float or 0-d tensor (no host sync)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=like.device, dtype=torch.float32)
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def _low_init(
+    mode: str | None, params: PyTree, leaves: list[torch.Tensor], spec: Any, seed: int
+) -> PyTree:
+    if mode is None:
+        return ()
+    if mode == "master_weights":
+        master = [p.to(torch.float32) if _is_half(p) else _empty(p) for p in leaves]
+        return MasterWeightsState(optree.tree_unflatten(spec, master))
+    if mode == "kahan":
+        comp = [torch.zeros_like(p) if _is_half(p) else _empty(p) for p in leaves]
+        return KahanState(optree.tree_unflatten(spec, comp))
+    return StochasticRoundingState(torch.tensor(seed, dtype=torch.int64, device=_device(leaves)))
+
+
+def _math_params(
+    mode: str | None, low: PyTree, params: list[torch.Tensor], spec: Any, api: str
+) -> list[torch.Tensor]:
+    """The params as the math sees them: the float32 master for half params in master mode."""
+    if mode == "master_weights":
+        master = _state_leaves(api, "low.master", low.master, spec)
+        return [m if _is_half(p) else p for m, p in zip(master, params)]
+    return _as_math(params)
+
+
+def _finish(
+    api: str,
+    mode: str | None,
+    low: PyTree,
+    count: torch.Tensor,
+    deltas: list[torch.Tensor],
+    params: list[torch.Tensor] | None,
+    spec: Any,
+) -> tuple[PyTree, PyTree]:
+    """Turn float32 deltas into update leaves (plain deltas, or SetParam for half params in a
+    low-precision mode) and the mode's new state."""
+    if mode is None or params is None:
+        return optree.tree_unflatten(spec, deltas), low
+    updates: list[Any] = []
+    if mode == "master_weights":
+        master = _state_leaves(api, "low.master", low.master, spec)
+        new_master = []
+        for d, p, m in zip(deltas, params, master):
+            if _is_half(p):
+                m = m + d
+                updates.append(SetParam(round_nearest(m, p.dtype).to(p.dtype)))
+            else:
+                updates.append(d)
+            new_master.append(m)
+        return optree.tree_unflatten(spec, updates), MasterWeightsState(
+            optree.tree_unflatten(spec, new_master)
+        )
+    if mode == "kahan":
+        comp = _state_leaves(api, "low.compensation", low.compensation, spec)
+        new_comp = []
+        for d, p, c in zip(deltas, params, comp):
+            if _is_half(p):
+                pf = p.to(torch.float32)
+                y = d + c.to(torch.float32)
+                new_p = round_nearest(pf + y, p.dtype)
+                c = round_nearest(y - (new_p - pf), p.dtype).to(p.dtype)
+                updates.append(SetParam(new_p.to(p.dtype)))
+            else:
+                updates.append(d)
+            new_comp.append(c)
+        return optree.tree_unflatten(spec, updates), KahanState(
+            optree.tree_unflatten(spec, new_comp)
+        )
+    seed = low.seed
+    for i, (d, p) in enumerate(zip(deltas, params)):
+        if _is_half(p):
+            noise = random_bits(seed, count, i, p.shape)
+            new_p = round_stochastic(p.to(torch.float32) + d, p.dtype, noise)
+            updates.append(SetParam(new_p.to(p.dtype)))
+        else:
+            updates.append(d)
+    return optree.tree_unflatten(spec, updates), low
+
+
+def _is_set_param(x: Any) -> bool:
+    return isinstance(x, SetParam)
+
+
+# --------------------------------------------------------------------------------------------
+# apply_updates
+
+
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
-    """Return ``params + updates`` leaf-wise, adding in float32 and rounding once into each
-    param's dtype.
+    """Return the params after ``updates``, leaf by leaf.
+
+    A tensor update is added in float32 (float64 for float64 params) and rounded once, to
+    nearest-even, into the param's dtype — on the bit pattern, so eager and compiled agree.
+    A :class:`SetParam` update (from a low-precision mode) replaces the param with its value.
+
+    Args:
+        params: a pytree of floating tensors.
+        updates: a pytree of the same structure from an optimizer's ``update``.
+
+    Returns:
+        The new params, same structure and dtypes as ``params``.
 
     Example:
         >>> import torch, funcamp
         >>> funcamp.apply_updates({"w": torch.zeros(2)}, {"w": torch.ones(2)})
         {'w': tensor([1., 1.])}
     """
-
-    def add(p: Any, u: Any) -> Any:
+    paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    try:
+        ups = spec.flatten_up_to(updates)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "funcamp.apply_updates: `updates` must have the tree structure of `params` "
+            f"{spec}, got {optree.tree_structure(updates, namespace=NAMESPACE)}"
+        ) from e
+    out = []
+    for path, p, u in zip(paths, leaves, ups):
         if not isinstance(p, torch.Tensor):
-            return p
-        if p.dtype in (torch.float16, torch.bfloat16):
-            return (p.float() + u.float()).to(p.dtype)
-        return p + u.to(p.dtype)
+            out.append(p)
+            continue
+        if isinstance(u, SetParam):
+            v = u.value
+            if v.dtype != p.dtype or v.shape != p.shape:
+                raise ValueError(
+                    f"funcamp.apply_updates: SetParam at {_path_str(path)} must hold a tensor "
+                    f"like the param ({p.dtype}, {tuple(p.shape)}), got {_describe(v)}"
+                )
+            out.append(v)
+            continue
+        if not isinstance(u, torch.Tensor) or u.shape != p.shape:
+            raise ValueError(
+                f"funcamp.apply_updates: `updates` leaf {_path_str(path)} must be a tensor of "
+                f"shape {tuple(p.shape)}, got {_describe(u)}"
+            )
+        if _is_half(p):
+            out.append(
+                round_nearest(p.to(torch.float32) + u.to(torch.float32), p.dtype).to(p.dtype)
+            )
+        else:
+            md = torch.promote_types(p.dtype, torch.float32)
+            out.append((p.to(md) + u.to(md)).to(p.dtype))
+    return optree.tree_unflatten(spec, out)
 
-    return optree.tree_map(add, params, updates, namespace=NAMESPACE)
+
+# --------------------------------------------------------------------------------------------
+# sgd
 
 
-def sgd(learning_rate: float) -> Optimizer:
-    """Plain stochastic gradient descent: ``update = -learning_rate * grad``.
+def sgd(
+    learning_rate: LearningRate,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    dampening: float = 0.0,
+    *,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Stochastic gradient descent with torch.optim.SGD's semantics.
+
+    ``d = g + weight_decay * p``; with momentum ``buf = momentum * buf + (1 - dampening) * d``
+    (``buf = d`` on the first step), then ``d = d + momentum * buf`` (nesterov) or ``d = buf``;
+    the update is ``-lr * d``. Math runs in float32 for half params.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        momentum: momentum factor (>= 0).
+        nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        dampening: dampening for momentum, in [0, 1].
+        master_weights: keep float32 copies of half params (see the module docs).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`Optimizer` whose state is an :class:`SgdState`.
 
     Example:
         >>> import torch, funcamp
-        >>> opt = funcamp.sgd(0.5)
-        >>> updates, _ = opt.update({"w": torch.ones(1)}, opt.init({}), None)
-        >>> updates
-        {'w': tensor([-0.5000])}
+        >>> opt = funcamp.sgd(0.5, momentum=0.9)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> for _ in range(2):
+        ...     updates, state = opt.update({"w": torch.ones(2)}, state, params)
+        ...     params = funcamp.apply_updates(params, updates)
+        >>> params, state.count
+        ({'w': tensor([-0.4500, -0.4500])}, tensor(2, dtype=torch.int32))
     """
+    api = "sgd"
+    lr_fn = _learning_rate(api, learning_rate)
+    momentum = _check_number(api, "momentum", momentum)
+    weight_decay = _check_number(api, "weight_decay", weight_decay)
+    dampening = _check_number(api, "dampening", dampening, high=1.0, high_open=False)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"funcamp.{api}: `nesterov` must be False unless momentum > 0 and dampening == 0, "
+            f"got nesterov=True with momentum={momentum!r}, dampening={dampening!r}"
+        )
+    mode = _low_mode(api, master_weights, kahan, stochastic_rounding)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"funcamp.{api}: `seed` must be an int, got {seed!r}")
+    need_params = weight_decay > 0 or mode is not None
 
-    def init(params: PyTree) -> PyTree:
-        return ()
+    def init(params: PyTree) -> SgdState:
+        leaves, spec = _flatten_params(api, params)
+        bufs: PyTree = ()
+        if momentum > 0:
+            bufs = optree.tree_unflatten(
+                spec, [torch.zeros_like(p, dtype=_math_dtype(p.dtype)) for p in leaves]
+            )
+        return SgdState(_zero_count(leaves), bufs, _low_init(mode, params, leaves, spec, seed))
 
-    def update(grads: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:
-        updates = optree.tree_map(lambda g: -learning_rate * g, grads, namespace=NAMESPACE)
-        return updates, state
+    def update(grads: PyTree, state: SgdState, params: PyTree = None) -> tuple[PyTree, SgdState]:
+        _check_state(api, state, SgdState)
+        gs, ps, spec = _flatten_grads(api, grads, params, need_params=need_params)
+        count = state.count
+        lr = lr_fn(count)
+        if not gs:
+            return optree.tree_unflatten(spec, []), state._replace(count=count + 1)
+        d = _as_math(gs)
+        if weight_decay > 0:
+            pm = _math_params(mode, state.low, ps, spec, api)
+            d = _fe("add", d, _fe("mul", pm, weight_decay))
+        new_bufs: PyTree = state.momentum
+        if momentum > 0:
+            bufs = _state_leaves(api, "momentum", state.momentum, spec)
+            step = _fe("mul", bufs, momentum)
+            new = _fe("add", step, _fe("mul", d, 1.0 - dampening) if dampening else d)
+            if dampening:
+                first = count == 0
+                new = [torch.where(first, di, ni) for di, ni in zip(d, new)]
+            new_bufs = optree.tree_unflatten(spec, new)
+            d = _fe("add", d, _fe("mul", new, momentum)) if nesterov else new
+        if isinstance(lr, torch.Tensor):
+            deltas = _fe("mul", d, _scalar_tensor(_neg(lr), d[0]))
+        else:
+            deltas = _fe("mul", d, -lr)
+        updates, low = _finish(api, mode, state.low, count, deltas, ps, spec)
+        return updates, SgdState(count + 1, new_bufs, low)
 
     return Optimizer(init, update)
+
+
+# --------------------------------------------------------------------------------------------
+# adam / adamw
+
+
+def _adam(
+    api: str,
+    learning_rate: LearningRate,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    master_weights: bool,
+    kahan: bool,
+    stochastic_rounding: bool,
+    seed: int,
+) -> Optimizer:
+    lr_fn = _learning_rate(api, learning_rate)
+    b1 = _check_number(api, "b1", b1, high=1.0)
+    b2 = _check_number(api, "b2", b2, high=1.0)
+    eps = _check_number(api, "eps", eps)
+    weight_decay = _check_number(api, "weight_decay", weight_decay)
+    mode = _low_mode(api, master_weights, kahan, stochastic_rounding)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"funcamp.{api}: `seed` must be an int, got {seed!r}")
+    need_params = weight_decay > 0 or mode is not None
+
+    def init(params: PyTree) -> AdamState:
+        leaves, spec = _flatten_params(api, params)
+
+        def zeros() -> PyTree:
+            return optree.tree_unflatten(
+                spec, [torch.zeros_like(p, dtype=_math_dtype(p.dtype)) for p in leaves]
+            )
+
+        low = _low_init(mode, params, leaves, spec, seed)
+        return AdamState(_zero_count(leaves), zeros(), zeros(), low)
+
+    def update(grads: PyTree, state: AdamState, params: PyTree = None) -> tuple[PyTree, AdamState]:
+        _check_state(api, state, AdamState)
+        gs, ps, spec = _flatten_grads(api, grads, params, need_params=need_params)
+        count = state.count
+        lr = lr_fn(count)
+        if not gs:
+            return optree.tree_unflatten(spec, []), state._replace(count=count + 1)
+        g = _as_math(gs)
+        pm = _math_params(mode, state.low, ps, spec, api) if ps is not None else None
+        if weight_decay > 0 and not decoupled:
+            g = _fe("add", g, _fe("mul", pm, weight_decay))
+        m = _state_leaves(api, "exp_avg", state.exp_avg, spec)
+        v = _state_leaves(api, "exp_avg_sq", state.exp_avg_sq, spec)
+        # exp_avg.lerp_(g, 1 - b1) and exp_avg_sq * b2 + (1 - b2) * g * g, without fused ops so
+        # that eager and inductor round identically.
+        m = _fe("add", m, _fe("mul", _fe("sub", g, m), 1.0 - b1))
+        v = _fe("add", _fe("mul", v, b2), _fe("mul", _fe("mul", g, g), 1.0 - b2))
+        # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
+        t = (count + 1).to(torch.float64)
+        bc1 = 1.0 - torch.pow(b1, t)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        neg_step = (-(lr64 / bc1)).to(torch.float32)
+        bc2_sqrt = bc2_sqrt.to(torch.float32)
+        denom = _fe("add", _fe("div", _fe("sqrt", v), bc2_sqrt), eps)
+        deltas = _fe("mul", _fe("div", m, denom), neg_step)
+        if weight_decay > 0 and decoupled:
+            if isinstance(lr, torch.Tensor):
+                decay = _scalar_tensor(-lr * weight_decay, pm[0])
+            else:
+                decay = -lr * weight_decay
+            deltas = _fe("add", deltas, _fe("mul", pm, decay))
+        new_m = optree.tree_unflatten(spec, m)
+        new_v = optree.tree_unflatten(spec, v)
+        updates, low = _finish(api, mode, state.low, count, deltas, ps, spec)
+        return updates, AdamState(count + 1, new_m, new_v, low)
+
+    return Optimizer(init, update)
+
+
+def adam(
+    learning_rate: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Adam with torch.optim.Adam's semantics (``weight_decay`` is an L2 term added to the
+    gradient; ``eps`` is added after the bias-corrected square root).
+
+    Math runs in float32 for half params (moments are float32). For the memory per parameter of
+    each low-precision mode see the table in :mod:`funcamp._optim`.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: L2 penalty (>= 0).
+        master_weights: keep float32 copies of half params.
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`Optimizer` whose state is an :class:`AdamState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adam(0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -2.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([-0.1000,  0.1000])}
+    """
+    return _adam(
+        "adam", learning_rate, b1, b2, eps, weight_decay, False,
+        master_weights, kahan, stochastic_rounding, seed,
+    )  # fmt: skip
+
+
+def adamw(
+    learning_rate: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """AdamW with torch.optim.AdamW's semantics: decoupled weight decay
+    ``p -= lr * weight_decay * p`` next to the Adam step.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: decoupled decay rate (>= 0).
+        master_weights: keep float32 copies of half params.
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`Optimizer` whose state is an :class:`AdamState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adamw(0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(1)}
+        >>> updates, _ = opt.update({"w": torch.zeros(1)}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([0.9500])}
+    """
+    return _adam(
+        "adamw", learning_rate, b1, b2, eps, weight_decay, True,
+        master_weights, kahan, stochastic_rounding, seed,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# combinators
+
+
+def chain(*transforms: Optimizer) -> Optimizer:
+    """Compose transforms left to right: each one's updates are the next one's grads.
+
+    The state is a tuple of the transforms' states. A low-precision mode optimizer (whose
+    updates may hold :class:`SetParam` leaves) must come last.
+
+    Args:
+        *transforms: :class:`Optimizer` values.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.sgd(1.0))
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, _ = opt.update({"w": torch.tensor([3.0, 4.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([-0.6000, -0.8000])}
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, Optimizer):
+            raise TypeError(
+                f"funcamp.chain: `transforms[{i}]` must be an Optimizer, got {_describe(t)}"
+            )
+
+    def init(params: PyTree) -> tuple[PyTree, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(
+        grads: PyTree, state: tuple[PyTree, ...], params: PyTree = None
+    ) -> tuple[PyTree, tuple[PyTree, ...]]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise TypeError(
+                f"funcamp.chain: `state` must be a tuple of {len(transforms)} states from "
+                f"init, got {type(state).__name__}"
+            )
+        new_states = []
+        for i, (t, s) in enumerate(zip(transforms, state)):
+            grads, s = t.update(grads, s, params)
+            new_states.append(s)
+            if i < len(transforms) - 1:
+                leaves = optree.tree_leaves(grads, is_leaf=_is_set_param, namespace=NAMESPACE)
+                if any(isinstance(x, SetParam) for x in leaves):
+                    raise ValueError(
+                        f"funcamp.chain: `transforms[{i}]` uses a low-precision mode and must "
+                        f"be the last transform, got it at position {i} of {len(transforms)}"
+                    )
+        return grads, tuple(new_states)
+
+    return Optimizer(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> Optimizer:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``.
+
+    Same rule as ``torch.nn.utils.clip_grad_norm_``: ``g * min(1, max_norm / (norm + 1e-6))``,
+    the norm computed in float32. Half-precision grads come back in float32 (not rounded
+    again); the state is ``()``.
+
+    Args:
+        max_norm: the largest global norm (> 0).
+
+    Example:
+        >>> import torch, funcamp
+        >>> clip = funcamp.clip_by_global_norm(1.0)
+        >>> g, _ = clip.update({"w": torch.tensor([3.0, 4.0])}, clip.init({}), None)
+        >>> g
+        {'w': tensor([0.6000, 0.8000])}
+    """
+    api = "clip_by_global_norm"
+    max_norm = _check_number(api, "max_norm", max_norm)
+    if max_norm <= 0:
+        raise ValueError(f"funcamp.{api}: `max_norm` must be > 0, got {max_norm!r}")
+
+    def init(params: PyTree) -> tuple[()]:
+        return ()
+
+    def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, tuple[()]]:
+        gs, _, spec = _flatten_grads(api, grads, params, need_params=False)
+        if not gs:
+            return grads, state
+        g = _as_math(gs)
+        norms = [torch.linalg.vector_norm(x) for x in g]
+        total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return optree.tree_unflatten(spec, _fe("mul", g, coef)), state
+
+    return Optimizer(init, update)
+
+
+def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
+    """Gradient accumulation over ``every`` micro-steps.
+
+    Each call adds the grads (in float32) to a running sum. On micro-steps 1 … ``every - 1``
+    the updates are zero and the inner optimizer's state is untouched; on the ``every``-th the
+    averaged grads ``sum / every`` go through ``optimizer`` and its updates are returned, and the
+    sum resets. With equal micro-batches and a mean loss this is one step on the concatenated
+    batch. The inner update is computed on every micro-step and selected with ``torch.where``
+    (no host sync), so each micro-step costs one inner update.
+
+    Use :func:`accumulate_applies` on the state *before* an update to learn whether that update
+    applies (for example to all-reduce grads only then). When a micro-step is skipped because of
+    overflow and the caller keeps the old state (``tree_select``), that micro-batch is dropped and
+    accumulation continues: the next micro-batch takes its place, so an applied update always
+    averages ``every`` finite micro-batches, and the inner ``count`` (what schedules see) counts
+    applied updates only.
+
+    Args:
+        optimizer: the inner :class:`Optimizer`.
+        every: number of micro-steps per update (>= 1).
+
+    Returns:
+        An :class:`Optimizer` whose state is an :class:`AccumulateState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.accumulate(funcamp.sgd(1.0), every=2)
+        >>> params = {"w": torch.zeros(1)}
+        >>> state = opt.init(params)
+        >>> u1, state = opt.update({"w": torch.tensor([1.0])}, state, params)
+        >>> funcamp.accumulate_applies(state)
+        tensor(True)
+        >>> u2, state = opt.update({"w": torch.tensor([3.0])}, state, params)
+        >>> u1, u2
+        ({'w': tensor([0.])}, {'w': tensor([-2.])})
+    """
+    api = "accumulate"
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"funcamp.{api}: `optimizer` must be an Optimizer, got {_describe(optimizer)}"
+        )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"funcamp.{api}: `every` must be an int >= 1, got {every!r}")
+
+    def init(params: PyTree) -> AccumulateState:
+        leaves, spec = _flatten_params(api, params)
+        sums = [torch.zeros_like(p, dtype=_math_dtype(p.dtype)) for p in leaves]
+        count = _zero_count(leaves)
+        return AccumulateState(
+            count,
+            torch.full_like(count, every == 1, dtype=torch.bool),
+            optree.tree_unflatten(spec, sums),
+            optimizer.init(params),
+        )
+
+    def update(
+        grads: PyTree, state: AccumulateState, params: PyTree = None
+    ) -> tuple[PyTree, AccumulateState]:
+        _check_state(api, state, AccumulateState)
+        gs, ps, spec = _flatten_grads(api, grads, params, need_params=False)
+        apply = state.applies
+        if not gs:
+            inner_updates, inner = optimizer.update(grads, state.inner, params)
+            inner = tree_select(apply, inner, state.inner)
+            micro = torch.where(apply, 0, state.micro_step + 1).to(torch.int32)
+            return inner_updates, AccumulateState(micro, micro == every - 1, state.grad_sum, inner)
+        sums = _state_leaves(api, "grad_sum", state.grad_sum, spec)
+        sums = _fe("add", sums, _as_math(gs))
+        avg = _fe("div", sums, float(every)) if every > 1 else sums
+        inner_updates, inner = optimizer.update(
+            optree.tree_unflatten(spec, avg), state.inner, params
+        )
+        inner = tree_select(apply, inner, state.inner)
+        uspec_leaves, uspec = optree.tree_flatten(
+            inner_updates, is_leaf=_is_set_param, namespace=NAMESPACE
+        )
+        if ps is None:
+            ps = [None] * len(uspec_leaves)
+        if len(ps) != len(uspec_leaves):
+            raise ValueError(
+                f"funcamp.{api}: the inner optimizer's updates must have the grads' structure, "
+                f"got {uspec}"
+            )
+        out = []
+        for u, p in zip(uspec_leaves, ps):
+            if isinstance(u, SetParam):
+                out.append(SetParam(torch.where(apply, u.value, p)))
+            else:
+                out.append(torch.where(apply, u, torch.zeros_like(u)))
+        new_sums = [torch.where(apply, torch.zeros_like(s), s) for s in sums]
+        micro = torch.where(apply, 0, state.micro_step + 1).to(torch.int32)
+        return optree.tree_unflatten(uspec, out), AccumulateState(
+            micro, micro == every - 1, optree.tree_unflatten(spec, new_sums), inner
+        )
+
+    return Optimizer(init, update)
+
+
+def accumulate_applies(opt_state: PyTree) -> torch.Tensor:
+    """Return a 0-d bool tensor: True when the next ``update`` with ``opt_state`` applies an
+    update (the last micro-step of :func:`accumulate`).
+
+    ``opt_state`` may be an :class:`AccumulateState` or contain one (e.g. inside a
+    :func:`chain`'s tuple); without one every step applies, and the result is True.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.accumulate(funcamp.sgd(0.1), every=3)
+        >>> funcamp.accumulate_applies(opt.init({"w": torch.zeros(1)}))
+        tensor(False)
+        >>> funcamp.accumulate_applies(funcamp.sgd(0.1).init({"w": torch.zeros(1)}))
+        tensor(True)
+    """
+    found = [
+        x
+        for x in optree.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, AccumulateState), namespace=NAMESPACE
+        )
+        if isinstance(x, AccumulateState)
+    ]
+    if not found:
+        return torch.ones((), dtype=torch.bool)
+    out = found[0].applies
+    for f in (s.applies for s in found[1:]):
+        out = out & f.to(out.device)
+    return out

@@ -1,0 +1,100 @@
+"""Bit-exact rounding of float32 values to bfloat16/float16 and counter-based random bits.
+
+Everything here works on the float32 *bit pattern* with integer ops, so that eager and compiled
+code (inductor, whose default ``emulate_precision_casts=False`` may fuse away a
+``.to(bfloat16).to(float32)`` pair) give bit-identical results. Each function returns a float32
+tensor whose values are exactly representable in the target dtype; the final ``.to(dtype)`` is
+then exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["HALF_DTYPES", "random_bits", "round_nearest", "round_stochastic"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+_MASK32 = 0xFFFFFFFF
+_INT32_MIN = -(2**31)
+_F32_INF_BITS = 0x7F800000
+_F16_MAX_BITS = 0x477FE000  # 65504.0 as float32 bits
+_F16_MIN_NORMAL_EXP = 113  # float32 biased exponent of 2**-14
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (Wellons' lowbias32 family) on int64 values in [0, 2**32).
+
+    Multipliers are below 2**31, so every product stays below 2**63: no signed overflow, and
+    eager and compiled code agree exactly.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def random_bits(
+    seed: torch.Tensor, count: torch.Tensor, leaf: int, shape: torch.Size
+) -> torch.Tensor:
+    """Return int64 random bits in [0, 2**31) of ``shape``, a pure function of
+    (seed, count, leaf index, element index) — never the global RNG."""
+    key = _hash32((seed.to(torch.int64) & _MASK32) ^ 0x5BD1E995)
+    key = _hash32(key ^ (count.to(torch.int64) & _MASK32))
+    key = _hash32(key ^ (leaf & _MASK32))
+    idx = torch.arange(shape.numel(), dtype=torch.int64, device=seed.device).reshape(shape)
+    return _hash32(key ^ (idx & _MASK32)) >> 1
+
+
+def _round_bits(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor | None) -> torch.Tensor:
+    """Round float32 ``x`` into ``dtype``'s grid: to nearest-even when ``noise`` is None, else
+    stochastically with ``noise`` (int64 uniform in [0, 2**31)). Returns float32."""
+    bits = x.view(torch.int32)
+    sign = bits & _INT32_MIN
+    mag = bits & 0x7FFFFFFF
+    finite = mag < _F32_INF_BITS
+    mag = torch.where(finite, mag, 0)
+    if dtype == torch.bfloat16:
+        if noise is None:
+            inc = 0x7FFF + ((mag >> 16) & 1)
+        else:
+            inc = (noise >> 15).to(torch.int32)  # 16 random bits
+        out = (mag + inc) & -65536  # 0xFFFF0000; a carry into the exponent gives inf
+    elif dtype == torch.float16:
+        # Normal range of float16: drop 13 mantissa bits of the float32 pattern.
+        if noise is None:
+            inc = 0xFFF + ((mag >> 13) & 1)
+        else:
+            inc = (noise >> 18).to(torch.int32)  # 13 random bits
+        normal = (mag + inc) & -8192
+        normal = torch.where(normal > _F16_MAX_BITS, _F32_INF_BITS, normal)
+        # Subnormal range of float16 (|x| < 2**-14): the grid is multiples of 2**-24.
+        exp = mag >> 23
+        man = (mag & 0x7FFFFF).to(torch.int64) | torch.where(exp > 0, 1 << 23, 0)
+        shift = (126 - torch.clamp(exp, min=1)).to(torch.int64)  # >= 14 here
+        pre = torch.clamp(shift - 31, min=0, max=62)
+        man = man >> pre
+        shift = shift - pre  # in [14, 31]
+        if noise is None:
+            sinc = (torch.ones_like(shift) << (shift - 1)) - 1 + ((man >> shift) & 1)
+        else:
+            sinc = noise >> (31 - shift)
+        k = (man + sinc) >> shift
+        sub = (k.to(torch.float32) * 2.0**-24).view(torch.int32)
+        out = torch.where(exp >= _F16_MIN_NORMAL_EXP, normal, sub)
+    else:  # pragma: no cover - guarded by callers
+        raise TypeError(f"funcamp: cannot round to {dtype}")
+    out = torch.where(finite, sign | out, bits)
+    return out.view(torch.float32)
+
+
+def round_nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float32 ``x`` to nearest-even in ``dtype``; float32 result, bit-exact when compiled."""
+    return _round_bits(x, dtype, None)
+
+
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
+    """Round float32 ``x`` stochastically into ``dtype`` (up with probability equal to the
+    fraction of an ulp); ``noise`` from :func:`random_bits`. Float32 result."""
+    return _round_bits(x, dtype, noise)

@@ -1,0 +1,189 @@
+"""Learning-rate schedules: pure functions of the step count (a tensor) returning a 0-d float32
+tensor, so a changing learning rate never recompiles a compiled step.
+
+The count a schedule receives is the number of updates applied before this one (0 on the first
+step, as in optax). Schedules compute in float64 and round once to float32, so eager and compiled
+(inductor) values agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from numbers import Real
+
+import torch
+
+__all__ = [
+    "Schedule",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "linear_schedule",
+    "linear_warmup_cosine_decay",
+]
+
+#: A schedule maps the step count (0-d integer tensor) to a 0-d float32 tensor.
+Schedule = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _check_real(api: str, name: str, value: object, *, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise TypeError(f"funcamp.{api}: `{name}` must be a finite real number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"funcamp.{api}: `{name}` must be >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def _check_int(api: str, name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"funcamp.{api}: `{name}` must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"funcamp.{api}: `{name}` must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _as_f64(count: torch.Tensor) -> torch.Tensor:
+    if not isinstance(count, torch.Tensor):
+        count = torch.as_tensor(count)
+    return count.to(torch.float64)
+
+
+def constant_schedule(value: float) -> Schedule:
+    """A schedule that always returns ``value``.
+
+    Args:
+        value: the learning rate.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.constant_schedule(0.1)(torch.tensor(7))
+        tensor(0.1000)
+    """
+    value = _check_real("constant_schedule", "value", value)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(_as_f64(count), value).to(torch.float32)
+
+    return schedule
+
+
+def linear_schedule(
+    init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0
+) -> Schedule:
+    """Linear interpolation from ``init_value`` to ``end_value`` (optax's ``linear_schedule``).
+
+    The value is ``init_value`` until ``transition_begin``, moves linearly over
+    ``transition_steps`` steps and stays at ``end_value`` afterwards.
+
+    Args:
+        init_value: value at count ``transition_begin`` and before.
+        end_value: value from count ``transition_begin + transition_steps`` on.
+        transition_steps: length of the ramp (> 0).
+        transition_begin: count at which the ramp starts (>= 0).
+
+    Example:
+        >>> import torch, funcamp
+        >>> s = funcamp.linear_schedule(0.0, 1.0, transition_steps=4)
+        >>> [round(s(torch.tensor(i)).item(), 2) for i in range(6)]
+        [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    """
+    api = "linear_schedule"
+    init_value = _check_real(api, "init_value", init_value)
+    end_value = _check_real(api, "end_value", end_value)
+    transition_steps = _check_int(api, "transition_steps", transition_steps, minimum=1)
+    transition_begin = _check_int(api, "transition_begin", transition_begin, minimum=0)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        t = torch.clamp(_as_f64(count) - transition_begin, 0.0, float(transition_steps))
+        frac = t / transition_steps
+        return (init_value + (end_value - init_value) * frac).to(torch.float32)
+
+    return schedule
+
+
+def cosine_decay_schedule(
+    init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0
+) -> Schedule:
+    """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` steps
+    (optax's ``cosine_decay_schedule``; torch's ``CosineAnnealingLR`` with ``eta_min =
+    alpha * lr`` for ``exponent=1``).
+
+    Args:
+        init_value: value at count 0.
+        decay_steps: number of steps to decay over (> 0); the value stays at the end afterwards.
+        alpha: final value as a fraction of ``init_value`` (>= 0).
+        exponent: power applied to the cosine factor (> 0).
+
+    Example:
+        >>> import torch, funcamp
+        >>> s = funcamp.cosine_decay_schedule(1.0, decay_steps=4)
+        >>> [round(s(torch.tensor(i)).item(), 4) for i in range(5)]
+        [1.0, 0.8536, 0.5, 0.1464, 0.0]
+    """
+    api = "cosine_decay_schedule"
+    init_value = _check_real(api, "init_value", init_value)
+    decay_steps = _check_int(api, "decay_steps", decay_steps, minimum=1)
+    alpha = _check_real(api, "alpha", alpha, minimum=0.0)
+    exponent = _check_real(api, "exponent", exponent)
+    if exponent <= 0:
+        raise ValueError(f"funcamp.{api}: `exponent` must be > 0, got {exponent!r}")
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        t = torch.clamp(_as_f64(count), 0.0, float(decay_steps))
+        cosine = 0.5 * (1.0 + torch.cos(t * (math.pi / decay_steps)))
+        decayed = (1.0 - alpha) * cosine**exponent + alpha
+        return (init_value * decayed).to(torch.float32)
+
+    return schedule
+
+
+def linear_warmup_cosine_decay(
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    init_value: float = 0.0,
+    end_value: float = 0.0,
+    exponent: float = 1.0,
+) -> Schedule:
+    """Linear warmup from ``init_value`` to ``peak_value``, then cosine decay to ``end_value``
+    (optax's ``warmup_cosine_decay_schedule``).
+
+    Args:
+        peak_value: value reached at count ``warmup_steps``.
+        warmup_steps: length of the linear warmup (>= 0).
+        decay_steps: total length of the schedule *including* the warmup (>= warmup_steps + 1);
+            the value is ``end_value`` from count ``decay_steps`` on.
+        init_value: value at count 0.
+        end_value: final value.
+        exponent: power applied to the cosine factor (> 0).
+
+    Example:
+        >>> import torch, funcamp
+        >>> s = funcamp.linear_warmup_cosine_decay(1.0, warmup_steps=2, decay_steps=6)
+        >>> [round(s(torch.tensor(i)).item(), 3) for i in range(7)]
+        [0.0, 0.5, 1.0, 0.854, 0.5, 0.146, 0.0]
+    """
+    api = "linear_warmup_cosine_decay"
+    peak_value = _check_real(api, "peak_value", peak_value)
+    warmup_steps = _check_int(api, "warmup_steps", warmup_steps, minimum=0)
+    decay_steps = _check_int(api, "decay_steps", decay_steps, minimum=warmup_steps + 1)
+    init_value = _check_real(api, "init_value", init_value)
+    end_value = _check_real(api, "end_value", end_value)
+    exponent = _check_real(api, "exponent", exponent)
+    if exponent <= 0:
+        raise ValueError(f"funcamp.{api}: `exponent` must be > 0, got {exponent!r}")
+    cosine_steps = decay_steps - warmup_steps
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        c = _as_f64(count)
+        if warmup_steps > 0:
+            frac = torch.clamp(c, 0.0, float(warmup_steps)) / warmup_steps
+            warm = init_value + (peak_value - init_value) * frac
+        else:
+            warm = torch.full_like(c, peak_value)
+        t = torch.clamp(c - warmup_steps, 0.0, float(cosine_steps))
+        cosine = (0.5 * (1.0 + torch.cos(t * (math.pi / cosine_steps)))) ** exponent
+        decay = end_value + (peak_value - end_value) * cosine
+        return torch.where(c < warmup_steps, warm, decay).to(torch.float32)
+
+    return schedule
