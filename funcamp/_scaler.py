@@ -1,0 +1,830 @@
+"""Loss scaling as pure functions over an immutable :class:`ScalerState`.
+
+The state is a frozen dataclass registered as a pytree with optree (namespace ``"funcamp"``) and
+``torch.utils._pytree``: its tensors are leaves, its configuration is static metadata, so it
+survives flatten/unflatten, ``torch.compile``, ``torch.func.vmap`` and checkpoints whole.
+
+:func:`update` reproduces ``torch._amp_update_scale_`` bit for bit (the products are computed in
+float64 and rounded to float32, as torch's kernel does) and adds ``min_scale``/``max_scale`` clamps
+and Megatron-LM's hysteresis. Nothing on the step path syncs with the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+from funcamp._optim import Optimizer, apply_updates
+from funcamp._tree import NAMESPACE, _describe, _path_str, tree_select
+
+__all__ = ["ScalerState", "StepInfo", "scale", "unscale", "unscale_and_step", "update"]
+
+PyTree = Any
+Kind = Literal["dynamic", "static", "noop"]
+
+_KINDS = ("dynamic", "static", "noop")
+_LEAVES = ("scale", "growth_tracker", "hysteresis_tracker", "skipped")
+_CONFIG = (
+    "kind",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+)
+_F32 = torch.finfo(torch.float32)
+_GRAD_SCALER_KEYS = (
+    "scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "_growth_tracker",
+)
+
+
+def _is_real_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScalerState:
+    """Immutable loss-scaler state: four 0-d tensor leaves and static configuration.
+
+    Leaves (threaded through the step, traced by ``torch.compile``):
+
+    * ``scale`` -- 0-d float32, the current loss scale.
+    * ``growth_tracker`` -- 0-d int32, clean steps since the scale last changed (torch's name).
+    * ``hysteresis_tracker`` -- 0-d int32, overflows still tolerated before backing off.
+    * ``skipped`` -- 0-d int32, running total of skipped (non-finite) steps.
+
+    Static configuration (pytree metadata, a compile-time constant): ``kind``
+    (``"dynamic"``, ``"static"`` or ``"noop"``), ``growth_factor``, ``backoff_factor``,
+    ``growth_interval``, ``min_scale``, ``max_scale`` (``None`` for unbounded) and ``hysteresis``.
+
+    All three kinds skip steps whose gradients are non-finite. ``static`` keeps its scale
+    forever; ``noop`` is a static scale of 1: nothing is scaled, but ``found_inf`` is still
+    computed and a non-finite step is still skipped, which protects bfloat16 and float32 training
+    from a single NaN step destroying the parameters.
+
+    Build one with :meth:`dynamic`, :meth:`static`, :meth:`noop`, :meth:`for_policy` or
+    :meth:`from_grad_scaler`; the class is frozen, and :func:`update` returns a new state.
+
+    Example:
+        >>> import torch, funcamp
+        >>> s = funcamp.ScalerState.dynamic(init_scale=1024.0, growth_interval=2)
+        >>> s.scale, s.growth_tracker, s.kind
+        (tensor(1024.), tensor(0, dtype=torch.int32), 'dynamic')
+        >>> s = funcamp.update(s, torch.tensor(True))
+        >>> s.scale, s.skipped
+        (tensor(512.), tensor(1, dtype=torch.int32))
+    """
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    hysteresis_tracker: torch.Tensor
+    skipped: torch.Tensor
+    kind: Kind = "dynamic"
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float | None = None
+    max_scale: float | None = None
+    hysteresis: int = 1
+
+    def __post_init__(self) -> None:
+        # Only the static configuration is checked here: leaves may be anything while a
+        # transform (optree, torch pytree, vmap, dynamo) rebuilds the node.
+        _validate_config(
+            "ScalerState",
+            kind=self.kind,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            hysteresis=self.hysteresis,
+        )
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def dynamic(
+        cls,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        *,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
+        device: torch.device | str | None = None,
+    ) -> ScalerState:
+        """A dynamic scaler; the defaults are ``torch.amp.GradScaler``'s.
+
+        Args:
+            init_scale: the initial scale, finite and > 0 (stored as float32).
+            growth_factor: multiplier applied after ``growth_interval`` clean steps, > 1.
+            backoff_factor: multiplier applied on overflow, in (0, 1).
+            growth_interval: clean steps in a row before the scale grows, >= 1.
+            min_scale: optional floor, a normal float32 value; backoff never goes below it.
+            max_scale: optional ceiling, a finite float32 value; growth never goes above it.
+            hysteresis: overflows tolerated since the last growth before backing off
+                (Megatron-LM's rule); 1 is torch's rule (back off on every overflow).
+            device: where the state's tensors live (default: the default device).
+
+        Example:
+            >>> import funcamp
+            >>> s = funcamp.ScalerState.dynamic(2.0**10, hysteresis=2, min_scale=1.0)
+            >>> float(s.scale), int(s.hysteresis_tracker), s.min_scale
+            (1024.0, 2, 1.0)
+        """
+        api = "ScalerState.dynamic"
+        _validate_config(
+            api,
+            kind="dynamic",
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            hysteresis=hysteresis,
+        )
+        _validate_init_scale(api, init_scale)
+        if min_scale is not None and init_scale < min_scale:
+            raise ValueError(
+                f"funcamp.{api}: `init_scale` must be >= `min_scale` ({min_scale!r}), "
+                f"got {init_scale!r}"
+            )
+        if max_scale is not None and init_scale > max_scale:
+            raise ValueError(
+                f"funcamp.{api}: `init_scale` must be <= `max_scale` ({max_scale!r}), "
+                f"got {init_scale!r}"
+            )
+        return cls._build(
+            init_scale,
+            device,
+            kind="dynamic",
+            growth_factor=float(growth_factor),
+            backoff_factor=float(backoff_factor),
+            growth_interval=int(growth_interval),
+            min_scale=None if min_scale is None else float(min_scale),
+            max_scale=None if max_scale is None else float(max_scale),
+            hysteresis=int(hysteresis),
+        )
+
+    @classmethod
+    def static(cls, scale: float, device: torch.device | str | None = None) -> ScalerState:
+        """A fixed scale that never changes; non-finite steps are still skipped.
+
+        Example:
+            >>> import torch, funcamp
+            >>> s = funcamp.ScalerState.static(128.0)
+            >>> s2 = funcamp.update(s, torch.tensor(True))
+            >>> float(s2.scale), int(s2.skipped), s2.kind
+            (128.0, 1, 'static')
+        """
+        _validate_init_scale("ScalerState.static", scale, arg="scale")
+        return cls._build(scale, device, kind="static")
+
+    @classmethod
+    def noop(cls, device: torch.device | str | None = None) -> ScalerState:
+        """Scale 1, never changes. ``found_inf`` is still computed and bad steps still skipped.
+
+        This is the scaler for bfloat16 and float32 training: no scaling is needed, but a step
+        whose gradients contain inf or nan is dropped instead of poisoning the parameters.
+
+        Example:
+            >>> import torch, funcamp
+            >>> s = funcamp.ScalerState.noop()
+            >>> funcamp.scale(s, torch.tensor(3.0))
+            tensor(3.)
+        """
+        return cls._build(1.0, device, kind="noop")
+
+    @classmethod
+    def for_policy(cls, policy: Any, device: torch.device | str | None = None) -> ScalerState:
+        """The scaler a precision policy needs: dynamic for float16, noop otherwise.
+
+        Args:
+            policy: anything with ``compute_dtype`` and/or ``param_dtype`` attributes (a
+                ``funcamp.Policy``), or a policy spec string.
+            device: where the state's tensors live.
+
+        Example:
+            >>> import torch, funcamp, types
+            >>> fp16 = types.SimpleNamespace(param_dtype=torch.float32, compute_dtype=torch.float16)
+            >>> funcamp.ScalerState.for_policy(fp16).kind
+            'dynamic'
+            >>> bf16 = types.SimpleNamespace(param_dtype=torch.float32, compute_dtype=torch.bfloat16)
+            >>> funcamp.ScalerState.for_policy(bf16).kind
+            'noop'
+        """
+        if isinstance(policy, str):
+            try:
+                from funcamp._policy import get_policy  # type: ignore[attr-defined]
+            except ImportError as e:  # pragma: no cover - depends on a parallel module
+                raise TypeError(
+                    "funcamp.ScalerState.for_policy: `policy` must be a Policy, got the string "
+                    f"{policy!r} and funcamp.get_policy is not available"
+                ) from e
+            policy = get_policy(policy)
+        dtypes = [getattr(policy, a, None) for a in ("compute_dtype", "param_dtype")]
+        if not any(isinstance(d, torch.dtype) for d in dtypes):
+            raise TypeError(
+                "funcamp.ScalerState.for_policy: `policy` must have a `compute_dtype` or "
+                f"`param_dtype` torch.dtype attribute, got {_describe(policy)}"
+            )
+        if torch.float16 in dtypes:
+            return cls.dynamic(device=device)
+        return cls.noop(device=device)
+
+    @classmethod
+    def from_grad_scaler(
+        cls,
+        scaler_or_state_dict: torch.amp.GradScaler | Mapping[str, Any],
+        *,
+        device: torch.device | str | None = None,
+    ) -> ScalerState:
+        """Convert a ``torch.amp.GradScaler`` (or its ``state_dict()``) to a :class:`ScalerState`.
+
+        The scale, growth tracker, factors and interval carry over exactly; a disabled scaler
+        (empty state dict) becomes :meth:`noop`. ``skipped`` starts at 0 (GradScaler keeps no
+        such count).
+
+        Args:
+            scaler_or_state_dict: a GradScaler or the dict its ``state_dict()`` returned.
+            device: where the state's tensors live (default: the scaler's scale tensor's device
+                when it has one, else the default device).
+
+        Example:
+            >>> import torch, funcamp
+            >>> gs = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=10)
+            >>> s = funcamp.ScalerState.from_grad_scaler(gs)
+            >>> float(s.scale), s.growth_interval
+            (256.0, 10)
+            >>> s.to_grad_scaler_state_dict() == gs.state_dict()
+            True
+        """
+        api = "ScalerState.from_grad_scaler"
+        if isinstance(scaler_or_state_dict, torch.amp.GradScaler):
+            scaler = scaler_or_state_dict
+            sd = scaler.state_dict()
+            live = getattr(scaler, "_scale", None)
+            if device is None and isinstance(live, torch.Tensor):
+                device = live.device
+        elif isinstance(scaler_or_state_dict, Mapping):
+            sd = dict(scaler_or_state_dict)
+        else:
+            raise TypeError(
+                f"funcamp.{api}: `scaler_or_state_dict` must be a torch.amp.GradScaler or its "
+                f"state_dict(), got {_describe(scaler_or_state_dict)}"
+            )
+        if not sd:
+            return cls.noop(device=device)
+        missing = [k for k in _GRAD_SCALER_KEYS if k not in sd]
+        extra = sorted(str(k) for k in sd if k not in _GRAD_SCALER_KEYS)
+        if missing or extra:
+            raise ValueError(
+                f"funcamp.{api}: `scaler_or_state_dict` must have exactly the keys "
+                f"{list(_GRAD_SCALER_KEYS)}, got missing {missing} and unexpected {extra}"
+            )
+        raw_scale = sd["scale"]
+        if isinstance(raw_scale, torch.Tensor):
+            raw_scale = raw_scale.item()
+        if not _is_real_number(raw_scale):
+            raise TypeError(f"funcamp.{api}: `scale` must be a float, got {_describe(raw_scale)}")
+        tracker = sd["_growth_tracker"]
+        if isinstance(tracker, torch.Tensor):
+            tracker = tracker.item()
+        if not _is_int(tracker) or tracker < 0:
+            raise ValueError(
+                f"funcamp.{api}: `_growth_tracker` must be an int >= 0, got {tracker!r}"
+            )
+        _validate_config(
+            api,
+            kind="dynamic",
+            growth_factor=sd["growth_factor"],
+            backoff_factor=sd["backoff_factor"],
+            growth_interval=sd["growth_interval"],
+            min_scale=None,
+            max_scale=None,
+            hysteresis=1,
+        )
+        state = cls._build(
+            float(raw_scale),
+            device,
+            kind="dynamic",
+            growth_factor=float(sd["growth_factor"]),
+            backoff_factor=float(sd["backoff_factor"]),
+            growth_interval=int(sd["growth_interval"]),
+        )
+        return dataclasses.replace(
+            state, growth_tracker=torch.full_like(state.growth_tracker, tracker)
+        )
+
+    def to_grad_scaler_state_dict(self) -> dict[str, Any]:
+        """Return the state as ``torch.amp.GradScaler.state_dict()`` would (host sync: use it
+        for checkpointing, not inside a step).
+
+        A ``noop`` scaler gives ``{}`` (a disabled GradScaler). GradScaler cannot represent a
+        ``static`` scaler, hysteresis or scale bounds; those raise ``ValueError`` rather than
+        losing information.
+
+        Example:
+            >>> import torch, funcamp
+            >>> s = funcamp.ScalerState.dynamic(1024.0, growth_interval=100)
+            >>> gs = torch.amp.GradScaler("cpu")
+            >>> gs.load_state_dict(s.to_grad_scaler_state_dict())
+            >>> gs.get_scale(), gs.get_growth_interval()
+            (1024.0, 100)
+        """
+        api = "ScalerState.to_grad_scaler_state_dict"
+        if self.kind == "noop":
+            return {}
+        if self.kind == "static":
+            raise ValueError(
+                f"funcamp.{api}: torch.amp.GradScaler has no static mode; `kind` must be "
+                "'dynamic' or 'noop', got 'static'"
+            )
+        unsupported = [
+            f"{name}={value!r}"
+            for name, value, default in (
+                ("hysteresis", self.hysteresis, 1),
+                ("min_scale", self.min_scale, None),
+                ("max_scale", self.max_scale, None),
+            )
+            if value != default
+        ]
+        if unsupported:
+            raise ValueError(
+                f"funcamp.{api}: torch.amp.GradScaler cannot represent "
+                f"{', '.join(unsupported)}; the state must use hysteresis=1 and no scale bounds"
+            )
+        return {
+            "scale": float(self.scale.item()),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": int(self.growth_tracker.item()),
+        }
+
+    @classmethod
+    def _build(
+        cls, init_scale: float, device: torch.device | str | None, **config: Any
+    ) -> ScalerState:
+        hysteresis = config.get("hysteresis", 1)
+        return cls(
+            scale=torch.full((), init_scale, dtype=torch.float32, device=device),
+            growth_tracker=torch.zeros((), dtype=torch.int32, device=device),
+            hysteresis_tracker=torch.full((), hysteresis, dtype=torch.int32, device=device),
+            skipped=torch.zeros((), dtype=torch.int32, device=device),
+            **config,
+        )
+
+    def _config(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in _CONFIG)
+
+    def _with_leaves(
+        self,
+        scale: torch.Tensor,
+        growth_tracker: torch.Tensor,
+        hysteresis_tracker: torch.Tensor,
+        skipped: torch.Tensor,
+    ) -> ScalerState:
+        return ScalerState(
+            scale,
+            growth_tracker,
+            hysteresis_tracker,
+            skipped,
+            *self._config(),
+        )
+
+
+# ---------------------------------------------------------------------- pytree registration
+
+
+def _flatten(state: ScalerState) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
+    return [getattr(state, name) for name in _LEAVES], state._config()
+
+
+def _unflatten(config: tuple[Any, ...], leaves: Any) -> ScalerState:
+    return ScalerState(*leaves, *config)
+
+
+optree.register_pytree_node(
+    ScalerState,
+    lambda s: (*_flatten(s), _LEAVES),
+    _unflatten,
+    namespace=NAMESPACE,
+)
+
+torch_pytree.register_pytree_node(
+    ScalerState,
+    _flatten,
+    lambda leaves, config: _unflatten(config, leaves),
+    serialized_type_name="funcamp.ScalerState",
+    flatten_with_keys_fn=lambda s: (
+        [(torch_pytree.GetAttrKey(name), getattr(s, name)) for name in _LEAVES],
+        s._config(),
+    ),
+)
+
+
+class StepInfo(NamedTuple):
+    """What :func:`unscale_and_step` learned about the step, as tensors (no host sync).
+
+    Attributes:
+        found_inf: 0-d bool, True when the scaled gradients had an inf or nan and the step was
+            skipped.
+        grad_norm: 0-d float32, the global L2 norm of the unscaled gradients.
+
+    Example:
+        >>> import torch, funcamp
+        >>> info = funcamp.StepInfo(torch.tensor(False), torch.tensor(1.5))
+        >>> info.found_inf, info.grad_norm
+        (tensor(False), tensor(1.5000))
+    """
+
+    found_inf: torch.Tensor
+    grad_norm: torch.Tensor
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def _validate_init_scale(api: str, value: Any, arg: str = "init_scale") -> None:
+    if not _is_real_number(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"funcamp.{api}: `{arg}` must be a finite float > 0, got {value!r}")
+    if value > _F32.max:
+        raise ValueError(
+            f"funcamp.{api}: `{arg}` must be at most the float32 maximum {_F32.max!r}, "
+            f"got {value!r}"
+        )
+
+
+def _validate_config(
+    api: str,
+    *,
+    kind: Any,
+    growth_factor: Any,
+    backoff_factor: Any,
+    growth_interval: Any,
+    min_scale: Any,
+    max_scale: Any,
+    hysteresis: Any,
+) -> None:
+    prefix = f"funcamp.{api}:"
+    if kind not in _KINDS:
+        raise ValueError(f"{prefix} `kind` must be one of {list(_KINDS)}, got {kind!r}")
+    if not _is_real_number(growth_factor) or not (1.0 < growth_factor < math.inf):
+        raise ValueError(
+            f"{prefix} `growth_factor` must be a finite float > 1, got {growth_factor!r}"
+        )
+    if not _is_real_number(backoff_factor) or not (0.0 < backoff_factor < 1.0):
+        raise ValueError(
+            f"{prefix} `backoff_factor` must be a float in (0, 1), got {backoff_factor!r}"
+        )
+    if not _is_int(growth_interval) or growth_interval < 1:
+        raise ValueError(f"{prefix} `growth_interval` must be an int >= 1, got {growth_interval!r}")
+    if not _is_int(hysteresis) or hysteresis < 1:
+        raise ValueError(f"{prefix} `hysteresis` must be an int >= 1, got {hysteresis!r}")
+    if min_scale is not None and (
+        not _is_real_number(min_scale) or not (_F32.tiny <= min_scale <= _F32.max)
+    ):
+        raise ValueError(
+            f"{prefix} `min_scale` must be None or a normal float32 value in "
+            f"[{_F32.tiny!r}, {_F32.max!r}], got {min_scale!r}"
+        )
+    if max_scale is not None and (
+        not _is_real_number(max_scale) or not (_F32.tiny <= max_scale <= _F32.max)
+    ):
+        raise ValueError(
+            f"{prefix} `max_scale` must be None or a normal float32 value in "
+            f"[{_F32.tiny!r}, {_F32.max!r}], got {max_scale!r}"
+        )
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(
+            f"{prefix} `min_scale` must be <= `max_scale` ({max_scale!r}), got {min_scale!r}"
+        )
+
+
+def _check_state(api: str, state: Any) -> None:
+    if not isinstance(state, ScalerState):
+        raise TypeError(f"funcamp.{api}: `state` must be a ScalerState, got {_describe(state)}")
+
+
+def _check_found_inf(api: str, found_inf: Any) -> None:
+    if (
+        not isinstance(found_inf, torch.Tensor)
+        or found_inf.dtype != torch.bool
+        or found_inf.dim() != 0
+    ):
+        raise TypeError(
+            f"funcamp.{api}: `found_inf` must be a 0-d bool tensor, got {_describe(found_inf)}"
+        )
+
+
+# ---------------------------------------------------------------------- scale / unscale
+
+
+def _unscaled_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float16/bfloat16/float32 -> float32; float64 stays float64 (GradScaler unscales float64
+    # grads in float64 too).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def scale(state: ScalerState, tree: PyTree) -> PyTree:
+    """Multiply the floating tensor leaves of ``tree`` (usually the loss) by the scale.
+
+    The product is computed in float32 (float16/bfloat16 leaves are upcast first, so a scaled
+    float16 loss cannot overflow; float64 leaves stay float64, as with ``GradScaler.scale``).
+    Integer, bool and non-tensor leaves pass through.
+
+    Example:
+        >>> import torch, funcamp
+        >>> s = funcamp.ScalerState.dynamic(init_scale=8.0)
+        >>> funcamp.scale(s, torch.tensor(0.5, dtype=torch.float16))
+        tensor(4.)
+    """
+    _check_state("scale", state)
+
+    def mul(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        return x.to(_unscaled_dtype(x.dtype)) * state.scale.to(x.device)
+
+    return optree.tree_map(mul, tree, namespace=NAMESPACE)
+
+
+def _use_fused_kernel(leaves: list[torch.Tensor]) -> bool:
+    """Whether ``torch._amp_foreach_non_finite_check_and_unscale_`` may run on copies of leaves.
+
+    It is the fastest eager path (one fused pass for the check and the multiply), but it mutates
+    in place, has no autograd formula, no vmap rule, and inductor cannot fuse it: the pure-torch
+    path, which gives identical results, runs under compile, functorch transforms and autograd.
+    """
+    if not hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    for x in leaves:
+        if type(x) is not torch.Tensor or x.device.type not in ("cpu", "cuda"):
+            return False
+        if is_wrapped(x) or (x.requires_grad and torch.is_grad_enabled()):
+            return False
+    return True
+
+
+def _unscale_leaves(
+    leaves: list[torch.Tensor], scale_tensor: torch.Tensor, fused: bool
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    # torch's rule: the reciprocal is taken in float64, then rounded to float32.
+    inv_scale = scale_tensor.double().reciprocal().float()
+    if not leaves:
+        return [], torch.zeros((), dtype=torch.bool, device=scale_tensor.device)
+    if fused:
+        # Fresh copies (never the caller's tensors), grouped by device and dtype as the
+        # kernel requires; it writes 1.0 into found (a float, per device) on inf/nan.
+        out = [x.to(_unscaled_dtype(x.dtype), copy=True) for x in leaves]
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for x in out:
+            groups.setdefault((x.device, x.dtype), []).append(x)
+        flags = []
+        for (device, _), group in groups.items():
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale.to(device))
+            flags.append(found.to(scale_tensor.device))
+        found_inf = torch.stack(flags).sum() > 0 if len(flags) > 1 else flags[0] > 0
+        return out, found_inf
+    finite = [torch.isfinite(x).all().to(scale_tensor.device) for x in leaves]
+    found_inf = ~torch.stack(finite).all()
+    out = [x.to(_unscaled_dtype(x.dtype)) * inv_scale.to(x.device) for x in leaves]
+    return out, found_inf
+
+
+def unscale(state: ScalerState, grads: PyTree) -> tuple[PyTree, torch.Tensor]:
+    """Divide scaled gradients by the scale and check them for inf/nan.
+
+    Floating leaves are returned in float32 (float16 and bfloat16 grads are unscaled in float32,
+    which ``GradScaler.unscale_`` refuses to do for float16; float64 stays float64), multiplied by
+    ``float32(1 / float64(scale))`` exactly as ``GradScaler`` does. ``found_inf`` is a 0-d bool
+    tensor, True when any *scaled* gradient is inf or nan (torch's rule). Integer and non-tensor
+    leaves pass through. The input tensors are never modified; no host sync.
+
+    Eager CPU/CUDA tensors use torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
+    fresh copies; under ``torch.compile``, ``torch.func`` transforms or autograd a pure-torch
+    path with bit-identical results runs instead.
+
+    Example:
+        >>> import torch, funcamp
+        >>> s = funcamp.ScalerState.dynamic(init_scale=4.0)
+        >>> grads, found_inf = funcamp.unscale(s, {"w": torch.tensor([8.0, 2.0])})
+        >>> grads, found_inf
+        ({'w': tensor([2.0000, 0.5000])}, tensor(False))
+        >>> funcamp.unscale(s, {"w": torch.tensor([float("inf")])})[1]
+        tensor(True)
+    """
+    _check_state("unscale", state)
+    leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    floating = [leaves[i] for i in idx]
+    out, found_inf = _unscale_leaves(floating, state.scale, _use_fused_kernel(floating))
+    new_leaves = list(leaves)
+    for i, x in zip(idx, out):
+        new_leaves[i] = x
+    return optree.tree_unflatten(spec, new_leaves), found_inf
+
+
+# ---------------------------------------------------------------------- update
+
+
+def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
+    """Return the next scaler state after a step whose overflow flag is ``found_inf``.
+
+    ``skipped`` counts up on every overflow, for every kind. ``static`` and ``noop`` scalers
+    keep their scale. A ``dynamic`` scaler follows ``torch._amp_update_scale_`` bit for bit
+    (float64 products rounded to float32): on overflow the scale is multiplied by
+    ``backoff_factor`` and the growth tracker resets; otherwise the tracker counts up, and when it
+    reaches ``growth_interval`` it resets and the scale is multiplied by ``growth_factor`` unless
+    the grown value is not finite. Then ``min_scale``/``max_scale`` clamp the backed-off/grown
+    value. With ``hysteresis=h`` (Megatron-LM's ``DynamicGradScaler``) each overflow also
+    decrements a hysteresis tracker that starts at ``h``; the scale backs off only when that
+    tracker reaches 0 (and on every overflow while it stays 0), and the tracker returns to ``h``
+    at each growth step (``growth_interval`` clean steps in a row). ``h=1`` is torch's rule.
+
+    Args:
+        state: the current state.
+        found_inf: 0-d bool tensor, True when this step's gradients overflowed.
+
+    Example:
+        >>> import torch, funcamp
+        >>> s = funcamp.ScalerState.dynamic(init_scale=16.0, growth_interval=2)
+        >>> for flag in [False, False, True]:
+        ...     s = funcamp.update(s, torch.tensor(flag))
+        ...     print(float(s.scale), int(s.growth_tracker))
+        16.0 1
+        32.0 0
+        16.0 0
+    """
+    _check_state("update", state)
+    _check_found_inf("update", found_inf)
+    found_inf = found_inf.to(state.scale.device)
+    skipped = state.skipped + found_inf.to(state.skipped.dtype)
+    if state.kind != "dynamic":
+        return state._with_leaves(
+            state.scale, state.growth_tracker, state.hysteresis_tracker, skipped
+        )
+
+    current = state.scale
+    as_f64 = current.double()
+    backed_off = (as_f64 * state.backoff_factor).float()
+    grown = (as_f64 * state.growth_factor).float()
+    grown = torch.where(torch.isfinite(grown), grown, current)
+    if state.min_scale is not None:
+        backed_off = torch.clamp_min(backed_off, state.min_scale)
+    if state.max_scale is not None:
+        grown = torch.clamp_max(grown, state.max_scale)
+
+    tracker = state.growth_tracker
+    zero = torch.zeros_like(tracker)
+    successful = tracker + 1
+    grow_now = successful == state.growth_interval
+    clean_scale = torch.where(grow_now, grown, current)
+    clean_tracker = torch.where(grow_now, zero, successful)
+
+    hysteresis = state.hysteresis_tracker
+    if state.hysteresis == 1:
+        # torch's rule; the tracker still follows Megatron's bookkeeping (0 after an overflow,
+        # back to 1 when the scale grows).
+        overflow_scale = backed_off
+        overflow_hysteresis = torch.zeros_like(hysteresis)
+    else:
+        overflow_hysteresis = torch.clamp_min(hysteresis - 1, 0)
+        overflow_scale = torch.where(overflow_hysteresis <= 0, backed_off, current)
+    clean_hysteresis = torch.where(
+        grow_now, torch.full_like(hysteresis, state.hysteresis), hysteresis
+    )
+
+    return state._with_leaves(
+        torch.where(found_inf, overflow_scale, clean_scale),
+        torch.where(found_inf, zero, clean_tracker),
+        torch.where(found_inf, overflow_hysteresis, clean_hysteresis),
+        skipped,
+    )
+
+
+# ---------------------------------------------------------------------- unscale_and_step
+
+
+def _check_matching_trees(api: str, grads: PyTree, params: PyTree) -> None:
+    g_paths, g_leaves, g_spec = optree.tree_flatten_with_path(grads, namespace=NAMESPACE)
+    p_paths, p_leaves, p_spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    if g_spec != p_spec:
+        g_set = {_path_str(p) for p in g_paths}
+        p_set = {_path_str(p) for p in p_paths}
+        missing = [p for p in map(_path_str, p_paths) if p not in g_set]
+        extra = [p for p in map(_path_str, g_paths) if p not in p_set]
+        if missing:
+            detail = f"leaf {missing[0]} is in `params` but not in `grads`"
+        elif extra:
+            detail = f"leaf {extra[0]} is in `grads` but not in `params`"
+        else:
+            detail = f"the containers differ: {g_spec} vs {p_spec}"
+        raise ValueError(f"funcamp.{api}: `grads` must have the structure of `params`; {detail}")
+    for path, g, p in zip(g_paths, g_leaves, p_leaves):
+        if isinstance(p, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
+            raise ValueError(
+                f"funcamp.{api}: `grads` leaf {_path_str(path)} must be a tensor of shape "
+                f"{tuple(p.shape)} like its param, got {_describe(g)}"
+            )
+
+
+def _global_norm(leaves: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if torch.compiler.is_compiling():
+        norms = [torch.linalg.vector_norm(x) for x in leaves]
+    else:
+        norms = list(torch._foreach_norm(leaves))
+    norms = [n.to(device=device, dtype=torch.float32) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def unscale_and_step(
+    state: ScalerState,
+    optimizer: Optimizer,
+    grads: PyTree,
+    opt_state: PyTree,
+    params: PyTree,
+    *,
+    group: Any = None,
+) -> tuple[PyTree, PyTree, StepInfo]:
+    """Unscale ``grads``, apply ``optimizer``, and skip the step if the grads overflowed.
+
+    Runs :func:`unscale`, then ``optimizer.update(grads, opt_state, params)`` and
+    :func:`funcamp.apply_updates`; where ``found_inf`` is True the old ``params`` and
+    ``opt_state`` are returned bit-identical (selected leaf-wise with :func:`funcamp.tree_select`,
+    no host sync). Call :func:`update` with ``info.found_inf`` afterwards.
+
+    Args:
+        state: the scaler state the loss was scaled with.
+        optimizer: a :class:`funcamp.Optimizer`.
+        grads: scaled gradients, with the structure and shapes of ``params``.
+        opt_state: the optimizer state.
+        params: the parameters.
+        group: optional process group; when given, ``found_inf`` is OR-ed across its ranks
+            (:func:`funcamp.distributed.any_across`) so every rank skips together.
+
+    Returns:
+        ``(params, opt_state, StepInfo(found_inf, grad_norm))``; ``grad_norm`` is the global L2
+        norm of the unscaled gradients (float32).
+
+    Example:
+        >>> import torch, funcamp
+        >>> s, opt = funcamp.ScalerState.dynamic(init_scale=4.0), funcamp.sgd(0.5)
+        >>> params = {"w": torch.tensor([1.0, 1.0])}
+        >>> opt_state = opt.init(params)
+        >>> grads = {"w": torch.tensor([4.0, 0.0])}
+        >>> new, opt_state, info = funcamp.unscale_and_step(s, opt, grads, opt_state, params)
+        >>> new["w"], info.found_inf, info.grad_norm
+        (tensor([0.5000, 1.0000]), tensor(False), tensor(1.))
+        >>> bad = {"w": torch.tensor([float("nan"), 0.0])}
+        >>> funcamp.unscale_and_step(s, opt, bad, opt_state, new)[0]["w"]
+        tensor([0.5000, 1.0000])
+    """
+    api = "unscale_and_step"
+    _check_state(api, state)
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got {_describe(optimizer)}"
+        )
+    _check_matching_trees(api, grads, params)
+    unscaled, found_inf = unscale(state, grads)
+    if group is not None:
+        from funcamp.distributed import any_across
+
+        found_inf = any_across(found_inf, group)
+    updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
+    new_params = apply_updates(params, updates)
+    params_out = tree_select(found_inf, params, new_params)
+    opt_state_out = tree_select(found_inf, opt_state, new_opt_state)
+    floating = [
+        x
+        for x in optree.tree_leaves(unscaled, namespace=NAMESPACE)
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+    ]
+    grad_norm = _global_norm(floating, state.scale.device)
+    return params_out, opt_state_out, StepInfo(found_inf, grad_norm)

@@ -1,0 +1,813 @@
+"""Tests for funcamp._scaler: ScalerState, scale, unscale, update, unscale_and_step."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import optree
+import pytest
+import torch
+import torch.utils._pytree as torch_pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import funcamp
+from funcamp._scaler import _unscale_leaves, _use_fused_kernel
+from funcamp._tree import NAMESPACE
+
+F32 = torch.finfo(torch.float32)
+CONFIG_FIELDS = (
+    "kind",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+)
+LEAF_FIELDS = ("scale", "growth_tracker", "hysteresis_tracker", "skipped")
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def assert_states_equal(a: funcamp.ScalerState, b: funcamp.ScalerState) -> None:
+    assert type(a) is type(b) is funcamp.ScalerState
+    for name in LEAF_FIELDS:
+        assert bits_equal(getattr(a, name), getattr(b, name)), name
+    for name in CONFIG_FIELDS:
+        assert getattr(a, name) == getattr(b, name), name
+
+
+def rich_state() -> funcamp.ScalerState:
+    s = funcamp.ScalerState.dynamic(
+        1000.0,
+        growth_factor=1.5,
+        backoff_factor=0.25,
+        growth_interval=3,
+        min_scale=1.0,
+        max_scale=2.0**20,
+        hysteresis=3,
+    )
+    return funcamp.update(funcamp.update(s, torch.tensor(True)), torch.tensor(False))
+
+
+def momentum(lr: float = 0.1, beta: float = 0.9) -> funcamp.Optimizer:
+    """A stateful optimizer (buffers and a step count) to check skipped steps against."""
+
+    def init(params):
+        return {
+            "m": optree.tree_map(torch.zeros_like, params, namespace=NAMESPACE),
+            "count": torch.zeros((), dtype=torch.int32),
+        }
+
+    def update(grads, state, params):
+        m = optree.tree_map(lambda b, g: beta * b + g, state["m"], grads, namespace=NAMESPACE)
+        updates = optree.tree_map(lambda b: -lr * b, m, namespace=NAMESPACE)
+        return updates, {"m": m, "count": state["count"] + 1}
+
+    return funcamp.Optimizer(init, update)
+
+
+# ----------------------------------------------------------------------- construction
+
+
+def test_dynamic_defaults_match_grad_scaler():
+    s = funcamp.ScalerState.dynamic()
+    gs = torch.amp.GradScaler("cpu")
+    assert s.to_grad_scaler_state_dict() == gs.state_dict()
+    assert s.scale.dtype == torch.float32 and s.scale.dim() == 0
+    for name in ("growth_tracker", "hysteresis_tracker", "skipped"):
+        leaf = getattr(s, name)
+        assert leaf.dtype == torch.int32 and leaf.dim() == 0
+    assert (s.kind, s.hysteresis, s.min_scale, s.max_scale) == ("dynamic", 1, None, None)
+
+
+def test_state_is_frozen():
+    s = funcamp.ScalerState.dynamic()
+    with pytest.raises(AttributeError):
+        s.scale = torch.tensor(1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "arg", "needle"),
+    [
+        ({"growth_factor": 1.0}, "growth_factor", "got 1.0"),
+        ({"growth_factor": 0.5}, "growth_factor", "got 0.5"),
+        ({"backoff_factor": 0.0}, "backoff_factor", "got 0.0"),
+        ({"backoff_factor": 1.0}, "backoff_factor", "got 1.0"),
+        ({"backoff_factor": 1.5}, "backoff_factor", "got 1.5"),
+        ({"backoff_factor": -0.5}, "backoff_factor", "got -0.5"),
+        ({"growth_interval": 0}, "growth_interval", "got 0"),
+        ({"growth_interval": -3}, "growth_interval", "got -3"),
+        ({"growth_interval": 2.5}, "growth_interval", "got 2.5"),
+        ({"init_scale": 0.0}, "init_scale", "got 0.0"),
+        ({"init_scale": -1.0}, "init_scale", "got -1.0"),
+        ({"init_scale": math.inf}, "init_scale", "got inf"),
+        ({"init_scale": math.nan}, "init_scale", "got nan"),
+        ({"init_scale": 1e39}, "init_scale", "got 1e+39"),
+        ({"min_scale": 10.0, "max_scale": 1.0, "init_scale": 5.0}, "min_scale", "got 10.0"),
+        ({"min_scale": 0.0}, "min_scale", "got 0.0"),
+        ({"min_scale": 1e-40}, "min_scale", "got 1e-40"),
+        ({"max_scale": math.inf}, "max_scale", "got inf"),
+        ({"hysteresis": 0}, "hysteresis", "got 0"),
+        ({"init_scale": 0.5, "min_scale": 1.0}, "init_scale", "got 0.5"),
+        ({"init_scale": 4.0, "max_scale": 2.0}, "init_scale", "got 4.0"),
+    ],
+)
+def test_dynamic_rejects_bad_config(kwargs, arg, needle):
+    with pytest.raises(ValueError) as err:
+        funcamp.ScalerState.dynamic(**kwargs)
+    msg = str(err.value)
+    assert msg.startswith(f"funcamp.ScalerState.dynamic: `{arg}` must be")
+    assert needle in msg
+
+
+def test_static_rejects_bad_scale():
+    for bad in (0.0, -2.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"funcamp.ScalerState.static: `scale` must be"):
+            funcamp.ScalerState.static(bad)
+
+
+def test_direct_construction_validates_config():
+    s = funcamp.ScalerState.dynamic()
+    leaves = [getattr(s, n) for n in LEAF_FIELDS]
+    with pytest.raises(ValueError, match=r"funcamp.ScalerState: `kind` must be one of"):
+        funcamp.ScalerState(*leaves, kind="sometimes")
+    with pytest.raises(ValueError, match=r"`growth_factor` must be a finite float > 1"):
+        funcamp.ScalerState(*leaves, growth_factor=1.0)
+
+
+@pytest.mark.parametrize(
+    ("found_inf", "needle"),
+    [
+        (torch.tensor(1.0), "torch.float32"),
+        (torch.tensor([True]), "shape (1,)"),
+        (True, "bool True"),
+        (torch.tensor(1, dtype=torch.int32), "torch.int32"),
+    ],
+)
+def test_update_rejects_bad_found_inf(found_inf, needle):
+    s = funcamp.ScalerState.dynamic()
+    with pytest.raises(TypeError) as err:
+        funcamp.update(s, found_inf)
+    msg = str(err.value)
+    assert msg.startswith("funcamp.update: `found_inf` must be a 0-d bool tensor, got")
+    assert needle in msg
+
+
+def test_state_must_be_scaler_state():
+    with pytest.raises(TypeError, match=r"funcamp.update: `state` must be a ScalerState"):
+        funcamp.update({"scale": torch.tensor(1.0)}, torch.tensor(False))
+    with pytest.raises(TypeError, match=r"funcamp.unscale: `state` must be a ScalerState"):
+        funcamp.unscale(None, {})
+
+
+@pytest.mark.parametrize(
+    ("grads", "needle"),
+    [
+        ({"w": torch.ones(2)}, "leaf ['b'] is in `params` but not in `grads`"),
+        (
+            {"w": torch.ones(2), "b": torch.ones(1), "c": torch.ones(1)},
+            "leaf ['c'] is in `grads` but not in `params`",
+        ),
+        ({"w": torch.ones(3), "b": torch.ones(1)}, "leaf ['w'] must be a tensor of shape (2,)"),
+        ({"w": torch.ones(2), "b": 1.0}, "leaf ['b'] must be a tensor of shape (1,)"),
+    ],
+)
+def test_unscale_and_step_rejects_mismatched_trees(grads, needle):
+    params = {"w": torch.zeros(2), "b": torch.zeros(1)}
+    opt = funcamp.sgd(0.1)
+    with pytest.raises(ValueError) as err:
+        funcamp.unscale_and_step(
+            funcamp.ScalerState.dynamic(), opt, grads, opt.init(params), params
+        )
+    msg = str(err.value)
+    assert msg.startswith("funcamp.unscale_and_step: `grads`")
+    assert needle in msg
+
+
+def test_for_policy_duck_types_dtypes():
+    ns = types.SimpleNamespace
+    f16, f32, bf16 = torch.float16, torch.float32, torch.bfloat16
+    assert funcamp.ScalerState.for_policy(ns(param_dtype=f32, compute_dtype=f16)).kind == "dynamic"
+    assert funcamp.ScalerState.for_policy(ns(param_dtype=f16, compute_dtype=f16)).kind == "dynamic"
+    assert funcamp.ScalerState.for_policy(ns(param_dtype=f32, compute_dtype=bf16)).kind == "noop"
+    assert funcamp.ScalerState.for_policy(ns(param_dtype=f32, compute_dtype=f32)).kind == "noop"
+    assert funcamp.ScalerState.for_policy(ns(compute_dtype=f16)).kind == "dynamic"
+    with pytest.raises(TypeError, match=r"funcamp.ScalerState.for_policy: `policy` must have"):
+        funcamp.ScalerState.for_policy(object())
+
+
+def test_for_policy_with_real_policies():
+    policy = pytest.importorskip("funcamp._policy")
+    if not hasattr(policy, "get_policy"):
+        pytest.skip("funcamp.get_policy is not available yet")
+    assert funcamp.ScalerState.for_policy(policy.get_policy("mixed_float16")).kind == "dynamic"
+    assert funcamp.ScalerState.for_policy(policy.get_policy("bf16-mixed")).kind == "noop"
+    assert funcamp.ScalerState.for_policy("float32").kind == "noop"
+
+
+# ----------------------------------------------------------------------- scale / unscale
+
+
+def test_scale_casts_to_float32_and_passes_non_floating_leaves():
+    s = funcamp.ScalerState.dynamic(init_scale=2.0**20)
+    tree = {
+        "loss": torch.tensor(60000.0, dtype=torch.float16),
+        "n": torch.tensor(3),
+        "name": "x",
+    }
+    out = funcamp.scale(s, tree)
+    assert out["loss"].dtype == torch.float32
+    assert out["loss"].item() == 60000.0 * 2.0**20  # would be inf in float16
+    assert out["n"] is tree["n"] and out["name"] == "x"
+    loss64 = torch.tensor(0.1, dtype=torch.float64)
+    assert funcamp.scale(s, loss64).dtype == torch.float64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(-60, 60),
+    values=st.lists(
+        st.one_of(
+            st.just(0.0),
+            st.floats(2.0**-60, 2.0**60).flatmap(lambda v: st.sampled_from([v, -v])),
+        ),
+        min_size=1,
+        max_size=16,
+    ),
+)
+def test_unscale_of_scale_is_exact_for_powers_of_two(k, values):
+    s = funcamp.ScalerState.dynamic(init_scale=2.0**k)
+    x = torch.tensor(values, dtype=torch.float32)
+    grads, found_inf = funcamp.unscale(s, funcamp.scale(s, {"g": x}))
+    assert not found_inf
+    assert bits_equal(grads["g"], x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_unscale_half_grads_in_float32(dtype):
+    s = funcamp.ScalerState.dynamic(init_scale=1024.0)
+    g = torch.tensor([1024.0, 2048.0, 3.0], dtype=dtype)
+    grads, found_inf = funcamp.unscale(s, {"g": g})
+    assert grads["g"].dtype == torch.float32
+    assert bits_equal(grads["g"], g.float() * (1 / 1024.0))
+    assert not found_inf
+    # GradScaler refuses float16 grads outright; funcamp unscales them.
+    if dtype == torch.float16:
+        p = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+        p.grad = g.clone()
+        opt = torch.optim.SGD([p], lr=0.1)
+        gs = torch.amp.GradScaler("cpu")
+        gs.scale(torch.tensor(1.0))
+        with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+            gs.unscale_(opt)
+
+
+def test_unscale_never_mutates_inputs():
+    s = funcamp.ScalerState.dynamic(init_scale=8.0)
+    g = {"a": torch.tensor([8.0, math.inf]), "b": torch.tensor([16.0], dtype=torch.float16)}
+    before = {k: v.clone() for k, v in g.items()}
+    grads, found_inf = funcamp.unscale(s, g)
+    assert bool(found_inf)
+    for k in g:
+        assert bits_equal(g[k], before[k])
+        assert grads[k].data_ptr() != g[k].data_ptr()
+
+
+def test_found_inf_is_judged_on_scaled_grads():
+    # A scale below 1 can overflow a finite scaled grad when unscaling; torch's rule (and ours)
+    # only looks at the scaled grads.
+    s = funcamp.ScalerState.dynamic(init_scale=2.0**-10)
+    grads, found_inf = funcamp.unscale(s, {"g": torch.tensor([F32.max])})
+    assert not bool(found_inf) and math.isinf(grads["g"].item())
+    found = torch.zeros(())
+    t = torch.tensor([F32.max])
+    torch._amp_foreach_non_finite_check_and_unscale_([t], found, torch.tensor(2.0**10))
+    assert found.item() == 0.0 and bits_equal(t, grads["g"])
+
+
+def _random_grads(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    leaves = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float32):
+        n = int(torch.randint(1, 40, (), generator=gen))
+        x = (torch.randn(n, generator=gen) * 2.0 ** float(torch.randint(-20, 10, ()))).to(dtype)
+        leaves.append(x)
+    return leaves
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    scale=st.one_of(st.floats(2.0**-20, 2.0**60), st.integers(-20, 60).map(lambda k: 2.0**k)),
+    poison=st.sampled_from([None, math.inf, -math.inf, math.nan]),
+    which=st.integers(0, 4),
+)
+def test_fused_and_pure_unscale_are_identical(seed, scale, poison, which):
+    leaves = _random_grads(seed)
+    if poison is not None:
+        leaves[which][0] = poison
+    s = torch.tensor(scale, dtype=torch.float32)
+    assert _use_fused_kernel(leaves)
+    fused, fused_inf = _unscale_leaves(leaves, s, fused=True)
+    pure, pure_inf = _unscale_leaves(leaves, s, fused=False)
+    assert bool(fused_inf) == bool(pure_inf) == (poison is not None)
+    for a, b in zip(fused, pure):
+        assert a.dtype == b.dtype
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def test_unscale_uses_grad_scalers_reciprocal():
+    s = funcamp.ScalerState.dynamic(init_scale=3.0)
+    g = torch.tensor([1.0, 7.0, 3.0e-3])
+    grads, _ = funcamp.unscale(s, {"g": g})
+    inv = torch.tensor(3.0, dtype=torch.float64).reciprocal().float()
+    assert bits_equal(grads["g"], g * inv)
+
+
+def test_empty_trees():
+    s = funcamp.ScalerState.dynamic()
+    grads, found_inf = funcamp.unscale(s, {})
+    assert grads == {} and found_inf.dtype == torch.bool and not found_inf
+    opt = funcamp.sgd(0.1)
+    params, _, info = funcamp.unscale_and_step(s, opt, {}, opt.init({}), {})
+    assert params == {} and float(info.grad_norm) == 0.0
+
+
+# ----------------------------------------------------------------------- update properties
+
+
+def _f32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def megatron_reference(state: funcamp.ScalerState, flags: list[bool]) -> list[tuple]:
+    """Megatron-LM's DynamicGradScaler.update, with torch's float64 products and finite check."""
+    scale, tracker, hyst = state.scale.item(), 0, state.hysteresis
+    out = []
+    for found in flags:
+        if found:
+            tracker = 0
+            hyst = max(hyst - 1, 0)
+            if hyst <= 0:
+                scale = _f32(scale * state.backoff_factor)
+                if state.min_scale is not None:
+                    scale = max(scale, _f32(state.min_scale))
+        else:
+            tracker += 1
+            if tracker == state.growth_interval:
+                tracker, hyst = 0, state.hysteresis
+                grown = _f32(scale * state.growth_factor)
+                if math.isfinite(grown):
+                    scale = grown
+                if state.max_scale is not None:
+                    scale = min(scale, _f32(state.max_scale))
+        out.append((scale, tracker, hyst))
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    init=st.floats(1.0, 1e6),
+    growth=st.floats(1.0001, 4.0),
+    backoff=st.floats(0.05, 0.95),
+    interval=st.integers(1, 5),
+    hysteresis=st.integers(1, 4),
+    flags=st.lists(st.booleans(), min_size=1, max_size=40),
+)
+def test_hysteresis_follows_megatron(init, growth, backoff, interval, hysteresis, flags):
+    s = funcamp.ScalerState.dynamic(init, growth, backoff, interval, hysteresis=hysteresis)
+    for flag, (scale, tracker, hyst) in zip(flags, megatron_reference(s, flags)):
+        s = funcamp.update(s, torch.tensor(flag))
+        assert (s.scale.item(), int(s.growth_tracker), int(s.hysteresis_tracker)) == (
+            scale,
+            tracker,
+            hyst,
+        )
+
+
+@pytest.mark.parametrize("h", [1, 2, 3, 5])
+def test_hysteresis_backs_off_at_hth_overflow_since_growth(h):
+    s = funcamp.ScalerState.dynamic(1024.0, growth_interval=3, hysteresis=h)
+    # Overflows separated by clean steps (fewer than growth_interval) still count.
+    for i in range(1, h + 2):
+        s = funcamp.update(s, torch.tensor(True))
+        assert float(s.scale) == (1024.0 if i < h else 1024.0 * 0.5 ** (i - h + 1)), i
+        s = funcamp.update(s, torch.tensor(False))
+    # A growth step restores the full hysteresis.
+    scale = float(s.scale)
+    s = funcamp.update(funcamp.update(s, torch.tensor(False)), torch.tensor(False))
+    assert float(s.scale) == 2 * scale and int(s.hysteresis_tracker) == h
+    for i in range(1, h + 1):
+        s = funcamp.update(s, torch.tensor(True))
+        assert float(s.scale) == (2 * scale if i < h else scale), i
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    init=st.one_of(st.floats(1e-3, 1e30), st.integers(-10, 100).map(lambda k: 2.0**k)),
+    growth=st.floats(1.0001, 4.0),
+    backoff=st.floats(0.05, 0.95),
+    interval=st.integers(1, 5),
+    flags=st.lists(st.booleans(), min_size=1, max_size=40),
+)
+def test_hysteresis_one_is_torch_rule(init, growth, backoff, interval, flags):
+    s = funcamp.ScalerState.dynamic(init, growth, backoff, interval, hysteresis=1)
+    ref_scale, ref_tracker = s.scale.clone(), s.growth_tracker.clone()
+    for flag in flags:
+        s = funcamp.update(s, torch.tensor(flag))
+        torch._amp_update_scale_(
+            ref_scale, ref_tracker, torch.tensor(float(flag)), growth, backoff, interval
+        )
+        assert bits_equal(s.scale, ref_scale) and bits_equal(s.growth_tracker, ref_tracker)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    k=st.integers(-20, 20),
+    growth=st.sampled_from([2.0, 1.5, 1.0001, 3.0]),
+    interval=st.integers(1, 10),
+    n=st.integers(0, 60),
+)
+def test_clean_steps_grow_floor_n_over_interval_times(k, growth, interval, n):
+    s = funcamp.ScalerState.dynamic(2.0**k, growth_factor=growth, growth_interval=interval)
+    expected = s.scale.item()
+    for _ in range(n // interval):
+        expected = _f32(expected * growth)
+    for _ in range(n):
+        s = funcamp.update(s, torch.tensor(False))
+    assert s.scale.item() == expected
+    assert int(s.growth_tracker) == n % interval
+    assert int(s.skipped) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    min_exp=st.integers(-126, 0),
+    span=st.integers(0, 127),
+    growth=st.floats(1.0001, 1e6),
+    backoff=st.floats(1e-6, 0.999),
+    interval=st.integers(1, 3),
+    hysteresis=st.integers(1, 3),
+    flags=st.lists(st.booleans(), min_size=1, max_size=60),
+)
+def test_bounds_keep_scale_normal_and_finite(
+    min_exp, span, growth, backoff, interval, hysteresis, flags
+):
+    lo = 2.0**min_exp
+    hi = min(2.0 ** min(min_exp + span, 127), F32.max)
+    s = funcamp.ScalerState.dynamic(
+        lo,
+        growth,
+        backoff,
+        interval,
+        min_scale=lo,
+        max_scale=hi,
+        hysteresis=hysteresis,
+    )
+    for flag in flags:
+        s = funcamp.update(s, torch.tensor(flag))
+        v = s.scale.item()
+        assert math.isfinite(v) and v >= F32.tiny and lo <= v <= hi
+
+
+def test_unbounded_backoff_matches_torch_even_to_zero():
+    # Without min_scale the scale follows torch all the way down (subnormal, then 0).
+    s = funcamp.ScalerState.dynamic(2.0**-120, backoff_factor=0.01)
+    ref_s, ref_t = s.scale.clone(), s.growth_tracker.clone()
+    for _ in range(12):
+        s = funcamp.update(s, torch.tensor(True))
+        torch._amp_update_scale_(ref_s, ref_t, torch.tensor(1.0), 2.0, 0.01, 2000)
+        assert bits_equal(s.scale, ref_s)
+    assert s.scale.item() == 0.0
+
+
+def test_growth_refused_when_grown_scale_not_finite():
+    s = funcamp.ScalerState.dynamic(F32.max, growth_interval=1)
+    s = funcamp.update(s, torch.tensor(False))
+    assert s.scale.item() == F32.max and int(s.growth_tracker) == 0
+
+
+@pytest.mark.parametrize("kind", ["static", "noop"])
+def test_static_and_noop_never_change_scale_but_count_skips(kind):
+    s = funcamp.ScalerState.static(64.0) if kind == "static" else funcamp.ScalerState.noop()
+    scale = s.scale.clone()
+    flags = [True, False, False, True, True, False]
+    for flag in flags:
+        s = funcamp.update(s, torch.tensor(flag))
+        assert bits_equal(s.scale, scale) and s.kind == kind
+    assert int(s.skipped) == sum(flags)
+
+
+def test_noop_still_skips_non_finite_steps():
+    s = funcamp.ScalerState.noop()
+    params = {"w": torch.tensor([1.0, 2.0], dtype=torch.bfloat16)}
+    opt = funcamp.sgd(0.5)
+    grads = {"w": torch.tensor([math.nan, 1.0], dtype=torch.bfloat16)}
+    new, _, info = funcamp.unscale_and_step(s, opt, grads, opt.init(params), params)
+    assert bool(info.found_inf) and bits_equal(new["w"], params["w"])
+    assert int(funcamp.update(s, info.found_inf).skipped) == 1
+
+
+# ----------------------------------------------------------------------- unscale_and_step
+
+
+params_trees = st.fixed_dictionaries(
+    {
+        "w": st.integers(1, 6).map(lambda n: (n, 3)),
+        "b": st.integers(1, 6).map(lambda n: (n,)),
+    }
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=params_trees,
+    seed=st.integers(0, 10_000),
+    poison=st.sampled_from([math.inf, -math.inf, math.nan]),
+    leaf=st.sampled_from(["w", "b"]),
+    warmup=st.integers(0, 3),
+)
+def test_skipped_step_leaves_params_and_opt_state_bit_identical(shapes, seed, poison, leaf, warmup):
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: torch.randn(shape, generator=gen) for k, shape in shapes.items()}
+    opt = momentum()
+    opt_state = opt.init(params)
+    s = funcamp.ScalerState.dynamic(2.0**12)
+
+    def grads():
+        return {k: torch.randn(v.shape, generator=gen) * 2.0**12 for k, v in params.items()}
+
+    for _ in range(warmup):
+        params, opt_state, info = funcamp.unscale_and_step(s, opt, grads(), opt_state, params)
+        assert not bool(info.found_inf)
+    bad = grads()
+    bad[leaf].view(-1)[0] = poison
+    new_params, new_state, info = funcamp.unscale_and_step(s, opt, bad, opt_state, params)
+    assert bool(info.found_inf)
+    for a, b in zip(
+        optree.tree_leaves((new_params, new_state), namespace=NAMESPACE),
+        optree.tree_leaves((params, opt_state), namespace=NAMESPACE),
+    ):
+        assert bits_equal(a, b)
+    # A clean step does move them.
+    moved, moved_state, info = funcamp.unscale_and_step(s, opt, grads(), opt_state, params)
+    assert not bool(info.found_inf)
+    assert int(moved_state["count"]) == warmup + 1
+    assert not torch.equal(moved["w"], params["w"])
+
+
+def test_unscale_and_step_grad_norm_and_half_params():
+    s = funcamp.ScalerState.dynamic(2.0**8)
+    params = {"w": torch.ones(3, dtype=torch.float16), "b": torch.zeros(2)}
+    grads = {
+        "w": torch.tensor([3.0, 4.0, 0.0], dtype=torch.float16) * 2**8,
+        "b": torch.tensor([12.0, 0.0]) * 2**8,
+    }
+    opt = funcamp.sgd(0.125)
+    new, _, info = funcamp.unscale_and_step(s, opt, grads, opt.init(params), params)
+    assert isinstance(info, funcamp.StepInfo)
+    assert info.grad_norm.dtype == torch.float32 and info.grad_norm.item() == 13.0
+    assert info.found_inf.dtype == torch.bool and info.found_inf.dim() == 0
+    assert new["w"].dtype == torch.float16
+    assert new["w"].tolist() == [1 - 0.375, 1 - 0.5, 1.0]
+    assert new["b"].tolist() == [-1.5, 0.0]
+
+
+def test_step_info_is_a_pytree():
+    info = funcamp.StepInfo(torch.tensor(True), torch.tensor(2.0))
+    assert len(optree.tree_leaves(info, namespace=NAMESPACE)) == 2
+    leaves, spec = torch_pytree.tree_flatten(info)
+    assert torch_pytree.tree_unflatten(leaves, spec) == info
+
+
+def test_no_host_sync_in_step(monkeypatch):
+    params = {"w": torch.randn(3, 2), "b": torch.zeros(2)}
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    opt = momentum()
+    opt_state = opt.init(params)
+    s = funcamp.ScalerState.dynamic(2.0**10, growth_interval=2, hysteresis=2, min_scale=1.0)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("host sync")
+
+    monkeypatch.setattr(torch.Tensor, "item", boom)
+    monkeypatch.setattr(torch.Tensor, "__bool__", boom)
+    for poison in (0.0, math.inf, 0.0, 0.0):
+        params, opt_state, s, _ = _train_step(params, opt_state, s, x, y, torch.tensor(poison))
+    monkeypatch.undo()
+    assert int(s.skipped) == 1
+
+
+# ----------------------------------------------------------------------- pytree, vmap, compile
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        rich_state,
+        lambda: funcamp.ScalerState.static(3.0),
+        lambda: funcamp.ScalerState.noop(),
+    ],
+)
+def test_every_field_survives_optree_and_torch_pytree(make):
+    s = make()
+    leaves, spec = optree.tree_flatten(s, namespace=NAMESPACE)
+    assert len(leaves) == 4
+    assert_states_equal(optree.tree_unflatten(spec, leaves), s)
+    assert funcamp._tree.leaf_paths(s) == [f"[{n!r}]" for n in LEAF_FIELDS]
+    leaves, spec = torch_pytree.tree_flatten(s)
+    assert len(leaves) == 4
+    assert_states_equal(torch_pytree.tree_unflatten(leaves, spec), s)
+    keyed, _ = torch_pytree.tree_flatten_with_path(s)
+    assert [torch_pytree.keystr(k) for k, _ in keyed] == [f".{n}" for n in LEAF_FIELDS]
+    # The configuration is part of the structure.
+    other = funcamp.ScalerState.dynamic(growth_interval=5)
+    assert torch_pytree.tree_structure(other) != torch_pytree.tree_structure(s)
+    assert optree.tree_structure(other, namespace=NAMESPACE) != optree.tree_structure(
+        s, namespace=NAMESPACE
+    )
+
+
+def test_every_field_survives_compile_input_and_output():
+    s = rich_state()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def roundtrip(state, flag):
+        return state, funcamp.update(state, flag)
+
+    same, updated = roundtrip(s, torch.tensor(True))
+    assert_states_equal(same, s)
+    assert_states_equal(updated, funcamp.update(s, torch.tensor(True)))
+
+
+def test_vmap_over_stacked_scalers_updates_each_independently():
+    members = [
+        funcamp.ScalerState.dynamic(2.0**k, growth_interval=2, hysteresis=2) for k in (3, 10, 20)
+    ]
+    members[1] = funcamp.update(members[1], torch.tensor(False))
+    members[2] = funcamp.update(members[2], torch.tensor(True))
+    stacked = optree.tree_map(lambda *xs: torch.stack(xs), *members, namespace=NAMESPACE)
+    batched_update = torch.func.vmap(funcamp.update)
+    for flags in ([True, False, False], [False, False, True], [True, True, True]):
+        flag_tensor = torch.tensor(flags)
+        stacked = batched_update(stacked, flag_tensor)
+        members = [funcamp.update(m, torch.tensor(f)) for m, f in zip(members, flags)]
+        for i, m in enumerate(members):
+            member = optree.tree_map(lambda x, i=i: x[i], stacked, namespace=NAMESPACE)
+            assert_states_equal(member, m)
+
+
+def _loss(params, x, y):
+    return ((x @ params["w"] + params["b"] - y) ** 2).mean()
+
+
+def _train_step(params, opt_state, scaler, x, y, poison):
+    def scaled(p):
+        # poison is 0 or inf: multiplying makes the gradients non-finite, not just the loss.
+        loss = _loss(p, x, y) * (1.0 + poison)
+        return funcamp.scale(scaler, loss), loss
+
+    grads, _ = torch.func.grad(scaled, has_aux=True)(params)
+    params, opt_state, info = funcamp.unscale_and_step(
+        scaler, _train_step.opt, grads, opt_state, params
+    )
+    scaler = funcamp.update(scaler, info.found_inf)
+    return params, opt_state, scaler, info
+
+
+_train_step.opt = momentum()
+
+
+@pytest.fixture(scope="module")
+def compiled_step():
+    torch._dynamo.reset()
+    return torch.compile(_train_step, backend="aot_eager", fullgraph=True)
+
+
+def test_compiled_step_no_breaks_no_recompiles(compiled_step):
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 2), "b": torch.zeros(2)}
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    opt_state = _train_step.opt.init(params)
+    s = funcamp.ScalerState.dynamic(2.0**10, growth_interval=2)
+    explain = torch._dynamo.explain(_train_step)(params, opt_state, s, x, y, torch.tensor(0.0))
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+
+    eager = (params, opt_state, s)
+    compiled = (params, opt_state, s)
+    scales = set()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(20):
+            poison = torch.tensor(math.inf if i % 6 == 5 else 0.0)
+            *eager, _ = _train_step(*eager, x, y, poison)
+            *compiled, info = compiled_step(*compiled, x, y, poison)
+            assert bool(info.found_inf) == (i % 6 == 5)
+            assert_states_equal(compiled[2], eager[2])
+            for a, b in zip(
+                optree.tree_leaves(compiled[:2], namespace=NAMESPACE),
+                optree.tree_leaves(eager[:2], namespace=NAMESPACE),
+            ):
+                assert bits_equal(a, b)
+            scales.add(compiled[2].scale.item())
+    assert len(scales) > 3
+    assert int(compiled[2].skipped) == 3
+
+
+def test_inductor_update_and_unscale_bit_identical_to_eager():
+    """Inductor keeps the float64 products and float32 rounding of the update kernel."""
+
+    def f(state, grads):
+        unscaled, found_inf = funcamp.unscale(state, grads)
+        return unscaled, found_inf, funcamp.update(state, found_inf)
+
+    compiled = torch.compile(f, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    grads = {"a": torch.randn(7, generator=gen), "b": torch.randn(5, generator=gen).half()}
+    state = funcamp.ScalerState.dynamic(3.0, 1.0001, 0.9, 1)
+    ref = state
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(30):
+            g = dict(grads)
+            if i % 4 == 3:
+                g["a"] = g["a"].clone().index_fill_(0, torch.tensor([2]), math.nan)
+            got_grads, got_inf, state = compiled(state, g)
+            want_grads, want_inf, ref = f(ref, g)
+            assert bool(got_inf) == bool(want_inf)
+            assert_states_equal(state, ref)
+            for k in g:
+                assert torch.equal(got_grads[k].nan_to_num(), want_grads[k].nan_to_num())
+
+
+# ----------------------------------------------------------------------- GradScaler interop
+
+
+def _drive_grad_scaler(gs: torch.amp.GradScaler, flags: list[bool]) -> None:
+    """Run GradScaler's public loop (scale, backward, unscale_, step, update) once per flag,
+    with an inf injected into the gradient where the flag is True."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for flag in flags:
+        opt.zero_grad()
+        gs.scale((p * 3.0).sum()).backward()
+        if flag:
+            p.grad[0] = math.inf
+        gs.unscale_(opt)
+        gs.step(opt)
+        gs.update()
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+def test_from_grad_scaler_round_trips_state_dict(initialized):
+    gs = torch.amp.GradScaler(
+        "cpu", init_scale=3.0e5, growth_factor=1.7, backoff_factor=0.3, growth_interval=4
+    )
+    if initialized:
+        _drive_grad_scaler(gs, [False, True, False, False])
+    for source in (gs, gs.state_dict()):
+        s = funcamp.ScalerState.from_grad_scaler(source)
+        assert s.to_grad_scaler_state_dict() == gs.state_dict()
+
+
+def test_disabled_grad_scaler_is_noop():
+    gs = torch.amp.GradScaler("cpu", enabled=False)
+    s = funcamp.ScalerState.from_grad_scaler(gs)
+    assert s.kind == "noop" and s.to_grad_scaler_state_dict() == {} == gs.state_dict()
+    assert funcamp.ScalerState.from_grad_scaler({}).kind == "noop"
+
+
+def test_grad_scaler_loaded_from_ours_continues_bit_identically():
+    gen = torch.Generator().manual_seed(1)
+    s = funcamp.ScalerState.dynamic(12345.0, 1.0001, 0.9, 3)
+    for _ in range(10):
+        s = funcamp.update(s, torch.rand((), generator=gen) < 0.3)
+    gs = torch.amp.GradScaler("cpu")
+    gs.load_state_dict(s.to_grad_scaler_state_dict())
+    for _ in range(40):
+        flag = bool(torch.rand((), generator=gen) < 0.3)
+        _drive_grad_scaler(gs, [flag])
+        s = funcamp.update(s, torch.tensor(flag))
+        assert bits_equal(s.scale, gs._scale) and bits_equal(s.growth_tracker, gs._growth_tracker)
+    back = funcamp.ScalerState.from_grad_scaler(gs)
+    assert bits_equal(back.scale, s.scale) and bits_equal(back.growth_tracker, s.growth_tracker)
+
+
+def test_grad_scaler_interop_errors():
+    with pytest.raises(ValueError, match=r"has no static mode"):
+        funcamp.ScalerState.static(2.0).to_grad_scaler_state_dict()
+    with pytest.raises(ValueError, match=r"cannot represent hysteresis=2"):
+        funcamp.ScalerState.dynamic(hysteresis=2).to_grad_scaler_state_dict()
+    with pytest.raises(ValueError, match=r"missing \['_growth_tracker'\]"):
+        funcamp.ScalerState.from_grad_scaler(
+            {"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1}
+        )
+    with pytest.raises(TypeError, match=r"`scaler_or_state_dict` must be"):
+        funcamp.ScalerState.from_grad_scaler(3.0)
+    bad = torch.amp.GradScaler("cpu", growth_interval=0).state_dict()
+    with pytest.raises(ValueError, match=r"`growth_interval` must be an int >= 1, got 0"):
+        funcamp.ScalerState.from_grad_scaler(bad)
