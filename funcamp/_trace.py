@@ -29,6 +29,13 @@ class OpRecord(NamedTuple):
         module: path of the innermost module running (``"encoder.0.attn"``), or None.
         inplace: True for in-place ops (never cast).
         out: True for calls given ``out=`` (never cast).
+
+    Example:
+        >>> import torch, funcamp
+        >>> x = torch.ones(2, 2)
+        >>> record = funcamp.trace(torch.matmul, "mixed_bfloat16")(x, x)[0]
+        >>> record.op, record.rule, record.output_dtypes
+        ('matmul', <OpRule.COMPUTE: 'compute'>, (torch.bfloat16,))
     """
 
     op: str
@@ -98,6 +105,12 @@ class AmpTrace:
         output: what the traced function returned (cast to the output dtype, as ``amp`` does).
         records: one :class:`OpRecord` per op call, in call order.
         policy: the policy the function ran under.
+
+    Example:
+        >>> import torch, funcamp
+        >>> t = funcamp.trace(lambda x: (x @ x).sum(), "mixed_bfloat16")(torch.ones(2, 2))
+        >>> len(t), t.output, t.summary()
+        (2, tensor(8.), {('compute', 'bfloat16'): 1, ('float32', 'float32'): 1})
     """
 
     def __init__(self, output: Any, records: list[OpRecord], policy: Policy) -> None:
