@@ -10,6 +10,7 @@ inside are seen too (see :func:`_unchecked_copies`).
 
 from __future__ import annotations
 
+import dis
 import fnmatch
 import functools
 import threading
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import torch
+from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
 from funcamp._ops import (
@@ -50,6 +52,7 @@ class _Context(NamedTuple):
     table: dict[Any, tuple[OpRule, str]]  # __name__ (or a user's callable) -> (rule, op)
     by_identity: bool  # whether the table also holds callables (ops funcamp knows no name of)
     modules: tuple[tuple[Any, _Context], ...]
+    composites: dict[tuple[str, str], Any]  # the Python composites to re-enter under this table
 
 
 @functools.lru_cache(maxsize=128)
@@ -61,7 +64,10 @@ def _context(policy: Policy) -> _Context:
             table[key] = (rule, _NAME_TO_OP.get(name, name) if isinstance(key, str) else name)
     modules = tuple((key, _context(sub)) for key, sub in policy.module_policies)
     by_identity = any(not isinstance(k, str) for k in table)
-    return _Context(policy, policy.compute_dtype, policy.output_dtype, table, by_identity, modules)
+    composites = _reentered(table)
+    return _Context(
+        policy, policy.compute_dtype, policy.output_dtype, table, by_identity, modules, composites
+    )
 
 
 def _qualname(fn: Any) -> str:
@@ -70,9 +76,6 @@ def _qualname(fn: Any) -> str:
 
 # __name__ of an entry point -> canonical op name (e.g. "__rmatmul__" -> "matmul")
 _NAME_TO_OP = {getattr(fn, "__name__", ""): name for fn, name in _name_index().items()}
-
-
-_FULL_PRECISION = _context(Policy(ops=OpPolicy.none()))
 
 
 # -- the re-entry of Python composites --------------------------------------------------------
@@ -179,6 +182,18 @@ def cast_args(
 
 
 # -- module policies ----------------------------------------------------------------------------
+_GLOBAL_PRE_HOOKS = _nn_module._global_forward_pre_hooks
+_GLOBAL_HOOKS = _nn_module._global_forward_hooks
+_GLOBAL_HOOKS_ALWAYS_CALLED = _nn_module._global_forward_hooks_always_called
+
+
+@torch._dynamo.assume_constant_result
+def _glob_match(path: str, pattern: str) -> bool:
+    # fnmatch's pattern compiler calls object(), which dynamo cannot trace; paths and patterns
+    # are Python strings, so the match is a constant of the trace.
+    return fnmatch.fnmatchcase(path, pattern)
+
+
 class _ModuleFrame(NamedTuple):
     path: str
     ctx: _Context | None  # the module policy that matched, or None
@@ -192,21 +207,28 @@ class _ModuleTracker:
         self.rules = rules
         self.frames: list[_ModuleFrame] = []
         self.paths: dict[int, str] = {}
-        self.handles: list[Any] = []
 
     def __enter__(self) -> _ModuleTracker:
-        from torch.nn.modules import module as nn_module
-
-        self.handles = [
-            nn_module.register_module_forward_pre_hook(self._pre),
-            nn_module.register_module_forward_hook(self._post, always_call=True),
-        ]
+        # Written into torch's global hook dicts directly, keyed by this tracker, instead of
+        # through ``register_module_forward_(pre_)hook``: their ``RemovableHandle`` bumps a
+        # class-level id counter, which dynamo cannot trace (a graph break, so
+        # ``torch.compile(fullgraph=True)`` of an amp call with module policies failed). Dict
+        # insertions and deletions trace fine, and the hooks then apply inside the same graph.
+        _GLOBAL_PRE_HOOKS[self] = self._pre
+        _GLOBAL_HOOKS[self] = self._post
+        _GLOBAL_HOOKS_ALWAYS_CALLED[self] = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        _GLOBAL_PRE_HOOKS.pop(self, None)
+        _GLOBAL_HOOKS.pop(self, None)
+        _GLOBAL_HOOKS_ALWAYS_CALLED.pop(self, None)
+
+    def _active(self) -> bool:
+        # Global hooks fire for modules run in any thread and under any mode: act only for
+        # modules run by this tracker's thread while its mode is the innermost one there.
+        stack = _ACTIVE.stack
+        return bool(stack) and stack[-1] is self.mode
 
     def _match(self, module: torch.nn.Module, path: str) -> _Context | None:
         found: _Context | None = None
@@ -214,11 +236,13 @@ class _ModuleTracker:
             if isinstance(key, type) and isinstance(module, key) and found is None:
                 found = policy
         for key, policy in self.rules:
-            if isinstance(key, str) and fnmatch.fnmatchcase(path, key):
+            if isinstance(key, str) and _glob_match(path, key):
                 found = policy
         return found
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+        if not self._active():
+            return None
         if not self.frames:
             self.paths = {}
             for name, sub in module.named_modules(remove_duplicate=False):
@@ -232,7 +256,7 @@ class _ModuleTracker:
         return _cast_floating(args, ctx.compute_dtype)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        if not self.frames:
+        if not self.frames or not self._active():
             return None
         frame = self.frames.pop()
         if frame.ctx is None:
@@ -276,7 +300,7 @@ class _AmpMode(TorchFunctionMode):
         if entry is None and ctx.by_identity:
             entry = ctx.table.get(func)
         if entry is None or "out" in kwargs:
-            composite = _COMPOSITES.get((getattr(func, "__module__", None), name))
+            composite = ctx.composites.get((getattr(func, "__module__", None), name))
             if composite is not None:
                 with self:
                     return composite(*args, **kwargs)
@@ -302,6 +326,78 @@ _COMPOSITES = _unchecked_copies(python_composites())
 _COMPOSITES[(torch.Tensor.unflatten.__module__, torch.Tensor.unflatten.__name__)] = (
     _tensor_unflatten  # type: ignore[assignment]
 )
+
+
+_OPERATOR_OPCODES = frozenset(
+    {"BINARY_MATRIX_MULTIPLY", "INPLACE_MATRIX_MULTIPLY", "BINARY_POWER", "INPLACE_POWER"}
+)
+_OPERATOR_ARGS = frozenset({"@", "@=", "**", "**="})
+_OPERATOR_NAMES = ("__matmul__", "__rmatmul__", "__imatmul__", "__pow__", "__rpow__", "__ipow__")
+# The __torch_function__ plumbing at a composite's entry: never reached in the unchecked copies.
+_PLUMBING = frozenset({"handle_torch_function", *_UNCHECKED_GLOBALS})
+_ALWAYS_REENTERED = frozenset({(torch.Tensor.unflatten.__module__, "unflatten")})
+
+
+def _code_names(code: types.CodeType) -> tuple[set[str], bool]:
+    """Names a code object (and the code nested in it) refers to; whether it uses ``@``/``**``."""
+    names = set(code.co_names)
+    operator = any(
+        ins.opname in _OPERATOR_OPCODES
+        or (ins.opname == "BINARY_OP" and ins.argrepr in _OPERATOR_ARGS)
+        for ins in dis.get_instructions(code)
+    )
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            inner, inner_operator = _code_names(const)
+            names |= inner
+            operator = operator or inner_operator
+    return names, operator
+
+
+def _reentered(table: dict[Any, Any]) -> dict[tuple[str, str], Any]:
+    """The Python composites whose body may reach an op of ``table``.
+
+    Re-entering a composite costs a second trip through the mode for every torch call inside
+    it; a thin wrapper such as ``F.relu`` whose body names no listed op, calls no ``@``/``**``
+    and calls no other Python function that might, runs as called instead (the same result: its
+    inner ops are run as called either way). The check is conservative: any Python helper
+    other than a composite shown not to need it makes the composite re-entered.
+    """
+    if any(not isinstance(key, str) for key in table):
+        return dict(_COMPOSITES)  # ops given as callables: match them wherever they are called
+    listed = set(table)
+    operator_listed = any(name in listed for name in _OPERATOR_NAMES)
+    memo: dict[tuple[str, str], bool] = {}
+
+    def needs(key: tuple[str, str]) -> bool:
+        if key in memo:
+            return memo[key]
+        memo[key] = True  # a cycle counts as "may reach a listed op"
+        original = getattr(_COMPOSITES[key], "__wrapped__", None)
+        result = True
+        if isinstance(original, types.FunctionType) and key not in _ALWAYS_REENTERED:
+            names, operator = _code_names(original.__code__)
+            result = bool(names & listed) or (operator and operator_listed)
+            for name in names:
+                if result:
+                    break
+                value = original.__globals__.get(name)
+                if value is original or name in _PLUMBING:
+                    continue  # an attribute named like the function itself (torch.relu)
+                if isinstance(value, types.FunctionType):
+                    sub = (value.__module__, value.__name__)
+                    helper = _COMPOSITES.get(sub)
+                    if helper is None or getattr(helper, "__wrapped__", None) is not value:
+                        result = True  # a Python helper we know nothing about
+                    else:
+                        result = needs(sub)
+        memo[key] = result
+        return result
+
+    return {key: fn for key, fn in _COMPOSITES.items() if needs(key)}
+
+
+_FULL_PRECISION = _context(Policy(ops=OpPolicy.none()))
 
 
 class _ActiveModes(threading.local):

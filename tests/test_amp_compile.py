@@ -1,0 +1,144 @@
+"""amp under torch.compile(fullgraph=True): one graph, no breaks, the same numbers as eager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from amp_zoo import make_case, one_thread  # noqa: F401 (autouse fixture)
+from torch import nn
+from torch.func import functional_call, grad
+
+import funcamp
+from funcamp import OpPolicy, Policy
+
+BF16 = torch.bfloat16
+CPU_AUTOCAST = Policy(compute_dtype=BF16, ops=OpPolicy.autocast("cpu"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def assert_one_graph(fn: Any, *args: Any) -> None:
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def compile_counting(fn: Any) -> tuple[Any, list[Any]]:
+    """torch.compile(fn, fullgraph=True) on aot_eager, recording the graphs it compiles."""
+    graphs: list[Any] = []
+    aot_eager = torch._dynamo.backends.registry.lookup_backend("aot_eager")
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    return torch.compile(fn, fullgraph=True, backend=backend), graphs
+
+
+def assert_trees_equal(a: Any, b: Any) -> None:
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            assert_trees_equal(u, v)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_trees_equal(a[k], b[k])
+    else:
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def block() -> Any:
+    return make_case("block", 0)
+
+
+def test_amp_and_grad_of_amp_have_no_graph_breaks() -> None:
+    _, params, loss, (x, y) = make_case("mlp", 0)
+    assert_one_graph(funcamp.amp(loss, "mixed_bfloat16"), params, x, y)
+    assert_one_graph(grad(funcamp.amp(loss, "mixed_bfloat16")), params, x, y)
+
+
+def test_compiled_matches_eager(block: Any) -> None:
+    _, params, loss, (x, y) = block
+    f = funcamp.amp(loss, "mixed_bfloat16")
+    compiled_f, graphs = compile_counting(f)
+    assert_trees_equal(compiled_f(params, x, y), f(params, x, y))
+    g = torch.func.grad_and_value(f)
+    compiled_g, graphs_g = compile_counting(g)
+    assert_trees_equal(compiled_g(params, x, y), g(params, x, y))
+    assert len(graphs) == len(graphs_g) == 1
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_compiled_amp_matches_compiled_autocast_and_eager(block: Any) -> None:
+    _, params, loss, (x, y) = block
+
+    def under_autocast(p: Any, x: Any, y: Any) -> Any:
+        with torch.autocast("cpu", BF16):
+            return loss(p, x, y)
+
+    ours = torch.func.grad_and_value(funcamp.amp(loss, CPU_AUTOCAST))
+    theirs = torch.func.grad_and_value(under_autocast)
+    compiled_ours, graphs = compile_counting(ours)
+    compiled_theirs = torch.compile(theirs, fullgraph=True, backend="aot_eager")
+    got = compiled_ours(params, x, y)
+    assert len(graphs) == 1
+    assert_trees_equal(got, compiled_theirs(params, x, y))
+    assert_trees_equal(got, ours(params, x, y))
+
+
+def test_inductor_matches_eager() -> None:
+    torch.manual_seed(0)
+    w, x = torch.randn(16, 4), torch.randn(8, 16)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(torch.relu(x) @ w, dim=-1)
+
+    g = funcamp.amp(f, "mixed_bfloat16")
+    got, want = torch.compile(g, fullgraph=True)(w, x), g(w, x)
+    assert got.dtype == want.dtype == torch.float32
+    # log_softmax ran in float32 on bf16 matmul output: equal up to float32 rounding.
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(want, f(w, x))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.head(self.enc(x)), dim=-1)
+
+
+def test_module_policies_compile_to_one_graph_and_match_eager() -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x = torch.randn(5, 8)
+    policy = funcamp.get_policy("mixed_bfloat16").with_module_policies(
+        {"enc.0": "float32", nn.LayerNorm: "bf16"}
+    )
+
+    def loss(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(net, p, (x,)).square().sum()
+
+    f = funcamp.amp(loss, policy)
+    g = torch.func.grad_and_value(f)
+    compiled, graphs = compile_counting(g)
+    assert_trees_equal(compiled(params, x), g(params, x))
+    assert len(graphs) == 1
+    # The policies did act: float32 in enc.0 changes the loss.
+    assert not torch.equal(f(params, x), funcamp.amp(loss, "mixed_bfloat16")(params, x))
+    nn_module = torch.nn.modules.module
+    assert not nn_module._global_forward_pre_hooks and not nn_module._global_forward_hooks
+    assert torch._C._len_torch_function_stack() == 0

@@ -1,0 +1,184 @@
+"""Policy and get_policy: grammar, canonical strings, casting, immutability, errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import funcamp
+from funcamp import OpPolicy, OpRule, Policy, get_policy
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+FLOATS = st.sampled_from([F16, BF16, F32, F64])
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("float32", (F32, F32, F32)),
+        ("bf16", (BF16, BF16, BF16)),
+        ("half", (F16, F16, F16)),
+        ("p=f32,c=bf16", (F32, BF16, BF16)),
+        ("params=float32,compute=float16,output=float32", (F32, F16, F32)),
+        ("c=bf16,o=full", (F32, BF16, F32)),
+        ("p=bf16", (BF16, BF16, BF16)),
+        (" P = F64 ", (F64, F64, F64)),
+        ("mixed_float16", (F32, F16, F32)),
+        ("16-mixed", (F32, F16, F32)),
+        ("mixed_bfloat16", (F32, BF16, F32)),
+        ("bf16-mixed", (F32, BF16, F32)),
+        ("bf16-true", (BF16, BF16, BF16)),
+        ("32-true", (F32, F32, F32)),
+        ("torch.bfloat16", (BF16, BF16, BF16)),
+    ],
+)
+def test_get_policy_grammar(spec: str, expected: tuple[torch.dtype, ...]) -> None:
+    p = get_policy(spec)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == expected
+    assert p.ops == OpPolicy.default() and p.module_policies == ()
+
+
+def test_str_is_canonical_and_repr_shows_overrides() -> None:
+    p = get_policy("c=bf16,o=f32")
+    assert str(p) == "params=float32,compute=bfloat16,output=float32"
+    assert repr(p) == "Policy('params=float32,compute=bfloat16,output=float32')"
+    q = p.with_op_rules({"softmax": OpRule.COMPUTE}).with_module_policies({nn.LayerNorm: "f32"})
+    assert str(q) == str(p)
+    assert "ops=" in repr(q) and "LayerNorm" in repr(q)
+
+
+@settings(max_examples=50, deadline=None)
+@given(param=FLOATS, compute=FLOATS, output=FLOATS)
+def test_str_round_trips(param: torch.dtype, compute: torch.dtype, output: torch.dtype) -> None:
+    p = Policy(param, compute, output)
+    assert get_policy(str(p)) == p
+    assert hash(get_policy(str(p))) == hash(p)
+
+
+def test_policies_are_immutable_values() -> None:
+    p = get_policy("mixed_bfloat16")
+    q = p.with_op_rules({"softmax": OpRule.COMPUTE})
+    r = p.with_module_policies({"enc.*": "float32"})
+    assert p.ops["softmax"] is OpRule.FLOAT32 and q.ops["softmax"] is OpRule.COMPUTE
+    assert p.module_policies == () and r.module_policies == (("enc.*", get_policy("float32")),)
+    assert p == get_policy("mixed_bfloat16") and p != q and p != r
+    assert len({p, q, r, get_policy("bf16-mixed")}) == 3
+    with pytest.raises(AttributeError):
+        p.compute_dtype = F32  # type: ignore[misc]
+    # Same key again replaces, and keeps one entry.
+    r2 = r.with_module_policies({"enc.*": "bf16"})
+    assert r2.module_policies == (("enc.*", get_policy("bf16")),)
+
+
+# -- casting ----------------------------------------------------------------------------------
+def _leaf() -> Any:
+    return st.one_of(
+        st.sampled_from([F16, BF16, F32, F64]).map(lambda d: torch.ones(2, dtype=d)),
+        st.sampled_from([torch.int32, torch.int64, torch.bool, torch.uint8]).map(
+            lambda d: torch.zeros(2, dtype=d)
+        ),
+        st.sampled_from([None, 1, 2.5, "s", F32]),
+    )
+
+
+TREES = st.recursive(
+    _leaf(),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.tuples(children, children),
+        st.dictionaries(st.sampled_from("abc"), children, max_size=3),
+    ),
+    max_leaves=8,
+)
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Any]:
+    import optree
+
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(tree=TREES, policy=st.builds(Policy, FLOATS, FLOATS, FLOATS))
+def test_cast_functions_preserve_structure_and_non_floating_leaves(
+    tree: Any, policy: Policy
+) -> None:
+    before, spec = _flatten(tree)
+    casts = [
+        (policy.cast_to_param, policy.param_dtype, True),
+        (policy.cast_to_compute, policy.compute_dtype, True),
+        (policy.cast_to_output, policy.output_dtype, True),
+        (lambda t: funcamp.tree_cast(t, policy.compute_dtype), policy.compute_dtype, False),
+    ]
+    for cast, dtype, keeps_float64 in casts:
+        after, spec_after = _flatten(cast(tree))
+        assert spec_after == spec
+        for old, new in zip(before, after):
+            if not (isinstance(old, torch.Tensor) and old.is_floating_point()):
+                assert new is old
+            elif old.dtype == F64 and dtype != F64 and keeps_float64:
+                assert new is old  # float64 is left alone unless asked for
+            else:
+                assert new.dtype == dtype
+                if old.dtype == dtype:
+                    assert new is old
+
+
+# -- errors -------------------------------------------------------------------------------------
+def test_unknown_dtype_name() -> None:
+    with pytest.raises(ValueError, match=r"funcamp.get_policy: unknown dtype name 'f8'; valid"):
+        get_policy("c=f8")
+    with pytest.raises(ValueError, match=r"unknown dtype name 'int8'.*bfloat16"):
+        get_policy("int8")
+
+
+def test_unknown_key() -> None:
+    with pytest.raises(ValueError, match=r"unknown key 'x' in 'x=f32'.*p\|params"):
+        get_policy("x=f32")
+
+
+def test_duplicate_key() -> None:
+    with pytest.raises(ValueError, match=r"duplicate key 'compute' in 'c=bf16,compute=f16'"):
+        get_policy("c=bf16,compute=f16")
+
+
+def test_bad_parts_and_types() -> None:
+    with pytest.raises(ValueError, match=r"bad part 'bf16' in 'p=f32,bf16'"):
+        get_policy("p=f32,bf16")
+    with pytest.raises(ValueError, match=r"empty policy spec"):
+        get_policy("  ")
+    with pytest.raises(TypeError, match=r"`spec` must be a str"):
+        get_policy(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["bf16", torch.int32, 16, None])
+def test_non_dtype_policy_field(value: Any) -> None:
+    with pytest.raises(TypeError, match=r"funcamp.Policy: `compute_dtype` must be a floating"):
+        Policy(compute_dtype=value)
+
+
+def test_rule_that_is_not_an_oprule() -> None:
+    p = get_policy("mixed_bfloat16")
+    with pytest.raises(TypeError, match=r"the rule for 'softmax' must be an OpRule.*got str"):
+        p.with_op_rules({"softmax": "compute"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match=r"funcamp.OpPolicy: the rule for 'linear' must be"):
+        OpPolicy({"linear": 1})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("key", [3, nn.Linear(2, 2), int, None])
+def test_module_key_neither_module_class_nor_string(key: Any) -> None:
+    with pytest.raises(TypeError, match=r"module keys must be torch.nn.Module subclasses"):
+        get_policy("mixed_bfloat16").with_module_policies({key: "float32"})
+
+
+def test_module_policy_value_and_empty_glob() -> None:
+    p = get_policy("mixed_bfloat16")
+    with pytest.raises(TypeError, match=r"the policy for 'enc' must be a Policy or a policy"):
+        p.with_module_policies({"enc": 3})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"module path glob must not be empty"):
+        p.with_module_policies({"": "f32"})

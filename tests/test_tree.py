@@ -1,0 +1,79 @@
+"""tree_cast, all_finite, tree_select."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import funcamp
+
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+
+
+class Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+def test_tree_cast() -> None:
+    tree = {"w": torch.ones(2), "d": torch.ones(1, dtype=F64), "i": torch.arange(2), "s": "x"}
+    out = funcamp.tree_cast(tree, BF16)
+    assert out["w"].dtype == BF16 and out["d"].dtype == BF16
+    assert out["i"] is tree["i"] and out["s"] == "x"
+    assert funcamp.tree_cast(tree, F32)["w"] is tree["w"]  # no copy when already there
+    every = funcamp.tree_cast(tree, F32, only_floating=False)
+    assert every["i"].dtype == F32 and every["s"] == "x"
+    with pytest.raises(TypeError, match=r"funcamp.tree_cast: `dtype` must be a torch.dtype"):
+        funcamp.tree_cast(tree, "bf16")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("tree", "expected"),
+    [
+        ({}, True),
+        ([], True),
+        ({"a": torch.ones(3), "b": torch.empty(0)}, True),
+        ({"a": torch.ones(3), "n": torch.tensor([float("nan")])}, False),
+        (Pair(torch.tensor([1.0, float("-inf")], dtype=BF16), 1), False),
+        ({"i": torch.arange(3), "s": "x", "none": None}, True),
+    ],
+)
+def test_all_finite(tree: Any, expected: bool) -> None:
+    out = funcamp.all_finite(tree)
+    assert out.dtype == torch.bool and out.shape == () and bool(out) is expected
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    values=st.lists(
+        st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=6
+    ),
+    pred=st.booleans(),
+)
+def test_tree_select_is_leafwise_where(values: list[float], pred: bool) -> None:
+    new = {"w": torch.tensor(values), "meta": "m", "p": Pair(torch.ones(1, dtype=BF16), 3)}
+    old = {"w": torch.tensor(values[::-1]), "meta": "m", "p": Pair(torch.zeros(1, dtype=BF16), 3)}
+    out = funcamp.tree_select(torch.tensor(pred), new, old)
+    chosen = new if pred else old
+    assert optree.tree_structure(out) == optree.tree_structure(chosen)
+    assert torch.equal(out["w"].view(torch.int32), chosen["w"].view(torch.int32))  # bits, nan too
+    assert torch.equal(out["p"].a, chosen["p"].a) and out["p"].a.dtype == BF16
+    assert out["meta"] == "m" and out["p"].b == 3
+    assert bool(funcamp.all_finite(out)) is all(abs(v) < float("inf") for v in chosen["w"].tolist())
+
+
+def test_tree_select_errors() -> None:
+    a = {"w": torch.ones(2)}
+    with pytest.raises(TypeError, match=r"`pred` must be a 0-d bool tensor, got bool True"):
+        funcamp.tree_select(True, a, a)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"must have the same structure"):
+        funcamp.tree_select(torch.tensor(True), a, {"v": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"leaf \['w'\] differs in shape or dtype"):
+        funcamp.tree_select(torch.tensor(True), a, {"w": torch.ones(2, dtype=BF16)})
+    with pytest.raises(ValueError, match=r"non-tensor leaf \['n'\] differs: 1 vs 2"):
+        funcamp.tree_select(torch.tensor(True), {"n": 1}, {"n": 2})
