@@ -257,7 +257,7 @@ def op_name(op: OpKey) -> str | None:
 
 def _normalize_key(op: Any, api: str) -> OpKey:
     if isinstance(op, str):
-        if not op or not _entry_points(op):
+        if not op or not (_entry_points(op) or op in _CUDA_TABLE or op in _CPU_TABLE):
             raise ValueError(
                 f"funcamp.{api}: unknown op name {op!r}: no torch, torch.nn.functional, "
                 "torch.linalg, torch.fft or Tensor entry point has that name; pass the callable "
