@@ -4,24 +4,40 @@ Both sides run the same work on one grad tree (10M float32 elements on CPU, 100M
 
 * torch:   ``GradScaler.unscale_(opt)`` + ``GradScaler.step(opt)`` with ``torch.optim.SGD``
   (in place; ``step`` syncs with the host to decide whether to skip).
-* funcamp: ``funcamp.unscale_and_step`` with ``funcamp.sgd`` -- unscale into new tensors, finite
-  check, SGD, ``tree_select`` of the old/new params, grad norm; no host sync.
+* funcamp: ``funcamp.unscale_and_step`` with ``funcamp.sgd`` -- unscale, finite check, SGD,
+  select of the old/new params, grad norm; no host sync, inputs never modified.
+
+Two splits of the same element count (``--split``, default both):
+
+* ``original``: the first benchmark's split, 4 big matrices (16/10/8/4 MB) and 4 vectors.
+* ``model``: transformer-like leaves -- an embedding and 3 blocks of d_model 512 (qkv, out
+  projection, two MLP matrices, biases, layer norms): 37 leaves of at most 4 MB.
+
+Rows (ratio = funcamp / torch, lower is better):
+
+* ``step, eager``: the public default; the grads are the caller's and stay untouched.
+* ``step, eager, donate_grads``: the train-step entry, where the step owns its grads (they come
+  from ``torch.func.grad``); each run gets a fresh copy made outside the timed region, as
+  ``torch`` gets its ``.grad`` reset outside it.
+* ``unscale + check only``: ``funcamp.unscale`` vs ``GradScaler.unscale_`` (fused kernel on a
+  copy), and the pure-torch path that runs under transforms.
+* ``step, compiled``: the public step under ``torch.compile(fullgraph=True)`` (inductor).
 
 Runs are interleaved in one process (alternating which side goes first) and the median of
-``--runs`` runs is reported, with the ratio funcamp / torch (lower is better). The compiled row
-runs the funcamp step under ``torch.compile(fullgraph=True)`` (inductor). Component rows time the
-unscale + finite check alone (``funcamp.unscale`` vs ``GradScaler.unscale_``), with the fused
-kernel funcamp uses in eager and with its pure-torch fallback.
+``--runs`` runs is reported. Allocation of fresh 4-40 MB tensors (page faults) is a large part of
+the cost on CPU; the library never tunes the allocator, and neither does this script.
 
 Usage::
 
-    python benchmarks/scaler.py                 # CPU, 10M elements
+    python benchmarks/scaler.py                 # CPU, 10M elements, both splits, 1 thread
     python benchmarks/scaler.py --device cuda   # 100M elements
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -39,13 +55,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _shapes(numel: int) -> list[tuple[int, ...]]:
-    """A model-like split: a few big matrices and some small vectors."""
+def _original_shapes(numel: int) -> list[tuple[int, ...]]:
+    """The original split: 4 big matrices (40/25/20/10% of the elements) and 4 vectors."""
     fractions = [0.4, 0.25, 0.2, 0.1]
     shapes: list[tuple[int, ...]] = [(int(numel * f) // 1000, 1000) for f in fractions]
     rest = numel - sum(a * b for a, b in shapes)
     shapes += [(rest // 4,)] * 3 + [(rest - 3 * (rest // 4),)]
     return shapes
+
+
+def _model_shapes(numel: int) -> list[tuple[int, ...]]:
+    """Transformer-like leaves: an embedding plus pre-LN blocks of width d (qkv, out projection,
+    MLP 4d, biases, layer norms), d and the block count chosen to come close to ``numel``."""
+    d = 512 if numel < 50_000_000 else 1024
+    block: list[tuple[int, ...]] = [
+        (d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),
+        (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,),
+    ]  # fmt: skip
+    per_block = sum(math.prod(s) for s in block)
+    vocab = 1000
+    blocks = max(1, round((numel - vocab * d) / per_block))
+    return [(vocab, d)] + block * blocks
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
@@ -56,23 +86,10 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--numel", type=int, default=None, help="grad elements (10M/100M)")
-    parser.add_argument("--runs", type=int, default=25)
-    parser.add_argument("--no-compile", action="store_true", help="skip the compiled row")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
     numel = args.numel or (100_000_000 if device.type == "cuda" else 10_000_000)
-    if args.runs < 20:
-        parser.error("--runs must be >= 20")
-
+    shapes = (_original_shapes if split == "original" else _model_shapes)(numel)
     gen = torch.Generator().manual_seed(0)
-    shapes = _shapes(numel)
     scale = 2.0**16
     params = {f"p{i}": torch.randn(s, generator=gen).to(device) for i, s in enumerate(shapes)}
     grads = {k: (torch.randn(v.shape, generator=gen) * scale).to(device) for k, v in params.items()}
@@ -109,6 +126,16 @@ def main() -> None:
     def ours_step() -> object:
         return ours_step_fn(state, grads, opt_state, params)
 
+    donated: list[dict[str, torch.Tensor]] = []
+
+    def make_donated() -> None:
+        donated[:] = [{k: v.clone() for k, v in grads.items()}]
+
+    def ours_donated() -> object:
+        return funcamp.unscale_and_step(
+            state, sgd, donated.pop(), opt_state, params, donate_grads=True
+        )
+
     def ours_unscale() -> object:
         return funcamp.unscale(state, grads)
 
@@ -117,10 +144,13 @@ def main() -> None:
     def ours_unscale_pure() -> object:
         return _unscale_leaves(grad_leaves, state.scale, fused=False)
 
-    rows: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
-        ("step, eager", ours_step, torch_step),
-        ("unscale + check only, eager", ours_unscale, torch_unscale),
-        ("  same, pure-torch path (no fused)", ours_unscale_pure, torch_unscale),
+    Row = tuple[str, Callable[[], object], Callable[[], object], Callable[[], None] | None]
+    rows: list[Row] = [("step, eager", ours_step, torch_step, None)]
+    if "donate_grads" in inspect.signature(funcamp.unscale_and_step).parameters:
+        rows.append(("step, eager, donate_grads", ours_donated, torch_step, make_donated))
+    rows += [
+        ("unscale + check only, eager", ours_unscale, torch_unscale, None),
+        ("  same, pure-torch path (no fused)", ours_unscale_pure, torch_unscale, None),
     ]
     if not args.no_compile:
         compiled = torch.compile(ours_step_fn, fullgraph=True)
@@ -130,17 +160,21 @@ def main() -> None:
         def ours_compiled() -> object:
             return compiled(state, grads, opt_state, params)
 
-        rows.append(("step, funcamp compiled (inductor)", ours_compiled, torch_step))
+        rows.append(("step, compiled (inductor)", ours_compiled, torch_step, None))
 
+    biggest = max(math.prod(s) for s in shapes) * 4 / 2**20
     print(
-        f"device={device} numel={numel:,} leaves={len(shapes)} runs={args.runs} "
+        f"split={split} device={device} numel={sum(math.prod(s) for s in shapes):,} "
+        f"leaves={len(shapes)} biggest={biggest:.1f} MB runs={args.runs} "
         f"threads={torch.get_num_threads()} torch={torch.__version__}"
     )
     print(f"{'':36s} {'funcamp ms':>11s} {'torch ms':>9s} {'ratio':>6s}")
-    for name, ours, theirs in rows:
+    for name, ours, theirs, setup in rows:
         ours_t, theirs_t = [], []
         for i in range(args.runs + 2):  # two warm-up runs
             reset_torch()
+            if setup is not None:
+                setup()
             _sync(device)
             if i % 2:
                 a = _timed(ours, device)
@@ -154,6 +188,26 @@ def main() -> None:
                 theirs_t.append(b)
         o, t = statistics.median(ours_t) * 1e3, statistics.median(theirs_t) * 1e3
         print(f"{name:36s} {o:11.2f} {t:9.2f} {o / t:6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--numel", type=int, default=None, help="grad elements (10M/100M)")
+    parser.add_argument("--split", choices=["original", "model", "both"], default="both")
+    parser.add_argument("--runs", type=int, default=25)
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled row")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default 1: less noise)"
+    )
+    args = parser.parse_args()
+    if args.runs < 20:
+        parser.error("--runs must be >= 20")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    splits = ["original", "model"] if args.split == "both" else [args.split]
+    for split in splits:
+        _bench(args, device, split)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ optimizer                   float32 param  bf16/f16 param    bf16/f16 + mode
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Callable, Sequence
 from numbers import Real
@@ -343,6 +344,45 @@ def _fe(op: str, xs: list[torch.Tensor], other: Any = None) -> list[torch.Tensor
     return [fn(x, other) for x in xs]
 
 
+#: Set by :func:`funcamp.unscale_and_step` around ``optimizer.update``: ``(update_fn, grads)``,
+#: the grads that step created itself (or that its caller donated) and that nobody else sees. Only
+#: the optimizer whose own ``update`` is ``update_fn`` (not one nested in a :func:`chain`, whose
+#: earlier transforms could have kept them) may overwrite them in place.
+_Owned = tuple[Any, tuple[torch.Tensor, ...]]
+_OWNED_GRADS: contextvars.ContextVar[_Owned] = contextvars.ContextVar(
+    "funcamp_owned_grads", default=(None, ())
+)
+
+
+#: ``_FRESH = "_funcamp_fresh"``: an ``update`` function carrying this attribute returns only
+#: tensors it created itself or leaves of its inputs (by identity) -- never a tensor held
+#: elsewhere (a closure constant, a cache) -- so the calling step may reuse the new ones in place.
+_FRESH = "_funcamp_fresh"
+
+
+def _plain(xs: Sequence[torch.Tensor]) -> bool:
+    """Whether in-place ops on ``xs`` are invisible to autograd and transforms (plain eager)."""
+    if not _use_foreach():
+        return False
+    grad_on = torch.is_grad_enabled()
+    return all(type(x) is torch.Tensor and not (grad_on and x.requires_grad) for x in xs)
+
+
+def _writable(
+    update_fn: Any, grads: Sequence[torch.Tensor], math_grads: Sequence[torch.Tensor]
+) -> bool:
+    """Whether ``math_grads`` may be overwritten in place inside ``update_fn``: each is a fresh
+    cast made by ``update_fn`` itself, or a grad owned by the calling step (see ``_OWNED_GRADS``).
+    """
+    if not math_grads or not _plain(math_grads):
+        return False
+    owner, owned = _OWNED_GRADS.get()
+    owned_ok = owner is update_fn and len(owned) == len(grads)
+    if not owned_ok:
+        return all(m is not g for g, m in zip(grads, math_grads))
+    return all(m is not g or g is o for g, m, o in zip(grads, math_grads, owned))
+
+
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -483,6 +523,25 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
         >>> funcamp.apply_updates({"w": torch.zeros(2)}, {"w": torch.ones(2)})
         {'w': tensor([1., 1.])}
     """
+    return _apply_updates(params, updates)[0]
+
+
+def _apply_updates(
+    params: PyTree,
+    updates: PyTree,
+    owned: Callable[[torch.Tensor], bool] | None = None,
+    masked: Callable[[torch.Tensor], bool] | None = None,
+) -> tuple[PyTree, set[int], set[int]]:
+    """:func:`apply_updates` for a step that owns some of the update tensors.
+
+    ``owned(t)``: the caller owns update tensor ``t`` exclusively; a plain delta of the param's
+    dtype, device and layout then receives the new param in place (the same ``p + u`` kernel,
+    no fresh allocation), after ``masked(u)`` -- when given -- has had the chance to rewrite
+    the delta in place (it returns True if it did: the skip-step select is then done).
+
+    Returns the new params, the ids of the new leaves that are fresh tensors nobody else holds,
+    and the ids of those that ``masked`` already handled.
+    """
     paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
     try:
         ups = spec.flatten_up_to(updates)
@@ -491,33 +550,53 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
             "funcamp.apply_updates: `updates` must have the tree structure of `params` "
             f"{spec}, got {optree.tree_structure(updates, namespace=NAMESPACE)}"
         ) from e
-    out = []
+    out, fresh, done = [], set(), set()
     for path, p, u in zip(paths, leaves, ups):
-        if not isinstance(p, torch.Tensor):
-            out.append(p)
-            continue
-        if isinstance(u, SetParam):
-            v = u.value
-            if v.dtype != p.dtype or v.shape != p.shape:
-                raise ValueError(
-                    f"funcamp.apply_updates: SetParam at {_path_str(path)} must hold a tensor "
-                    f"like the param ({p.dtype}, {tuple(p.shape)}), got {_describe(v)}"
-                )
-            out.append(v)
-            continue
-        if not isinstance(u, torch.Tensor) or u.shape != p.shape:
-            raise ValueError(
-                f"funcamp.apply_updates: `updates` leaf {_path_str(path)} must be a tensor of "
-                f"shape {tuple(p.shape)}, got {_describe(u)}"
-            )
-        if _is_half(p):
-            out.append(
-                round_nearest(p.to(torch.float32) + u.to(torch.float32), p.dtype).to(p.dtype)
-            )
+        if (
+            owned is not None
+            and isinstance(p, torch.Tensor)
+            and type(u) is torch.Tensor
+            and not _is_half(p)
+            and u.dtype == p.dtype == torch.promote_types(p.dtype, torch.float32)
+            and u.shape == p.shape
+            and u.stride() == p.stride()
+            and u.device == p.device
+            and owned(u)
+        ):
+            if masked is not None and masked(u):
+                done.add(id(u))
+            v = torch.add(p, u, out=u)  # == (p.to(md) + u.to(md)).to(p.dtype) for these dtypes
         else:
-            md = torch.promote_types(p.dtype, torch.float32)
-            out.append((p.to(md) + u.to(md)).to(p.dtype))
-    return optree.tree_unflatten(spec, out)
+            v = _apply_leaf(path, p, u)
+        out.append(v)
+        if isinstance(p, torch.Tensor) and (
+            not isinstance(u, SetParam) or (owned is not None and owned(v))
+        ):
+            fresh.add(id(v))
+    return optree.tree_unflatten(spec, out), fresh, done
+
+
+def _apply_leaf(path: Any, p: Any, u: Any) -> Any:
+    """One leaf of :func:`apply_updates`."""
+    if not isinstance(p, torch.Tensor):
+        return p
+    if isinstance(u, SetParam):
+        v = u.value
+        if not isinstance(v, torch.Tensor) or v.dtype != p.dtype or v.shape != p.shape:
+            raise ValueError(
+                f"funcamp.apply_updates: SetParam at {_path_str(path)} must hold a tensor "
+                f"like the param ({p.dtype}, {tuple(p.shape)}), got {_describe(v)}"
+            )
+        return v
+    if not isinstance(u, torch.Tensor) or u.shape != p.shape:
+        raise ValueError(
+            f"funcamp.apply_updates: `updates` leaf {_path_str(path)} must be a tensor of "
+            f"shape {tuple(p.shape)}, got {_describe(u)}"
+        )
+    if _is_half(p):
+        return round_nearest(p.to(torch.float32) + u.to(torch.float32), p.dtype).to(p.dtype)
+    md = torch.promote_types(p.dtype, torch.float32)
+    return (p.to(md) + u.to(md)).to(p.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -599,26 +678,52 @@ def sgd(
         if not gs:
             return optree.tree_unflatten(spec, []), state._replace(count=count + 1)
         d = _as_math(gs)
+        # In plain eager, temporaries made here (and grads the calling step owns) are updated in
+        # place: the same foreach kernels in the same operand order, so identical results with
+        # fewer fresh allocations. Under compile/vmap/autograd the pure path runs.
+        inplace = _plain(d) and (ps is None or _plain(ps))
+        own_d = inplace and _writable(update, gs, d)
         if weight_decay > 0:
             pm = _math_params(mode, state.low, ps, spec, api)
-            d = _fe("add", d, _fe("mul", pm, weight_decay))
+            decay = _fe("mul", pm, weight_decay)
+            if own_d:
+                torch._foreach_add_(d, decay)
+            else:
+                d = _fe("add", d, decay)
+            own_d = inplace
         new_bufs: PyTree = state.momentum
         if momentum > 0:
             bufs = _state_leaves(api, "momentum", state.momentum, spec)
             step = _fe("mul", bufs, momentum)
-            new = _fe("add", step, _fe("mul", d, 1.0 - dampening) if dampening else d)
             if dampening:
+                new = _fe("add", step, _fe("mul", d, 1.0 - dampening))
                 first = count == 0
                 new = [torch.where(first, di, ni) for di, ni in zip(d, new)]
+            elif inplace and _plain(bufs):
+                torch._foreach_add_(step, d)  # step is a fresh temporary: step + d, in place
+                new = step
+            else:
+                new = _fe("add", step, d)
             new_bufs = optree.tree_unflatten(spec, new)
-            d = _fe("add", d, _fe("mul", new, momentum)) if nesterov else new
-        if isinstance(lr, torch.Tensor):
-            deltas = _fe("mul", d, _scalar_tensor(_neg(lr), d[0]))
+            if nesterov:
+                push = _fe("mul", new, momentum)
+                if own_d:
+                    torch._foreach_add_(d, push)
+                else:
+                    d = _fe("add", d, push)
+                own_d = inplace
+            else:
+                d, own_d = new, False  # d is the new momentum buffer, kept in the state
+        factor = _scalar_tensor(_neg(lr), d[0]) if isinstance(lr, torch.Tensor) else -lr
+        if own_d:
+            torch._foreach_mul_(d, factor)
+            deltas = d
         else:
-            deltas = _fe("mul", d, -lr)
+            deltas = _fe("mul", d, factor)
         updates, low = _finish(api, mode, state.low, count, deltas, ps, spec)
         return updates, SgdState(count + 1, new_bufs, low)
 
+    update._funcamp_fresh = True  # type: ignore[attr-defined]  # see _FRESH
     return Optimizer(init, update)
 
 
@@ -669,14 +774,39 @@ def _adam(
             return optree.tree_unflatten(spec, []), state._replace(count=count + 1)
         g = _as_math(gs)
         pm = _math_params(mode, state.low, ps, spec, api) if ps is not None else None
-        if weight_decay > 0 and not decoupled:
-            g = _fe("add", g, _fe("mul", pm, weight_decay))
         m = _state_leaves(api, "exp_avg", state.exp_avg, spec)
         v = _state_leaves(api, "exp_avg_sq", state.exp_avg_sq, spec)
+        # In plain eager, temporaries (and grads the calling step owns) are updated in place:
+        # the same foreach kernels in the same operand order, so identical results with fewer
+        # fresh allocations. Under compile/vmap/autograd the pure path runs.
+        inplace = _plain(g) and _plain(m) and _plain(v) and (pm is None or _plain(pm))
+        own_g = inplace and _writable(update, gs, g)
+        if weight_decay > 0 and not decoupled:
+            decay = _fe("mul", pm, weight_decay)
+            if own_g:
+                torch._foreach_add_(g, decay)
+            else:
+                g = _fe("add", g, decay)
+            own_g = inplace
         # exp_avg.lerp_(g, 1 - b1) and exp_avg_sq * b2 + (1 - b2) * g * g, without fused ops so
         # that eager and inductor round identically.
-        m = _fe("add", m, _fe("mul", _fe("sub", g, m), 1.0 - b1))
-        v = _fe("add", _fe("mul", v, b2), _fe("mul", _fe("mul", g, g), 1.0 - b2))
+        if inplace:
+            sq = torch._foreach_mul(g, g)
+            torch._foreach_mul_(sq, 1.0 - b2)
+            new_v = torch._foreach_mul(v, b2)
+            torch._foreach_add_(new_v, sq)
+            del sq
+            if own_g:
+                torch._foreach_sub_(g, m)
+                diff = g
+            else:
+                diff = torch._foreach_sub(g, m)
+            torch._foreach_mul_(diff, 1.0 - b1)
+            m, v = torch._foreach_add(m, diff), new_v
+            del diff
+        else:
+            m = _fe("add", m, _fe("mul", _fe("sub", g, m), 1.0 - b1))
+            v = _fe("add", _fe("mul", v, b2), _fe("mul", _fe("mul", g, g), 1.0 - b2))
         # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
         t = (count + 1).to(torch.float64)
         bc1 = 1.0 - torch.pow(b1, t)
@@ -684,19 +814,32 @@ def _adam(
         lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
         neg_step = (-(lr64 / bc1)).to(torch.float32)
         bc2_sqrt = bc2_sqrt.to(torch.float32)
-        denom = _fe("add", _fe("div", _fe("sqrt", v), bc2_sqrt), eps)
-        deltas = _fe("mul", _fe("div", m, denom), neg_step)
+        if inplace:
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, eps)
+            deltas = torch._foreach_div(m, denom)
+            del denom
+            torch._foreach_mul_(deltas, neg_step)
+        else:
+            denom = _fe("add", _fe("div", _fe("sqrt", v), bc2_sqrt), eps)
+            deltas = _fe("mul", _fe("div", m, denom), neg_step)
         if weight_decay > 0 and decoupled:
             if isinstance(lr, torch.Tensor):
                 decay = _scalar_tensor(-lr * weight_decay, pm[0])
             else:
                 decay = -lr * weight_decay
-            deltas = _fe("add", deltas, _fe("mul", pm, decay))
+            shrink = _fe("mul", pm, decay)
+            if inplace:
+                torch._foreach_add_(deltas, shrink)
+            else:
+                deltas = _fe("add", deltas, shrink)
         new_m = optree.tree_unflatten(spec, m)
         new_v = optree.tree_unflatten(spec, v)
         updates, low = _finish(api, mode, state.low, count, deltas, ps, spec)
         return updates, AdamState(count + 1, new_m, new_v, low)
 
+    update._funcamp_fresh = True  # type: ignore[attr-defined]  # see _FRESH
     return Optimizer(init, update)
 
 

@@ -13,15 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
-from funcamp._optim import Optimizer, apply_updates
-from funcamp._tree import NAMESPACE, _describe, _path_str, tree_select
+from funcamp._optim import (
+    _FRESH,
+    _OWNED_GRADS,
+    Optimizer,
+    SetParam,
+    _apply_updates,
+    apply_updates,
+)
+from funcamp._tree import NAMESPACE, _describe, _path_str, _select, tree_select
 
 __all__ = ["ScalerState", "StepInfo", "scale", "unscale", "unscale_and_step", "update"]
 
@@ -589,16 +597,21 @@ def _use_fused_kernel(leaves: list[torch.Tensor]) -> bool:
 
 
 def _unscale_leaves(
-    leaves: list[torch.Tensor], scale_tensor: torch.Tensor, fused: bool
+    leaves: list[torch.Tensor], scale_tensor: torch.Tensor, fused: bool, *, donate: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     # torch's rule: the reciprocal is taken in float64, then rounded to float32.
     inv_scale = scale_tensor.double().reciprocal().float()
     if not leaves:
         return [], torch.zeros((), dtype=torch.bool, device=scale_tensor.device)
     if fused:
-        # Fresh copies (never the caller's tensors), grouped by device and dtype as the
-        # kernel requires; it writes 1.0 into found (a float, per device) on inf/nan.
-        out = [x.to(_unscaled_dtype(x.dtype), copy=True) for x in leaves]
+        # Fresh copies (the caller's tensors only when donated, and then only those already in
+        # the unscaled dtype), grouped by device and dtype as the kernel requires; it writes 1.0
+        # into found (a float, per device) on inf/nan.
+        out = [
+            x if donate and x.dtype == _unscaled_dtype(x.dtype) else
+            x.to(_unscaled_dtype(x.dtype), copy=True)
+            for x in leaves
+        ]  # fmt: skip
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for x in out:
             groups.setdefault((x.device, x.dtype), []).append(x)
@@ -615,7 +628,9 @@ def _unscale_leaves(
     return out, found_inf
 
 
-def unscale(state: ScalerState, grads: PyTree) -> tuple[PyTree, torch.Tensor]:
+def unscale(
+    state: ScalerState, grads: PyTree, *, donate_grads: bool = False
+) -> tuple[PyTree, torch.Tensor]:
     """Divide scaled gradients by the scale and check them for inf/nan.
 
     Floating leaves are returned in float32 (float16 and bfloat16 grads are unscaled in float32,
@@ -628,6 +643,15 @@ def unscale(state: ScalerState, grads: PyTree) -> tuple[PyTree, torch.Tensor]:
     fresh copies; under ``torch.compile``, ``torch.func`` transforms or autograd a pure-torch
     path with bit-identical results runs instead.
 
+    Args:
+        state: the scaler state the loss was scaled with.
+        grads: scaled gradients (any pytree).
+        donate_grads: opt-in, for callers that own ``grads`` and never use them again (a train
+            step whose grads come from ``torch.func.grad``). In plain eager, float32/float64
+            leaves are then unscaled in place -- the returned leaves *are* the given tensors --
+            saving a copy; the results are identical. Leaves that share memory with each other
+            are still copied. Default False: ``grads`` are never modified.
+
     Example:
         >>> import torch, funcamp
         >>> s = funcamp.ScalerState.dynamic(init_scale=4.0)
@@ -636,12 +660,18 @@ def unscale(state: ScalerState, grads: PyTree) -> tuple[PyTree, torch.Tensor]:
         ({'w': tensor([2.0000, 0.5000])}, tensor(False))
         >>> funcamp.unscale(s, {"w": torch.tensor([float("inf")])})[1]
         tensor(True)
+        >>> mine = {"w": torch.tensor([8.0, 2.0])}  # donated: unscaled in place, then reused
+        >>> funcamp.unscale(s, mine, donate_grads=True)[0]["w"] is mine["w"]
+        True
     """
     _check_state("unscale", state)
+    _check_flag("unscale", "donate_grads", donate_grads)
     leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     floating = [leaves[i] for i in idx]
-    out, found_inf = _unscale_leaves(floating, state.scale, _use_fused_kernel(floating))
+    fused = _use_fused_kernel(floating)
+    donate = donate_grads and fused and _disjoint(floating, set())
+    out, found_inf = _unscale_leaves(floating, state.scale, fused, donate=donate)
     new_leaves = list(leaves)
     for i, x in zip(idx, out):
         new_leaves[i] = x
@@ -752,6 +782,83 @@ def _check_matching_trees(api: str, grads: PyTree, params: PyTree) -> None:
             )
 
 
+def _check_flag(api: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"funcamp.{api}: `{name}` must be a bool, got {_describe(value)}")
+
+
+def _storage_key(x: torch.Tensor) -> int | None:
+    """An id of the memory behind ``x`` (shared by all its views); None for empty tensors."""
+    if x.numel() == 0:
+        return None
+    return x.untyped_storage().data_ptr()
+
+
+def _disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
+    """Whether no two of ``leaves`` share memory and none shares memory with ``taken``."""
+    seen: set[int | None] = set()
+    for x in leaves:
+        key = _storage_key(x)
+        if key is not None and (key in seen or key in taken):
+            return False
+        seen.add(key)
+    return True
+
+
+def _tensors(tree: PyTree) -> list[torch.Tensor]:
+    out = []
+    for x in optree.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, SetParam), namespace=NAMESPACE
+    ):
+        x = x.value if isinstance(x, SetParam) else x
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+    return out
+
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _adds_negative_zero_exactly() -> bool:
+    """False when the CPU flushes subnormals (``torch.set_flush_denormal(True)``), where
+    ``p + -0.0`` is not ``p``. Built from bits, so the probe itself is never flushed."""
+    tiny = torch.ones(1, dtype=torch.int32).view(torch.float32)  # the smallest subnormal
+    return bool((tiny + -0.0).view(torch.int32).item() == 1)
+
+
+def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
+    """Returns ``mask(delta)``, which turns an owned float32/float64 delta into ``-0.0``
+    everywhere when ``found_inf`` (and leaves it alone otherwise), in place and without a host
+    sync: on the integer view, ``min(bits, cap)`` with a 0-d ``cap`` that is the smallest
+    integer (the bits of ``-0.0``) when ``found_inf`` and the largest otherwise. Then
+    ``p + delta`` is the new param, or ``p`` itself (``p + -0.0 == p`` bit for bit, signed zeros
+    and infinities included), so the skip-step select costs one cheap vectorized pass over the
+    delta instead of a (scalar, twice as slow) ``torch.where`` pass over both trees. Declines (returns False, and the caller selects with ``torch.where``) for
+    CPU tensors while subnormals are flushed. A signaling-NaN param (torch never makes one)
+    would come back quiet from a skipped step.
+    """
+    caps: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    cpu_exact: list[bool] = []
+
+    def mask(delta: torch.Tensor) -> bool:
+        int_dtype = _INT_VIEW.get(delta.dtype)
+        if int_dtype is None:
+            return False
+        if delta.device.type == "cpu":
+            if not cpu_exact:
+                cpu_exact.append(_adds_negative_zero_exactly())
+            if not cpu_exact[0]:
+                return False
+        key = (delta.device, int_dtype)
+        if key not in caps:
+            info = torch.iinfo(int_dtype)
+            caps[key] = torch.where(found_inf.to(delta.device), info.min, info.max).to(int_dtype)
+        delta.view(int_dtype).clamp_max_(caps[key])
+        return True
+
+    return mask
+
+
 def _global_norm(leaves: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not leaves:
         return torch.zeros((), dtype=torch.float32, device=device)
@@ -771,6 +878,7 @@ def unscale_and_step(
     params: PyTree,
     *,
     group: Any = None,
+    donate_grads: bool = False,
 ) -> tuple[PyTree, PyTree, StepInfo]:
     """Unscale ``grads``, apply ``optimizer``, and skip the step if the grads overflowed.
 
@@ -787,6 +895,13 @@ def unscale_and_step(
         params: the parameters.
         group: optional process group; when given, ``found_inf`` is OR-ed across its ranks
             (:func:`funcamp.distributed.any_across`) so every rank skips together.
+        donate_grads: opt-in, for callers that own ``grads`` and never use them again (a train
+            step whose grads come from ``torch.func.grad`` inside the step). In plain eager the
+            grads are then unscaled in place and their memory may be reused for the results
+            (the updates, even the returned params), saving fresh allocations; the results are
+            identical. Donated grads must not be used after the call. Grads that share memory
+            with each other, ``params``, ``opt_state`` or ``state`` are copied instead.
+            Default False: no argument is ever modified.
 
     Returns:
         ``(params, opt_state, StepInfo(found_inf, grad_norm))``; ``grad_norm`` is the global L2
@@ -804,6 +919,14 @@ def unscale_and_step(
         >>> bad = {"w": torch.tensor([float("nan"), 0.0])}
         >>> funcamp.unscale_and_step(s, opt, bad, opt_state, new)[0]["w"]
         tensor([0.5000, 1.0000])
+
+        Donating grads that nobody else holds (here made on the spot) skips their copy:
+
+        >>> new, opt_state, info = funcamp.unscale_and_step(
+        ...     s, opt, {"w": torch.tensor([4.0, 0.0])}, opt_state, new, donate_grads=True
+        ... )
+        >>> new["w"]
+        tensor([0., 1.])
     """
     api = "unscale_and_step"
     _check_state(api, state)
@@ -811,20 +934,65 @@ def unscale_and_step(
         raise TypeError(
             f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got {_describe(optimizer)}"
         )
+    _check_flag(api, "donate_grads", donate_grads)
     _check_matching_trees(api, grads, params)
-    unscaled, found_inf = unscale(state, grads)
+    leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    floating = [leaves[i] for i in idx]
+    # Plain eager: the fused unscale kernel, and in-place reuse of the temporaries this step
+    # makes. Under compile, functorch transforms or autograd everything stays out of place
+    # (inductor fuses the whole step into a few kernels anyway). Results are identical.
+    fast, donate, taken = False, False, set()
+    if not torch.compiler.is_compiling():
+        inputs = _tensors(params) + _tensors(opt_state) + _tensors(state)
+        fast = _use_fused_kernel(floating + inputs)
+    if fast:
+        taken = {_storage_key(x) for x in inputs}
+        donate = donate_grads and _disjoint(floating, taken)
+        if not donate:
+            taken.update(_storage_key(x) for x in floating)
+    out, found_inf = _unscale_leaves(floating, state.scale, fast, donate=donate)
+    new_leaves = list(leaves)
+    for i, x in zip(idx, out):
+        new_leaves[i] = x
+    unscaled = optree.tree_unflatten(spec, new_leaves)
     if group is not None:
         from funcamp.distributed import any_across
 
         found_inf = any_across(found_inf, group)
-    updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
-    new_params = apply_updates(params, updates)
-    params_out = tree_select(found_inf, params, new_params)
-    opt_state_out = tree_select(found_inf, opt_state, new_opt_state)
-    floating = [
-        x
-        for x in optree.tree_leaves(unscaled, namespace=NAMESPACE)
-        if isinstance(x, torch.Tensor) and x.is_floating_point()
-    ]
-    grad_norm = _global_norm(floating, state.scale.device)
+    # Before the optimizer: it may overwrite the unscaled grads in place (see below).
+    grad_norm = _global_norm(out, state.scale.device)
+    if not fast:
+        updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
+        new_params = apply_updates(params, updates)
+        params_out = tree_select(found_inf, params, new_params)
+        opt_state_out = tree_select(found_inf, opt_state, new_opt_state)
+        return params_out, opt_state_out, StepInfo(found_inf, grad_norm)
+
+    # The unscaled grads are this step's own (or donated): the optimizer whose update this is
+    # may overwrite them in place. A built-in optimizer (marked with _FRESH) returns only fresh
+    # tensors or its inputs' leaves, so each new tensor that shares memory with no input and no
+    # other output is ours to reuse: a delta receives its new param, a new leaf its selection.
+    token = _OWNED_GRADS.set((optimizer.update, tuple(new_leaves)))
+    try:
+        updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
+    finally:
+        _OWNED_GRADS.reset(token)
+    owned = None
+    if getattr(optimizer.update, _FRESH, False):
+        made = _tensors(updates) + _tensors(new_opt_state)
+        if _use_fused_kernel(made):
+            counts = Counter(_storage_key(x) for x in made)
+
+            def owned(x: torch.Tensor) -> bool:
+                key = _storage_key(x)
+                return key is not None and key not in taken and counts[key] == 1
+
+    new_params, fresh, done = _apply_updates(
+        params, updates, owned, _skip_mask(found_inf) if owned is not None else None
+    )
+    params_out = _select(
+        found_inf, params, new_params, lambda x: id(x) in fresh, lambda x: id(x) in done
+    )
+    opt_state_out = _select(found_inf, opt_state, new_opt_state, owned or (lambda x: False))
     return params_out, opt_state_out, StepInfo(found_inf, grad_norm)

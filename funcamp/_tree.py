@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -103,6 +104,21 @@ def tree_select(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree
         >>> funcamp.tree_select(torch.tensor(False), new, old)
         {'w': tensor([1.])}
     """
+    return _select(pred, on_true, on_false, None)
+
+
+def _select(
+    pred: torch.Tensor,
+    on_true: PyTree,
+    on_false: PyTree,
+    writable: Callable[[torch.Tensor], bool] | None,
+    done: Callable[[torch.Tensor], bool] | None = None,
+) -> PyTree:
+    """:func:`tree_select`; an ``on_false`` leaf for which ``writable(leaf)`` is True (a
+    temporary the caller owns and nobody else sees) receives the result in place
+    (``torch.where(..., out=leaf)``: same values, no fresh allocation), one for which
+    ``done(leaf)`` is True already holds the selected value, and a leaf that is the very same
+    tensor in both trees is returned as is."""
     if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool or pred.dim() != 0:
         raise TypeError(
             f"funcamp.tree_select: `pred` must be a 0-d bool tensor, got {_describe(pred)}"
@@ -122,7 +138,16 @@ def tree_select(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree
                     f"funcamp.tree_select: leaf {path} differs in shape or dtype: "
                     f"{tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
                 )
-            out.append(torch.where(pred, a, b))
+            if writable is None:
+                out.append(torch.where(pred, a, b))
+            elif a is b:
+                out.append(a)
+            elif done is not None and done(b):
+                out.append(b)
+            elif a.stride() == b.stride() and a.device == b.device and writable(b):
+                out.append(torch.where(pred, a, b, out=b))
+            else:
+                out.append(torch.where(pred, a, b))
         elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
             raise TypeError(f"funcamp.tree_select: leaf {path} is a tensor in only one tree")
         else:

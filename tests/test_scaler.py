@@ -811,3 +811,189 @@ def test_grad_scaler_interop_errors():
     bad = torch.amp.GradScaler("cpu", growth_interval=0).state_dict()
     with pytest.raises(ValueError, match=r"`growth_interval` must be an int >= 1, got 0"):
         funcamp.ScalerState.from_grad_scaler(bad)
+
+
+# ------------------------------------------------- fast eager path: in-place reuse, donate_grads
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+    return t.view(ints[t.element_size()]).clone() if t.is_floating_point() else t.clone()
+
+
+def _tree_bits(tree) -> list[torch.Tensor]:
+    return [
+        _bits(x)
+        for x in optree.tree_leaves(tree, namespace=NAMESPACE)
+        if isinstance(x, torch.Tensor)
+    ]
+
+
+def _same_bits(a, b) -> bool:
+    la, lb = _tree_bits(a), _tree_bits(b)
+    return len(la) == len(lb) and all(bits_equal(x, y) for x, y in zip(la, lb))
+
+
+def _reference_step(state, optimizer, grads, opt_state, params):
+    """unscale_and_step as its docstring composes it, from the public out-of-place functions."""
+    unscaled, found_inf = funcamp.unscale(state, grads)
+    updates, new_state = optimizer.update(unscaled, opt_state, params)
+    new_params = funcamp.apply_updates(params, updates)
+    leaves = optree.tree_leaves(unscaled, namespace=NAMESPACE)
+    norms = [n.to(torch.float32) for n in torch._foreach_norm(leaves)]
+    norm = torch.linalg.vector_norm(torch.stack(norms))
+    return (
+        funcamp.tree_select(found_inf, params, new_params),
+        funcamp.tree_select(found_inf, opt_state, new_state),
+        funcamp.StepInfo(found_inf, norm),
+    )
+
+
+FAST_PATH_OPTIMIZERS = {
+    "sgd": lambda: funcamp.sgd(0.01),
+    "sgd_tensor_lr": lambda: funcamp.sgd(torch.tensor(0.01)),
+    "sgd_momentum": lambda: funcamp.sgd(0.01, momentum=0.9),
+    "sgd_nesterov_wd": lambda: funcamp.sgd(0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
+    "sgd_dampening": lambda: funcamp.sgd(0.01, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    "adam": lambda: funcamp.adam(1e-2, weight_decay=0.01),
+    "adamw": lambda: funcamp.adamw(1e-2, weight_decay=0.1),
+    "chain": lambda: funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.sgd(0.1, 0.5)),
+    "sgd_master": lambda: funcamp.sgd(0.01, master_weights=True),
+    "adam_kahan": lambda: funcamp.adam(0.01, kahan=True),
+    "custom": lambda: momentum(),
+}
+
+
+def _special_params(gen: torch.Generator, mixed: bool) -> dict[str, torch.Tensor]:
+    params = {
+        "w": torch.randn(5, 7, generator=gen),
+        "b": torch.randn(33, generator=gen),
+        "s": torch.randn((), generator=gen),
+        "e": torch.zeros(0),
+    }
+    # Signed zero, infinity, NaN and a subnormal must survive a skipped step bit for bit.
+    params["b"][:4] = torch.tensor([-0.0, math.inf, math.nan, 1e-42])
+    if mixed:
+        params["w"] = params["w"].to(torch.bfloat16)
+        params["s"] = params["s"].double()
+    return params
+
+
+@pytest.mark.parametrize("name", sorted(FAST_PATH_OPTIMIZERS))
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**-3])
+def test_fast_step_matches_reference_and_never_mutates_inputs(name, mixed, init_scale):
+    if name == "custom" and mixed:
+        pytest.skip("the custom test optimizer is float32-only")
+    gen = torch.Generator().manual_seed(3)
+    opt = FAST_PATH_OPTIMIZERS[name]()
+    params = _special_params(gen, mixed)
+    opt_state = opt.init(params)
+    s = funcamp.ScalerState.dynamic(init_scale, growth_interval=2)
+    for step in range(6):
+        grads = {k: torch.randn(v.shape, generator=gen).to(v.dtype) * 3 for k, v in params.items()}
+        if step == 2:
+            grads["w"].view(-1)[3] = math.inf
+        if step == 4:
+            grads["b"][0] = math.nan
+        before = _tree_bits((grads, opt_state, params, s))
+        ref = _reference_step(s, opt, grads, opt_state, params)
+        out = funcamp.unscale_and_step(s, opt, grads, opt_state, params)
+        assert all(
+            bits_equal(a, b) for a, b in zip(before, _tree_bits((grads, opt_state, params, s)))
+        )
+        donated = {k: v.clone() for k, v in grads.items()}
+        out_donated = funcamp.unscale_and_step(
+            s, opt, donated, opt_state, params, donate_grads=True
+        )
+        assert all(
+            bits_equal(a, b)
+            for a, b in zip(before[len(grads) :], _tree_bits((opt_state, params, s)))
+        )
+        assert _same_bits(out, ref) and _same_bits(out_donated, ref)
+        assert bool(out[2].found_inf) == (step in (2, 4))
+        params, opt_state, info = out_donated
+        s = funcamp.update(s, info.found_inf)
+
+
+def test_donated_grads_are_reused_and_aliased_grads_are_not():
+    s, opt = funcamp.ScalerState.dynamic(4.0), funcamp.sgd(0.5)
+    params = {"w": torch.ones(3), "b": torch.zeros(2)}
+    grads = {"w": torch.tensor([4.0, 8.0, 0.0]), "b": torch.tensor([4.0, -4.0])}
+    ptrs = {k: v.data_ptr() for k, v in grads.items()}
+    new, _, _ = funcamp.unscale_and_step(s, opt, grads, opt.init(params), params, donate_grads=True)
+    assert {k: new[k].data_ptr() for k in new} == ptrs  # no fresh memory at all
+    assert new["w"].tolist() == [0.5, 0.0, 1.0] and new["b"].tolist() == [-0.5, 0.5]
+    # One tensor given twice (tied weights) must not be unscaled twice.
+    shared = torch.tensor([4.0, 8.0])
+    params = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    new, _, info = funcamp.unscale_and_step(
+        s, opt, {"a": shared, "b": shared}, opt.init(params), params, donate_grads=True
+    )
+    assert new["a"].tolist() == new["b"].tolist() == [-0.5, -1.0]
+    assert bits_equal(info.grad_norm, torch.tensor(10.0).sqrt())
+    # Grads that alias the params are copied, so the params are untouched.
+    p = torch.tensor([4.0, 8.0])
+    new, _, _ = funcamp.unscale_and_step(
+        s, opt, {"p": p}, opt.init({"p": p}), {"p": p}, donate_grads=True
+    )
+    assert p.tolist() == [4.0, 8.0] and new["p"].tolist() == [3.5, 7.0]
+
+
+def test_unscale_donate_grads():
+    s = funcamp.ScalerState.dynamic(init_scale=4.0)
+    grads = {"w": torch.tensor([8.0, math.inf]), "h": torch.tensor([2.0], dtype=torch.float16)}
+    ref, ref_inf = funcamp.unscale(s, grads)
+    assert grads["w"].tolist() == [8.0, math.inf]  # not donated: untouched
+    out, found_inf = funcamp.unscale(s, grads, donate_grads=True)
+    assert out["w"] is grads["w"] and out["h"].dtype == torch.float32
+    assert bool(found_inf) and bool(ref_inf) and _same_bits(out, ref)
+    with pytest.raises(TypeError, match=r"funcamp.unscale: `donate_grads` must be a bool"):
+        funcamp.unscale(s, grads, donate_grads=1)
+    with pytest.raises(TypeError, match=r"funcamp.unscale_and_step: `donate_grads` must be"):
+        opt = funcamp.sgd(0.1)
+        funcamp.unscale_and_step(s, opt, {}, opt.init({}), {}, donate_grads="yes")
+
+
+def test_fast_step_never_writes_tensors_held_elsewhere():
+    # A transform that keeps the grads in its state and passes them on: the sgd after it in a
+    # chain must not overwrite them in place.
+    def keep() -> funcamp.Optimizer:
+        return funcamp.Optimizer(lambda p: {"seen": torch.zeros(2)}, lambda g, st, p: (g, g))
+
+    s = funcamp.ScalerState.dynamic(2.0)
+    opt = funcamp.chain(keep(), funcamp.sgd(0.5))
+    params = {"seen": torch.zeros(2)}
+    for donate in (False, True):
+        _, (kept, _), _ = funcamp.unscale_and_step(
+            s, opt, {"seen": torch.tensor([2.0, 4.0])}, opt.init(params), params,
+            donate_grads=donate,
+        )  # fmt: skip
+        assert kept["seen"].tolist() == [1.0, 2.0]
+    # An optimizer returning a tensor it keeps elsewhere (a cached constant) as its update.
+    const = torch.full((2,), 0.25)
+    cached = funcamp.Optimizer(lambda p: (), lambda g, st, p: ({"seen": const}, st))
+    for donate in (False, True):
+        new, _, _ = funcamp.unscale_and_step(
+            s, cached, {"seen": torch.tensor([2.0, 4.0])}, (), params, donate_grads=donate
+        )
+        assert new["seen"].tolist() == [0.25, 0.25] and const.tolist() == [0.25, 0.25]
+        bad = {"seen": torch.tensor([math.nan, 4.0])}
+        new, _, _ = funcamp.unscale_and_step(s, cached, bad, (), params, donate_grads=donate)
+        assert new["seen"].tolist() == [0.0, 0.0] and const.tolist() == [0.25, 0.25]
+
+
+def test_skipped_step_is_exact_while_subnormals_are_flushed():
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        s, opt = funcamp.ScalerState.dynamic(2.0), funcamp.sgd(0.5)
+        params = {"w": torch.tensor([1e-42, -0.0, 1.0])}
+        for donate in (False, True):
+            grads = {"w": torch.tensor([1.0, math.inf, 1.0])}
+            new, _, info = funcamp.unscale_and_step(
+                s, opt, grads, opt.init(params), params, donate_grads=donate
+            )
+            assert bool(info.found_inf) and bits_equal(_bits(new["w"]), _bits(params["w"]))
+    finally:
+        torch.set_flush_denormal(False)
