@@ -5,16 +5,69 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 ``update`` functions, functional optimizers and a compiled, host-sync-free train step.
 """
 
-from funcamp._optim import Optimizer, apply_updates, sgd
+from funcamp._amp import amp, full_precision
+from funcamp._checkpoint import load_state_dict, state_dict
+from funcamp._ops import OpPolicy, OpRule
+from funcamp._optim import (
+    Optimizer,
+    accumulate,
+    accumulate_applies,
+    adam,
+    adamw,
+    apply_updates,
+    chain,
+    clip_by_global_norm,
+    sgd,
+)
+from funcamp._policy import Policy, get_policy
+from funcamp._scaler import ScalerState, StepInfo, scale, unscale, unscale_and_step, update
+from funcamp._schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    linear_schedule,
+    linear_warmup_cosine_decay,
+)
+from funcamp._trace import AmpTrace, OpRecord, trace
+from funcamp._train import TrainState, make_train_step, params_and_buffers
 from funcamp._tree import all_finite, tree_cast, tree_select
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmpTrace",
+    "OpPolicy",
+    "OpRecord",
+    "OpRule",
     "Optimizer",
+    "Policy",
+    "ScalerState",
+    "StepInfo",
+    "TrainState",
+    "accumulate",
+    "accumulate_applies",
+    "adam",
+    "adamw",
     "all_finite",
+    "amp",
     "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "full_precision",
+    "get_policy",
+    "linear_schedule",
+    "linear_warmup_cosine_decay",
+    "load_state_dict",
+    "make_train_step",
+    "params_and_buffers",
+    "scale",
     "sgd",
+    "state_dict",
+    "trace",
     "tree_cast",
     "tree_select",
+    "unscale",
+    "unscale_and_step",
+    "update",
 ]

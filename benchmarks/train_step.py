@@ -1,0 +1,354 @@
+"""Train-step speed: funcamp's compiled step against torch.amp recipes, side by side.
+
+    python benchmarks/train_step.py                      # CPU, both models
+    python benchmarks/train_step.py --models mlp --rounds 15
+    python benchmarks/train_step.py --device cuda        # adds (d) with mode="reduce-overhead"
+
+In one process, with the same model, data and seed, it times the median ms/step (after warm-up)
+of:
+
+    (a) eager float32 + torch.optim.Adam
+    (b) eager torch.autocast(bf16) + GradScaler + Adam(foreach=True)
+    (c) torch.compile(model) + autocast(bf16) + GradScaler + Adam(foreach=True)
+    (d) funcamp.make_train_step (compiled, mixed_bfloat16, dynamic loss scaling)
+    (e) the same funcamp step, eager
+    floor: the step's matmuls alone (recorded from one autocast forward/backward and replayed
+        on ready-made tensors) plus one fused Adam pass over the params
+
+Variants are timed in interleaved rounds (a, b, c, ... a, b, c, ...), so background load hits
+them alike; the spread across rounds is reported next to the median. Models: an MLP 512x3 at
+batch 256 and a small GPT (4 layers, d=256, 4 heads, seq 128, batch 8). Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import funcamp
+
+LOWP = torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------- models
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 512, depth: int = 3) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers.append(nn.Linear(width, width))
+            if i < depth - 1:
+                layers.append(nn.ReLU())
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int = 512, d: int = 256, layers: int = 4, heads: int = 4) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(1024, d)
+        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
+
+
+def build(name: str, device: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Any]:
+    """(model, batch, criterion(output, target)) for a model name, seeded."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        model = MLP()
+        x, y = torch.randn(256, 512, generator=g), torch.randn(256, 512, generator=g)
+        return model.to(device), (x.to(device), y.to(device)), F.mse_loss
+    model = GPT()
+    idx = torch.randint(0, 512, (8, 129), generator=g)
+
+    def criterion(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    return model.to(device), (idx[:, :-1].to(device), idx[:, 1:].to(device)), criterion
+
+
+# ---------------------------------------------------------------------------------- variants
+
+
+def torch_variant(
+    model: nn.Module, batch: Any, criterion: Any, device: str, *, amp: bool, compiled: bool
+) -> Callable[[], Any]:
+    model = copy.deepcopy(model)
+    fwd = torch.compile(model) if compiled else model
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True if amp else None)
+    scaler = torch.amp.GradScaler(device, enabled=amp)
+    x, y = batch
+
+    def step() -> Any:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=LOWP, enabled=amp):
+            loss = criterion(fwd(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    return step
+
+
+def funcamp_variant(
+    model: nn.Module, batch: Any, criterion: Any, device: str, **compile_kw: Any
+) -> Callable[[], Any]:
+    model = copy.deepcopy(model)
+    policy = funcamp.get_policy("mixed_bfloat16")
+    opt = funcamp.adam(1e-4)
+
+    def loss_fn(params: Any, buffers: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return criterion(functional_call(model, (params, buffers), (x,)), y)
+
+    params, buffers = funcamp.params_and_buffers(model)
+    scaler = funcamp.ScalerState.dynamic(device=device)  # the same work as GradScaler
+    box = [funcamp.TrainState.create(params, opt, policy, buffers=buffers, scaler=scaler)]
+    step_fn = funcamp.make_train_step(loss_fn, opt, policy, **compile_kw)
+
+    def step() -> Any:
+        box[0], metrics = step_fn(box[0], batch)
+        return metrics["loss"]
+
+    return step
+
+
+_MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+}
+
+
+class _RecordMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _MATMULS:
+            self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def floor_variant(model: nn.Module, batch: Any, criterion: Any, device: str) -> Callable[[], Any]:
+    """The matmuls of one autocast forward/backward, replayed on fresh tensors of the same
+    shapes and dtypes, plus one fused (else foreach) Adam pass over float32 params."""
+    model = copy.deepcopy(model)
+    x, y = batch
+    rec = _RecordMatmuls()
+    with rec, torch.autocast(device, dtype=LOWP):
+        loss = criterion(model(x), y)
+    with rec:
+        loss.backward()
+
+    def fresh(a: Any) -> Any:
+        return torch.randn_like(a) if isinstance(a, torch.Tensor) else a
+
+    calls = [
+        (f, tuple(fresh(a) for a in args), {k: fresh(v) for k, v in kw.items()})
+        for f, args, kw in rec.calls
+    ]
+    params = [p.detach().clone() for p in model.parameters()]
+    for p, q in zip(params, model.parameters()):
+        p.grad = q.grad.detach().clone()
+    try:
+        opt = torch.optim.Adam(params, lr=1e-4, fused=True)
+        opt.step()
+        fused = True
+    except (RuntimeError, TypeError):
+        opt = torch.optim.Adam(params, lr=1e-4, foreach=True)
+        fused = False
+    floor_variant.info = {"matmuls": len(calls), "fused_adam": fused}  # type: ignore[attr-defined]
+
+    def step() -> Any:
+        for f, args, kw in calls:
+            f(*args, **kw)
+        opt.step()
+
+    return step
+
+
+# ---------------------------------------------------------------------------------- timing
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def first_calls(step: Callable[[], Any], device: str, warmup: int) -> dict[str, Any]:
+    """Run the first call (compile) and the warm-up; count graphs and breaks on the way."""
+    counters.clear()
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    first = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    sync(device)
+    return {
+        "first_call_s": first,
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
+
+
+def time_rounds(
+    steps: dict[str, Callable[[], Any]], device: str, iters: int, rounds: int
+) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) / iters * 1e3)
+    return times
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    device = args.device
+    model, batch, criterion = build(name, device)
+    makers: dict[str, Callable[[], Callable[[], Any]]] = {
+        "a_eager_fp32_adam": lambda: torch_variant(
+            model, batch, criterion, device, amp=False, compiled=False
+        ),
+        "b_eager_autocast_gradscaler": lambda: torch_variant(
+            model, batch, criterion, device, amp=True, compiled=False
+        ),
+        "c_compiled_model_autocast_gradscaler": lambda: torch_variant(
+            model, batch, criterion, device, amp=True, compiled=True
+        ),
+        "d_funcamp_compiled": lambda: funcamp_variant(model, batch, criterion, device),
+        "e_funcamp_eager": lambda: funcamp_variant(model, batch, criterion, device, compile=False),
+        "floor": lambda: floor_variant(model, batch, criterion, device),
+    }
+    if device == "cuda":
+        makers["d_funcamp_compiled_reduce_overhead"] = lambda: funcamp_variant(
+            model, batch, criterion, device, mode="reduce-overhead"
+        )
+    steps, info = {}, {}
+    for key, make in makers.items():
+        if args.only and key[0] not in args.only and key != "floor":
+            continue
+        steps[key] = make()
+        info[key] = first_calls(steps[key], device, args.warmup)
+        print(f"  {name}/{key}: first call {info[key]['first_call_s']:.1f}s", flush=True)
+    info["floor"].update(getattr(floor_variant, "info", {}))
+    counters.clear()
+    times = time_rounds(steps, device, args.iters, args.rounds)
+    recompiles_while_timing = int(counters["stats"]["unique_graphs"])  # should stay 0
+    rows = {}
+    for key, ts in times.items():
+        rows[key] = {
+            "median_ms": statistics.median(ts),
+            "min_ms": min(ts),
+            "max_ms": max(ts),
+            "rounds_ms": ts,
+            **info[key],
+        }
+    d = rows.get("d_funcamp_compiled", {}).get("median_ms", math.nan)
+    ratio = lambda k: rows[k]["median_ms"] / d if k in rows else math.nan  # noqa: E731
+    summary = {
+        "speedup_d_over_b": ratio("b_eager_autocast_gradscaler"),
+        "speedup_d_over_c": ratio("c_compiled_model_autocast_gradscaler"),
+        "d_over_floor": d / rows["floor"]["median_ms"] if "floor" in rows else math.nan,
+        "graphs_compiled_while_timing": recompiles_while_timing,
+    }
+    return {"rows": rows, "summary": summary}
+
+
+def print_table(name: str, result: dict[str, Any]) -> None:
+    print(f"\n{name}")
+    print(f"  {'variant':40s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'compile s':>10s} "
+          f"{'graphs':>6s} {'breaks':>6s}")  # fmt: skip
+    for key, r in result["rows"].items():
+        print(
+            f"  {key:40s} {r['median_ms']:10.3f} {r['min_ms']:8.3f} {r['max_ms']:8.3f} "
+            f"{r['first_call_s']:10.2f} {r['graphs']:6d} {r['graph_breaks']:6d}"
+        )
+    s = result["summary"]
+    print(
+        f"  (d) vs (b): {s['speedup_d_over_b']:.2f}x   (d) vs (c): {s['speedup_d_over_c']:.2f}x   "
+        f"(d)/floor: {s['d_over_floor']:.2f}   graphs compiled while timing: "
+        f"{s['graphs_compiled_while_timing']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description="funcamp train-step benchmark")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=20, help="steps per timed round")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--only", default="", help="variant letters to run, e.g. 'bcd' (+floor)")
+    p.add_argument("--out", type=Path, default=Path("build/bench/train_step.json"))
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available")
+    results: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "models": {},
+    }
+    for name in args.models.split(","):
+        print(f"{name}: compiling and warming up", flush=True)
+        results["models"][name] = bench_model(name, args)
+        print_table(name, results["models"][name])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,559 @@
+"""The training step: :class:`TrainState`, :func:`params_and_buffers` and :func:`make_train_step`.
+
+One step is the whole pipeline of DESIGN.md — ``amp`` → ``grad_and_value`` of the scaled loss →
+:func:`funcamp.unscale_and_step` → :func:`funcamp.update` — as one pure function of
+``(state, batch)``, compiled whole with ``torch.compile(fullgraph=True)``. Nothing on the step path
+syncs with the host: skipped steps are selected with ``torch.where`` and every metric is a tensor.
+
+Buffers (BatchNorm running statistics and the like)
+---------------------------------------------------
+``loss_fn(params, buffers, batch)`` receives *fresh copies* of the state's buffers on every
+step, and whatever it writes into them in place becomes the new state's buffers. So the usual
+``torch.func.functional_call(model, (params, buffers), x)`` of a module in training mode just
+works: BatchNorm updates its running stats in the copies, and they come out of the step
+functionally (the input state is never modified). Alternatively, with
+``returns_buffers=True``, ``loss_fn`` returns the new buffers explicitly (the pure, JAX-style
+way): ``(loss, new_buffers)``, or ``(loss, aux, new_buffers)`` with ``has_aux=True``; it then
+receives the state's buffers themselves and must not modify them. Either way buffers are
+updated on every step, including skipped ones (as with ``torch.amp.GradScaler``: the forward
+pass ran), and keep their dtypes (``amp``'s output cast does not apply to them).
+
+Guards and recompiles
+---------------------
+Like ``jax.jit``, a compiled step is specialised on everything ``loss_fn`` closes over: the
+module's structure and attributes, Python hyperparameters, the policy and the optimizer are read
+once, when the step is traced. By default only the guards on the step's *inputs* (the state's
+and the batch's tensors: shapes, dtypes, devices, strides) are kept, because dynamo's guards on a
+captured ``nn.Module`` cost about as much as the optimizer itself on a small model. Build a new
+step after changing the module (``model.eval()``, a new hook, ...), or pass your own
+``options={"guard_filter_fn": ...}`` (or ``guard_filter_fn=None`` to keep every guard).
+
+A batch whose *structure* (containers, keys, number of leaves) differs from the first batch's
+raises ``ValueError``; a batch with new *shapes* or dtypes recompiles once (dynamo then marks the
+changed dimensions dynamic), so a smaller last batch costs one recompile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import types
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from funcamp._amp import amp
+from funcamp._optim import MasterWeightsState, Optimizer
+from funcamp._policy import Policy, get_policy
+from funcamp._scaler import ScalerState, scale, unscale_and_step, update
+from funcamp._tree import NAMESPACE, _describe, _path_str
+
+__all__ = ["TrainState", "make_train_step", "params_and_buffers"]
+
+PyTree = Any
+Batch = Any
+Metrics = dict[str, Any]
+StepFn = Callable[["TrainState", Batch], tuple["TrainState", Metrics]]
+
+_API = "make_train_step"
+
+
+class TrainState(NamedTuple):
+    """Everything a training step reads and writes, as one pytree.
+
+    Attributes:
+        params: the parameters (a pytree of floating tensors, in the policy's ``param_dtype``).
+        buffers: non-trained state passed to ``loss_fn`` (BatchNorm running stats); ``{}`` if
+            none.
+        opt_state: the optimizer's state.
+        scaler: the :class:`funcamp.ScalerState` (its ``skipped`` leaf counts skipped steps).
+
+    Being a NamedTuple it flattens with optree and ``torch.utils._pytree``, compiles, and
+    checkpoints with :func:`funcamp.state_dict`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), "float32")
+        >>> state.params, state.buffers, state.scaler.kind
+        ({'w': tensor([1., 1.])}, {}, 'noop')
+    """
+
+    params: PyTree
+    buffers: PyTree
+    opt_state: PyTree
+    scaler: ScalerState
+
+    @classmethod
+    def create(
+        cls,
+        params: PyTree,
+        optimizer: Optimizer,
+        policy: Policy | str,
+        *,
+        buffers: PyTree = None,
+        scaler: ScalerState | None = None,
+    ) -> TrainState:
+        """Build the initial state: optimizer state, params (and buffers) cast to
+        ``param_dtype``, scaler.
+
+        The optimizer state is built for the params in ``param_dtype`` (so a low-precision mode
+        allocates what it needs), and with ``master_weights=True`` the float32 masters are then
+        taken from the params *as given*, before the cast: master weights start exact, not
+        rounded through the half dtype.
+
+        Args:
+            params: a pytree of floating tensors, usually float32 (see
+                :func:`params_and_buffers`).
+            optimizer: a :class:`funcamp.Optimizer`.
+            policy: a :class:`funcamp.Policy` or a policy string.
+            buffers: optional pytree of buffers; floating ones are cast to ``param_dtype``,
+                as ``module.to(dtype)`` would (BatchNorm needs its stats in the params' dtype);
+                default ``{}``.
+            scaler: the loss scaler; default ``ScalerState.for_policy(policy)`` (dynamic for a
+                float16 policy, noop otherwise) on the params' device.
+
+        Returns:
+            A :class:`TrainState`.
+
+        Example:
+            >>> import torch, funcamp
+            >>> opt = funcamp.adam(1e-3, master_weights=True)
+            >>> state = funcamp.TrainState.create({"w": torch.tensor([1.001])}, opt, "bf16-true")
+            >>> state.params["w"].dtype, state.opt_state.low.master["w"]
+            (torch.bfloat16, tensor([1.0010]))
+        """
+        api = "TrainState.create"
+        pol = _as_policy(api, policy)
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got "
+                f"{_describe(optimizer)}"
+            )
+        leaves = _check_params(api, params)
+        if buffers is None:
+            buffers = {}
+        if scaler is None:
+            device = leaves[0].device if leaves else None
+            scaler = ScalerState.for_policy(pol, device=device)
+        elif not isinstance(scaler, ScalerState):
+            raise TypeError(
+                f"funcamp.{api}: `scaler` must be a funcamp.ScalerState, got {_describe(scaler)}"
+            )
+        cast = pol.cast_to_param(params)
+        opt_state = optimizer.init(cast)
+        opt_state = _exact_masters(opt_state, params)
+        return cls(cast, pol.cast_to_param(buffers), opt_state, scaler)
+
+
+def _as_policy(api: str, policy: Any) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return get_policy(policy)
+    raise TypeError(
+        f"funcamp.{api}: `policy` must be a funcamp.Policy or a policy string such as "
+        f"'mixed_float16', got {_describe(policy)}"
+    )
+
+
+def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
+    paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
+            raise TypeError(
+                f"funcamp.{api}: `params` leaf {_path_str(path)} must be a floating tensor, got "
+                f"{_describe(leaf)}"
+            )
+    return leaves
+
+
+def _exact_masters(opt_state: PyTree, params: PyTree) -> PyTree:
+    """Replace the (already allocated) float32 masters by the un-rounded original params."""
+    originals = optree.tree_leaves(params, namespace=NAMESPACE)
+
+    def fix(node: Any) -> Any:
+        if not isinstance(node, MasterWeightsState):
+            return node
+        masters, spec = optree.tree_flatten(node.master, namespace=NAMESPACE)
+        if len(masters) != len(originals):
+            return node
+        exact = [
+            o.detach().to(torch.float32) if m.numel() and m.shape == o.shape else m
+            for m, o in zip(masters, originals)
+        ]
+        return MasterWeightsState(optree.tree_unflatten(spec, exact))
+
+    return optree.tree_map(
+        fix,
+        opt_state,
+        is_leaf=lambda x: isinstance(x, MasterWeightsState),
+        namespace=NAMESPACE,
+    )
+
+
+def params_and_buffers(
+    module: torch.nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Return ``(params, buffers)``: detached ``{name: tensor}`` dicts of a module's state.
+
+    The tensors share storage with the module (no copy); funcamp never modifies them. Pass them
+    to ``torch.func.functional_call(module, (params, buffers), args)``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> params, buffers = funcamp.params_and_buffers(torch.nn.BatchNorm1d(3))
+        >>> sorted(params), sorted(buffers)
+        (['bias', 'weight'], ['num_batches_tracked', 'running_mean', 'running_var'])
+        >>> params["weight"].requires_grad
+        False
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"funcamp.params_and_buffers: `module` must be a torch.nn.Module, got "
+            f"{_describe(module)}"
+        )
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    buffers = {k: v.detach() for k, v in module.named_buffers()}
+    return params, buffers
+
+
+# ---------------------------------------------------------------------------------- the step
+
+
+def _split_output(out: Any, has_aux: bool, returns_buffers: bool) -> tuple[Any, Any, Any]:
+    """``loss_fn``'s output as ``(loss, aux, new_buffers)``, with clear errors."""
+    if not has_aux and not returns_buffers:
+        return out, None, None
+    want = (
+        "(loss, aux, new_buffers)"
+        if has_aux and returns_buffers
+        else "(loss, aux)"
+        if has_aux
+        else "(loss, new_buffers)"
+    )
+    n = 3 if has_aux and returns_buffers else 2
+    if not isinstance(out, tuple) or len(out) != n:
+        flags = ", ".join(
+            f
+            for f, on in (("has_aux=True", has_aux), ("returns_buffers=True", returns_buffers))
+            if on
+        )
+        raise TypeError(
+            f"funcamp.{_API}: `loss_fn` must return a tuple {want} with {flags}, got "
+            f"{_describe(out)}"
+        )
+    if has_aux and returns_buffers:
+        return out
+    if has_aux:
+        return out[0], out[1], None
+    return out[0], None, out[1]
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        raise TypeError(
+            f"funcamp.{_API}: `loss_fn` must return a 0-d floating tensor as the loss, got "
+            f"{_describe(loss)}"
+        )
+    return loss
+
+
+def _restore_buffers(new: PyTree, old: PyTree) -> PyTree:
+    """Check ``new`` against ``old`` and give every leaf its old dtype back."""
+    paths, old_leaves, spec = optree.tree_flatten_with_path(old, namespace=NAMESPACE)
+    try:
+        new_leaves = spec.flatten_up_to(new)
+    except (ValueError, TypeError):
+        raise TypeError(
+            f"funcamp.{_API}: `loss_fn` must return new buffers with the structure of the "
+            f"state's buffers {spec}, got {optree.tree_structure(new, namespace=NAMESPACE)}"
+        ) from None
+    out = []
+    for path, o, n in zip(paths, old_leaves, new_leaves):
+        if isinstance(o, torch.Tensor):
+            if not isinstance(n, torch.Tensor) or n.shape != o.shape:
+                raise TypeError(
+                    f"funcamp.{_API}: `loss_fn` must return new buffers shaped like the old; "
+                    f"buffer {_path_str(path)} should be a tensor of shape {tuple(o.shape)}, "
+                    f"got {_describe(n)}"
+                )
+            n = n.to(o.dtype)
+        out.append(n)
+    return optree.tree_unflatten(spec, out)
+
+
+def _check_state(state: TrainState, optimizer: Optimizer) -> None:
+    """First-call check: ``opt_state`` must be what ``optimizer.init(params)`` builds (its
+    structure and shapes, computed on the meta device, so nothing is allocated)."""
+    _check_params(_API, state.params)
+    if not isinstance(state.scaler, ScalerState):
+        raise TypeError(
+            f"funcamp.{_API}: `state.scaler` must be a funcamp.ScalerState, got "
+            f"{_describe(state.scaler)}"
+        )
+    meta = optree.tree_map(
+        lambda p: torch.empty_like(p, device="meta"), state.params, namespace=NAMESPACE
+    )
+    try:
+        want_paths, want, want_spec = optree.tree_flatten_with_path(
+            optimizer.init(meta), namespace=NAMESPACE
+        )
+    except Exception:  # an optimizer that cannot init on meta: leave the checks to it
+        return
+    _, got, got_spec = optree.tree_flatten_with_path(state.opt_state, namespace=NAMESPACE)
+    hint = "build it with optimizer.init(params) or TrainState.create"
+    if got_spec != want_spec:
+        raise ValueError(
+            f"funcamp.{_API}: `state.opt_state` must match `state.params` and the optimizer "
+            f"({hint}): expected structure {want_spec}, got {got_spec}"
+        )
+    for path, w, g in zip(want_paths, want, got):
+        if isinstance(w, torch.Tensor) and (
+            not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype
+        ):
+            raise ValueError(
+                f"funcamp.{_API}: `state.opt_state` leaf {_path_str(path)} must be a "
+                f"{w.dtype} tensor of shape {tuple(w.shape)} to match `state.params` ({hint}), "
+                f"got {_describe(g)}"
+            )
+
+
+def _clone_buffers(buffers: PyTree) -> PyTree:
+    return optree.tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, buffers, namespace=NAMESPACE
+    )
+
+
+_STEP_INPUTS = ("state", "batch")
+_GLOBAL_STATE = ("GlobalStateSource", "ShapeEnvSource")
+
+
+def _guard_root(entry: Any) -> Any:
+    source = entry.orig_guard.originating_source
+    while getattr(source, "base", None) is not None:
+        source = source.base
+    return source
+
+
+def _input_guards_only(entries: list[Any]) -> list[bool]:
+    """Default guard filter: keep the guards on the step's inputs (``state``, ``batch``), on
+    tensors anywhere, and on global torch state (grad mode, default device, ...); drop those on
+    closures, globals and captured modules, which the step is specialised on (as with
+    ``jax.jit``). A guard whose origin cannot be read is kept."""
+    keep = []
+    for entry in entries:
+        try:
+            root = _guard_root(entry)
+            kind = type(root).__name__
+            if kind == "LocalSource":
+                keep.append(root.local_name in _STEP_INPUTS)
+            else:
+                keep.append(entry.guard_type == "TENSOR_MATCH" or kind in _GLOBAL_STATE)
+        except AttributeError:
+            keep.append(True)
+    return keep
+
+
+_STEP_IDS = itertools.count()
+
+
+def _fresh_code(code: types.CodeType) -> types.CodeType:
+    suffix = f"_{next(_STEP_IDS)}"
+    name = code.co_name + suffix
+    if sys.version_info >= (3, 11):
+        return code.replace(co_name=name, co_qualname=code.co_qualname + suffix)
+    return code.replace(co_name=name)  # pragma: no cover - Python 3.10
+
+
+def _compile(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    opts = dict(options)
+    backend = opts.pop("backend", "inductor")
+    mode = opts.pop("mode", None)
+    inner = dict(opts.pop("options", None) or {})
+    fullgraph = opts.pop("fullgraph", True)
+    if "guard_filter_fn" in opts:
+        inner["guard_filter_fn"] = opts.pop("guard_filter_fn")
+    inner.setdefault("guard_filter_fn", _input_guards_only)
+    if inner["guard_filter_fn"] is None:
+        del inner["guard_filter_fn"]
+    if mode is not None:
+        # torch.compile takes `mode` or `options`, not both: spell the mode out as options.
+        if backend == "inductor":
+            from torch._inductor import list_mode_options
+
+            inner = {**list_mode_options(mode), **inner}
+            mode = None
+        elif inner:
+            # other backends ignore inductor options; only the guard filter matters.
+            pass
+    if mode is not None and inner:
+        inner = {}
+    return torch.compile(
+        fn, fullgraph=fullgraph, backend=backend, mode=mode, options=inner or None, **opts
+    )
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: Optimizer,
+    policy: Policy | str,
+    *,
+    has_aux: bool = False,
+    returns_buffers: bool = False,
+    compile: bool = True,
+    group: Any = None,
+    **compile_options: Any,
+) -> StepFn:
+    """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
+
+    Inside: ``funcamp.amp(loss_fn, policy)``; ``torch.func.grad_and_value`` of the loss scaled by
+    ``state.scaler``; :func:`funcamp.unscale_and_step` (a step whose scaled gradients hold an
+    inf or nan is skipped: params and optimizer state come back bit-identical); and
+    :func:`funcamp.update` of the scaler.
+
+    ``loss_fn(params, buffers, batch)`` returns the loss (a 0-d floating tensor), or
+    ``(loss, aux)`` with ``has_aux=True``. ``buffers`` is a fresh copy of ``state.buffers``:
+    in-place updates (BatchNorm's running stats under ``functional_call``) become the new
+    state's buffers. With ``returns_buffers=True`` it gets the buffers themselves and returns
+    the new ones instead: ``(loss, new_buffers)`` or ``(loss, aux, new_buffers)``.
+
+    ``metrics`` is a dict of tensors: ``loss`` (unscaled, float32), ``grad_norm`` (of the
+    unscaled gradients), ``scale`` (the loss scale this step used), ``found_inf`` (this step was
+    skipped) and ``skipped`` (running total of skipped steps, from the scaler state), plus
+    ``aux`` with ``has_aux=True``.
+
+    Args:
+        loss_fn: ``(params, buffers, batch) -> loss | tuple`` as above; run under ``amp``.
+        optimizer: a :class:`funcamp.Optimizer`.
+        policy: a :class:`funcamp.Policy` or a policy string.
+        has_aux: ``loss_fn`` returns auxiliary outputs (returned as ``metrics["aux"]``).
+        returns_buffers: ``loss_fn`` returns the new buffers (see above).
+        compile: compile the step with ``torch.compile(fullgraph=True)`` (default); ``False``
+            returns the same step, eager.
+        group: data-parallel process group (not supported yet; must be ``None``).
+        **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
+            ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
+            keeps only the guards on the step's inputs (``None`` keeps every guard).
+
+    Returns:
+        ``step(state, batch) -> (new_state, metrics)``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> def loss_fn(params, buffers, batch):
+        ...     x, y = batch
+        ...     return torch.nn.functional.mse_loss(x @ params["w"], y)
+        >>> opt = funcamp.sgd(0.1)
+        >>> scaler = funcamp.ScalerState.dynamic(init_scale=2.0**10)
+        >>> params = {"w": torch.zeros(2, 1)}
+        >>> state = funcamp.TrainState.create(params, opt, "mixed_float16", scaler=scaler)
+        >>> step = funcamp.make_train_step(loss_fn, opt, "mixed_float16", compile=False)
+        >>> batch = (torch.ones(4, 2), torch.ones(4, 1))
+        >>> state, metrics = step(state, batch)
+        >>> metrics["loss"], metrics["scale"], metrics["found_inf"], state.params["w"].flatten()
+        (tensor(1.), tensor(1024.), tensor(False), tensor([0.2000, 0.2000]))
+        >>> bad = (torch.full((4, 2), float("inf")), torch.ones(4, 1))
+        >>> state, metrics = step(state, bad)  # skipped: params kept, scale backs off
+        >>> metrics["found_inf"], metrics["skipped"], state.params["w"].flatten()
+        (tensor(True), tensor(1, dtype=torch.int32), tensor([0.2000, 0.2000]))
+        >>> float(state.scaler.scale)
+        512.0
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {_describe(loss_fn)}")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"funcamp.{_API}: `optimizer` must be a funcamp.Optimizer, got {_describe(optimizer)}"
+        )
+    pol = _as_policy(_API, policy)
+    for name, flag in (("has_aux", has_aux), ("returns_buffers", returns_buffers)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
+    if not isinstance(compile, bool):
+        raise TypeError(f"funcamp.{_API}: `compile` must be a bool, got {_describe(compile)}")
+    if group is not None:
+        raise NotImplementedError(
+            f"funcamp.{_API}: `group` (data-parallel training) is not supported yet; pass "
+            "group=None, or average the gradients yourself with "
+            "funcamp.distributed.all_reduce_grads in a hand-written step"
+        )
+    if compile_options and not compile:
+        raise TypeError(
+            f"funcamp.{_API}: compile options {sorted(compile_options)} must not be given with "
+            "compile=False"
+        )
+
+    run_loss = amp(loss_fn, pol)
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        scaler = state.scaler
+
+        def scaled_loss(params: PyTree) -> tuple[torch.Tensor, tuple[Any, ...]]:
+            # Copies made inside the transform, so in-place buffer updates are allowed.
+            buffers = state.buffers if returns_buffers else _clone_buffers(state.buffers)
+            loss, aux, new_buffers = _split_output(
+                run_loss(params, buffers, batch), has_aux, returns_buffers
+            )
+            loss = _check_loss(loss).to(torch.float32)
+            if not returns_buffers:
+                new_buffers = buffers
+            return scale(scaler, loss), (loss.detach(), aux if has_aux else (), new_buffers)
+
+        grads, (_, (loss, aux, new_buffers)) = torch.func.grad_and_value(scaled_loss, has_aux=True)(
+            state.params
+        )
+        if returns_buffers:
+            new_buffers = _restore_buffers(new_buffers, state.buffers)
+        params, opt_state, info = unscale_and_step(
+            scaler, optimizer, grads, state.opt_state, state.params
+        )
+        new_scaler = update(scaler, info.found_inf)
+        metrics: Metrics = {
+            "loss": loss,
+            "grad_norm": info.grad_norm,
+            "scale": scaler.scale,
+            "found_inf": info.found_inf,
+            "skipped": new_scaler.skipped,
+        }
+        if has_aux:
+            metrics["aux"] = aux
+        return TrainState(params, new_buffers, opt_state, new_scaler), metrics
+
+    # Dynamo caches compiled code per code object, and the default guard filter drops the
+    # guards on closures: a code object of its own keeps each step's graph to that step.
+    train_step.__code__ = _fresh_code(train_step.__code__)
+    run = _compile(train_step, compile_options) if compile else train_step
+    expected: list[Any] = []
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"funcamp.{_API}: `state` must be a funcamp.TrainState (see "
+                f"TrainState.create), got {_describe(state)}"
+            )
+        structure = optree.tree_structure(batch, namespace=NAMESPACE)
+        if not expected:
+            _check_state(state, optimizer)
+            expected.append(structure)
+        elif structure != expected[0]:
+            raise ValueError(
+                f"funcamp.{_API}: `batch` must keep the structure of the first batch "
+                f"{expected[0]}, got {structure}; build another step for batches of another "
+                "structure (new shapes or dtypes only recompile)"
+            )
+        if run is train_step:
+            return train_step(state, batch)
+        try:
+            return run(state, batch)
+        except torch._dynamo.exc.Unsupported:
+            # dynamo reports an exception raised while tracing (a bad `loss_fn` output, trees
+            # that do not match) as "Unsupported"; run the step eagerly to raise it plainly.
+            with torch.compiler.set_stance("force_eager"):
+                train_step(state, batch)
+            raise
+
+    step.__doc__ = f"A funcamp train step ({'compiled' if compile else 'eager'}, policy {pol})."
+    step.train_step = train_step  # type: ignore[attr-defined]
+    return step

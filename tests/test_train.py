@@ -1,0 +1,393 @@
+"""Tests for funcamp._train: TrainState, params_and_buffers, make_train_step."""
+
+from __future__ import annotations
+
+import copy
+
+import optree
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+from torch.func import functional_call
+
+import funcamp
+from funcamp._tree import NAMESPACE
+
+POLICY = "mixed_float16"
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+MODEL = _mlp()
+
+
+def loss_fn(params, buffers, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(functional_call(MODEL, (params, buffers), (x,)), y)
+
+
+def _optimizer() -> funcamp.Optimizer:
+    schedule = funcamp.linear_warmup_cosine_decay(3e-2, 10, 100, end_value=1e-3)
+    return funcamp.chain(funcamp.clip_by_global_norm(5.0), funcamp.adam(schedule))
+
+
+OPT = _optimizer()
+
+
+def _state(policy: str = POLICY, **kw) -> funcamp.TrainState:
+    params, buffers = funcamp.params_and_buffers(MODEL)
+    scaler = kw.pop("scaler", funcamp.ScalerState.dynamic(2.0**12, growth_interval=4))
+    return funcamp.TrainState.create(params, OPT, policy, buffers=buffers, scaler=scaler, **kw)
+
+
+def _batches(n: int, *, bad_every: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        x = torch.randn(8, 6, generator=g)
+        if bad_every and i % bad_every == bad_every - 1:
+            x[0, 0] = float("inf")
+        out.append((x, torch.randint(0, 3, (8,), generator=g)))
+    return out
+
+
+def _leaves(tree):
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+def _assert_close(a, b, atol=1e-5):
+    la, lb = _leaves(a), _leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, atol=atol, rtol=atol, equal_nan=True)
+
+
+def _assert_equal(a, b):
+    la, lb = _leaves(a), _leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+@pytest.fixture(scope="module")
+def compiled_step():
+    """A step compiled with aot_eager (tracing is what these tests check), shared."""
+    return funcamp.make_train_step(loss_fn, OPT, POLICY, backend="aot_eager")
+
+
+@pytest.fixture(scope="module")
+def inductor_step():
+    """The default (inductor) compiled step, float32 compute so it matches eager to 1e-5."""
+    return funcamp.make_train_step(loss_fn, OPT, "float32")
+
+
+@pytest.fixture(scope="module")
+def eager_step():
+    return funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
+
+
+# ------------------------------------------------------------------------------ construction
+
+
+def test_train_state_create_casts_and_inits():
+    params = {"w": torch.tensor([1.001, 2.0])}
+    opt = funcamp.adam(1e-3, master_weights=True)
+    state = funcamp.TrainState.create(params, opt, "bf16-true")
+    assert state.params["w"].dtype == torch.bfloat16
+    # masters come from the float32 params as given, not from the bf16 cast
+    assert torch.equal(state.opt_state.low.master["w"], params["w"])
+    assert state.scaler.kind == "noop" and state.buffers == {}
+    assert funcamp.TrainState.create(params, opt, "mixed_float16").scaler.kind == "dynamic"
+
+
+def test_train_state_create_errors():
+    with pytest.raises(TypeError, match=r"funcamp.TrainState.create: `params` leaf \['i'\]"):
+        funcamp.TrainState.create({"i": torch.arange(2)}, OPT, POLICY)
+    with pytest.raises(TypeError, match=r"`optimizer` must be a funcamp.Optimizer"):
+        funcamp.TrainState.create({"w": torch.ones(1)}, "adam", POLICY)
+    with pytest.raises(TypeError, match="`policy` must be"):
+        funcamp.TrainState.create({"w": torch.ones(1)}, OPT, 3)
+
+
+def test_params_and_buffers():
+    bn = nn.BatchNorm1d(3)
+    params, buffers = funcamp.params_and_buffers(bn)
+    assert set(params) == {"weight", "bias"}
+    assert set(buffers) == {"running_mean", "running_var", "num_batches_tracked"}
+    assert not params["weight"].requires_grad
+    assert params["weight"].data_ptr() == bn.weight.data_ptr()
+    with pytest.raises(TypeError, match=r"funcamp.params_and_buffers: `module` must be"):
+        funcamp.params_and_buffers({"w": torch.ones(1)})
+
+
+def test_train_state_is_a_pytree_for_both_registries():
+    state = _state()
+    leaves, spec = torch.utils._pytree.tree_flatten(state)
+    assert torch.utils._pytree.tree_unflatten(leaves, spec).scaler.growth_interval == 4
+    assert len(leaves) == len(_leaves(state))
+
+
+# ------------------------------------------------------------------------------ compiled step
+
+
+def test_compiled_one_graph_no_recompiles_matches_eager(compiled_step, eager_step):
+    """100 steps: LR schedule, growing/backing-off scale, injected overflows, 1 graph."""
+    batches = _batches(100, bad_every=17)
+    counters.clear()
+    s_c = s_e = _state()
+    scales, found = [], []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for b in batches:
+            s_c, m_c = compiled_step(s_c, b)
+            s_e, m_e = eager_step(s_e, b)
+            scales.append(float(m_c["scale"]))
+            found.append(bool(m_c["found_inf"]))
+            _assert_close(m_c, m_e)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    assert len(set(scales)) > 2  # the scale grew and backed off
+    assert sum(found) == int(s_c.scaler.skipped) >= 100 // 17
+    _assert_close(s_c, s_e)
+    # the schedule's count only counts applied steps
+    assert int(s_c.opt_state[1].count) == 100 - sum(found)
+
+
+def test_inductor_matches_eager(inductor_step):
+    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False)
+    s_c = s_e = _state("float32")
+    counters.clear()
+    for b in _batches(12, bad_every=5):
+        s_c, m_c = inductor_step(s_c, b)
+        s_e, m_e = eager(s_e, b)
+        _assert_close(m_c, m_e)
+    _assert_close(s_c, s_e)
+    assert int(s_c.scaler.skipped) == 2
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_steps_do_not_share_graphs(compiled_step):
+    """Each step has its own compiled code even though closure guards are filtered out."""
+    doubled = funcamp.make_train_step(
+        lambda p, b, batch: 2.0 * loss_fn(p, b, batch), OPT, POLICY, backend="aot_eager"
+    )
+    batch = _batches(1)[0]
+    _, m1 = compiled_step(_state(), batch)
+    _, m2 = doubled(_state(), batch)
+    torch.testing.assert_close(m2["loss"], 2.0 * m1["loss"])
+
+
+def test_metrics(compiled_step):
+    state = _state()
+    x, y = _batches(1)[0]
+    _, m = compiled_step(state, (x, y))
+    assert set(m) == {"loss", "grad_norm", "scale", "found_inf", "skipped"}
+    assert m["loss"].dtype == torch.float32 and m["loss"].dim() == 0
+    with torch.no_grad():
+        ref = nn.functional.cross_entropy(MODEL(x), y)
+    torch.testing.assert_close(m["loss"], ref, atol=2e-3, rtol=2e-3)  # float16 matmuls
+    assert float(m["scale"]) == 2.0**12 and not bool(m["found_inf"]) and int(m["skipped"]) == 0
+    assert float(m["grad_norm"]) > 0
+
+
+def test_skipped_step_is_bit_identical(compiled_step, eager_step):
+    state = _state()
+    for b in _batches(3):
+        state, _ = eager_step(state, b)
+    bad = _batches(1, bad_every=1)[0]
+    for step in (compiled_step, eager_step):
+        new, m = step(state, bad)
+        assert bool(m["found_inf"]) and int(m["skipped"]) == 1
+        _assert_equal(new.params, state.params)
+        _assert_equal(new.opt_state, state.opt_state)
+        assert int(new.opt_state[1].count) == int(state.opt_state[1].count) == 3
+        assert float(new.scaler.scale) == float(state.scaler.scale) / 2
+
+
+def test_input_state_is_not_modified(eager_step):
+    state = _state()
+    before = copy.deepcopy(funcamp.state_dict(state))
+    eager_step(state, _batches(1)[0])
+    _assert_equal(funcamp.state_dict(state), before)
+
+
+# ------------------------------------------------------------------------------ host sync
+
+
+def _forbid_sync(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("host sync on the step path")
+
+    for name in ("item", "__bool__", "tolist", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+
+
+def test_no_host_sync(inductor_step, monkeypatch):
+    compiled_step = inductor_step
+    state = _state("float32")
+    batches = _batches(4, bad_every=2)
+    compiled_step(state, batches[0])  # traced and compiled before the patch
+    eager = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
+    eager(state, batches[0])  # first-call validation runs outside the patch
+    with monkeypatch.context() as mp:
+        _forbid_sync(mp)
+        s_c = s_e = state
+        for b in batches:
+            s_c, _ = compiled_step(s_c, b)
+            s_e, _ = eager(s_e, b)
+    assert int(s_c.scaler.skipped) == int(s_e.scaler.skipped) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_cuda():  # pragma: no cover - needs a GPU
+    model = _mlp().cuda()
+
+    def cuda_loss(params, buffers, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
+
+    params, buffers = funcamp.params_and_buffers(model)
+    state = funcamp.TrainState.create(params, OPT, POLICY, buffers=buffers)
+    batches = [tuple(t.cuda() for t in b) for b in _batches(4, bad_every=2)]
+    for compile in (False, True):
+        step = funcamp.make_train_step(cuda_loss, OPT, POLICY, compile=compile)
+        s, _ = step(state, batches[0])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for b in batches:
+                s, _ = step(s, b)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+# ------------------------------------------------------------------------------ buffers
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("returns_buffers", [False, True])
+def test_batchnorm_buffers_match_torch(returns_buffers):
+    model = _bn_model()
+    ref = copy.deepcopy(model)
+    params, buffers = funcamp.params_and_buffers(model)
+
+    def bn_loss(p, b, batch):
+        x, y = batch
+        if returns_buffers:
+            b = {k: v.clone() for k, v in b.items()}
+        loss = nn.functional.mse_loss(functional_call(model, (p, b), (x,)), y)
+        return (loss, b) if returns_buffers else loss
+
+    opt = funcamp.sgd(0.1)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 5, generator=g), torch.randn(16, 2, generator=g)) for _ in range(5)]
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches:
+        torch_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        torch_opt.step()
+    for kw in ({"compile": False}, {"backend": "aot_eager"}):
+        step = funcamp.make_train_step(
+            bn_loss, opt, "float32", returns_buffers=returns_buffers, **kw
+        )
+        state = funcamp.TrainState.create(params, opt, "float32", buffers=buffers)
+        for b in batches:
+            state, _ = step(state, b)
+        for name, buf in ref.named_buffers():
+            torch.testing.assert_close(state.buffers[name], buf, atol=1e-6, rtol=1e-6)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(state.params[name], p.detach(), atol=1e-6, rtol=1e-6)
+    # the module's own buffers were never touched
+    assert int(model[1].num_batches_tracked) == 0
+    assert torch.equal(model[1].running_mean, torch.zeros(8))
+
+
+def test_has_aux():
+    def aux_loss(p, b, batch):
+        x, y = batch
+        logits = functional_call(MODEL, (p, b), (x,))
+        return nn.functional.cross_entropy(logits, y), {"acc": (logits.argmax(1) == y).float()}
+
+    step = funcamp.make_train_step(aux_loss, OPT, POLICY, has_aux=True, compile=False)
+    _, m = step(_state(), _batches(1)[0])
+    assert m["aux"]["acc"].shape == (8,)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def _eager_and_compiled(fn, **kw):
+    return [
+        funcamp.make_train_step(fn, OPT, POLICY, compile=False, **kw),
+        funcamp.make_train_step(fn, OPT, POLICY, backend="aot_eager", **kw),
+    ]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda p, b, batch: loss_fn(p, b, batch).reshape(1),
+        lambda p, b, batch: loss_fn(p, b, batch).long(),
+        lambda p, b, batch: 1.0,
+    ],
+    ids=["non-scalar", "integer", "float"],
+)
+def test_bad_loss(bad):
+    for step in _eager_and_compiled(bad):
+        with pytest.raises(
+            TypeError, match=r"funcamp.make_train_step: `loss_fn` must return a 0-d"
+        ):
+            step(_state(), _batches(1)[0])
+
+
+def test_has_aux_without_tuple():
+    for step in _eager_and_compiled(loss_fn, has_aux=True):
+        with pytest.raises(TypeError, match=r"must return a tuple \(loss, aux\) with has_aux"):
+            step(_state(), _batches(1)[0])
+
+
+def test_mismatched_opt_state():
+    state = _state()
+    other = funcamp.adam(1e-3).init({"w": torch.zeros(3)})
+    bad = state._replace(opt_state=(state.opt_state[0], other))
+    for step in _eager_and_compiled(loss_fn):
+        with pytest.raises(ValueError, match=r"funcamp.make_train_step: `state.opt_state` must"):
+            step(bad, _batches(1)[0])
+    bad = state._replace(params={**state.params, "0.weight": torch.zeros(16, 7)})
+    with pytest.raises(ValueError, match=r"`state.opt_state` leaf .*shape \(16, 7\)"):
+        funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)(bad, _batches(1)[0])
+
+
+def test_batch_structure_change():
+    step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
+    x, y = _batches(1)[0]
+    state, _ = step(_state(), (x, y))
+    with pytest.raises(ValueError, match="`batch` must keep the structure of the first batch"):
+        step(state, [x, y])
+    with pytest.raises(ValueError, match="`batch` must keep the structure"):
+        step(state, (x, y, y))
+
+
+def test_argument_errors():
+    with pytest.raises(TypeError, match=r"funcamp.make_train_step: `loss_fn` must be callable"):
+        funcamp.make_train_step(3, OPT, POLICY)
+    with pytest.raises(TypeError, match=r"`optimizer` must be a funcamp.Optimizer"):
+        funcamp.make_train_step(loss_fn, torch.optim.SGD, POLICY)
+    with pytest.raises(TypeError, match="`has_aux` must be a bool"):
+        funcamp.make_train_step(loss_fn, OPT, POLICY, has_aux=1)
+    with pytest.raises(TypeError, match="compile options"):
+        funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, mode="max-autotune")
+    with pytest.raises(NotImplementedError, match="`group`"):
+        funcamp.make_train_step(loss_fn, OPT, POLICY, group=object())
+    step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
+    with pytest.raises(TypeError, match=r"`state` must be a funcamp.TrainState"):
+        step(tuple(_state()), _batches(1)[0])
