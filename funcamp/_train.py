@@ -45,10 +45,11 @@ import optree
 import torch
 
 from funcamp._amp import amp
-from funcamp._optim import MasterWeightsState, Optimizer
+from funcamp._optim import Optimizer, init_from_exact
 from funcamp._policy import Policy, get_policy
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
 from funcamp._tree import NAMESPACE, _describe, _path_str
+from funcamp.distributed import _reduce_step
 
 __all__ = ["TrainState", "make_train_step", "params_and_buffers"]
 
@@ -142,8 +143,9 @@ class TrainState(NamedTuple):
                 f"funcamp.{api}: `scaler` must be a funcamp.ScalerState, got {_describe(scaler)}"
             )
         cast = pol.cast_to_param(params)
-        opt_state = optimizer.init(cast)
-        opt_state = _exact_masters(opt_state, params)
+        # The optimizer state is built for the params in param_dtype (a mode allocates what it
+        # needs), with float32 masters taken from the params as given: exact, not rounded.
+        opt_state = init_from_exact(optimizer, cast, params)
         return cls(cast, pol.cast_to_param(buffers), opt_state, scaler)
 
 
@@ -167,30 +169,6 @@ def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
                 f"{_describe(leaf)}"
             )
     return leaves
-
-
-def _exact_masters(opt_state: PyTree, params: PyTree) -> PyTree:
-    """Replace the (already allocated) float32 masters by the un-rounded original params."""
-    originals = optree.tree_leaves(params, namespace=NAMESPACE)
-
-    def fix(node: Any) -> Any:
-        if not isinstance(node, MasterWeightsState):
-            return node
-        masters, spec = optree.tree_flatten(node.master, namespace=NAMESPACE)
-        if len(masters) != len(originals):
-            return node
-        exact = [
-            o.detach().to(torch.float32) if m.numel() and m.shape == o.shape else m
-            for m, o in zip(masters, originals)
-        ]
-        return MasterWeightsState(optree.tree_unflatten(spec, exact))
-
-    return optree.tree_map(
-        fix,
-        opt_state,
-        is_leaf=lambda x: isinstance(x, MasterWeightsState),
-        namespace=NAMESPACE,
-    )
 
 
 def params_and_buffers(
@@ -395,6 +373,28 @@ def _compile(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
     )
 
 
+def _data_parallel(group: Any) -> tuple[Any, int, int] | None:
+    """``(group, world_size, rank)`` read once, when the step is built; None without a group."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"funcamp.{_API}: `group` needs torch.distributed initialized "
+            "(torch.distributed.init_process_group) before the step is built"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"funcamp.{_API}: `group` must be a torch.distributed.ProcessGroup (for example "
+            f"torch.distributed.group.WORLD), got {_describe(group)}"
+        )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"funcamp.{_API}: this process is not a member of `group`")
+    return group, dist.get_world_size(group), rank
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: Optimizer,
@@ -424,6 +424,21 @@ def make_train_step(
     skipped) and ``skipped`` (running total of skipped steps, from the scaler state), plus
     ``aux`` with ``has_aux=True``.
 
+    Data parallel (``group=pg``): every rank of ``pg`` runs the step on its own shard of the
+    batch (shards of equal size) and ends with the same state, as with DDP. The world size and
+    this process's rank are read when the step is built. After the backward pass one all-reduce
+    per gradient dtype (one in all when the gradients are float32, as under the ``mixed_*``
+    policies; when none is float32, as under ``bf16-true``, a small float32 all-reduce is
+    added for the loss, flag and buffers) carries the *scaled* gradients averaged over the ranks, the loss (``metrics["loss"]``
+    is the mean over ranks), a non-finite flag (any rank's inf/nan skips the step on every rank,
+    so the scaler states stay equal) and rank 0's new buffers (DDP's ``broadcast_buffers``: every
+    rank holds rank 0's, bit for bit). ``grad_norm`` is the norm of the averaged gradients;
+    ``aux`` stays this rank's own. With :func:`funcamp.accumulate` the gradients are averaged
+    on *every* micro-step, not only on the one that applies the update (DDP's ``no_sync``):
+    whether a micro-step applies is a device-side value (skipped micro-steps do not count), and
+    a collective issued only on that step needs its value on the host -- a host sync
+    (``torch.cond`` reads it with ``.item()``). See the data-parallel guide.
+
     Args:
         loss_fn: ``(params, buffers, batch) -> loss | tuple`` as above; run under ``amp``.
         optimizer: a :class:`funcamp.Optimizer`.
@@ -432,7 +447,8 @@ def make_train_step(
         returns_buffers: ``loss_fn`` returns the new buffers (see above).
         compile: compile the step with ``torch.compile(fullgraph=True)`` (default); ``False``
             returns the same step, eager.
-        group: data-parallel process group (not supported yet; must be ``None``).
+        group: a ``torch.distributed`` process group for data-parallel training (see below);
+            ``None`` (default) trains in this process alone.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard).
@@ -473,12 +489,7 @@ def make_train_step(
             raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
     if not isinstance(compile, bool):
         raise TypeError(f"funcamp.{_API}: `compile` must be a bool, got {_describe(compile)}")
-    if group is not None:
-        raise NotImplementedError(
-            f"funcamp.{_API}: `group` (data-parallel training) is not supported yet; pass "
-            "group=None, or average the gradients yourself with "
-            "funcamp.distributed.all_reduce_grads in a hand-written step"
-        )
+    data_parallel = _data_parallel(group)
     if compile_options and not compile:
         raise TypeError(
             f"funcamp.{_API}: compile options {sorted(compile_options)} must not be given with "
@@ -506,15 +517,29 @@ def make_train_step(
         )
         if returns_buffers:
             new_buffers = _restore_buffers(new_buffers, state.buffers)
+        nonfinite = None
+        if data_parallel is not None:
+            # One all-reduce per gradient dtype (one in all for float32 grads): the mean of the
+            # scaled grads, the mean loss, the non-finite consensus and rank 0's buffers.
+            pg, world_size, rank = data_parallel
+            grads, loss, nonfinite, new_buffers = _reduce_step(
+                grads, loss, new_buffers, pg, world_size, rank == 0
+            )
         params, opt_state, info = unscale_and_step(
             scaler, optimizer, grads, state.opt_state, state.params
         )
-        new_scaler = update(scaler, info.found_inf)
+        found_inf = info.found_inf
+        if nonfinite is not None:
+            # A rank's inf/nan gradient makes the summed gradient inf/nan on every rank, so
+            # unscale_and_step already skipped wherever `nonfinite` is set; OR-ing keeps the
+            # reported flag and the scaler update tied to the consensus all the same.
+            found_inf = found_inf | nonfinite
+        new_scaler = update(scaler, found_inf)
         metrics: Metrics = {
             "loss": loss,
             "grad_norm": info.grad_norm,
             "scale": scaler.scale,
-            "found_inf": info.found_inf,
+            "found_inf": found_inf,
             "skipped": new_scaler.skipped,
         }
         if has_aux:

@@ -3,11 +3,15 @@
 Built on ``torch.distributed._functional_collectives``, so they return new tensors (the inputs are
 never modified), need no host sync and trace into a single graph under
 ``torch.compile(fullgraph=True)``.
+
+:func:`funcamp.make_train_step` with ``group=`` packs everything a data-parallel step exchanges --
+the gradients, the loss, a non-finite flag and rank 0's buffers -- into one flat buffer per
+gradient dtype (see :func:`all_reduce_grads`), so a float32-gradient step costs one all-reduce.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -61,8 +65,10 @@ def all_reduce_grads(grads: PyTree, group: Any = None) -> PyTree:
     """Average the floating tensor leaves of ``grads`` over the ranks of ``group``.
 
     Leaves are packed into one flat buffer per (device, dtype), so a step issues one all-reduce
-    per dtype rather than one per leaf; the sum is divided by the world size (a Python constant
-    fixed when the function is traced). Non-floating and non-tensor leaves pass through.
+    per dtype rather than one per leaf. Each rank divides its gradients by the world size (a
+    Python constant fixed when the function is traced) *before* the sum, as DDP does, so a
+    float16 sum cannot overflow where the mean would not; with a power-of-two world size the
+    division is exact. Non-floating and non-tensor leaves pass through.
 
     Args:
         grads: a pytree of gradients with the same structure and shapes on every rank.
@@ -72,21 +78,121 @@ def all_reduce_grads(grads: PyTree, group: Any = None) -> PyTree:
         >>> import torch, torch.distributed as dist
         >>> import funcamp.distributed as fd
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> fd.all_reduce_grads({"w": torch.tensor([1.0, 2.0])})
-        {'w': tensor([1., 2.])}
+        >>> fd.all_reduce_grads({"w": torch.tensor([1.0, 2.0]), "step": 3})
+        {'w': tensor([1., 2.]), 'step': 3}
         >>> dist.destroy_process_group()
     """
     pg = _group("all_reduce_grads", group)
-    world_size = dist.get_world_size(pg)
+    return _reduce_step(grads, None, None, pg, dist.get_world_size(pg), True).grads
+
+
+# ---------------------------------------------------------------------------- the packed step
+
+
+class _Reduced(NamedTuple):
+    grads: PyTree
+    loss: torch.Tensor | None
+    nonfinite: torch.Tensor | None
+    buffers: PyTree
+
+
+def _encode(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float32 values that survive a sum with ``-0.0`` bit for bit.
+
+    float32/float16/bfloat16 convert exactly; one-byte types and bool are small integers; every
+    other dtype (int64, float64, ...) is split into its 16-bit words, each exact in float32.
+    """
+    if x.dtype in (torch.float32, torch.float16, torch.bfloat16) or x.element_size() == 1:
+        return x.reshape(-1).to(torch.float32)
+    return x.reshape(-1).view(torch.int16).to(torch.float32)
+
+
+def _encoded_size(x: torch.Tensor) -> int:
+    if x.dtype in (torch.float32, torch.float16, torch.bfloat16) or x.element_size() == 1:
+        return x.numel()
+    return x.numel() * x.element_size() // 2
+
+
+def _decode(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if like.dtype in (torch.float32, torch.float16, torch.bfloat16) or like.element_size() == 1:
+        return v.to(like.dtype).view(like.shape)
+    return v.to(torch.int16).view(like.dtype).view(like.shape)
+
+
+def _reduce_step(
+    grads: PyTree,
+    loss: torch.Tensor | None,
+    buffers: PyTree,
+    group: Any,
+    world_size: int,
+    is_src: bool,
+) -> _Reduced:
+    """Everything a data-parallel step exchanges, in one all-reduce per gradient dtype.
+
+    Gradients are grouped by (device, dtype) and concatenated, each rank's divided by
+    ``world_size`` before the sum (the result is their mean). The float32 buffer on the loss's
+    device (made for the purpose if no float32 gradients live there) also carries the loss
+    (divided too: the result is the mean loss), this rank's non-finite flag (1.0 when one of its
+    gradients is inf or nan; the sum is > 0 when any rank's is) and the tensor leaves of
+    ``buffers`` encoded with :func:`_encode`: rank 0 sends them, every other rank sends
+    ``-0.0``, and ``x + -0.0 == x`` bit for bit for every float32 ``x`` (nan and ``-0.0``
+    included), so the sum is rank 0's buffers exactly -- a broadcast, without another collective.
+    """
     leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             buckets.setdefault((x.device, x.dtype), []).append(i)
-    out = list(leaves)
-    for idx in buckets.values():
-        flat = torch.cat([leaves[i].reshape(-1) for i in idx])
-        reduced = funcol.all_reduce(flat, "sum", pg) / world_size
-        for i, chunk in zip(idx, reduced.split([leaves[i].numel() for i in idx])):
-            out[i] = chunk.view(leaves[i].shape)
-    return optree.tree_unflatten(spec, out)
+    # Under dynamo (torch 2.13, optree 0.20) tree_flatten fails to trace a tree holding an empty
+    # dict, and `buffers` is usually `{}`: flatten it only when it holds a tensor.
+    buf_leaves: list[Any] = []
+    buf_spec = None
+    if any(isinstance(x, torch.Tensor) for x in optree.tree_leaves(buffers, namespace=NAMESPACE)):
+        buf_leaves, buf_spec = optree.tree_flatten(buffers, namespace=NAMESPACE)
+    buf_idx = [i for i, x in enumerate(buf_leaves) if isinstance(x, torch.Tensor)]
+    carrier = None
+    if loss is not None or buf_idx:
+        device = loss.device if loss is not None else buf_leaves[buf_idx[0]].device
+        carrier = (device, torch.float32)
+        buckets.setdefault(carrier, [])
+
+    flats = {}
+    for key, idx in buckets.items():
+        parts = [leaves[i].reshape(-1) for i in idx]
+        flats[key] = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None
+    out, out_buf = list(leaves), list(buf_leaves)
+    mean_loss = nonfinite = None
+    for key, idx in buckets.items():
+        flat = flats[key]
+        pieces = [] if flat is None else [flat / world_size]
+        if key == carrier and loss is not None:
+            bad = [~torch.isfinite(f).all() for f in flats.values() if f is not None]
+            flag = torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool)
+            pieces += [loss.reshape(1).to(key[1]) / world_size, flag.reshape(1).to(key[1])]
+        if key == carrier:
+            for i in buf_idx:
+                code = _encode(buf_leaves[i]).to(key[0])
+                pieces.append(code if is_src else torch.full_like(code, -0.0))
+        send = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        got = funcol.wait_tensor(funcol.all_reduce(send, "sum", group))
+        pos = 0
+        if flat is not None:
+            sizes = [leaves[i].numel() for i in idx]
+            for i, chunk in zip(idx, got[: flat.numel()].split(sizes)):
+                out[i] = chunk.view(leaves[i].shape)
+            pos = flat.numel()
+        if key == carrier and loss is not None:
+            mean_loss, nonfinite = got[pos], got[pos + 1] > 0
+            pos += 2
+        if key == carrier:
+            for i in buf_idx:
+                like, size = buf_leaves[i], _encoded_size(buf_leaves[i])
+                out_buf[i] = _decode(got[pos : pos + size], like).to(like.device)
+                pos += size
+    # (Only rebuild what changed: under dynamo, unflattening an empty dict fails to trace.)
+    return _Reduced(
+        optree.tree_unflatten(spec, out) if any(buckets.values()) else grads,
+        mean_loss,
+        nonfinite,
+        optree.tree_unflatten(buf_spec, out_buf) if buf_idx else buffers,
+    )

@@ -1,0 +1,413 @@
+"""make_train_step(..., group=pg): data-parallel training on gloo processes (CPU).
+
+Process start-up (importing torch) costs seconds, so each world size is *one* spawned run whose
+workers go through every scenario and save what they saw; the tests below read those results
+and compare them with single-process references computed here.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import funcamp
+from funcamp.testing import assert_trees_close, assert_trees_equal
+
+pytestmark = pytest.mark.distributed
+
+BATCH = 12  # divisible by 2 and 3: equal shards
+STEPS = 5
+BAD_STEP = 2  # an inf in the last row of this step's batch: on the last rank only
+CONT = 2  # steps after the checkpoint
+ATOL = 1e-5
+RUN_TIMEOUT_S = 150
+HANG_TIMEOUT_S = 3  # the gloo timeout of the group a failing rank leaves waiting
+POLICY = "float32"  # exact math: DP must match one process to float32 rounding
+
+
+# ------------------------------------------------------------------ the problem, on any rank
+
+
+def _batches(steps: int = STEPS, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(steps):
+        x, y = torch.randn(BATCH, 4, generator=gen), torch.randn(BATCH, 1, generator=gen)
+        if i == BAD_STEP:
+            x[-1, 0] = math.inf
+        out.append((x, y))
+    return out
+
+
+def _shard(batch, rank: int, world: int):
+    n = BATCH // world
+    return tuple(t[rank * n : (rank + 1) * n] for t in batch)
+
+
+def _loss_fn(params, buffers, batch):
+    x, y = batch
+    # Buffers of three dtypes, updated in place (BatchNorm-style); they do not touch the loss.
+    buffers["mean"].mul_(0.9).add_(0.1 * x.mean(0))
+    buffers["seen"].add_(x.shape[0])
+    buffers["half"].add_(1.0)
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return torch.nn.functional.mse_loss(h @ params["w2"], y)
+
+
+def _init(optimizer, policy=POLICY) -> funcamp.TrainState:
+    gen = torch.Generator().manual_seed(1)
+    params = {
+        "w1": torch.randn(4, 16, generator=gen) / 2,
+        "b1": torch.zeros(16),
+        "w2": torch.randn(16, 1, generator=gen) / 4,
+    }
+    buffers = {
+        "mean": torch.zeros(4),
+        "seen": torch.zeros((), dtype=torch.int64),
+        "half": torch.zeros(2, dtype=torch.bfloat16),
+    }
+    # A dynamic scaler even in float32: skips and the scale trace must agree across ranks.
+    scaler = funcamp.ScalerState.dynamic(2.0**8, growth_interval=2)
+    if funcamp.get_policy(policy).param_dtype != torch.float32:
+        scaler = None
+    state = funcamp.TrainState.create(params, optimizer, policy, buffers=buffers, scaler=scaler)
+    return state._replace(buffers={**state.buffers, "half": buffers["half"]})
+
+
+def _train(step, state, batches, rank=0, world=1):
+    metrics = []
+    for batch in batches:
+        state, m = step(state, _shard(batch, rank, world))
+        metrics.append({k: m[k] for k in ("loss", "grad_norm", "found_inf", "scale")})
+    return state, metrics
+
+
+def _adam():
+    return funcamp.adam(1e-2)
+
+
+def _accumulated():
+    return funcamp.accumulate(funcamp.adam(1e-2), every=2)
+
+
+def _sr():
+    return funcamp.adamw(3e-3, stochastic_rounding=True, seed=7)
+
+
+# ---------------------------------------------------------------------------------- workers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, full: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=RUN_TIMEOUT_S)
+    )
+    pg = dist.group.WORLD
+    res: dict = {}
+    batches = _batches()
+
+    res["all_reduces"] = {}
+
+    def make(opt, policy=POLICY, name=None, **kw):
+        if name is not None:  # compiled: aot_eager, counting the graphs and their all-reduces
+            kw["backend"] = _counting_backend(res["all_reduces"].setdefault(name, []))
+        return funcamp.make_train_step(_loss_fn, opt, policy, group=pg, **kw)
+
+    # Eager and compiled (aot_eager) runs with an overflow on the last rank.
+    state, res["eager_metrics"] = _train(
+        make(_adam(), compile=False), _init(_adam()), batches, rank, world
+    )
+    res["eager"] = funcamp.state_dict(state)
+    compiled = make(_adam(), name="compiled")
+    cstate, res["compiled_metrics"] = _train(compiled, _init(_adam()), batches, rank, world)
+    res["compiled"] = funcamp.state_dict(cstate)
+    if full:
+        # Resume: the checkpoint of rank 0 at STEPS, then CONT more data-parallel steps.
+        more = _batches(CONT, seed=5)
+        state, _ = _train(compiled, state, more, rank, world)
+        res["continued"] = funcamp.state_dict(state)
+        # Accumulation: averaged on every micro-step, skipped micro-steps dropped everywhere.
+        acc = make(_accumulated(), name="acc")
+        astate, res["acc_metrics"] = _train(acc, _init(_accumulated()), batches, rank, world)
+        res["acc"] = funcamp.state_dict(astate)
+        # Stochastic rounding of bf16 params: the same bits on every rank.
+        sr = make(_sr(), "bf16-true", name="sr")
+        sstate, _ = _train(sr, _init(_sr(), "bf16-true"), batches[:BAD_STEP], rank, world)
+        res["sr"] = funcamp.state_dict(sstate)
+        # A rank that raises: the others must fail within the group's timeout, not hang.
+        short = dist.new_group(timeout=timedelta(seconds=HANG_TIMEOUT_S))
+        res["hang"] = _hang(rank, short, out_dir)
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    if full and rank != 0:
+        # Stay alive (a stuck peer, the worst case) until rank 0 has reported.
+        deadline = time.monotonic() + 4 * HANG_TIMEOUT_S + 30
+        while not os.path.exists(os.path.join(out_dir, "rank0.pt")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    # After a collective timed out the group cannot be torn down cleanly: leave at once.
+    os._exit(0)
+
+
+def _counting_backend(counts: list[int]):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager = lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        counts.append(sum("all_reduce" in str(node.target) for node in gm.graph.nodes))
+        return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+def _hang(rank: int, group, out_dir: str) -> dict:
+    def loss_fn(params, buffers, batch):
+        if rank != 0:
+            raise ValueError("rank failed")
+        return _loss_fn(params, buffers, batch)
+
+    step = funcamp.make_train_step(loss_fn, _adam(), POLICY, group=group, compile=False)
+    start = time.monotonic()
+    try:
+        step(_init(_adam()), _shard(_batches(1)[0], rank, dist.get_world_size()))
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300], "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def _start(world: int, out_dir: Path, full: bool):
+    # A fork server imports torch, funcamp and this module once, single-threaded, and forks the
+    # workers from there: clean processes (unlike a fork of pytest) at a fraction of the start-up
+    # cost of "spawn" (each of which imports everything again).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, str(out_dir), full), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs, out_dir, time.monotonic() + RUN_TIMEOUT_S
+
+
+def _finish(run) -> list[dict]:
+    procs, out_dir, deadline = run
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"distributed workers did not finish in {RUN_TIMEOUT_S} s"
+    assert [p.exitcode for p in procs] == [0] * len(procs), [p.exitcode for p in procs]
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(len(procs))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both runs start at once (5 processes share the cores while each imports and compiles)."""
+    started = {
+        2: _start(2, tmp_path_factory.mktemp("dp2"), full=True),
+        3: _start(3, tmp_path_factory.mktemp("dp3"), full=False),
+    }
+    return {world: _Lazy(run) for world, run in started.items()}
+
+
+class _Lazy:
+    def __init__(self, run) -> None:
+        self.run, self.results = run, None
+
+    def get(self) -> list[dict]:
+        if self.results is None:
+            self.results = _finish(self.run)
+        return self.results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(runs):
+    return runs[2].get()
+
+
+@pytest.fixture(scope="module")
+def three_ranks(runs):
+    return runs[3].get()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, the full batch, eager."""
+    step = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False)
+    state, metrics = _train(step, _init(_adam()), _batches())
+    acc = funcamp.make_train_step(_loss_fn, _accumulated(), POLICY, compile=False)
+    astate, ametrics = _train(acc, _init(_accumulated()), _batches())
+    return {"state": state, "metrics": metrics, "acc": astate, "acc_metrics": ametrics}
+
+
+# ------------------------------------------------------------------------------------ tests
+
+
+def _assert_bitwise(a, b) -> None:
+    """Same structure and the same bits in every tensor (``-0.0 != 0.0``, nan payloads too)."""
+    assert_trees_equal(a, b)
+    paths, leaves, _ = optree.tree_flatten_with_path(a)
+    for path, x, y in zip(paths, leaves, optree.tree_leaves(b)):
+        if isinstance(x, torch.Tensor):
+            bits = (x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            assert torch.equal(*bits), f"leaf {path} differs in its bits"
+
+
+def _same_on_every_rank(results: list[dict], key: str) -> None:
+    """params, opt_state, scaler and buffers: bit-identical on every rank."""
+    for res in results[1:]:
+        _assert_bitwise(results[0][key], res[key])
+
+
+def _check_against_reference(results, ref_state, ref_metrics, key, world):
+    ref = funcamp.state_dict(ref_state)
+    for res in results:
+        got = res[key]
+        assert_trees_close(got["params"], ref["params"], atol=ATOL, rtol=0)
+        assert_trees_close(got["opt_state"], ref["opt_state"], atol=ATOL, rtol=0)
+        assert_trees_equal(got["scaler"], ref["scaler"])  # same skips, same scale trace
+        for m, want in zip(res[f"{key}_metrics"], ref_metrics):
+            assert bool(m["found_inf"]) == bool(want["found_inf"])
+            assert torch.equal(m["scale"], want["scale"])
+            if not want["found_inf"]:  # global metrics: mean loss, norm of the mean grads
+                torch.testing.assert_close(m["loss"], want["loss"], atol=1e-6, rtol=1e-5)
+                torch.testing.assert_close(m["grad_norm"], want["grad_norm"], rtol=1e-5, atol=0)
+    # buffers: rank 0's everywhere (rank 0 saw `seen` grow by its shard only)
+    assert int(results[0][key]["buffers"]["seen"]) == STEPS * (BATCH // world)
+    assert torch.isfinite(results[0][key]["buffers"]["mean"]).all()  # the inf was elsewhere
+
+
+@pytest.mark.parametrize("key", ["eager", "compiled"])
+def test_two_ranks_match_one_process(two_ranks, reference, key):
+    assert [bool(m["found_inf"]) for m in two_ranks[0][f"{key}_metrics"]] == [
+        i == BAD_STEP for i in range(STEPS)
+    ]
+    _check_against_reference(two_ranks, reference["state"], reference["metrics"], key, 2)
+    _same_on_every_rank(two_ranks, key)
+
+
+@pytest.mark.parametrize("key", ["eager", "compiled"])
+def test_three_ranks_match_one_process(three_ranks, reference, key):
+    _check_against_reference(three_ranks, reference["state"], reference["metrics"], key, 3)
+    _same_on_every_rank(three_ranks, key)
+
+
+def test_accumulate_averages_every_micro_step_and_skips_together(two_ranks, reference):
+    res = [{"acc": r["acc"], "acc_metrics": r["acc_metrics"]} for r in two_ranks]
+    _check_against_reference(res, reference["acc"], reference["acc_metrics"], "acc", 2)
+    _same_on_every_rank(res, "acc")
+    # the overflowing micro-step was dropped: 4 finite micro-steps, 2 applied updates
+    assert int(two_ranks[0]["acc"]["opt_state"]["inner"]["count"]) == 2
+
+
+def test_stochastic_rounding_identical_on_every_rank(two_ranks):
+    sr = two_ranks[0]["sr"]
+    assert sr["params"]["w1"].dtype == torch.bfloat16
+    assert not torch.equal(sr["params"]["w1"], _init(_sr(), "bf16-true").params["w1"])
+    _same_on_every_rank(two_ranks, "sr")
+
+
+def test_checkpoint_of_rank_0_resumes_in_one_process(two_ranks):
+    """Rank 0's checkpoint is every rank's state bit for bit, loads in a single process, and
+    training on there with the full batch follows the data-parallel run (to rounding: the
+    gradient sums run in another order); the step counts and scaler state match exactly."""
+    _same_on_every_rank(two_ranks, "continued")
+    template = _init(_adam())
+    state = funcamp.load_state_dict(template, two_ranks[0]["compiled"])
+    _assert_bitwise(funcamp.state_dict(state), two_ranks[1]["compiled"])
+    step = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False)
+    state, _ = _train(step, state, _batches(CONT, seed=5))
+    got, want = funcamp.state_dict(state), two_ranks[0]["continued"]
+    assert_trees_close(got["params"], want["params"], atol=ATOL, rtol=0)
+    assert_trees_close(got["opt_state"], want["opt_state"], atol=ATOL, rtol=0)
+    assert_trees_equal(got["scaler"], want["scaler"])
+    assert torch.equal(got["opt_state"]["count"], want["opt_state"]["count"])
+
+
+def test_a_failing_rank_does_not_hang_the_others(two_ranks):
+    assert two_ranks[1]["hang"]["error"] == "ValueError: rank failed"
+    survivor = two_ranks[0]["hang"]
+    assert survivor["error"] is not None, "rank 0 finished a step its peer never joined"
+    assert survivor["seconds"] < HANG_TIMEOUT_S + 10, survivor
+
+
+# -------------------------------------------------------------------- in-process, one rank
+
+
+@pytest.fixture
+def single_rank_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_one_graph_one_all_reduce(two_ranks, three_ranks):
+    """Compiled (fullgraph, so no breaks): one graph, never recompiled, with one all-reduce for
+    float32 grads -- grads, loss, flag and buffers packed -- also with accumulation; bf16 grads
+    add a small float32 one for the loss, flag and buffers."""
+    for res in two_ranks:
+        assert res["all_reduces"] == {"compiled": [1], "acc": [1], "sr": [2]}
+    for res in three_ranks:
+        assert res["all_reduces"] == {"compiled": [1]}
+
+
+def test_one_rank_group_is_bit_identical_to_no_group(single_rank_group):
+    batches = _batches()
+    plain = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False)
+    dp = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False, group=single_rank_group)
+    a, ma = _train(plain, _init(_adam()), batches)
+    b, mb = _train(dp, _init(_adam()), batches)
+    assert_trees_equal(a, b)
+    assert_trees_equal(ma, mb)
+
+
+def test_group_is_checked_when_the_step_is_built(single_rank_group):
+    with pytest.raises(TypeError, match=r"`group` must be a torch\.distributed\.ProcessGroup"):
+        funcamp.make_train_step(_loss_fn, _adam(), POLICY, group="world")
+
+
+def test_group_needs_an_initialized_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialized"):
+        funcamp.make_train_step(_loss_fn, _adam(), POLICY, group=object())
+
+
+def test_train_ddp_example_runs_in_one_process(tmp_path):
+    """examples/train_ddp.py (also checked by hand with torchrun --nproc-per-node 2)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+    spec = importlib.util.spec_from_file_location("_example_train_ddp", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = ["--steps", "30", "--no-compile", "--out", str(tmp_path)]
+    assert example.main(args) < 0.2
+    assert example.main([*args[:1], "35", *args[2:], "--resume"]) < 0.2
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 35
+    assert not dist.is_initialized()
