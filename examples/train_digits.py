@@ -3,6 +3,13 @@
     python examples/train_digits.py                       # mixed_float16 + dynamic loss scaling
     python examples/train_digits.py --policy bf16-mixed   # or float32, bf16-true
     python examples/train_digits.py --epochs 10 --resume  # continue from the last checkpoint
+    python examples/train_digits.py --policy bf16-true --update sr  # bfloat16 params
+
+With bfloat16/float16 params (``--policy bf16-true``) ``--update`` chooses how Adam's small
+updates survive rounding into the params: ``kahan`` (the default: a bfloat16 compensation buffer,
+2 more bytes per parameter), ``sr`` (stochastic rounding, no extra memory), ``master`` (float32
+master weights, 4 more bytes) or ``plain`` (round to nearest, which loses updates below half an
+ulp). It changes nothing for float32 params.
 
 The whole train step (amp casting, scaled grads, Adam, skip-on-overflow, scale update) is one
 compiled graph with no host sync; the loop reads the metrics back once per epoch. Writes a plot of
@@ -35,6 +42,15 @@ POLICIES = {
 }
 
 
+#: ``--update``: the low-precision mode of Adam for half params (no effect on float32 params).
+UPDATES = {
+    "plain": {},
+    "master": {"master_weights": True},
+    "kahan": {"kahan": True},
+    "sr": {"stochastic_rounding": True},
+}
+
+
 def load_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Digits as float32 tensors in [0, 1], split into 1400 train / 397 test images."""
     from sklearn.datasets import load_digits
@@ -61,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps in all")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--update",
+        default="kahan",
+        choices=sorted(UPDATES),
+        help="how half params take Adam's updates (default kahan; no effect on float32 params)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="run the step eagerly")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
@@ -90,7 +112,7 @@ def main(argv: list[str] | None = None) -> float:
         x, y = batch
         return nn.functional.cross_entropy(functional_call(model, (params, buffers), (x,)), y)
 
-    optimizer = funcamp.adam(args.lr)
+    optimizer = funcamp.adam(args.lr, **UPDATES[args.update], **_seed(args))
     params, buffers = funcamp.params_and_buffers(model)
     state = funcamp.TrainState.create(params, optimizer, policy, buffers=buffers)
     history: dict[str, list[float]] = {"loss": [], "scale": []}
@@ -139,7 +161,8 @@ def main(argv: list[str] | None = None) -> float:
         pred = predict(state.params, state.buffers, x_te)
     accuracy = (pred == y_te).float().mean().item()
     print(
-        f"policy {policy} | {done} steps in {elapsed:.1f}s | skipped {int(state.scaler.skipped)}"
+        f"policy {policy} | update {args.update} | {done} steps in {elapsed:.1f}s"
+        f" | skipped {int(state.scaler.skipped)}"
         f" | final scale {float(state.scaler.scale):g} | test accuracy {accuracy:.4f}"
     )
 
@@ -148,6 +171,10 @@ def main(argv: list[str] | None = None) -> float:
     _plot(history, plot_path, str(policy))
     print(f"plot: {plot_path}")
     return accuracy
+
+
+def _seed(args: argparse.Namespace) -> dict[str, int]:
+    return {"seed": args.seed} if args.update == "sr" else {}
 
 
 def _plot(history: dict[str, list[float]], path: Path, title: str) -> None:

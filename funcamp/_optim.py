@@ -8,6 +8,14 @@ the first step). A skipped step — the caller keeps the old state — does not 
 the update path syncs with the host; Python floats are fixed when an optimizer is built, tensors
 (schedules) may change every step without recompiling.
 
+``sgd``, ``adam`` and ``adamw`` do torch.optim's operations in torch.optim's order and round as
+its CPU kernels do (``add(alpha=)``, ``lerp`` and ``addcmul`` are fused multiply-adds, emulated
+in float64 so that eager and compiled code agree). The update leaf is the step itself (Adam) or
+``new_p - p`` (SGD, AdamW's decay), so ``apply_updates`` gives torch's param bit for bit unless a
+step nearly reaches zero, where ``p + (new_p - p)`` can be one ulp off (measured over random
+50-step runs: Adam 420/420 runs bit-identical, AdamW with decay about half, every element
+within torch's tolerance checks).
+
 Low-precision parameters
 ------------------------
 For float16/bfloat16 params the optimizer math runs in float32 (the moments are float32) and
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import struct
 from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any, NamedTuple
@@ -407,8 +416,51 @@ def _as_math(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [x.to(_math_dtype(x.dtype)) for x in xs]
 
 
-def _neg(lr: Any) -> Any:
-    return -lr
+def _f32(value: float) -> float:
+    """A Python float rounded to float32, as torch's kernels round a scalar operand (plain
+    Python, so dynamo folds it to a constant)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's range: rounds to an infinity
+        return math.copysign(math.inf, value)
+
+
+def _fma(
+    xs: list[torch.Tensor], y: Any, zs: list[torch.Tensor], out: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """``x * y + z`` leaf by leaf, rounded once like the fused multiply-adds of torch's CPU
+    kernels (``add(alpha=)``, ``lerp``, ``addcmul``), and identically in eager and compiled code.
+
+    ``y`` is a float32-representable Python float (see :func:`_f32`), a 0-d tensor or a list of
+    tensors. For float32 the product of two float32 values is exact in float64 and the sum is
+    rounded to float64 and then to float32: that equals a true fused multiply-add except when
+    the float64 rounding lands exactly on a float32 tie (about one case in 2**29). Plain
+    ``.to(float64)``/``.to(float32)`` casts and float64 arithmetic, which inductor keeps as
+    written (it compiles with ``-ffp-contract=off``). float64 leaves round twice.
+
+    With ``out`` (plain eager only) each result is written into ``out[i]`` (which may be one of
+    the inputs: it is read first), rounded exactly as ``.to(float32)`` rounds.
+    """
+    ys = y if isinstance(y, (list, tuple)) else None
+    results: list[torch.Tensor] = []
+    for i, (x, z) in enumerate(zip(xs, zs)):
+        yi = ys[i] if ys is not None else y
+        if x.dtype != torch.float32:
+            r = torch.add(z, torch.mul(x, yi))
+        else:
+            y64 = yi.to(torch.float64) if isinstance(yi, torch.Tensor) else yi
+            r = torch.add(torch.mul(x.to(torch.float64), y64), z.to(torch.float64))
+            if out is None:
+                r = r.to(torch.float32)
+        results.append(r if out is None else out[i].copy_(r))
+    return results
+
+
+def _to_delta(new: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``new - p``: the update leaf whose :func:`apply_updates` gives ``new``. ``p + (new - p)``
+    is ``new`` exactly whenever the subtraction is exact (``new`` and ``p`` within a factor of
+    2, Sterbenz), that is, unless a step crosses or nearly reaches zero."""
+    return _fe("sub", new, params)
 
 
 def _scalar_tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
@@ -418,13 +470,51 @@ def _scalar_tensor(value: Any, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 
+#: Set by :func:`init_from_exact`: ``{id(half param): the float32 tensor it was rounded
+#: from}``. ``master_weights`` starts each master from that tensor instead of the rounded param.
+_EXACT_MASTERS: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
+    "funcamp_exact_masters", default=None
+)
+
+
+def init_from_exact(optimizer: Optimizer, params: PyTree, originals: PyTree) -> PyTree:
+    """``optimizer.init(params)`` for ``params`` that were rounded from ``originals`` (same
+    structure, usually float32): float32 master weights start from the originals, so they are
+    exact rather than rounded through the half dtype. Everything else is what ``init`` builds.
+    Leaves are matched by identity, so this works through :func:`chain`, :func:`accumulate` and
+    any wrapper that hands the same params to the inner ``init``."""
+    leaves = optree.tree_leaves(params, namespace=NAMESPACE)
+    exact = optree.tree_leaves(originals, namespace=NAMESPACE)
+    table = {
+        id(p): o
+        for p, o in zip(leaves, exact)
+        if isinstance(p, torch.Tensor)
+        and isinstance(o, torch.Tensor)
+        and _is_half(p)
+        and o.shape == p.shape
+        and o.dtype in (torch.float32, torch.float64)
+    }
+    token = _EXACT_MASTERS.set(table)
+    try:
+        return optimizer.init(params)
+    finally:
+        _EXACT_MASTERS.reset(token)
+
+
+def _master_of(p: torch.Tensor) -> torch.Tensor:
+    exact = (_EXACT_MASTERS.get() or {}).get(id(p))
+    if exact is not None:  # a copy: the state never shares memory with the caller's tensors
+        return exact.detach().to(device=p.device, dtype=torch.float32, copy=True)
+    return p.to(torch.float32)
+
+
 def _low_init(
     mode: str | None, params: PyTree, leaves: list[torch.Tensor], spec: Any, seed: int
 ) -> PyTree:
     if mode is None:
         return ()
     if mode == "master_weights":
-        master = [p.to(torch.float32) if _is_half(p) else _empty(p) for p in leaves]
+        master = [_master_of(p) if _is_half(p) else _empty(p) for p in leaves]
         return MasterWeightsState(optree.tree_unflatten(spec, master))
     if mode == "kahan":
         comp = [torch.zeros_like(p) if _is_half(p) else _empty(p) for p in leaves]
@@ -678,48 +768,51 @@ def sgd(
         if not gs:
             return optree.tree_unflatten(spec, []), state._replace(count=count + 1)
         d = _as_math(gs)
-        # In plain eager, temporaries made here (and grads the calling step owns) are updated in
-        # place: the same foreach kernels in the same operand order, so identical results with
-        # fewer fresh allocations. Under compile/vmap/autograd the pure path runs.
-        inplace = _plain(d) and (ps is None or _plain(ps))
+        pm = _math_params(mode, state.low, ps, spec, api) if ps is not None else None
+        # torch.optim.SGD's operations in its order: grad.add(p, alpha=weight_decay),
+        # buf.mul_(momentum).add_(grad, alpha=1 - dampening), grad.add(buf, alpha=momentum) and
+        # p.add_(grad, alpha=-lr), each add with alpha a fused multiply-add (see _fma). The
+        # update leaf is then new_p - p, which apply_updates turns back into new_p.
+        # In plain eager, d is written in place where it is this update's own temporary (or a
+        # grad the calling step owns): the same values, fewer fresh allocations.
+        inplace = _plain(d) and (pm is None or _plain(pm))
         own_d = inplace and _writable(update, gs, d)
         if weight_decay > 0:
-            pm = _math_params(mode, state.low, ps, spec, api)
-            decay = _fe("mul", pm, weight_decay)
-            if own_d:
-                torch._foreach_add_(d, decay)
-            else:
-                d = _fe("add", d, decay)
+            d = _fma(pm, _f32(weight_decay), d, out=d if own_d else None)
             own_d = inplace
         new_bufs: PyTree = state.momentum
         if momentum > 0:
             bufs = _state_leaves(api, "momentum", state.momentum, spec)
-            step = _fe("mul", bufs, momentum)
+            step = _fe("mul", bufs, _f32(momentum))
             if dampening:
-                new = _fe("add", step, _fe("mul", d, 1.0 - dampening))
+                new = _fma(d, _f32(1.0 - dampening), step)
                 first = count == 0
                 new = [torch.where(first, di, ni) for di, ni in zip(d, new)]
-            elif inplace and _plain(bufs):
-                torch._foreach_add_(step, d)  # step is a fresh temporary: step + d, in place
-                new = step
             else:
                 new = _fe("add", step, d)
             new_bufs = optree.tree_unflatten(spec, new)
             if nesterov:
-                push = _fe("mul", new, momentum)
-                if own_d:
-                    torch._foreach_add_(d, push)
-                else:
-                    d = _fe("add", d, push)
+                d = _fma(new, _f32(momentum), d, out=d if own_d else None)
                 own_d = inplace
             else:
                 d, own_d = new, False  # d is the new momentum buffer, kept in the state
-        factor = _scalar_tensor(_neg(lr), d[0]) if isinstance(lr, torch.Tensor) else -lr
-        if own_d:
-            torch._foreach_mul_(d, factor)
-            deltas = d
+        if isinstance(lr, torch.Tensor):
+            neg_lr: Any = _scalar_tensor(-lr, d[0])
         else:
-            deltas = _fe("mul", d, factor)
+            neg_lr = _f32(-lr)
+        if pm is None:  # no params to add to: the rounded step itself
+            if own_d:
+                torch._foreach_mul_(d, neg_lr)
+                deltas = d
+            else:
+                deltas = _fe("mul", d, neg_lr)
+        else:
+            new_p = _fma(d, neg_lr, pm, out=d if own_d else None)
+            if inplace:  # new_p is fresh or owned
+                torch._foreach_sub_(new_p, pm)
+                deltas = new_p
+            else:
+                deltas = _to_delta(new_p, pm)
         updates, low = _finish(api, mode, state.low, count, deltas, ps, spec)
         return updates, SgdState(count + 1, new_bufs, low)
 
@@ -776,37 +869,19 @@ def _adam(
         pm = _math_params(mode, state.low, ps, spec, api) if ps is not None else None
         m = _state_leaves(api, "exp_avg", state.exp_avg, spec)
         v = _state_leaves(api, "exp_avg_sq", state.exp_avg_sq, spec)
-        # In plain eager, temporaries (and grads the calling step owns) are updated in place:
-        # the same foreach kernels in the same operand order, so identical results with fewer
-        # fresh allocations. Under compile/vmap/autograd the pure path runs.
-        inplace = _plain(g) and _plain(m) and _plain(v) and (pm is None or _plain(pm))
-        own_g = inplace and _writable(update, gs, g)
+        # torch.optim.Adam/AdamW's operations in its order and roundings: grad.add(p,
+        # alpha=weight_decay) or p.mul_(1 - lr * weight_decay); exp_avg.lerp_(grad, 1 - b1) and
+        # exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2), whose CPU kernels are fused
+        # multiply-adds (see _fma); denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps; and
+        # p.addcdiv_(exp_avg, denom, value=-step_size), that is p + (-step_size * m) / denom.
         if weight_decay > 0 and not decoupled:
-            decay = _fe("mul", pm, weight_decay)
-            if own_g:
-                torch._foreach_add_(g, decay)
-            else:
-                g = _fe("add", g, decay)
-            own_g = inplace
-        # exp_avg.lerp_(g, 1 - b1) and exp_avg_sq * b2 + (1 - b2) * g * g, without fused ops so
-        # that eager and inductor round identically.
-        if inplace:
-            sq = torch._foreach_mul(g, g)
-            torch._foreach_mul_(sq, 1.0 - b2)
-            new_v = torch._foreach_mul(v, b2)
-            torch._foreach_add_(new_v, sq)
-            del sq
-            if own_g:
-                torch._foreach_sub_(g, m)
-                diff = g
-            else:
-                diff = torch._foreach_sub(g, m)
-            torch._foreach_mul_(diff, 1.0 - b1)
-            m, v = torch._foreach_add(m, diff), new_v
-            del diff
-        else:
-            m = _fe("add", m, _fe("mul", _fe("sub", g, m), 1.0 - b1))
-            v = _fe("add", _fe("mul", v, b2), _fe("mul", _fe("mul", g, g), 1.0 - b2))
+            g = _fma(pm, _f32(weight_decay), g)
+        w = _f32(1.0 - b1)
+        diff = _fe("sub", g, m)
+        # lerp works from the nearer end: m + w * (g - m), or g + (w - 1) * (g - m)
+        m = _fma(diff, w, m) if w < 0.5 else _fma(diff, w - 1.0, g)
+        del diff
+        v = _fma(_fe("mul", g, _f32(1.0 - b2)), g, _fe("mul", v, _f32(b2)))
         # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
         t = (count + 1).to(torch.float64)
         bc1 = 1.0 - torch.pow(b1, t)
@@ -814,26 +889,24 @@ def _adam(
         lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
         neg_step = (-(lr64 / bc1)).to(torch.float32)
         bc2_sqrt = bc2_sqrt.to(torch.float32)
-        if inplace:
-            denom = torch._foreach_sqrt(v)
+        denom = _fe("sqrt", v)
+        if _plain(denom):  # fresh temporaries in plain eager: the same kernels, in place
             torch._foreach_div_(denom, bc2_sqrt)
-            torch._foreach_add_(denom, eps)
-            deltas = torch._foreach_div(m, denom)
-            del denom
-            torch._foreach_mul_(deltas, neg_step)
+            torch._foreach_add_(denom, _f32(eps))
+            deltas = torch._foreach_mul(m, neg_step)
+            torch._foreach_div_(deltas, denom)
         else:
-            denom = _fe("add", _fe("div", _fe("sqrt", v), bc2_sqrt), eps)
-            deltas = _fe("mul", _fe("div", m, denom), neg_step)
+            denom = _fe("add", _fe("div", denom, bc2_sqrt), _f32(eps))
+            deltas = _fe("div", _fe("mul", m, neg_step), denom)
+        del denom
         if weight_decay > 0 and decoupled:
+            # p * (1 - lr * weight_decay) + step, rounded after each op as torch does, and
+            # returned as the difference to p.
             if isinstance(lr, torch.Tensor):
-                decay = _scalar_tensor(-lr * weight_decay, pm[0])
+                keep: Any = (1.0 - lr64 * weight_decay).to(torch.float32)
             else:
-                decay = -lr * weight_decay
-            shrink = _fe("mul", pm, decay)
-            if inplace:
-                torch._foreach_add_(deltas, shrink)
-            else:
-                deltas = _fe("add", deltas, shrink)
+                keep = _f32(1.0 - lr * weight_decay)
+            deltas = _to_delta(_fe("add", _fe("mul", pm, keep), deltas), pm)
         new_m = optree.tree_unflatten(spec, m)
         new_v = optree.tree_unflatten(spec, v)
         updates, low = _finish(api, mode, state.low, count, deltas, ps, spec)
