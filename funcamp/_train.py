@@ -525,8 +525,10 @@ def make_train_step(
             grads, loss, nonfinite, new_buffers = _reduce_step(
                 grads, loss, new_buffers, pg, world_size, rank == 0
             )
+        # The grads are this step's own (made by grad_and_value above): donating them lets the
+        # eager path unscale in place and reuse their memory (ignored under compile).
         params, opt_state, info = unscale_and_step(
-            scaler, optimizer, grads, state.opt_state, state.params
+            scaler, optimizer, grads, state.opt_state, state.params, donate_grads=True
         )
         found_inf = info.found_inf
         if nonfinite is not None:
