@@ -44,9 +44,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from funcamp._amp import amp
-from funcamp._optim import Optimizer, init_from_exact
-from funcamp._policy import Policy, get_policy
+from funcamp._amp import _as_policy, amp
+from funcamp._optim import Optimizer, _flatten_params, init_from_exact
+from funcamp._policy import Policy
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
 from funcamp._tree import NAMESPACE, _describe, _path_str
 from funcamp.distributed import _reduce_step
@@ -126,7 +126,7 @@ class TrainState(NamedTuple):
             (torch.bfloat16, tensor([1.0010]))
         """
         api = "TrainState.create"
-        pol = _as_policy(api, policy)
+        pol = _as_policy(policy, api)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got "
@@ -149,26 +149,8 @@ class TrainState(NamedTuple):
         return cls(cast, pol.cast_to_param(buffers), opt_state, scaler)
 
 
-def _as_policy(api: str, policy: Any) -> Policy:
-    if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, str):
-        return get_policy(policy)
-    raise TypeError(
-        f"funcamp.{api}: `policy` must be a funcamp.Policy or a policy string such as "
-        f"'mixed_float16', got {_describe(policy)}"
-    )
-
-
 def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
-    paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
-            raise TypeError(
-                f"funcamp.{api}: `params` leaf {_path_str(path)} must be a floating tensor, got "
-                f"{_describe(leaf)}"
-            )
-    return leaves
+    return _flatten_params(api, params)[0]
 
 
 def params_and_buffers(
@@ -483,7 +465,7 @@ def make_train_step(
         raise TypeError(
             f"funcamp.{_API}: `optimizer` must be a funcamp.Optimizer, got {_describe(optimizer)}"
         )
-    pol = _as_policy(_API, policy)
+    pol = _as_policy(policy, _API)
     for name, flag in (("has_aux", has_aux), ("returns_buffers", returns_buffers)):
         if not isinstance(flag, bool):
             raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
