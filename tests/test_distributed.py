@@ -355,15 +355,6 @@ def test_a_failing_rank_does_not_hang_the_others(two_ranks):
 # -------------------------------------------------------------------- in-process, one rank
 
 
-@pytest.fixture
-def single_rank_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_one_graph_one_all_reduce(two_ranks, three_ranks):
     """Compiled (fullgraph, so no breaks): one graph, never recompiled, with one all-reduce for
     float32 grads -- grads, loss, flag and buffers packed -- also with accumulation; bf16 grads

@@ -116,15 +116,6 @@ def test_two_ranks_skip_together_and_stay_identical(tmp_path):
     assert r0["scaler"]["scale"].item() == 256.0
 
 
-@pytest.fixture
-def single_rank_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_step_with_collectives_compiles_to_one_graph(single_rank_group):
     """The collectives trace: one graph, no breaks, all-reduces in it, same result as eager.
 
