@@ -442,11 +442,22 @@ def _fma(
     the inputs: it is read first), rounded exactly as ``.to(float32)`` rounds.
     """
     ys = y if isinstance(y, (list, tuple)) else None
+    # Plain eager with a Python-float factor: torch's own ``add(alpha=)`` kernel *is* the fused
+    # multiply-add being emulated (so this is torch.optim's result by construction) and it makes
+    # no float64 temporaries. The emulation below matches it except on float64 ties (about one
+    # case in 2**29), which keeps compiled code equal to eager.
+    native = ys is None and isinstance(y, float) and _plain(xs) and _plain(zs)
     results: list[torch.Tensor] = []
     for i, (x, z) in enumerate(zip(xs, zs)):
         yi = ys[i] if ys is not None else y
         if x.dtype != torch.float32:
             r = torch.add(z, torch.mul(x, yi))
+        elif native:
+            if out is None:
+                results.append(torch.add(z, x, alpha=yi))
+            else:
+                results.append(torch.add(z, x, alpha=yi, out=out[i]))
+            continue
         else:
             y64 = yi.to(torch.float64) if isinstance(yi, torch.Tensor) else yi
             r = torch.add(torch.mul(x.to(torch.float64), y64), z.to(torch.float64))
