@@ -6,10 +6,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import optree
 import torch
 
 from funcamp._ops import OpKey, OpPolicy, OpRule
-from funcamp._tree import tree_cast
+from funcamp._tree import NAMESPACE, tree_cast
 
 __all__ = ["ModuleKey", "Policy", "get_policy", "parse_dtype"]
 
@@ -91,9 +92,6 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Cast float16/bfloat16/float32 leaves to ``dtype``; float64 only when ``dtype`` is float64."""
     if dtype == torch.float64:
         return tree_cast(tree, dtype)
-    import optree
-
-    from funcamp._tree import NAMESPACE
 
     def cast(x: Any) -> Any:
         if (
