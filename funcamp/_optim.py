@@ -9,12 +9,13 @@ the update path syncs with the host; Python floats are fixed when an optimizer i
 (schedules) may change every step without recompiling.
 
 ``sgd``, ``adam`` and ``adamw`` do torch.optim's operations in torch.optim's order and round as
-its CPU kernels do (``add(alpha=)``, ``lerp`` and ``addcmul`` are fused multiply-adds, emulated
-in float64 so that eager and compiled code agree). The update leaf is the step itself (Adam) or
-``new_p - p`` (SGD, AdamW's decay), so ``apply_updates`` gives torch's param bit for bit unless a
-step nearly reaches zero, where ``p + (new_p - p)`` can be one ulp off (measured over random
-50-step runs: Adam 420/420 runs bit-identical, AdamW with decay about half, every element
-within torch's tolerance checks).
+its CPU kernels do: ``add(alpha=)``, ``lerp`` and ``addcmul`` are fused multiply-adds (one
+rounding), in eager code through torch's own kernels and in compiled code through an op that
+inductor turns into the hardware instruction -- so eager and compiled steps agree bit for bit. The update leaf is the step itself (Adam) or ``new_p - p``
+(SGD, AdamW's decay), so ``apply_updates`` gives torch's param bit for bit unless a step nearly
+reaches zero, where ``p + (new_p - p)`` can be one ulp off (measured over random 50-step runs:
+Adam 420/420 runs bit-identical, AdamW with decay about half, every element within torch's
+tolerance checks).
 
 Low-precision parameters
 ------------------------
@@ -67,7 +68,7 @@ import torch
 
 from funcamp._lowp import HALF_DTYPES, random_bits, round_nearest, round_stochastic
 from funcamp._schedules import Schedule
-from funcamp._tree import NAMESPACE, tree_select
+from funcamp._tree import NAMESPACE, _once, tree_select
 
 __all__ = [
     "AccumulateState",
@@ -425,45 +426,93 @@ def _f32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def _define_fma() -> Any:
+    """``funcamp::fma(a, b, c)``: ``a * b + c`` rounded once, as one op that inductor turns into
+    the hardware fused multiply-add (``at::vec::fmadd`` on CPU, ``tl.fma`` on CUDA).
+
+    Inductor lowers ``torch.ops.prims.fma`` to that instruction, but on CPU it lowers
+    ``add(alpha=)``/``addcmul``/``lerp`` unfused, and the prim's own eager kernel (run by the
+    ``eager``/``aot_eager`` backends) rounds twice. So this op runs ``torch.addcmul`` (fused in
+    torch's CPU kernel) wherever it runs as a kernel, and inductor's decomposition table maps it
+    to the prim. None on a torch without the prim or that table (the float64 emulation in
+    :func:`_fma` is used instead).
+    """
+    try:
+        import torch._inductor.inductor_prims  # registers prims.fma
+        from torch._inductor.decomposition import decompositions
+    except Exception:  # pragma: no cover - torch builds without inductor
+        return None
+    prim = getattr(torch.ops.prims, "fma", None)
+    if prim is None:  # pragma: no cover - torch before the prim
+        return None
+    try:
+        return torch.ops.funcamp.fma.default  # already defined (a reimported module)
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("funcamp", "FRAGMENT")
+    _LIBS.append(lib)
+    lib.define("fma(Tensor a, Tensor b, Tensor c) -> Tensor")
+
+    def fused(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(c, a, b)
+
+    lib.impl("fma", fused, "CompositeExplicitAutograd")
+    lib.impl("fma", fused, "Meta")
+    op = torch.ops.funcamp.fma.default
+    decompositions[op] = lambda a, b, c: prim(a, b, c)
+    return op
+
+
+_LIBS: list[Any] = []  # keeps the op's library registration alive
+_FUSED_FMA = _define_fma()
+
+
 def _fma(
     xs: list[torch.Tensor], y: Any, zs: list[torch.Tensor], out: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
     """``x * y + z`` leaf by leaf, rounded once like the fused multiply-adds of torch's CPU
-    kernels (``add(alpha=)``, ``lerp``, ``addcmul``), and identically in eager and compiled code.
+    kernels (``add(alpha=)``, ``lerp``, ``addcmul``), in eager and compiled code alike.
 
     ``y`` is a float32-representable Python float (see :func:`_f32`), a 0-d tensor or a list of
-    tensors. For float32 the product of two float32 values is exact in float64 and the sum is
-    rounded to float64 and then to float32: that equals a true fused multiply-add except when
-    the float64 rounding lands exactly on a float32 tie (about one case in 2**29). Plain
-    ``.to(float64)``/``.to(float32)`` casts and float64 arithmetic, which inductor keeps as
-    written (it compiles with ``-ffp-contract=off``). float64 leaves round twice.
+    tensors. Three ways to the same bits:
 
-    With ``out`` (plain eager only) each result is written into ``out[i]`` (which may be one of
-    the inputs: it is read first), rounded exactly as ``.to(float32)`` rounds.
+    * compiled: ``funcamp::fma`` (see :func:`_define_fma`), which inductor turns into the
+      hardware fused multiply-add and other backends run as ``addcmul``;
+    * plain eager: torch's own fused kernels, ``add(alpha=)`` for a Python float and
+      ``addcmul`` for tensors -- what torch.optim runs;
+    * elsewhere (functorch transforms, autograd, a torch without the prim): float64 emulation.
+      The product of two float32 values is exact in float64; the sum is rounded to float64 and
+      then to float32, which equals one rounding except when the float64 result lands exactly on
+      a float32 tie (about one case in 2**29).
+
+    Non-float32 leaves (float64 params) multiply and add in their own dtype. With ``out``
+    (plain eager only) each result is written into ``out[i]``, which may be one of the inputs.
     """
     ys = y if isinstance(y, (list, tuple)) else None
-    # Plain eager with a Python-float factor: torch's own ``add(alpha=)`` kernel *is* the fused
-    # multiply-add being emulated (so this is torch.optim's result by construction) and it makes
-    # no float64 temporaries. The emulation below matches it except on float64 ties (about one
-    # case in 2**29), which keeps compiled code equal to eager.
-    native = ys is None and isinstance(y, float) and _plain(xs) and _plain(zs)
+    if torch.compiler.is_compiling() and _FUSED_FMA is not None:
+        results = []
+        for i, (x, z) in enumerate(zip(xs, zs)):
+            yi = ys[i] if ys is not None else y
+            if not isinstance(yi, torch.Tensor):
+                yi = torch.full((), yi, dtype=x.dtype, device=x.device)
+            results.append(_FUSED_FMA(x, yi, z))
+        return results
+    native = _plain(xs) and _plain(zs) and (ys is None or _plain(ys))
     results: list[torch.Tensor] = []
     for i, (x, z) in enumerate(zip(xs, zs)):
         yi = ys[i] if ys is not None else y
-        if x.dtype != torch.float32:
-            r = torch.add(z, torch.mul(x, yi))
+        o = None if out is None else out[i]
+        if native and isinstance(yi, torch.Tensor):
+            r = torch.addcmul(z, x, yi) if o is None else torch.addcmul(z, x, yi, out=o)
         elif native:
-            if out is None:
-                results.append(torch.add(z, x, alpha=yi))
-            else:
-                results.append(torch.add(z, x, alpha=yi, out=out[i]))
-            continue
+            r = torch.add(z, x, alpha=yi) if o is None else torch.add(z, x, alpha=yi, out=o)
+        elif x.dtype != torch.float32:
+            r = torch.add(z, torch.mul(x, yi))
         else:
             y64 = yi.to(torch.float64) if isinstance(yi, torch.Tensor) else yi
             r = torch.add(torch.mul(x.to(torch.float64), y64), z.to(torch.float64))
-            if out is None:
-                r = r.to(torch.float32)
-        results.append(r if out is None else out[i].copy_(r))
+            r = r.to(torch.float32)
+        results.append(r if o is None or r is o else o.copy_(r))
     return results
 
 
@@ -808,7 +857,7 @@ def sgd(
             else:
                 d, own_d = new, False  # d is the new momentum buffer, kept in the state
         if isinstance(lr, torch.Tensor):
-            neg_lr: Any = _scalar_tensor(-lr, d[0])
+            neg_lr: Any = _once(_scalar_tensor(-lr, d[0]))
         else:
             neg_lr = _f32(-lr)
         if pm is None:  # no params to add to: the rounded step itself
@@ -880,10 +929,10 @@ def _adam(
         pm = _math_params(mode, state.low, ps, spec, api) if ps is not None else None
         m = _state_leaves(api, "exp_avg", state.exp_avg, spec)
         v = _state_leaves(api, "exp_avg_sq", state.exp_avg_sq, spec)
-        # torch.optim.Adam/AdamW's operations in its order and roundings: grad.add(p,
-        # alpha=weight_decay) or p.mul_(1 - lr * weight_decay); exp_avg.lerp_(grad, 1 - b1) and
-        # exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2), whose CPU kernels are fused
-        # multiply-adds (see _fma); denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps; and
+        # torch.optim.Adam/AdamW's operations in its order: grad.add(p, alpha=weight_decay) or
+        # p.mul_(1 - lr * weight_decay); exp_avg.lerp_(grad, 1 - b1) and
+        # exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2), fused multiply-adds on CPU
+        # (see _fma); denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps; and
         # p.addcdiv_(exp_avg, denom, value=-step_size), that is p + (-step_size * m) / denom.
         if weight_decay > 0 and not decoupled:
             g = _fma(pm, _f32(weight_decay), g)
@@ -898,8 +947,8 @@ def _adam(
         bc1 = 1.0 - torch.pow(b1, t)
         bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
         lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
-        neg_step = (-(lr64 / bc1)).to(torch.float32)
-        bc2_sqrt = bc2_sqrt.to(torch.float32)
+        neg_step = _once((-(lr64 / bc1)).to(torch.float32))
+        bc2_sqrt = _once(bc2_sqrt.to(torch.float32))
         denom = _fe("sqrt", v)
         if _plain(denom):  # fresh temporaries in plain eager: the same kernels, in place
             torch._foreach_div_(denom, bc2_sqrt)
@@ -914,7 +963,7 @@ def _adam(
             # p * (1 - lr * weight_decay) + step, rounded after each op as torch does, and
             # returned as the difference to p.
             if isinstance(lr, torch.Tensor):
-                keep: Any = (1.0 - lr64 * weight_decay).to(torch.float32)
+                keep: Any = _once((1.0 - lr64 * weight_decay).to(torch.float32))
             else:
                 keep = _f32(1.0 - lr * weight_decay)
             deltas = _to_delta(_fe("add", _fe("mul", pm, keep), deltas), pm)
@@ -1102,7 +1151,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         g = _as_math(gs)
         norms = [torch.linalg.vector_norm(x) for x in g]
         total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = _once(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return optree.tree_unflatten(spec, _fe("mul", g, coef)), state
 
     return Optimizer(init, update)

@@ -29,7 +29,7 @@ from funcamp._optim import (
     _apply_updates,
     apply_updates,
 )
-from funcamp._tree import NAMESPACE, _describe, _path_str, _select, tree_select
+from funcamp._tree import NAMESPACE, _describe, _once, _path_str, _select, tree_select
 
 __all__ = ["ScalerState", "StepInfo", "scale", "unscale", "unscale_and_step", "update"]
 
@@ -600,7 +600,7 @@ def _unscale_leaves(
     leaves: list[torch.Tensor], scale_tensor: torch.Tensor, fused: bool, *, donate: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     # torch's rule: the reciprocal is taken in float64, then rounded to float32.
-    inv_scale = scale_tensor.double().reciprocal().float()
+    inv_scale = _once(scale_tensor.double().reciprocal().float())
     if not leaves:
         return [], torch.zeros((), dtype=torch.bool, device=scale_tensor.device)
     if fused:

@@ -16,6 +16,21 @@ NAMESPACE = "funcamp"
 PyTree = Any
 
 
+def _once(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself: a 0-d step scalar (an unscale factor, a bias-corrected step size) that
+    inductor should compute once per step rather than inline into every element's loop.
+
+    Inductor inlines a cheap 0-d expression into each consumer kernel, so a per-step scalar made
+    of ``pow``/``sqrt``/float64 divisions is recomputed for every vector of every leaf (measured:
+    the optimizer pass took 2x as long). Its CPU heuristic computes a value once when the
+    expression holds a costly op such as ``exp``; the never-taken branch below adds one. Outside
+    compilation (and for non-floating values) ``x`` is returned as is.
+    """
+    if not torch.compiler.is_compiling() or not x.is_floating_point():
+        return x
+    return torch.where(torch.isnan(x) & (x > 0), torch.exp(x), x)
+
+
 def _flatten_with_path(tree: PyTree) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
     paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     return [_path_str(p) for p in paths], leaves, spec
