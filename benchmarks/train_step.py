@@ -11,6 +11,7 @@ of:
     (b) eager torch.autocast(bf16) + GradScaler + Adam(foreach=True)
     (c) torch.compile(model) + autocast(bf16) + GradScaler + Adam(foreach=True)
     (d) funcamp.make_train_step (compiled, mixed_bfloat16, dynamic loss scaling)
+    (d, donated) the same with donate_state=True (results written into the old state's tensors)
     (e) the same funcamp step, eager
     floor: the step's matmuls alone (recorded from one autocast forward/backward and replayed
         on ready-made tensors) plus one fused Adam pass over the params
@@ -266,6 +267,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             model, batch, criterion, device, amp=True, compiled=True
         ),
         "d_funcamp_compiled": lambda: funcamp_variant(model, batch, criterion, device),
+        "d_funcamp_compiled_donated": lambda: funcamp_variant(
+            model, batch, criterion, device, donate_state=True
+        ),
         "e_funcamp_eager": lambda: funcamp_variant(model, batch, criterion, device, compile=False),
         "floor": lambda: floor_variant(model, batch, criterion, device),
     }
@@ -295,10 +299,14 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         }
     d = rows.get("d_funcamp_compiled", {}).get("median_ms", math.nan)
     ratio = lambda k: rows[k]["median_ms"] / d if k in rows else math.nan  # noqa: E731
+    dd = rows.get("d_funcamp_compiled_donated", {}).get("median_ms", math.nan)
     summary = {
         "speedup_d_over_b": ratio("b_eager_autocast_gradscaler"),
         "speedup_d_over_c": ratio("c_compiled_model_autocast_gradscaler"),
         "d_over_floor": d / rows["floor"]["median_ms"] if "floor" in rows else math.nan,
+        "speedup_donated_over_b": ratio("b_eager_autocast_gradscaler") * d / dd,
+        "speedup_donated_over_c": ratio("c_compiled_model_autocast_gradscaler") * d / dd,
+        "donated_over_floor": dd / rows["floor"]["median_ms"] if "floor" in rows else math.nan,
         "graphs_compiled_while_timing": recompiles_while_timing,
     }
     return {"rows": rows, "summary": summary}
@@ -319,6 +327,10 @@ def print_table(name: str, result: dict[str, Any]) -> None:
         f"(d)/floor: {s['d_over_floor']:.2f}   graphs compiled while timing: "
         f"{s['graphs_compiled_while_timing']}"
     )
+    print(
+        f"  donated (d) vs (b): {s['speedup_donated_over_b']:.2f}x   vs (c): "
+        f"{s['speedup_donated_over_c']:.2f}x   /floor: {s['donated_over_floor']:.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -327,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=20, help="steps per timed round")
-    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--only", default="", help="variant letters to run, e.g. 'bcd' (+floor)")
     p.add_argument("--out", type=Path, default=Path("build/bench/train_step.json"))
     args = p.parse_args(argv)

@@ -286,6 +286,69 @@ def _clone_buffers(buffers: PyTree) -> PyTree:
     )
 
 
+def _donatable(new: Any, old: Any) -> bool:
+    return (
+        isinstance(new, torch.Tensor)
+        and isinstance(old, torch.Tensor)
+        and new is not old
+        and new.shape == old.shape
+        and new.dtype == old.dtype
+        and new.device == old.device
+    )
+
+
+def _donate(new: PyTree, old: PyTree) -> PyTree:
+    """``new`` with each tensor leaf written into the matching leaf of ``old`` (same shape, dtype
+    and device), which takes its place: the step's results live in the old state's memory.
+    Compiled, inductor stores the results straight into those buffers (no fresh allocations);
+    leaves that do not match are returned as they are."""
+    if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
+        return new
+    old_leaves, spec = optree.tree_flatten(old, namespace=NAMESPACE)
+    new_leaves = spec.flatten_up_to(new)  # the optimizer keeps its state's structure
+    out = []
+    for n, o in zip(new_leaves, old_leaves):
+        if _donatable(n, o):
+            o.copy_(n)
+            n = o
+        out.append(n)
+    return optree.tree_unflatten(spec, out)
+
+
+def _donated_leaves(state: TrainState) -> list[tuple[str, torch.Tensor]]:
+    paths, leaves, _ = optree.tree_flatten_with_path(
+        (state.params, state.buffers, state.opt_state), namespace=NAMESPACE
+    )
+    names = ("params", "buffers", "opt_state")
+    return [
+        (f"state.{names[p[0]]}{_path_str(p[1:])}", x)
+        for p, x in zip(paths, leaves)
+        if isinstance(x, torch.Tensor)
+    ]
+
+
+def _check_donation(state: TrainState) -> None:
+    """With ``donate_state=True``: no two state tensors may share memory (one write would
+    clobber the other), and none may need grad."""
+    seen: dict[tuple[Any, int], str] = {}
+    for name, x in _donated_leaves(state):
+        if x.requires_grad:
+            raise ValueError(
+                f"funcamp.{_API}: with donate_state=True the state's tensors are written in "
+                f"place, but {name} requires grad; detach it (params_and_buffers does)"
+            )
+        if x.numel() == 0:
+            continue
+        key = (x.device, x.untyped_storage().data_ptr())
+        if key in seen:
+            raise ValueError(
+                f"funcamp.{_API}: with donate_state=True the state's tensors are written in "
+                f"place, but {seen[key]} and {name} share memory; give each its own tensor "
+                "(clone one) or build the step with donate_state=False"
+            )
+        seen[key] = name
+
+
 _STEP_INPUTS = ("state", "batch")
 _GLOBAL_STATE = ("GlobalStateSource", "ShapeEnvSource")
 
@@ -386,6 +449,7 @@ def make_train_step(
     returns_buffers: bool = False,
     compile: bool = True,
     group: Any = None,
+    donate_state: bool = False,
     **compile_options: Any,
 ) -> StepFn:
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
@@ -421,6 +485,16 @@ def make_train_step(
     a collective issued only on that step needs its value on the host -- a host sync
     (``torch.cond`` reads it with ``.item()``). See the data-parallel guide.
 
+    Donating the state (``donate_state=True``): the returned state's params, buffers and
+    optimizer-state tensors are the input state's own tensors, overwritten with the new values
+    (as ``torch.optim`` updates in place), so the compiled step allocates no new memory for
+    them and writes its results straight into it -- faster, and half the memory. The input state
+    must not be used afterwards (keep only the returned one: ``state, m = step(state, batch)``);
+    anything sharing memory with it changes too, such as a module's parameters when the params
+    came from :func:`params_and_buffers` (they then follow training, as with ``torch.optim``).
+    No two state tensors may share memory (checked on every call: a clear error). The scaler
+    state (a few scalars) is always returned fresh.
+
     Args:
         loss_fn: ``(params, buffers, batch) -> loss | tuple`` as above; run under ``amp``.
         optimizer: a :class:`funcamp.Optimizer`.
@@ -431,6 +505,9 @@ def make_train_step(
             returns the same step, eager.
         group: a ``torch.distributed`` process group for data-parallel training (see below);
             ``None`` (default) trains in this process alone.
+        donate_state: let the step write the new params, buffers and optimizer state into the
+            tensors of the state it is given, like ``jax.jit(..., donate_argnums=0)`` (see
+            below). Default ``False``: the input state is never modified.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard).
@@ -469,8 +546,9 @@ def make_train_step(
     for name, flag in (("has_aux", has_aux), ("returns_buffers", returns_buffers)):
         if not isinstance(flag, bool):
             raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
-    if not isinstance(compile, bool):
-        raise TypeError(f"funcamp.{_API}: `compile` must be a bool, got {_describe(compile)}")
+    for name, flag in (("compile", compile), ("donate_state", donate_state)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
     data_parallel = _data_parallel(group)
     if compile_options and not compile:
         raise TypeError(
@@ -519,6 +597,10 @@ def make_train_step(
             # reported flag and the scaler update tied to the consensus all the same.
             found_inf = found_inf | nonfinite
         new_scaler = update(scaler, found_inf)
+        if donate_state:
+            params = _donate(params, state.params)
+            opt_state = _donate(opt_state, state.opt_state)
+            new_buffers = _donate(new_buffers, state.buffers)
         metrics: Metrics = {
             "loss": loss,
             "grad_norm": info.grad_norm,
@@ -552,6 +634,8 @@ def make_train_step(
                 f"{expected[0]}, got {structure}; build another step for batches of another "
                 "structure (new shapes or dtypes only recompile)"
             )
+        if donate_state:
+            _check_donation(state)
         if run is train_step:
             return train_step(state, batch)
         try:

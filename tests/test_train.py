@@ -392,3 +392,77 @@ def test_argument_errors():
     step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
     with pytest.raises(TypeError, match=r"`state` must be a funcamp.TrainState"):
         step(tuple(_state()), _batches(1)[0])
+
+
+# ------------------------------------------------------------------------------ donate_state
+
+
+def _own(state: funcamp.TrainState) -> funcamp.TrainState:
+    """The state with every tensor copied (``_state`` shares MODEL's parameter memory)."""
+    return optree.tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state, namespace=NAMESPACE
+    )
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
+def test_donated_step_matches_and_reuses_the_input_tensors(backend):
+    kw = {"compile": False} if backend is None else {"backend": backend}
+    plain = funcamp.make_train_step(loss_fn, OPT, POLICY, **kw)
+    donated = funcamp.make_train_step(loss_fn, OPT, POLICY, donate_state=True, **kw)
+    s_p, s_d = _own(_state()), _own(_state())
+    module_params = [p.detach().clone() for p in MODEL.parameters()]
+    for b in _batches(12, bad_every=5):
+        old = s_d
+        s_p, m_p = plain(s_p, b)
+        s_d, m_d = donated(s_d, b)
+        _assert_close(m_d, m_p, atol=0)  # bit for bit (a skipped step's grad_norm is nan)
+        _assert_equal(s_d, s_p)  # skipped steps (every 5th) included
+        # the new params and optimizer state live in the input state's tensors
+        for new, prev in zip(_leaves((s_d.params, s_d.opt_state)), _leaves(old[::2])):
+            assert new is prev
+        assert s_d.scaler.scale is not old.scaler.scale
+    assert int(s_d.scaler.skipped) == 2
+    for p, q in zip(MODEL.parameters(), module_params):  # _own: MODEL was not written to
+        assert torch.equal(p, q)
+
+
+def test_donated_step_writes_batchnorm_buffers_in_place():
+    model = _bn_model()
+
+    def bn_loss(p, b, batch):
+        x, y = batch
+        return nn.functional.mse_loss(functional_call(model, (p, b), (x,)), y)
+
+    opt = funcamp.sgd(0.1, momentum=0.9)
+    params, buffers = funcamp.params_and_buffers(model)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 5, generator=g), torch.randn(16, 2, generator=g)) for _ in range(4)]
+    plain = funcamp.make_train_step(bn_loss, opt, "float32", backend="aot_eager")
+    donated = funcamp.make_train_step(
+        bn_loss, opt, "float32", backend="aot_eager", donate_state=True
+    )
+    s_p = funcamp.TrainState.create(params, opt, "float32", buffers=buffers)
+    s_d = _own(s_p)
+    mean = s_d.buffers["1.running_mean"]
+    for b in batches:
+        s_p, _ = plain(s_p, b)
+        s_d, _ = donated(s_d, b)
+    _assert_equal(s_d, s_p)
+    assert s_d.buffers["1.running_mean"] is mean and int(s_d.buffers["1.num_batches_tracked"]) == 4
+
+
+def test_donate_state_errors():
+    with pytest.raises(TypeError, match="`donate_state` must be a bool"):
+        funcamp.make_train_step(loss_fn, OPT, POLICY, donate_state=1)
+    step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, donate_state=True)
+    state = _own(_state())
+    w = state.params["0.weight"]
+    shared = state._replace(params={**state.params, "2.weight": w.view(-1)[:48].view(3, 16)})
+    before = _leaves(state)
+    with pytest.raises(ValueError, match=r"state.params\['0.weight'\] and .* share memory"):
+        step(shared, _batches(1)[0])
+    needs_grad = state._replace(params={**state.params, "0.bias": torch.zeros(16).requires_grad_()})
+    with pytest.raises(ValueError, match=r"state.params\['0.bias'\] requires grad"):
+        step(needs_grad, _batches(1)[0])
+    for x, y in zip(before, _leaves(state)):  # nothing was written before the errors
+        assert torch.equal(x, y)
