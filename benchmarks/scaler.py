@@ -19,6 +19,11 @@ Rows (ratio = funcamp / torch, lower is better):
 * ``step, eager, donate_grads``: the train-step entry, where the step owns its grads (they come
   from ``torch.func.grad``); each run gets a fresh copy made outside the timed region, as
   ``torch`` gets its ``.grad`` reset outside it.
+* ``step, eager, donate_grads + donate_state``: the caller also hands over params and optimizer
+  state, as torch.optim does (it updates them in place): the new params are written into the
+  old ones -- for plain SGD by torch's fused kernel, which skips on ``found_inf`` by itself.
+  Each run starts from a fresh copy of the params made outside the timed region, as torch's
+  params are reset outside it.
 * ``unscale + check only``: ``funcamp.unscale`` vs ``GradScaler.unscale_`` (fused kernel on a
   copy), and the pure-torch path that runs under transforms.
 * ``step, compiled``: the public step under ``torch.compile(fullgraph=True)`` (inductor).
@@ -136,6 +141,19 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
             state, sgd, donated.pop(), opt_state, params, donate_grads=True
         )
 
+    donated_all: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+
+    def make_donated_all() -> None:
+        donated_all[:] = [
+            ({k: v.clone() for k, v in grads.items()}, {k: v.clone() for k, v in params.items()})
+        ]
+
+    def ours_donated_all() -> object:
+        g, p = donated_all.pop()
+        return funcamp.unscale_and_step(
+            state, sgd, g, opt_state, p, donate_grads=True, donate_state=True
+        )
+
     def ours_unscale() -> object:
         return funcamp.unscale(state, grads)
 
@@ -148,6 +166,10 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
     rows: list[Row] = [("step, eager", ours_step, torch_step, None)]
     if "donate_grads" in inspect.signature(funcamp.unscale_and_step).parameters:
         rows.append(("step, eager, donate_grads", ours_donated, torch_step, make_donated))
+    if "donate_state" in inspect.signature(funcamp.unscale_and_step).parameters:
+        rows.append(
+            ("step, eager, donate grads+state", ours_donated_all, torch_step, make_donated_all)
+        )
     rows += [
         ("unscale + check only, eager", ours_unscale, torch_unscale, None),
         ("  same, pure-torch path (no fused)", ours_unscale_pure, torch_unscale, None),

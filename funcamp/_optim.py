@@ -364,6 +364,14 @@ _OWNED_GRADS: contextvars.ContextVar[_Owned] = contextvars.ContextVar(
 )
 
 
+#: ``_IN_PLACE = "_funcamp_in_place"``: an ``update`` function may carry
+#: ``in_place(unscaled_grad_leaves, state, params, found_inf) -> new_state | None``, which
+#: applies the update to ``params`` (and the state's buffers) in place -- or nothing where
+#: ``found_inf`` -- with exactly ``update``'s results; None when it does not apply to these
+#: inputs. :func:`funcamp.unscale_and_step` uses it in plain eager with ``donate_state=True``.
+_IN_PLACE = "_funcamp_in_place"
+
+
 #: ``_FRESH = "_funcamp_fresh"``: an ``update`` function carrying this attribute returns only
 #: tensors it created itself or leaves of its inputs (by identity) -- never a tensor held
 #: elsewhere (a closure constant, a cache) -- so the calling step may reuse the new ones in place.
@@ -876,7 +884,45 @@ def sgd(
         updates, low = _finish(api, mode, state.low, count, deltas, ps, spec)
         return updates, SgdState(count + 1, new_bufs, low)
 
+    def update_in_place(
+        grads: list[torch.Tensor], state: SgdState, params: PyTree, found_inf: torch.Tensor
+    ) -> SgdState | None:
+        # torch's fused SGD kernel: p updated in one pass, or not at all where found_inf (read
+        # by the kernel: no host sync). Plain SGD only (weight decay allowed), where it gives
+        # torch.optim.SGD's params bit for bit; update()'s delta (new_p - p, added back by
+        # apply_updates) can be an ulp off near zero, where the subtraction is inexact. With
+        # momentum the kernel's rounding differs from torch.optim's foreach path: not used.
+        if mode is not None or momentum > 0 or not hasattr(torch, "_fused_sgd_"):
+            return None
+        ps = _flatten_params(api, params)[0]
+        if not ps or not all(p.dtype == torch.float32 for p in ps + grads):
+            return None
+        if len({p.device for p in ps}) != 1 or ps[0].device.type not in ("cpu", "cuda"):
+            return None
+        if not _plain(ps) or len(grads) != len(ps):
+            return None
+        lr = lr_fn(state.count)
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=ps[0].device, dtype=torch.float32)
+        torch._fused_sgd_(
+            ps,
+            grads,
+            [],
+            weight_decay=weight_decay,
+            momentum=0.0,
+            lr=lr,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            is_first_step=False,
+            grad_scale=None,
+            found_inf=found_inf.to(device=ps[0].device, dtype=torch.float32),
+        )
+        count = torch.where(found_inf, state.count, state.count + 1)
+        return state._replace(count=count.to(state.count.dtype))
+
     update._funcamp_fresh = True  # type: ignore[attr-defined]  # see _FRESH
+    update._funcamp_in_place = update_in_place  # type: ignore[attr-defined]  # see _IN_PLACE
     return Optimizer(init, update)
 
 

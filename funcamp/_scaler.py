@@ -23,13 +23,22 @@ import torch.utils._pytree as torch_pytree
 
 from funcamp._optim import (
     _FRESH,
+    _IN_PLACE,
     _OWNED_GRADS,
     Optimizer,
     SetParam,
     _apply_updates,
     apply_updates,
 )
-from funcamp._tree import NAMESPACE, _describe, _once, _path_str, _select, tree_select
+from funcamp._tree import (
+    NAMESPACE,
+    _describe,
+    _once,
+    _path_str,
+    _select,
+    _write_into,
+    tree_select,
+)
 
 __all__ = ["ScalerState", "StepInfo", "scale", "unscale", "unscale_and_step", "update"]
 
@@ -879,6 +888,7 @@ def unscale_and_step(
     *,
     group: Any = None,
     donate_grads: bool = False,
+    donate_state: bool = False,
 ) -> tuple[PyTree, PyTree, StepInfo]:
     """Unscale ``grads``, apply ``optimizer``, and skip the step if the grads overflowed.
 
@@ -902,6 +912,16 @@ def unscale_and_step(
             identical. Donated grads must not be used after the call. Grads that share memory
             with each other, ``params``, ``opt_state`` or ``state`` are copied instead.
             Default False: no argument is ever modified.
+        donate_state: opt-in, for callers that keep only the returned params and optimizer
+            state (``params, opt_state, info = unscale_and_step(...)``): the new values are
+            written into the tensors of ``params`` and ``opt_state``, which are returned, as
+            ``torch.optim`` updates in place (compiled, inductor stores straight into them). In
+            plain eager, :func:`funcamp.sgd` without momentum (float32 params, no low-precision
+            mode) then runs torch's fused SGD kernel, which skips on ``found_inf`` by itself
+            (no host sync): one pass over the params, GradScaler's own cost, and
+            ``torch.optim.SGD``'s params bit for bit (the out-of-place path adds a delta, which
+            can be an ulp off where a step nearly reaches zero). Tensors of
+            ``params``/``opt_state`` that share memory are refused (eager).
 
     Returns:
         ``(params, opt_state, StepInfo(found_inf, grad_norm))``; ``grad_norm`` is the global L2
@@ -935,7 +955,15 @@ def unscale_and_step(
             f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got {_describe(optimizer)}"
         )
     _check_flag(api, "donate_grads", donate_grads)
+    _check_flag(api, "donate_state", donate_state)
     _check_matching_trees(api, grads, params)
+    donated = _tensors(params) + _tensors(opt_state) if donate_state else []
+    if donated and not torch.compiler.is_compiling() and not _disjoint(donated, set()):
+        raise ValueError(
+            f"funcamp.{api}: with donate_state=True the new values are written into the "
+            "tensors of `params` and `opt_state`, but some of them share memory; give each "
+            "its own tensor (clone) or pass donate_state=False"
+        )
     leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     floating = [leaves[i] for i in idx]
@@ -962,12 +990,38 @@ def unscale_and_step(
         found_inf = any_across(found_inf, group)
     # Before the optimizer: it may overwrite the unscaled grads in place (see below).
     grad_norm = _global_norm(out, state.scale.device)
+    if donate_state and fast:
+        in_place = getattr(optimizer.update, _IN_PLACE, None)
+        new_state = None if in_place is None else in_place(out, opt_state, params, found_inf)
+        if new_state is not None:
+            return params, new_state, StepInfo(found_inf, grad_norm)
+    params_out, opt_state_out = _step(
+        optimizer, unscaled, opt_state, params, found_inf, fast, taken, new_leaves
+    )
+    if donate_state:
+        params_out = _write_into(params_out, params)
+        opt_state_out = _write_into(opt_state_out, opt_state)
+    return params_out, opt_state_out, StepInfo(found_inf, grad_norm)
+
+
+def _step(
+    optimizer: Optimizer,
+    unscaled: PyTree,
+    opt_state: PyTree,
+    params: PyTree,
+    found_inf: torch.Tensor,
+    fast: bool,
+    taken: set[int | None],
+    new_leaves: list[Any],
+) -> tuple[PyTree, PyTree]:
+    """The update, applied and selected: ``(params, opt_state)``, the old ones where
+    ``found_inf``."""
     if not fast:
         updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
         new_params = apply_updates(params, updates)
         params_out = tree_select(found_inf, params, new_params)
         opt_state_out = tree_select(found_inf, opt_state, new_opt_state)
-        return params_out, opt_state_out, StepInfo(found_inf, grad_norm)
+        return params_out, opt_state_out
 
     # The unscaled grads are this step's own (or donated): the optimizer whose update this is
     # may overwrite them in place. A built-in optimizer (marked with _FRESH) returns only fresh
@@ -995,4 +1049,4 @@ def unscale_and_step(
         found_inf, params, new_params, lambda x: id(x) in fresh, lambda x: id(x) in done
     )
     opt_state_out = _select(found_inf, opt_state, new_opt_state, owned or (lambda x: False))
-    return params_out, opt_state_out, StepInfo(found_inf, grad_norm)
+    return params_out, opt_state_out

@@ -48,7 +48,7 @@ from funcamp._amp import _as_policy, amp
 from funcamp._optim import Optimizer, _flatten_params, init_from_exact
 from funcamp._policy import Policy
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
-from funcamp._tree import NAMESPACE, _describe, _path_str
+from funcamp._tree import NAMESPACE, _describe, _path_str, _write_into
 from funcamp.distributed import _reduce_step
 
 __all__ = ["TrainState", "make_train_step", "params_and_buffers"]
@@ -284,35 +284,6 @@ def _clone_buffers(buffers: PyTree) -> PyTree:
     return optree.tree_map(
         lambda x: x.clone() if isinstance(x, torch.Tensor) else x, buffers, namespace=NAMESPACE
     )
-
-
-def _donatable(new: Any, old: Any) -> bool:
-    return (
-        isinstance(new, torch.Tensor)
-        and isinstance(old, torch.Tensor)
-        and new is not old
-        and new.shape == old.shape
-        and new.dtype == old.dtype
-        and new.device == old.device
-    )
-
-
-def _donate(new: PyTree, old: PyTree) -> PyTree:
-    """``new`` with each tensor leaf written into the matching leaf of ``old`` (same shape, dtype
-    and device), which takes its place: the step's results live in the old state's memory.
-    Compiled, inductor stores the results straight into those buffers (no fresh allocations);
-    leaves that do not match are returned as they are."""
-    if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
-        return new
-    old_leaves, spec = optree.tree_flatten(old, namespace=NAMESPACE)
-    new_leaves = spec.flatten_up_to(new)  # the optimizer keeps its state's structure
-    out = []
-    for n, o in zip(new_leaves, old_leaves):
-        if _donatable(n, o):
-            o.copy_(n)
-            n = o
-        out.append(n)
-    return optree.tree_unflatten(spec, out)
 
 
 def _donated_leaves(state: TrainState) -> list[tuple[str, torch.Tensor]]:
@@ -588,7 +559,13 @@ def make_train_step(
         # The grads are this step's own (made by grad_and_value above): donating them lets the
         # eager path unscale in place and reuse their memory (ignored under compile).
         params, opt_state, info = unscale_and_step(
-            scaler, optimizer, grads, state.opt_state, state.params, donate_grads=True
+            scaler,
+            optimizer,
+            grads,
+            state.opt_state,
+            state.params,
+            donate_grads=True,
+            donate_state=donate_state,
         )
         found_inf = info.found_inf
         if nonfinite is not None:
@@ -598,9 +575,7 @@ def make_train_step(
             found_inf = found_inf | nonfinite
         new_scaler = update(scaler, found_inf)
         if donate_state:
-            params = _donate(params, state.params)
-            opt_state = _donate(opt_state, state.opt_state)
-            new_buffers = _donate(new_buffers, state.buffers)
+            new_buffers = _write_into(new_buffers, state.buffers)
         metrics: Metrics = {
             "loss": loss,
             "grad_norm": info.grad_norm,

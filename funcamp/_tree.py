@@ -31,6 +31,35 @@ def _once(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x) & (x > 0), torch.exp(x), x)
 
 
+def _donatable(new: Any, old: Any) -> bool:
+    return (
+        isinstance(new, torch.Tensor)
+        and isinstance(old, torch.Tensor)
+        and new is not old
+        and new.shape == old.shape
+        and new.dtype == old.dtype
+        and new.device == old.device
+    )
+
+
+def _write_into(new: PyTree, old: PyTree) -> PyTree:
+    """``new`` with each tensor leaf written into the matching leaf of ``old`` (same shape, dtype
+    and device), which takes its place: the step's results live in the old state's memory.
+    Compiled, inductor stores the results straight into those buffers (no fresh allocations);
+    leaves that do not match are returned as they are."""
+    if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
+        return new
+    old_leaves, spec = optree.tree_flatten(old, namespace=NAMESPACE)
+    new_leaves = spec.flatten_up_to(new)  # the optimizer keeps its state's structure
+    out = []
+    for n, o in zip(new_leaves, old_leaves):
+        if _donatable(n, o):
+            o.copy_(n)
+            n = o
+        out.append(n)
+    return optree.tree_unflatten(spec, out)
+
+
 def _flatten_with_path(tree: PyTree) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
     paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     return [_path_str(p) for p in paths], leaves, spec

@@ -997,3 +997,124 @@ def test_skipped_step_is_exact_while_subnormals_are_flushed():
             assert bool(info.found_inf) and bits_equal(_bits(new["w"]), _bits(params["w"]))
     finally:
         torch.set_flush_denormal(False)
+
+
+# ------------------------------------------------------------------------------ donate_state
+
+
+def _sgd_grads(step: int, shapes: dict[str, tuple[int, ...]], scale: float) -> dict:
+    g = torch.Generator().manual_seed(100 + step)
+    grads = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    return {k: v * scale for k, v in grads.items()}  # a power-of-two scale: exact
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("schedule", [False, True])
+def test_donated_sgd_runs_in_place_like_torch(weight_decay, schedule, monkeypatch):
+    """donate_state with plain SGD: torch's fused kernel, in place, skipping on found_inf with
+    no host sync; params bit-identical to torch.optim.SGD on the unscaled grads."""
+    shapes = {"w": (40, 30), "b": (30,)}
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    torch_params = [torch.nn.Parameter(v.clone()) for v in params.values()]
+    lr = funcamp.linear_schedule(0.1, 0.01, 10) if schedule else 0.05
+    torch_opt = torch.optim.SGD(
+        torch_params, lr=0.1 if schedule else 0.05, weight_decay=weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda c: max(0.1, 1 - 0.09 * c))
+    opt = funcamp.sgd(lr, weight_decay=weight_decay)
+    opt_state = opt.init(params)
+    scaler = funcamp.ScalerState.dynamic(2.0**10)
+    ids = [id(x) for x in params.values()]
+
+    def boom(*args, **kwargs):
+        raise AssertionError("host sync")
+
+    calls = []
+    fused_sgd = torch._fused_sgd_
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return fused_sgd(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_sgd_", counting)
+    for step in range(8):
+        scaled = _sgd_grads(step, shapes, float(scaler.scale))  # backs off after step 3
+        if step == 3:
+            scaled["w"][1, 2] = float("inf")
+        before = {k: v.clone() for k, v in params.items()}
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "item", boom)
+            m.setattr(torch.Tensor, "__bool__", boom)
+            params, opt_state, info = funcamp.unscale_and_step(
+                scaler, opt, scaled, opt_state, params, donate_grads=True, donate_state=True
+            )
+        assert [id(x) for x in params.values()] == ids  # the input tensors, updated in place
+        if step == 3:
+            assert bool(info.found_inf)
+            assert all(torch.equal(params[k], before[k]) for k in params)
+        else:
+            for p, g in zip(torch_params, _sgd_grads(step, shapes, 1.0).values()):
+                p.grad = g
+            torch_opt.step()
+            if schedule:
+                sched.step()
+            for p, q in zip(torch_params, params.values()):
+                assert torch.equal(p.detach(), q)
+        scaler = funcamp.update(scaler, info.found_inf)
+    assert int(opt_state.count) == 7
+    assert len(calls) == 8  # the fused kernel ran every step, the skipped one included
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_donated_step_matches_the_pure_step(backend):
+    """Any optimizer (Adam here: no in-place kernel): the same bits as without donation, and
+    the returned tensors are the inputs'."""
+    opt = funcamp.adamw(1e-2, weight_decay=0.1)
+    shapes = {"w": (8, 5), "b": (5,)}
+    gen = torch.Generator().manual_seed(1)
+    start = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+    def step(scaler, grads, opt_state, params, donate):
+        return funcamp.unscale_and_step(scaler, opt, grads, opt_state, params, donate_state=donate)
+
+    run = step if backend is None else torch.compile(step, backend=backend, fullgraph=True)
+    pa, pb = dict(start), {k: v.clone() for k, v in start.items()}
+    sa, sb = opt.init(pa), opt.init(pb)
+    scaler = funcamp.ScalerState.dynamic(2.0**4)
+    for i in range(6):
+        grads = _sgd_grads(i, shapes, float(scaler.scale))
+        if i == 2:
+            grads["b"][0] = float("nan")
+        old = optree.tree_leaves((pb, sb), namespace="funcamp")
+        pa, sa, ia = run(scaler, grads, sa, pa, False)
+        pb, sb, _ = run(scaler, grads, sb, pb, True)
+        new = optree.tree_leaves((pb, sb), namespace="funcamp")
+        assert all(x is y for x, y in zip(new, old))
+        for x, y in zip(optree.tree_leaves((pa, sa)), new):
+            assert torch.equal(x, y)
+        scaler = funcamp.update(scaler, ia.found_inf)
+
+
+def test_donate_state_refuses_shared_memory():
+    opt = funcamp.sgd(0.1)
+    w = torch.zeros(4)
+    params = {"a": w, "b": w[:2]}
+    with pytest.raises(ValueError, match=r"donate_state=True .* share memory"):
+        funcamp.unscale_and_step(
+            funcamp.ScalerState.static(1.0),
+            opt,
+            {"a": torch.ones(4), "b": torch.ones(2)},
+            opt.init(params),
+            params,
+            donate_state=True,
+        )
+    with pytest.raises(TypeError, match="`donate_state` must be a bool"):
+        funcamp.unscale_and_step(
+            funcamp.ScalerState.static(1.0),
+            opt,
+            {"a": w},
+            opt.init({"a": w}),
+            {"a": w},
+            donate_state="yes",
+        )
