@@ -970,20 +970,23 @@ def sgd(
         lr = lr_fn(state.count)
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=ps[0].device, dtype=torch.float32)
-        torch._fused_sgd_(
-            ps,
-            grads,
-            [],
-            weight_decay=weight_decay,
-            momentum=0.0,
-            lr=lr,
-            dampening=0.0,
-            nesterov=False,
-            maximize=False,
-            is_first_step=False,
-            grad_scale=None,
-            found_inf=found_inf.to(device=ps[0].device, dtype=torch.float32),
-        )
+        try:  # a torch whose fused SGD has no kernel for this device raises before writing
+            torch._fused_sgd_(
+                ps,
+                grads,
+                [],
+                weight_decay=weight_decay,
+                momentum=0.0,
+                lr=lr,
+                dampening=0.0,
+                nesterov=False,
+                maximize=False,
+                is_first_step=False,
+                grad_scale=None,
+                found_inf=found_inf.to(device=ps[0].device, dtype=torch.float32),
+            )
+        except NotImplementedError:  # pragma: no cover - depends on the torch build
+            return None
         count = torch.where(found_inf, state.count, state.count + 1)
         return state._replace(count=count.to(state.count.dtype))
 
