@@ -22,11 +22,13 @@ def _once(x: torch.Tensor) -> torch.Tensor:
 
     Inductor inlines a cheap 0-d expression into each consumer kernel, so a per-step scalar made
     of ``pow``/``sqrt``/float64 divisions is recomputed for every vector of every leaf (measured:
-    the optimizer pass took 2x as long). Its CPU heuristic computes a value once when the
-    expression holds a costly op such as ``exp``; the never-taken branch below adds one. Outside
-    compilation (and for non-floating values) ``x`` is returned as is.
+    the MLP step ran 1.26x faster than eager autocast + GradScaler instead of 1.52x). Its CPU
+    heuristic computes a value once when the expression holds a costly op such as ``exp``; the
+    never-taken branch below adds one. Outside
+    compilation, off the CPU (a GPU thread recomputes a scalar for free) and for non-floating
+    values ``x`` is returned as is.
     """
-    if not torch.compiler.is_compiling() or not x.is_floating_point():
+    if not torch.compiler.is_compiling() or not x.is_floating_point() or x.device.type != "cpu":
         return x
     return torch.where(torch.isnan(x) & (x > 0), torch.exp(x), x)
 
