@@ -375,6 +375,25 @@ def test_one_rank_group_is_bit_identical_to_no_group(single_rank_group):
     assert_trees_equal(ma, mb)
 
 
+@pytest.mark.parametrize("make_opt", [_adam, lambda: funcamp.sgd(0.05)])
+def test_donated_data_parallel_step(single_rank_group, make_opt):
+    """donate_state with a group (grads are views of the all-reduced buffer): the same bits as
+    the donated step without a group (plain SGD takes torch's fused kernel on both), and the
+    state's own tensors come back."""
+    batches = _batches()
+    alone = funcamp.make_train_step(_loss_fn, make_opt(), POLICY, compile=False, donate_state=True)
+    dp = funcamp.make_train_step(
+        _loss_fn, make_opt(), POLICY, compile=False, group=single_rank_group, donate_state=True
+    )
+    start = _init(make_opt())
+    w1 = start.params["w1"]
+    a, ma = _train(alone, _init(make_opt()), batches)
+    b, mb = _train(dp, start, batches)
+    assert b.params["w1"] is w1
+    assert_trees_equal(a, b)
+    assert_trees_equal(ma, mb)
+
+
 def test_group_is_checked_when_the_step_is_built(single_rank_group):
     with pytest.raises(TypeError, match=r"`group` must be a torch\.distributed\.ProcessGroup"):
         funcamp.make_train_step(_loss_fn, _adam(), POLICY, group="world")
