@@ -436,6 +436,31 @@ def _f32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def _inductor_decompositions() -> dict[Any, Any] | None:
+    try:
+        import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
+        from torch._inductor.decomposition import decompositions
+    except Exception:  # pragma: no cover - torch builds without inductor
+        return None
+    return decompositions
+
+
+def _batch_elementwise(op: Any) -> Any:
+    """A vmap rule for an elementwise op with broadcasting: each batch dim to the front."""
+
+    def rule(info: Any, in_dims: Any, *args: Any) -> Any:
+        rank = max(x.dim() - (d is not None) for x, d in zip(args, in_dims))
+        moved = []
+        for x, d in zip(args, in_dims):
+            if d is not None:
+                x = x.movedim(d, 0)
+                x = x.reshape((x.shape[0],) + (1,) * (rank + 1 - x.dim()) + x.shape[1:])
+            moved.append(x)
+        return op(*moved), 0
+
+    return rule
+
+
 def _define_fma() -> Any:
     """``funcamp::fma(a, b, c)``: ``a * b + c`` rounded once, as one op that inductor turns into
     the hardware fused multiply-add (``at::vec::fmadd`` on CPU, ``tl.fma`` on CUDA).
@@ -444,47 +469,42 @@ def _define_fma() -> Any:
     ``add(alpha=)``/``addcmul``/``lerp`` unfused, and the prim's own eager kernel (run by the
     ``eager``/``aot_eager`` backends) rounds twice. So this op runs ``torch.addcmul`` (fused in
     torch's CPU kernel) wherever it runs as a kernel, and inductor's decomposition table maps it
-    to the prim. None on a torch without the prim or that table (the float64 emulation in
-    :func:`_fma` is used instead).
+    to the prim. It is differentiable and has a vmap rule. None on a torch without the prim (the
+    float64 emulation in :func:`_fma` is used instead).
     """
-    try:
-        import torch._inductor.inductor_prims  # registers prims.fma
-        from torch._inductor.decomposition import decompositions
-    except Exception:  # pragma: no cover - torch builds without inductor
-        return None
+    decompositions = _inductor_decompositions()
     prim = getattr(torch.ops.prims, "fma", None)
-    if prim is None:  # pragma: no cover - torch before the prim
+    if decompositions is None or prim is None:  # pragma: no cover - older torch
         return None
     try:
         return torch.ops.funcamp.fma.default  # already defined (a reimported module)
     except (AttributeError, RuntimeError):
         pass
-    lib = torch.library.Library("funcamp", "FRAGMENT")
-    _LIBS.append(lib)
-    lib.define("fma(Tensor a, Tensor b, Tensor c) -> Tensor")
 
-    def fused(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    @torch.library.custom_op("funcamp::fma", mutates_args=())
+    def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(c, a, b)
 
-    lib.impl("fma", fused, "CompositeExplicitAutograd")
-    lib.impl("fma", fused, "Meta")
-    op = torch.ops.funcamp.fma.default
-    decompositions[op] = lambda a, b, c: prim(a, b, c)
-    if hasattr(torch.library, "register_vmap"):
-        # Without a batching rule, vmap would run the addcmul kernel, which inductor rounds
-        # twice: batch by moving each batch dim to the front (an elementwise broadcast op).
-        def batched(info: Any, in_dims: Any, a: Any, b: Any, c: Any) -> Any:
-            args = (a, b, c)
-            rank = max(x.dim() - (d is not None) for x, d in zip(args, in_dims))
-            moved = []
-            for x, d in zip(args, in_dims):
-                if d is not None:
-                    x = x.movedim(d, 0)
-                    x = x.reshape((x.shape[0],) + (1,) * (rank + 1 - x.dim()) + x.shape[1:])
-                moved.append(x)
-            return op(*moved), 0
+    @fma.register_fake
+    def _(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(c, a, b)
 
-        torch.library.register_vmap("funcamp::fma", batched, lib=lib)
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        a, b, c = inputs
+        ctx.save_for_backward(a, b)
+        ctx.shapes = (a.shape, b.shape, c.shape)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a, b = ctx.saved_tensors
+        sa, sb, sc = ctx.shapes
+        return (grad * b).sum_to_size(sa), (grad * a).sum_to_size(sb), grad.sum_to_size(sc)
+
+    # Differentiable like the ops it stands for (unrolled optimization, learned optimizers).
+    fma.register_autograd(backward, setup_context=setup)
+    op = torch.ops.funcamp.fma.default
+    # Without a batching rule vmap would run the addcmul kernel, which inductor rounds twice.
+    fma.register_vmap(_batch_elementwise(op))
+    decompositions[op] = lambda a, b, c: prim(a, b, c)
     return op
 
 
@@ -497,48 +517,62 @@ def _define_sqrt() -> Any:
     while inductor's is exact -- so an eager Adam step and a compiled one would differ there.
     This op runs ``sqrt`` in float64 and rounds once (exact: 53 >= 2 * 24 + 2 bits) as a kernel,
     and inductor's decomposition table maps it to its own, already exact, ``sqrt``.
+    Differentiable, with a vmap rule.
     """
-    try:
-        from torch._inductor.decomposition import decompositions
-    except Exception:  # pragma: no cover - torch builds without inductor
+    decompositions = _inductor_decompositions()
+    if decompositions is None:  # pragma: no cover - torch builds without inductor
         return None
     try:
         return torch.ops.funcamp.sqrt.default  # already defined (a reimported module)
     except (AttributeError, RuntimeError):
         pass
-    lib = torch.library.Library("funcamp", "FRAGMENT")
-    _LIBS.append(lib)
-    lib.define("sqrt(Tensor x) -> Tensor")
 
-    def exact(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            return torch.sqrt(x)
-        return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+    @torch.library.custom_op("funcamp::sqrt", mutates_args=())
+    def sqrt(x: torch.Tensor) -> torch.Tensor:
+        return _exact_sqrt(x)
 
-    lib.impl("sqrt", exact, "CompositeExplicitAutograd")
-    lib.impl("sqrt", torch.sqrt, "Meta")
+    @sqrt.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(output)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (out,) = ctx.saved_tensors
+        return grad / (2 * out)
+
+    sqrt.register_autograd(backward, setup_context=setup)
     op = torch.ops.funcamp.sqrt.default
+    sqrt.register_vmap(_batch_elementwise(op))
     decompositions[op] = torch.ops.aten.sqrt.default
-    if hasattr(torch.library, "register_vmap"):
-        torch.library.register_vmap(
-            "funcamp::sqrt", lambda info, in_dims, x: (op(x), in_dims[0]), lib=lib
-        )
     return op
 
 
-_LIBS: list[Any] = []  # keeps the ops' library registrations alive
+def _exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32:
+        return torch.sqrt(x)
+    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+
+
 _FUSED_FMA = _define_fma()
 _SQRT = _define_sqrt()
 
 
+def _tracks_grad(xs: Sequence[Any]) -> bool:
+    """Whether autograd (or ``torch.func.grad``) differentiates through these tensors: the
+    funcamp ops then give way to plain torch ops (same values) that dynamo can differentiate
+    inside functorch transforms."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
 def _sqrt(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Correctly rounded square roots (see :func:`_define_sqrt`), eager and compiled."""
-    if _SQRT is not None:
+    if torch.compiler.is_compiling() and _SQRT is not None and not _tracks_grad(xs):
         return [_SQRT(x) for x in xs]
-    return [  # pragma: no cover - torch without inductor
-        torch.sqrt(x.to(torch.float64)).to(x.dtype) if x.dtype == torch.float32 else x.sqrt()
-        for x in xs
-    ]
+    return [_exact_sqrt(x) for x in xs]
 
 
 def _fma(
@@ -554,7 +588,8 @@ def _fma(
       hardware fused multiply-add and other backends run as ``addcmul``;
     * plain eager: torch's own fused kernels, ``add(alpha=)`` for a Python float and
       ``addcmul`` for tensors -- what torch.optim runs;
-    * elsewhere (functorch transforms, autograd, a torch without the prim): float64 emulation.
+    * elsewhere (functorch transforms, differentiating through the update, a torch without
+      the prim): float64 emulation.
       The product of two float32 values is exact in float64; the sum is rounded to float64 and
       then to float32, which equals one rounding except when the float64 result lands exactly on
       a float32 tie (about one case in 2**29).
@@ -563,7 +598,11 @@ def _fma(
     (plain eager only) each result is written into ``out[i]``, which may be one of the inputs.
     """
     ys = y if isinstance(y, (list, tuple)) else None
-    if torch.compiler.is_compiling() and _FUSED_FMA is not None:
+    if (
+        torch.compiler.is_compiling()
+        and _FUSED_FMA is not None
+        and not _tracks_grad([*xs, *zs, *(ys if ys is not None else [y])])
+    ):
         results = []
         for i, (x, z) in enumerate(zip(xs, zs)):
             yi = ys[i] if ys is not None else y
