@@ -461,6 +461,45 @@ def _batch_elementwise(op: Any) -> Any:
     return rule
 
 
+def _define_op(name: str, kernel: Any, fake: Any, setup: Any, backward: Any, lowering: Any) -> Any:
+    """``funcamp::<name>``: an elementwise custom op with ``kernel`` as its eager kernel, an
+    autograd formula, a vmap rule, and ``lowering`` in inductor's decomposition table (so
+    inductor compiles it as ``lowering`` while other backends run ``kernel``). None on a torch
+    without inductor."""
+    decompositions = _inductor_decompositions()
+    if decompositions is None:  # pragma: no cover - torch builds without inductor
+        return None
+    try:
+        return getattr(torch.ops.funcamp, name).default  # already defined (a reimported module)
+    except (AttributeError, RuntimeError):
+        pass
+    op_def = torch.library.custom_op(f"funcamp::{name}", kernel, mutates_args=())
+    op_def.register_fake(fake)
+    # Differentiable like the ops it stands for (unrolled optimization, learned optimizers).
+    op_def.register_autograd(backward, setup_context=setup)
+    op = getattr(torch.ops.funcamp, name).default
+    # Without a batching rule vmap would run the eager kernel, which inductor compiles as is.
+    op_def.register_vmap(_batch_elementwise(op))
+    decompositions[op] = lowering
+    return op
+
+
+def _fma_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(c, a, b)
+
+
+def _fma_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    a, b, c = inputs
+    ctx.save_for_backward(a, b)
+    ctx.shapes = (a.shape, b.shape, c.shape)
+
+
+def _fma_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    a, b = ctx.saved_tensors
+    sa, sb, sc = ctx.shapes
+    return (grad * b).sum_to_size(sa), (grad * a).sum_to_size(sb), grad.sum_to_size(sc)
+
+
 def _define_fma() -> Any:
     """``funcamp::fma(a, b, c)``: ``a * b + c`` rounded once, as one op that inductor turns into
     the hardware fused multiply-add (``at::vec::fmadd`` on CPU, ``tl.fma`` on CUDA).
@@ -472,40 +511,23 @@ def _define_fma() -> Any:
     to the prim. It is differentiable and has a vmap rule. None on a torch without the prim (the
     float64 emulation in :func:`_fma` is used instead).
     """
-    decompositions = _inductor_decompositions()
-    prim = getattr(torch.ops.prims, "fma", None)
-    if decompositions is None or prim is None:  # pragma: no cover - older torch
+    if _inductor_decompositions() is None:  # pragma: no cover - torch builds without inductor
         return None
-    try:
-        return torch.ops.funcamp.fma.default  # already defined (a reimported module)
-    except (AttributeError, RuntimeError):
-        pass
+    prim = getattr(torch.ops.prims, "fma", None)  # registered by the import above
+    if prim is None:  # pragma: no cover - older torch
+        return None
+    return _define_op(
+        "fma", _fma_kernel, _fma_kernel, _fma_setup, _fma_backward, lambda a, b, c: prim(a, b, c)
+    )
 
-    @torch.library.custom_op("funcamp::fma", mutates_args=())
-    def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(c, a, b)
 
-    @fma.register_fake
-    def _(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(c, a, b)
+def _sqrt_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(output)
 
-    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        a, b, c = inputs
-        ctx.save_for_backward(a, b)
-        ctx.shapes = (a.shape, b.shape, c.shape)
 
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        a, b = ctx.saved_tensors
-        sa, sb, sc = ctx.shapes
-        return (grad * b).sum_to_size(sa), (grad * a).sum_to_size(sb), grad.sum_to_size(sc)
-
-    # Differentiable like the ops it stands for (unrolled optimization, learned optimizers).
-    fma.register_autograd(backward, setup_context=setup)
-    op = torch.ops.funcamp.fma.default
-    # Without a batching rule vmap would run the addcmul kernel, which inductor rounds twice.
-    fma.register_vmap(_batch_elementwise(op))
-    decompositions[op] = lambda a, b, c: prim(a, b, c)
-    return op
+def _sqrt_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    (out,) = ctx.saved_tensors
+    return grad / (2 * out)
 
 
 def _define_sqrt() -> Any:
@@ -519,34 +541,14 @@ def _define_sqrt() -> Any:
     and inductor's decomposition table maps it to its own, already exact, ``sqrt``.
     Differentiable, with a vmap rule.
     """
-    decompositions = _inductor_decompositions()
-    if decompositions is None:  # pragma: no cover - torch builds without inductor
-        return None
-    try:
-        return torch.ops.funcamp.sqrt.default  # already defined (a reimported module)
-    except (AttributeError, RuntimeError):
-        pass
-
-    @torch.library.custom_op("funcamp::sqrt", mutates_args=())
-    def sqrt(x: torch.Tensor) -> torch.Tensor:
-        return _exact_sqrt(x)
-
-    @sqrt.register_fake
-    def _(x: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(x)
-
-    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.save_for_backward(output)
-
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (out,) = ctx.saved_tensors
-        return grad / (2 * out)
-
-    sqrt.register_autograd(backward, setup_context=setup)
-    op = torch.ops.funcamp.sqrt.default
-    sqrt.register_vmap(_batch_elementwise(op))
-    decompositions[op] = torch.ops.aten.sqrt.default
-    return op
+    return _define_op(
+        "sqrt",
+        _exact_sqrt,
+        torch.empty_like,
+        _sqrt_setup,
+        _sqrt_backward,
+        torch.ops.aten.sqrt.default,
+    )
 
 
 def _exact_sqrt(x: torch.Tensor) -> torch.Tensor:

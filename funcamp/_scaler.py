@@ -33,9 +33,12 @@ from funcamp._optim import (
 from funcamp._tree import (
     NAMESPACE,
     _describe,
+    _named_leaves,
     _once,
     _path_str,
     _select,
+    _sharing_memory,
+    _storage_key,
     _write_into,
     tree_select,
 )
@@ -796,13 +799,6 @@ def _check_flag(api: str, name: str, value: Any) -> None:
         raise TypeError(f"funcamp.{api}: `{name}` must be a bool, got {_describe(value)}")
 
 
-def _storage_key(x: torch.Tensor) -> int | None:
-    """An id of the memory behind ``x`` (shared by all its views); None for empty tensors."""
-    if x.numel() == 0:
-        return None
-    return x.untyped_storage().data_ptr()
-
-
 def _disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
     """Whether no two of ``leaves`` share memory and none shares memory with ``taken``."""
     seen: set[int | None] = set()
@@ -957,13 +953,14 @@ def unscale_and_step(
     _check_flag(api, "donate_grads", donate_grads)
     _check_flag(api, "donate_state", donate_state)
     _check_matching_trees(api, grads, params)
-    donated = _tensors(params) + _tensors(opt_state) if donate_state else []
-    if donated and not torch.compiler.is_compiling() and not _disjoint(donated, set()):
-        raise ValueError(
-            f"funcamp.{api}: with donate_state=True the new values are written into the "
-            "tensors of `params` and `opt_state`, but some of them share memory; give each "
-            "its own tensor (clone) or pass donate_state=False"
-        )
+    if donate_state and not torch.compiler.is_compiling():
+        shared = _sharing_memory(_named_leaves({"params": params, "opt_state": opt_state}))
+        if shared is not None:
+            raise ValueError(
+                f"funcamp.{api}: with donate_state=True the new values are written into the "
+                f"tensors of `params` and `opt_state`, but {shared[0]} and {shared[1]} share "
+                "memory; give each its own tensor (clone) or pass donate_state=False"
+            )
     leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     floating = [leaves[i] for i in idx]

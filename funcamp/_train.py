@@ -48,7 +48,14 @@ from funcamp._amp import _as_policy, amp
 from funcamp._optim import Optimizer, _flatten_params, init_from_exact
 from funcamp._policy import Policy
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
-from funcamp._tree import NAMESPACE, _describe, _path_str, _write_into
+from funcamp._tree import (
+    NAMESPACE,
+    _describe,
+    _named_leaves,
+    _path_str,
+    _sharing_memory,
+    _write_into,
+)
 from funcamp.distributed import _reduce_step
 
 __all__ = ["TrainState", "make_train_step", "params_and_buffers"]
@@ -286,38 +293,29 @@ def _clone_buffers(buffers: PyTree) -> PyTree:
     )
 
 
-def _donated_leaves(state: TrainState) -> list[tuple[str, torch.Tensor]]:
-    paths, leaves, _ = optree.tree_flatten_with_path(
-        (state.params, state.buffers, state.opt_state), namespace=NAMESPACE
-    )
-    names = ("params", "buffers", "opt_state")
-    return [
-        (f"state.{names[p[0]]}{_path_str(p[1:])}", x)
-        for p, x in zip(paths, leaves)
-        if isinstance(x, torch.Tensor)
-    ]
-
-
 def _check_donation(state: TrainState) -> None:
     """With ``donate_state=True``: no two state tensors may share memory (one write would
     clobber the other), and none may need grad."""
-    seen: dict[tuple[Any, int], str] = {}
-    for name, x in _donated_leaves(state):
-        if x.requires_grad:
+    named = _named_leaves(
+        {
+            "state.params": state.params,
+            "state.buffers": state.buffers,
+            "state.opt_state": state.opt_state,
+        }
+    )
+    for name, x in named:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
             raise ValueError(
                 f"funcamp.{_API}: with donate_state=True the state's tensors are written in "
                 f"place, but {name} requires grad; detach it (params_and_buffers does)"
             )
-        if x.numel() == 0:
-            continue
-        key = (x.device, x.untyped_storage().data_ptr())
-        if key in seen:
-            raise ValueError(
-                f"funcamp.{_API}: with donate_state=True the state's tensors are written in "
-                f"place, but {seen[key]} and {name} share memory; give each its own tensor "
-                "(clone one) or build the step with donate_state=False"
-            )
-        seen[key] = name
+    shared = _sharing_memory(named)
+    if shared is not None:
+        raise ValueError(
+            f"funcamp.{_API}: with donate_state=True the state's tensors are written in "
+            f"place, but {shared[0]} and {shared[1]} share memory; give each its own tensor "
+            "(clone one) or build the step with donate_state=False"
+        )
 
 
 _STEP_INPUTS = ("state", "batch")

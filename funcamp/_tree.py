@@ -24,9 +24,8 @@ def _once(x: torch.Tensor) -> torch.Tensor:
     of ``pow``/``sqrt``/float64 divisions is recomputed for every vector of every leaf (measured:
     the MLP step ran 1.26x faster than eager autocast + GradScaler instead of 1.52x). Its CPU
     heuristic computes a value once when the expression holds a costly op such as ``exp``; the
-    never-taken branch below adds one. Outside
-    compilation, off the CPU (a GPU thread recomputes a scalar for free) and for non-floating
-    values ``x`` is returned as is.
+    never-taken branch below adds one. Outside compilation, off the CPU (a GPU thread recomputes
+    a scalar for free) and for non-floating values ``x`` is returned as is.
     """
     if not torch.compiler.is_compiling() or not x.is_floating_point() or x.device.type != "cpu":
         return x
@@ -60,6 +59,35 @@ def _write_into(new: PyTree, old: PyTree) -> PyTree:
             n = o
         out.append(n)
     return optree.tree_unflatten(spec, out)
+
+
+def _storage_key(x: torch.Tensor) -> int | None:
+    """An id of the memory behind ``x`` (shared by all its views); None for empty tensors."""
+    if x.numel() == 0:
+        return None
+    return x.untyped_storage().data_ptr()
+
+
+def _named_leaves(trees: dict[str, PyTree]) -> list[tuple[str, Any]]:
+    """``(name + leaf path, leaf)`` for every leaf of each named tree, in order."""
+    out = []
+    for name, tree in trees.items():
+        paths, leaves, _ = _flatten_with_path(tree)
+        out += [(name + ("" if path == "<root>" else path), x) for path, x in zip(paths, leaves)]
+    return out
+
+
+def _sharing_memory(named: list[tuple[str, Any]]) -> tuple[str, str] | None:
+    """The names of the first two tensors of ``named`` that share memory, or None."""
+    seen: dict[int, str] = {}
+    for name, x in named:
+        key = _storage_key(x) if isinstance(x, torch.Tensor) else None
+        if key is None:
+            continue
+        if key in seen:
+            return seen[key], name
+        seen[key] = name
+    return None
 
 
 def _flatten_with_path(tree: PyTree) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
