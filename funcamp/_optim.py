@@ -928,7 +928,8 @@ def sgd(
     the update is ``-lr * d``. Math runs in float32 for half params.
 
     Args:
-        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
         momentum: momentum factor (>= 0).
         nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         weight_decay: L2 penalty added to the gradient (>= 0).
@@ -1233,7 +1234,8 @@ def adam(
     each low-precision mode see the table in :mod:`funcamp._optim`.
 
     Args:
-        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
         b1: decay of the first moment, in [0, 1).
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator (>= 0).
@@ -1276,7 +1278,8 @@ def adamw(
     ``p -= lr * weight_decay * p`` next to the Adam step.
 
     Args:
-        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
         b1: decay of the first moment, in [0, 1).
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator (>= 0).

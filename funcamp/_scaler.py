@@ -910,6 +910,11 @@ def unscale_and_step(
     ``opt_state`` are returned bit-identical (selected leaf-wise with :func:`funcamp.tree_select`,
     no host sync). Call :func:`update` with ``info.found_inf`` afterwards.
 
+    The inputs are checked first (trees, shapes, the optimizer state against the params, the
+    learning rate), before the grads are touched or anything is written: a refused call changes
+    nothing, donated or not. A tensor learning rate that is NaN, infinite or negative at run
+    time skips the step like an overflow (``found_inf`` is True).
+
     Args:
         state: the scaler state the loss was scaled with.
         optimizer: a :class:`funcamp.Optimizer`.

@@ -260,6 +260,15 @@ def _restore_buffers(new: PyTree, old: PyTree, returned: bool = True) -> PyTree:
         if returned
         else "`loss_fn` must update its buffers in place only (not add, remove or rebind keys)"
     )
+    if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
+        if type(new) is type(old) and not new:
+            return new
+        got = sorted(map(str, new)) if isinstance(new, dict) else _describe(new)
+        raise TypeError(
+            f"funcamp.{_API}: {what} with the structure of the state's buffers (none: "
+            f"{old!r}), got {got}; keep new values out of the buffers (return them as aux with "
+            "has_aux=True) or add them to the state's buffers"
+        )
     paths, old_leaves, spec = optree.tree_flatten_with_path(old, namespace=NAMESPACE)
     try:
         new_leaves = spec.flatten_up_to(new)
@@ -498,7 +507,9 @@ def make_train_step(
     anything sharing memory with it changes too, such as a module's parameters when the params
     came from :func:`params_and_buffers` (they then follow training, as with ``torch.optim``).
     No two state tensors may share memory (checked on every call: a clear error). The scaler
-    state (a few scalars) is always returned fresh.
+    state (a few scalars) is always returned fresh. All or nothing: every check and every
+    computation that can fail runs before the first write, so a step that raises leaves the
+    state as it was.
 
     Args:
         loss_fn: ``(params, buffers, batch) -> loss | tuple`` as above; run under ``amp``.
