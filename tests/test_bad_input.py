@@ -427,8 +427,124 @@ def _cases() -> list[Any]:
     )
     add("OpRule-bogus", funcamp.OpRule, "bogus")
     add("OpRule-int", funcamp.OpRule, 3)
-    for spec in ("params=float8", "compute=bogus", "x=float32", ""):
+    for spec in ("params=float8", "compute=bogus", "x=float32", "", 3):
         add(f"get_policy-{spec!r}", funcamp.get_policy, spec)
+    policy = funcamp.get_policy("mixed_bfloat16")
+    one = {"w": torch.ones(1)}
+    add("amp-bad-policy", funcamp.amp, lambda x: x, "bogus")
+    add("amp-policy-int", funcamp.amp, lambda x: x, 3)
+    add("amp-not-callable", funcamp.amp, 3, policy)
+    add("full_precision-not-callable", funcamp.full_precision, 3)
+    add("trace-policy-int", funcamp.trace, lambda x: x, 3)
+    add("tree_cast-dtype-str", funcamp.tree_cast, one, "float16")
+    add("params_and_buffers-dict", funcamp.params_and_buffers, {"w": torch.ones(1)})
+    add("with_op_rules-bogus", policy.with_op_rules, {"linear": "bogus"})
+    add("with_op_rules-int-rule", policy.with_op_rules, {"linear": 3})
+    add("with_op_rules-int-key", policy.with_op_rules, {3: funcamp.OpRule.COMPUTE})
+    add("with_module_policies-int-key", policy.with_module_policies, {3: "float32"})
+    add("with_module_policies-bad-spec", policy.with_module_policies, {torch.nn.Linear: "x"})
+    add("OpPolicy.autocast-tpu", funcamp.OpPolicy.autocast, "tpu")
+    sgd = funcamp.sgd(0.1)
+    add(
+        "make_train_step-has_aux-str",
+        funcamp.make_train_step,
+        lambda *a: 0,
+        sgd,
+        "float32",
+        has_aux="yes",
+    )
+    add("make_train_step-loss-int", funcamp.make_train_step, 3, sgd, "float32")
+    add("make_train_step-opt-str", funcamp.make_train_step, lambda *a: 0, "sgd", "float32")
+    add(
+        "make_train_step-options-eager",
+        funcamp.make_train_step,
+        lambda *a: 0,
+        sgd,
+        "float32",
+        compile=False,
+        backend="eager",
+    )
+    add(
+        "make_train_step-donate-str",
+        funcamp.make_train_step,
+        lambda *a: 0,
+        sgd,
+        "float32",
+        donate_state="yes",
+    )
+    add("TrainState.create-opt-str", funcamp.TrainState.create, one, "sgd", "float32")
+    add(
+        "TrainState.create-int-param",
+        funcamp.TrainState.create,
+        {"w": torch.ones(1, dtype=torch.int64)},
+        sgd,
+        "float32",
+    )
+    add(
+        "TrainState.create-scaler-float", funcamp.TrainState.create, one, sgd, "float32", scaler=2.0
+    )
+    add("TrainState.create-policy-bogus", funcamp.TrainState.create, one, sgd, "bogus")
+    add("state_dict-object-leaf", funcamp.state_dict, {"w": object()})
+    add(
+        "load_state_dict-shape", funcamp.load_state_dict, {"w": torch.ones(2)}, {"w": torch.ones(3)}
+    )
+    add(
+        "load_state_dict-dtype",
+        funcamp.load_state_dict,
+        {"w": torch.ones(2)},
+        {"w": torch.ones(2, dtype=torch.float64)},
+    )
+    add("load_state_dict-key", funcamp.load_state_dict, {"w": torch.ones(2)}, {"v": torch.ones(2)})
+    add("unscale-donate-int", funcamp.unscale, funcamp.ScalerState.noop(), one, donate_grads=1)
+    add(
+        "unscale_and_step-opt-str",
+        funcamp.unscale_and_step,
+        funcamp.ScalerState.noop(),
+        "sgd",
+        {},
+        (),
+        {},
+    )
+    add(
+        "unscale_and_step-donate-str",
+        funcamp.unscale_and_step,
+        funcamp.ScalerState.noop(),
+        sgd,
+        one,
+        sgd.init(one),
+        one,
+        donate_state="yes",
+    )
+    add("ScalerState.for_policy-int", funcamp.ScalerState.for_policy, 3)
+    add("ScalerState.static-str", funcamp.ScalerState.static, "8")
+    add("ScalerState.dynamic-growth-1", funcamp.ScalerState.dynamic, growth_factor=1.0)
+    add(
+        "to_grad_scaler_state_dict-static",
+        funcamp.ScalerState.static(8.0).to_grad_scaler_state_dict,
+    )
+    add("scale-state-int", funcamp.scale, 3, torch.ones(1))
+    add("sgd.update-state-none", sgd.update, one, None, one)
+    add("sgd.init-int-param", sgd.init, {"w": torch.ones(1, dtype=torch.int32)})
+    add("adam.init-python-param", funcamp.adam(0.1).init, {"w": 1.0})
+    add("chain.update-state-list", funcamp.chain(sgd).update, one, [()], None)
+    add(
+        "clip.update-int-grad",
+        funcamp.clip_by_global_norm(1.0).update,
+        {"w": torch.ones(1, dtype=torch.int32)},
+        (),
+        None,
+    )
+    adamw = funcamp.adamw(0.1)
+    add("adamw.update-no-params", adamw.update, one, adamw.init(one), None)
+    for name, sched in {
+        "constant": funcamp.constant_schedule(0.1),
+        "linear": funcamp.linear_schedule(0.1, 0.0, 10),
+        "cosine": funcamp.cosine_decay_schedule(0.1, 10),
+        "warmup": funcamp.linear_warmup_cosine_decay(0.1, 2, 10),
+    }.items():
+        add(f"{name}_schedule-count-str", sched, "3")
+        add(f"{name}_schedule-count-bool", sched, torch.tensor(True))
+    add("assert_trees_equal-structure", assert_trees_equal, {"w": torch.ones(1)}, [torch.ones(1)])
     return cases
 
 
@@ -965,3 +1081,31 @@ def test_random_grads_against_params(keys, shape, dtype):
             funcamp.unscale_and_step, funcamp.ScalerState.noop(), opt, grads, state, params
         )
         expect_error(opt.update, grads, state, params)
+
+
+# --------------------------------------------------------------------------------------------
+# odd but valid input: documented behaviour, checked results
+
+
+def test_documented_pass_through_behaviours():
+    tree = {"w": torch.tensor([1.5, -2.5]), "name": "fc", "n": 3}
+    snap = Snapshot(tree)
+    # an explicit cast to an integer dtype is what was asked for (truncation toward zero)
+    assert torch.equal(
+        funcamp.tree_cast(tree, torch.int32)["w"], torch.tensor([1, -2], dtype=torch.int32)
+    )
+    # non-tensor leaves are ignored by all_finite and passed through by the policy casts
+    assert bool(funcamp.all_finite({"a": 1.0, "b": torch.ones(1)}))
+    assert not bool(funcamp.all_finite({"a": 1.0, "b": torch.tensor([NAN])}))
+    policy = funcamp.get_policy("mixed_bfloat16")
+    assert policy.cast_to_compute(3) == 3
+    assert policy.cast_to_compute(tree)["w"].dtype == torch.bfloat16
+    # without an AccumulateState every update applies
+    assert bool(funcamp.accumulate_applies(funcamp.sgd(0.1).init(_params())))
+    snap.assert_unchanged()
+
+
+def test_oprule_by_value_and_error_message():
+    assert funcamp.OpRule("float32") is funcamp.OpRule.FLOAT32
+    err = expect_error(funcamp.OpRule, "bogus")
+    assert "['compute', 'float32', 'promote', 'none']" in str(err)
