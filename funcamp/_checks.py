@@ -234,42 +234,60 @@ def check_scaler_leaves(api: str, state: Any, arg: str = "state") -> None:
 
 def check_scaler_values(api: str, state: Any, arg: str = "state") -> None:
     """Value checks for a ScalerState coming in from outside (a checkpoint, a GradScaler): reads
-    the four scalars (host sync: load time only, never on the step path)."""
-    check_scaler_leaves(api, state, arg)
-    scale = float(state.scale.to("cpu"))
-    tracker = int(state.growth_tracker.to("cpu"))
-    hysteresis = int(state.hysteresis_tracker.to("cpu"))
-    skipped = int(state.skipped.to("cpu"))
+    the four scalars (host sync: load time only, never on the step path). A stacked state (the
+    leaves of several states, as ``vmap`` makes) is checked element by element."""
+    for name, dtype in SCALER_LEAVES.items():
+        x = getattr(state, name)
+        if not isinstance(x, torch.Tensor) or x.dtype != dtype:
+            raise TypeError(
+                f"funcamp.{api}: `{arg}.{name}` must be a {dtype} tensor, got {describe(x)}"
+            )
+
+    def worst(x: torch.Tensor, bad: torch.Tensor) -> Any:
+        """The first offending value (a Python number), or None when there is none."""
+        bad = bad.reshape(-1).cpu()
+        if not bool(bad.any()):
+            return None
+        return x.reshape(-1).cpu()[bad][0].item()
+
+    scale = state.scale.detach().to(torch.float64)
     f32max = torch.finfo(torch.float32).max
-    if not (math.isfinite(scale) and 0 < scale <= f32max):
+    v = worst(scale, ~(torch.isfinite(scale) & (scale > 0) & (scale <= f32max)))
+    if v is not None:
         raise ValueError(
-            f"funcamp.{api}: `{arg}.scale` must be finite and > 0, got {scale!r} (a zero or "
+            f"funcamp.{api}: `{arg}.scale` must be finite and > 0, got {v!r} (a zero or "
             "negative scale gives wrong gradients, a NaN one skips every step); start from a "
             "fresh ScalerState.dynamic() or fix the checkpoint"
         )
-    if state.kind == "noop" and scale != 1.0:
-        raise ValueError(
-            f"funcamp.{api}: `{arg}.scale` must be 1.0 for a 'noop' scaler, got {scale!r}"
-        )
+    if state.kind == "noop":
+        v = worst(scale, scale != 1.0)
+        if v is not None:
+            raise ValueError(
+                f"funcamp.{api}: `{arg}.scale` must be 1.0 for a 'noop' scaler, got {v!r}"
+            )
     if state.kind == "dynamic":
-        for bound, ok in (
-            ("min_scale", state.min_scale is None or scale >= state.min_scale),
-            ("max_scale", state.max_scale is None or scale <= state.max_scale),
+        for bound, bad in (
+            ("min_scale", None if state.min_scale is None else scale < state.min_scale),
+            ("max_scale", None if state.max_scale is None else scale > state.max_scale),
         ):
-            if not ok:
+            v = None if bad is None else worst(scale, bad)
+            if v is not None:
                 raise ValueError(
                     f"funcamp.{api}: `{arg}.scale` must respect `{bound}` "
-                    f"({getattr(state, bound)!r}), got {scale!r}"
+                    f"({getattr(state, bound)!r}), got {v!r}"
                 )
-    if not 0 <= tracker < state.growth_interval:
-        raise ValueError(
-            f"funcamp.{api}: `{arg}.growth_tracker` must be in [0, growth_interval="
-            f"{state.growth_interval}), got {tracker}"
-        )
-    if not 0 <= hysteresis <= state.hysteresis:
-        raise ValueError(
-            f"funcamp.{api}: `{arg}.hysteresis_tracker` must be in [0, hysteresis="
-            f"{state.hysteresis}], got {hysteresis}"
-        )
-    if skipped < 0:
-        raise ValueError(f"funcamp.{api}: `{arg}.skipped` must be >= 0, got {skipped}")
+    for name, low, high, bound in (
+        (
+            "growth_tracker",
+            0,
+            state.growth_interval - 1,
+            f"[0, growth_interval={state.growth_interval})",
+        ),
+        ("hysteresis_tracker", 0, state.hysteresis, f"[0, hysteresis={state.hysteresis}]"),
+        ("skipped", 0, None, "[0, inf)"),
+    ):
+        x = getattr(state, name).detach()
+        bad = x < low if high is None else (x < low) | (x > high)
+        v = worst(x, bad)
+        if v is not None:
+            raise ValueError(f"funcamp.{api}: `{arg}.{name}` must be in {bound}, got {v}")
