@@ -47,6 +47,13 @@ class OpRule(enum.Enum):
     PROMOTE = "promote"
     NONE = "none"
 
+    @classmethod
+    def _missing_(cls, value: object) -> OpRule:
+        raise ValueError(
+            f"funcamp.OpRule: `value` must be one of {[r.value for r in cls]} (or an OpRule), "
+            f"got {value!r}"
+        )
+
 
 #: An op is named by its canonical (aten-style) name, e.g. ``"linear"``, or given as a callable.
 OpKey = str | Callable[..., Any]

@@ -53,8 +53,8 @@ from funcamp._tree import (
     _describe,
     _named_leaves,
     _path_str,
+    _plan_write,
     _sharing_memory,
-    _write_into,
 )
 from funcamp.distributed import _reduce_step
 
@@ -140,6 +140,7 @@ class TrainState(NamedTuple):
                 f"{_describe(optimizer)}"
             )
         leaves = _check_params(api, params)
+        _check_float64_params(api, params, pol)
         if buffers is None:
             buffers = {}
         if scaler is None:
@@ -158,6 +159,23 @@ class TrainState(NamedTuple):
 
 def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
     return _flatten_params(api, params)[0]
+
+
+def _check_float64_params(api: str, params: PyTree, pol: Policy) -> None:
+    """float64 tensors are never cast (as in torch), so a float64 param under a policy whose
+    ``param_dtype`` is not float64 would stay float64 and meet compute-dtype activations in its
+    first matmul (``Half != double``): refuse it here instead."""
+    if pol.param_dtype == torch.float64:
+        return
+    paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    for path, p in zip(paths, leaves):
+        if isinstance(p, torch.Tensor) and p.dtype == torch.float64:
+            raise TypeError(
+                f"funcamp.{api}: `params` leaf {_path_str(path)} must not be float64 under policy "
+                f"{pol} (float64 tensors are never cast, so it would stay float64 and fail in "
+                "the first op that meets a compute-dtype input), got a float64 tensor; cast the "
+                "params first (funcamp.tree_cast(params, torch.float32)) or use a float64 policy"
+            )
 
 
 def params_and_buffers(
@@ -219,6 +237,12 @@ def _split_output(out: Any, has_aux: bool, returns_buffers: bool) -> tuple[Any, 
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
+    if isinstance(loss, (tuple, list)):
+        raise TypeError(
+            f"funcamp.{_API}: `loss_fn` must return a 0-d floating tensor as the loss, got a "
+            f"{type(loss).__name__} of {len(loss)} items; if it returns (loss, aux), build the "
+            "step with has_aux=True (and returns_buffers=True if it returns new buffers)"
+        )
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         raise TypeError(
             f"funcamp.{_API}: `loss_fn` must return a 0-d floating tensor as the loss, got "
@@ -227,24 +251,45 @@ def _check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
-def _restore_buffers(new: PyTree, old: PyTree) -> PyTree:
-    """Check ``new`` against ``old`` and give every leaf its old dtype back."""
+def _restore_buffers(new: PyTree, old: PyTree, returned: bool = True) -> PyTree:
+    """Check ``new`` against ``old`` and give every leaf its old dtype back. ``returned``: the
+    new buffers were returned by ``loss_fn`` (``returns_buffers=True``); otherwise they are the
+    copies it was given, which it may update in place but must not rebind or extend."""
+    what = (
+        "`loss_fn` must return new buffers"
+        if returned
+        else "`loss_fn` must update its buffers in place only (not add, remove or rebind keys)"
+    )
+    if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
+        if type(new) is type(old) and not new:
+            return new
+        got = sorted(map(str, new)) if isinstance(new, dict) else _describe(new)
+        raise TypeError(
+            f"funcamp.{_API}: {what} with the structure of the state's buffers (none: "
+            f"{old!r}), got {got}; keep new values out of the buffers (return them as aux with "
+            "has_aux=True) or add them to the state's buffers"
+        )
     paths, old_leaves, spec = optree.tree_flatten_with_path(old, namespace=NAMESPACE)
     try:
         new_leaves = spec.flatten_up_to(new)
     except (ValueError, TypeError):
         raise TypeError(
-            f"funcamp.{_API}: `loss_fn` must return new buffers with the structure of the "
-            f"state's buffers {spec}, got {optree.tree_structure(new, namespace=NAMESPACE)}"
+            f"funcamp.{_API}: {what} with the structure of the state's buffers {spec}, got "
+            f"{optree.tree_structure(new, namespace=NAMESPACE)}; keep new values out of the "
+            "buffers (return them as aux with has_aux=True) or add them to the state's buffers"
         ) from None
     out = []
     for path, o, n in zip(paths, old_leaves, new_leaves):
         if isinstance(o, torch.Tensor):
             if not isinstance(n, torch.Tensor) or n.shape != o.shape:
                 raise TypeError(
-                    f"funcamp.{_API}: `loss_fn` must return new buffers shaped like the old; "
-                    f"buffer {_path_str(path)} should be a tensor of shape {tuple(o.shape)}, "
-                    f"got {_describe(n)}"
+                    f"funcamp.{_API}: {what} shaped like the old; buffer {_path_str(path)} "
+                    f"should be a tensor of shape {tuple(o.shape)}, got {_describe(n)}"
+                )
+            if n.is_complex() and not o.is_complex():
+                raise TypeError(
+                    f"funcamp.{_API}: {what} of the old dtypes; buffer {_path_str(path)} "
+                    f"should be {o.dtype}, got {_describe(n)}"
                 )
             n = n.to(o.dtype)
         out.append(n)
@@ -462,7 +507,9 @@ def make_train_step(
     anything sharing memory with it changes too, such as a module's parameters when the params
     came from :func:`params_and_buffers` (they then follow training, as with ``torch.optim``).
     No two state tensors may share memory (checked on every call: a clear error). The scaler
-    state (a few scalars) is always returned fresh.
+    state (a few scalars) is always returned fresh. All or nothing: every check and every
+    computation that can fail runs before the first write, so a step that raises leaves the
+    state as it was.
 
     Args:
         loss_fn: ``(params, buffers, batch) -> loss | tuple`` as above; run under ``amp``.
@@ -544,8 +591,9 @@ def make_train_step(
         grads, (_, (loss, aux, new_buffers)) = torch.func.grad_and_value(scaled_loss, has_aux=True)(
             state.params
         )
-        if returns_buffers:
-            new_buffers = _restore_buffers(new_buffers, state.buffers)
+        # Always checked (in-place updates too: a rebound or added key would change the state's
+        # structure), and before anything is written into a donated state.
+        new_buffers = _restore_buffers(new_buffers, state.buffers, returns_buffers)
         nonfinite = None
         if data_parallel is not None:
             # One all-reduce per gradient dtype (one in all for float32 grads): the mean of the
@@ -554,6 +602,11 @@ def make_train_step(
             grads, loss, nonfinite, new_buffers = _reduce_step(
                 grads, loss, new_buffers, pg, world_size, rank == 0
             )
+        # Donated state, all or nothing: every check and every computation that can fail runs
+        # before the first write. The buffers are matched now; unscale_and_step checks the
+        # optimizer state and the learning rate before it touches anything and writes params
+        # and optimizer state last; the buffers are written after it, by plain copies.
+        write_buffers = _plan_write(new_buffers, state.buffers) if donate_state else None
         # The grads are this step's own (made by grad_and_value above): donating them lets the
         # eager path unscale in place and reuse their memory (ignored under compile).
         params, opt_state, info = unscale_and_step(
@@ -572,8 +625,8 @@ def make_train_step(
             # reported flag and the scaler update tied to the consensus all the same.
             found_inf = found_inf | nonfinite
         new_scaler = update(scaler, found_inf)
-        if donate_state:
-            new_buffers = _write_into(new_buffers, state.buffers)
+        if write_buffers is not None:
+            new_buffers = write_buffers()
         metrics: Metrics = {
             "loss": loss,
             "grad_norm": info.grad_norm,
@@ -616,8 +669,10 @@ def make_train_step(
         except torch._dynamo.exc.Unsupported:
             # dynamo reports an exception raised while tracing (a bad `loss_fn` output, trees
             # that do not match) as "Unsupported"; run the step eagerly to raise it plainly.
+            # A donated state is re-run on copies: this run is only for the error message.
+            rerun = _clone_buffers(state) if donate_state else state
             with torch.compiler.set_stance("force_eager"):
-                train_step(state, batch)
+                train_step(rerun, batch)
             raise
 
     step.__doc__ = f"A funcamp train step ({'compiled' if compile else 'eager'}, policy {pol})."
