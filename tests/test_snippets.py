@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+import sys
+import types
 
 import pytest
 import torch.distributed as dist
@@ -27,10 +29,35 @@ def _blocks(text: str) -> list[str]:
     return _BLOCK.findall(text)
 
 
+def _index_quick_start() -> str:
+    text = (ROOT / "docs" / "index.md").read_text()
+    match = re.search(r"^## Quick start\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+    assert match, "docs/index.md has no '## Quick start' section"
+    return match.group(1)
+
+
+# The quick start compiles its step, as users run it; here dynamo traces it whole (fullgraph,
+# so a graph break still fails) with the "eager" backend, skipping inductor's code generation
+# (10-30 s) to keep the suite fast.
+_FAST_COMPILE = {
+    "make_train_step(loss_fn, opt, policy)": 'make_train_step(loss_fn, opt, policy, backend="eager")'
+}
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path, monkeypatch):
+    """Snippets that write files (checkpoints, TensorBoard runs) write them in a fresh dir."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _run(name: str, text: str, replace: dict[str, str] | None = None) -> None:
     blocks = _blocks(text)
     assert blocks, f"{name} has no ```python blocks"
-    namespace: dict[str, object] = {"__name__": f"snippet:{name}"}
+    # A real module, as for a pasted script: dynamo looks up a compiled function's globals
+    # through the module named by its __name__.
+    module = types.ModuleType("snippet_" + re.sub(r"\W", "_", name))
+    sys.modules[module.__name__] = module
+    namespace = module.__dict__
     for i, block in enumerate(blocks):
         for old, new in (replace or {}).items():
             block = block.replace(old, new)
@@ -38,7 +65,15 @@ def _run(name: str, text: str, replace: dict[str, str] | None = None) -> None:
 
 
 def test_readme_quick_start():
-    _run("README.md#quick-start", _readme_quick_start())
+    blocks = _blocks(_readme_quick_start())
+    assert len(blocks) == 1, "the README's quick start must be one standalone block"
+    _run("README.md#quick-start", _readme_quick_start(), _FAST_COMPILE)
+    assert pathlib.Path("checkpoint.pt").exists()
+
+
+def test_readme_and_docs_share_one_quick_start():
+    readme, index = _blocks(_readme_quick_start()), _blocks(_index_quick_start())
+    assert readme[0] == index[0], "README.md and docs/index.md quick starts differ"
 
 
 @pytest.mark.parametrize(
@@ -51,7 +86,7 @@ def test_readme_quick_start():
     ],
 )
 def test_docs_page(page):
-    _run(f"docs/{page}", (ROOT / "docs" / page).read_text())
+    _run(f"docs/{page}", (ROOT / "docs" / page).read_text(), _FAST_COMPILE)
 
 
 def test_property_testing_guide():
