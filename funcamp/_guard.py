@@ -23,7 +23,20 @@ __all__ = ["ScaleCollapseError", "ScaleCollapseGuard"]
 
 
 class ScaleCollapseError(RuntimeError):
-    """Raised by :meth:`ScaleCollapseGuard.check` when the loss scale has collapsed."""
+    """Raised by :meth:`ScaleCollapseGuard.check` when the loss scale has collapsed.
+
+    A ``RuntimeError``: catch it to save what you need before the run ends.
+
+    Example:
+        >>> import torch, funcamp
+        >>> guard = funcamp.ScaleCollapseGuard(patience=1)
+        >>> skipped = {"found_inf": torch.tensor(True), "scale": torch.tensor(1.0)}
+        >>> try:
+        ...     guard.check(funcamp.ScalerState.noop(), [skipped])
+        ... except funcamp.ScaleCollapseError as e:
+        ...     print(str(e)[:60])
+        funcamp.ScaleCollapseGuard: the last 1 steps were all skippe
+    """
 
 
 class ScaleCollapseGuard:

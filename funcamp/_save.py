@@ -70,6 +70,15 @@ class CheckpointInfo(NamedTuple):
         torch_version: the torch version that wrote it.
         metadata: the keyword arguments given to :func:`save`.
         world_size: the number of ranks that wrote it (1 for a single file).
+
+    Example:
+        >>> import os, tempfile, torch, funcamp
+        >>> state = funcamp.TrainState.create({"w": torch.ones(1)}, funcamp.sgd(0.1), "bf16-true")
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> funcamp.save(path, state, policy="bf16-true", epoch=1)
+        >>> info = funcamp.checkpoint_info(path)
+        >>> info.policy, info.scalers, info.world_size
+        ('params=bfloat16,compute=bfloat16,output=bfloat16', {'scaler': 'noop'}, 1)
     """
 
     policy: str
