@@ -7,6 +7,7 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 
 from funcamp._amp import amp, full_precision
 from funcamp._checkpoint import load_state_dict, state_dict
+from funcamp._guard import ScaleCollapseError, ScaleCollapseGuard
 from funcamp._ops import OpPolicy, OpRule
 from funcamp._optim import (
     Optimizer,
@@ -20,6 +21,7 @@ from funcamp._optim import (
     sgd,
 )
 from funcamp._policy import Policy, get_policy
+from funcamp._save import CheckpointInfo, checkpoint_info, load, save
 from funcamp._scaler import ScalerState, StepInfo, scale, unscale, unscale_and_step, update
 from funcamp._schedules import (
     constant_schedule,
@@ -35,11 +37,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmpTrace",
+    "CheckpointInfo",
     "OpPolicy",
     "OpRecord",
     "OpRule",
     "Optimizer",
     "Policy",
+    "ScaleCollapseError",
+    "ScaleCollapseGuard",
     "ScalerState",
     "StepInfo",
     "TrainState",
@@ -51,6 +56,7 @@ __all__ = [
     "amp",
     "apply_updates",
     "chain",
+    "checkpoint_info",
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
@@ -58,9 +64,11 @@ __all__ = [
     "get_policy",
     "linear_schedule",
     "linear_warmup_cosine_decay",
+    "load",
     "load_state_dict",
     "make_train_step",
     "params_and_buffers",
+    "save",
     "scale",
     "sgd",
     "state_dict",

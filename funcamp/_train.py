@@ -1,6 +1,6 @@
 """The training step: :class:`TrainState`, :func:`params_and_buffers` and :func:`make_train_step`.
 
-One step is the whole pipeline of DESIGN.md — ``amp`` → ``grad_and_value`` of the scaled loss →
+One step is the whole mixed-precision pipeline — ``amp`` → ``grad_and_value`` of the scaled loss →
 :func:`funcamp.unscale_and_step` → :func:`funcamp.update` — as one pure function of
 ``(state, batch)``, compiled whole with ``torch.compile(fullgraph=True)``. Nothing on the step path
 syncs with the host: skipped steps are selected with ``torch.where`` and every metric is a tensor.
@@ -45,8 +45,10 @@ import optree
 import torch
 
 from funcamp._amp import _as_policy, amp
+from funcamp._hints import optimizer_type_error
 from funcamp._optim import Optimizer, _flatten_params, init_from_exact
 from funcamp._policy import Policy
+from funcamp._progress import announce_first_call
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
 from funcamp._tree import (
     NAMESPACE,
@@ -135,10 +137,7 @@ class TrainState(NamedTuple):
         api = "TrainState.create"
         pol = _as_policy(policy, api)
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(
-                f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got "
-                f"{_describe(optimizer)}"
-            )
+            raise optimizer_type_error(api, optimizer)
         leaves = _check_params(api, params)
         _check_float64_params(api, params, pol)
         if buffers is None:
@@ -511,6 +510,11 @@ def make_train_step(
     computation that can fail runs before the first write, so a step that raises leaves the
     state as it was.
 
+    The first call of a compiled step traces and compiles it (10-30 s for a small model on a
+    CPU, a few seconds with a warm compile cache) and logs that it does on the ``"funcamp"``
+    logger at INFO level (``logging.basicConfig(level=logging.INFO)`` shows it), with the time
+    it took once it is done.
+
     Args:
         loss_fn: ``(params, buffers, batch) -> loss | tuple`` as above; run under ``amp``.
         optimizer: a :class:`funcamp.Optimizer`.
@@ -555,9 +559,7 @@ def make_train_step(
     if not callable(loss_fn):
         raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {_describe(loss_fn)}")
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"funcamp.{_API}: `optimizer` must be a funcamp.Optimizer, got {_describe(optimizer)}"
-        )
+        raise optimizer_type_error(_API, optimizer)
     pol = _as_policy(policy, _API)
     for name, flag in (("has_aux", has_aux), ("returns_buffers", returns_buffers)):
         if not isinstance(flag, bool):
@@ -641,7 +643,7 @@ def make_train_step(
     # Dynamo caches compiled code per code object, and the default guard filter drops the
     # guards on closures: a code object of its own keeps each step's graph to that step.
     train_step.__code__ = _fresh_code(train_step.__code__)
-    run = _compile(train_step, compile_options) if compile else train_step
+    run = announce_first_call(_compile(train_step, compile_options)) if compile else train_step
     expected: list[Any] = []
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:

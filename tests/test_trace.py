@@ -58,5 +58,5 @@ def test_module_paths_through_functional_call() -> None:
 def test_trace_errors() -> None:
     with pytest.raises(TypeError, match=r"funcamp.trace: `fn` must be callable"):
         funcamp.trace(None, "float32")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"unknown dtype name 'f7'"):
+    with pytest.raises(ValueError, match=r"unknown policy 'f7'"):
         funcamp.trace(f, "f7")
