@@ -45,6 +45,7 @@ import optree
 import torch
 
 from funcamp._amp import _as_policy, amp
+from funcamp._headroom import _headroom, _headroom_dtype
 from funcamp._optim import Optimizer, _flatten_params, init_from_exact
 from funcamp._policy import Policy
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
@@ -419,6 +420,7 @@ def make_train_step(
     compile: bool = True,
     group: Any = None,
     donate_state: bool = False,
+    headroom: bool = False,
     **compile_options: Any,
 ) -> StepFn:
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
@@ -477,6 +479,7 @@ def make_train_step(
         donate_state: let the step write the new params, buffers and optimizer state into the
             tensors of the state it is given, like ``jax.jit(..., donate_argnums=0)`` (see
             below). Default ``False``: the input state is never modified.
+        headroom: add ``metrics["headroom"]`` (see above): a few reductions over the gradients.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard).
@@ -518,6 +521,9 @@ def make_train_step(
     for name, flag in (("compile", compile), ("donate_state", donate_state)):
         if not isinstance(flag, bool):
             raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
+    if not isinstance(headroom, bool):
+        raise TypeError(f"funcamp.{_API}: `headroom` must be a bool, got {_describe(headroom)}")
+    headroom_dtype = _headroom_dtype(pol) if headroom else None
     data_parallel = _data_parallel(group)
     if compile_options and not compile:
         raise TypeError(
@@ -554,6 +560,10 @@ def make_train_step(
             grads, loss, nonfinite, new_buffers = _reduce_step(
                 grads, loss, new_buffers, pg, world_size, rank == 0
             )
+        # Measured on the scaled grads, before unscale_and_step may unscale them in place.
+        room = None
+        if headroom:
+            room = _headroom(grads, scaler.scale, headroom_dtype, scaled=True, leaves=False)
         # The grads are this step's own (made by grad_and_value above): donating them lets the
         # eager path unscale in place and reuse their memory (ignored under compile).
         params, opt_state, info = unscale_and_step(
@@ -583,6 +593,8 @@ def make_train_step(
         }
         if has_aux:
             metrics["aux"] = aux
+        if room is not None:
+            metrics["headroom"] = room.summary()
         return TrainState(params, new_buffers, opt_state, new_scaler), metrics
 
     # Dynamo caches compiled code per code object, and the default guard filter drops the
