@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,7 +31,8 @@ class OpRecord(NamedTuple):
         inplace: True for in-place ops (never cast).
         out: True for calls given ``out=`` (never cast).
         amax: with ``trace(..., stats=True)``: the largest magnitude among the op's floating
-            outputs (``inf`` when one overflowed; nan elements are left out); else None.
+            outputs (``inf`` when one overflowed; nan elements are left out, and it is nan when
+            every element is nan); else None.
         nonfinite: with ``stats=True``: the fraction of the floating output elements that are
             inf or nan; else None.
         subnormal: with ``stats=True``: the fraction of the floating output elements that are
@@ -99,15 +101,19 @@ def _output_stats(out: Any) -> tuple[float | None, float | None, float | None]:
     if total == 0:
         return 0.0, 0.0, 0.0
     with torch.no_grad():
-        amax, nonfinite, subnormal = 0.0, 0, 0
+        amax, nonfinite, subnormal, nans = 0.0, 0, 0, 0
         for t in tensors:
             if t.numel() == 0:
                 continue
             a = t.abs()
-            amax = max(amax, float(torch.where(a.isnan(), 0.0, a).amax()))
+            isnan = a.isnan()
+            amax = max(amax, float(torch.where(isnan, 0.0, a).amax()))
+            nans += int(isnan.sum())
             nonfinite += int((~torch.isfinite(t)).sum())
             tiny = torch.finfo(t.dtype).smallest_normal
             subnormal += int(((a != 0) & (a < tiny)).sum())
+    if nans == total:
+        amax = math.nan
     return amax, nonfinite / total, subnormal / total
 
 
@@ -237,7 +243,7 @@ class AmpTrace:
             key = (r.rule.value, out)
             counts[key] += 1
             if r.amax is not None:
-                amax[key] = max(amax[key], r.amax)
+                amax[key] = max(amax[key], r.amax) if not math.isnan(r.amax) else amax[key]
                 nonfinite[key] += bool(r.nonfinite)
                 subnormal[key] += bool(r.subnormal)
         if not self.stats:
