@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -82,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gain", type=float, default=GAIN, help="scale of mix's weights")
     p.add_argument("--search-batch", type=int, default=256, help="examples the search uses")
     p.add_argument("--tolerance", type=float, default=1e-2)
+    p.add_argument(
+        "--growth-interval",
+        type=int,
+        default=25,
+        help="the searched run's dynamic scaler grows every this many steps (torch: 2000), so "
+        "the plot shows the scale meeting the overflow edge",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="run the steps eagerly")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
@@ -97,7 +105,8 @@ def train(
     args: argparse.Namespace,
     *,
     epochs: int,
-    headroom: bool = False,
+    headroom: Any = False,
+    scaler: funcamp.ScalerState | None = None,
 ) -> tuple[float, dict[str, list[float]], funcamp.TrainState]:
     """Train a fresh copy of ``model``'s params under ``policy``; return the test accuracy, the
     per-step history (loss, scale, and the headroom summary when asked) and the final state."""
@@ -112,7 +121,7 @@ def train(
     optimizer = funcamp.adam(args.lr)
     params, buffers = funcamp.params_and_buffers(model)
     params = {k: v.clone() for k, v in params.items()}
-    state = funcamp.TrainState.create(params, optimizer, policy, buffers=buffers)
+    state = funcamp.TrainState.create(params, optimizer, policy, buffers=buffers, scaler=scaler)
     compile_kw = {} if args.no_compile else {"backend": args.backend}
     step = funcamp.make_train_step(
         loss_fn, optimizer, policy, compile=not args.no_compile, headroom=headroom, **compile_kw
@@ -131,7 +140,7 @@ def train(
         "loss": torch.stack([m["loss"] for m in metrics_per_step]).tolist(),
         "scale": torch.stack([m["scale"] for m in metrics_per_step]).tolist(),
     }
-    if headroom:
+    if headroom is not False:
         for key in metrics_per_step[0]["headroom"]:
             history[key] = torch.stack([m["headroom"][key] for m in metrics_per_step]).tolist()
     predict = funcamp.amp(lambda p, b, x: functional_call(model, (p, b), (x,)).argmax(-1), policy)
@@ -190,13 +199,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         f"{hist16['loss'][-1]}; {skipped16} of {len(hist16['loss'])} steps skipped"
     )
     t0 = time.perf_counter()
-    acc, hist, state = train(model, policy, data, args, epochs=args.epochs, headroom=True)
+    # Headroom of the gradients float16 computes: leave out the float32 modules' own.
+    in_float16 = lambda path: not any(path.startswith(f"{m}.") for m in report.unsafe)  # noqa: E731
+    scaler = funcamp.ScalerState.dynamic(growth_interval=args.growth_interval)
+    acc, hist, state = train(
+        model, policy, data, args, epochs=args.epochs, headroom=in_float16, scaler=scaler
+    )
     say(
         f"searched:       test accuracy {acc:.4f} ({time.perf_counter() - t0:.1f}s); "
         f"{int(state.scaler.skipped)} steps skipped; final scale {float(state.scaler.scale):g}"
     )
     plot = args.out / "headroom.png"
-    _plot(hist, plot, str(policy) + " + mix in float32")
+    _plot(hist, plot, f"{policy} + {', '.join(report.unsafe)} in float32 (float16 grads)")
     say(f"headroom plot: {plot}")
     results.update(
         float32_accuracy=acc32,

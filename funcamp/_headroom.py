@@ -11,6 +11,7 @@ sync, so it runs inside a compiled step (``make_train_step(..., headroom=True)``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -146,10 +147,17 @@ def _path(path: tuple[Any, ...]) -> str:
 
 
 def _headroom(
-    grads: Any, scale: torch.Tensor, dtype: torch.dtype, *, scaled: bool, leaves: bool = True
+    grads: Any,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    scaled: bool,
+    leaves: bool = True,
+    include: Callable[[str], bool] | None = None,
 ) -> Headroom:
     """``headroom`` of ``grads``; with ``scaled=True`` they are already multiplied by ``scale``
-    (the train step's own gradients); ``leaves=False`` skips the per-leaf results."""
+    (the train step's own gradients); ``leaves=False`` skips the per-leaf results; ``include``
+    (a predicate of the leaf path) keeps only some leaves."""
     lim = _limits(dtype)
     paths, tensors, _ = optree.tree_flatten_with_path(grads, namespace=NAMESPACE)
     scale = scale.to(torch.float32)
@@ -158,6 +166,8 @@ def _headroom(
     total = 0
     for path, g in zip(paths, tensors):
         if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+            continue
+        if include is not None and not include(_path(path)):
             continue
         x = g.to(torch.float32)
         if not scaled:

@@ -204,6 +204,31 @@ def test_train_step_metrics(policy: str, dtype: torch.dtype) -> None:
     assert "headroom" not in plain(state, batch)[1]
 
 
+def test_train_step_headroom_of_some_leaves() -> None:
+    """A predicate of the leaf path measures only the leaves it accepts."""
+
+    def loss_fn(params, buffers, batch):
+        return (params["fp16.w"] * batch).sum() + (params["fp32.w"] * batch * 2.0**-20).sum()
+
+    opt = funcamp.sgd(0.0)
+    scaler = funcamp.ScalerState.static(16.0)
+    params = {"fp16.w": torch.ones(22), "fp32.w": torch.ones(22)}
+    state = funcamp.TrainState.create(params, opt, "mixed_float16", scaler=scaler)
+    batch = _batch()
+    keep = lambda path: not path.startswith("fp32.")  # noqa: E731
+    step = funcamp.make_train_step(loss_fn, opt, "mixed_float16", compile=False, headroom=keep)
+    _, metrics = step(state, batch)
+    want = funcamp.headroom({"fp16.w": batch}, scaler).summary()
+    for k, v in want.items():
+        assert torch.equal(metrics["headroom"][k], v), k
+    every = funcamp.make_train_step(loss_fn, opt, "mixed_float16", compile=False, headroom=True)
+    grads = {"fp16.w": batch, "fp32.w": batch * 2.0**-20}
+    want = funcamp.headroom(grads, scaler).summary()
+    for k, v in every(state, batch)[1]["headroom"].items():
+        assert torch.equal(v, want[k]), k
+    assert not torch.equal(want["underflow"], metrics["headroom"]["underflow"])
+
+
 def test_train_step_compiled_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled (fullgraph: a host sync would be a graph break) and run with every host read
     forbidden; the same metrics as eager."""
@@ -230,5 +255,7 @@ def test_train_step_compiled_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_train_step_headroom_must_be_bool() -> None:
     loss_fn, opt, _, _ = _step_setup()
-    with pytest.raises(TypeError, match=r"funcamp.make_train_step: `headroom` must be a bool"):
-        funcamp.make_train_step(loss_fn, opt, "mixed_float16", headroom="yes")  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"funcamp.make_train_step: `headroom` must be a bool or a callable"
+    ):
+        funcamp.make_train_step(loss_fn, opt, "mixed_float16", headroom=1)  # type: ignore[arg-type]
