@@ -8,6 +8,7 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 from funcamp._amp import amp, full_precision
 from funcamp._checkpoint import load_state_dict, state_dict
 from funcamp._guard import ScaleCollapseError, ScaleCollapseGuard
+from funcamp._headroom import Headroom, headroom
 from funcamp._ops import OpPolicy, OpRule
 from funcamp._optim import (
     Optimizer,
@@ -29,7 +30,8 @@ from funcamp._schedules import (
     linear_schedule,
     linear_warmup_cosine_decay,
 )
-from funcamp._trace import AmpTrace, OpRecord, trace
+from funcamp._search import PolicyDecision, SearchReport, search_policy
+from funcamp._trace import AmpTrace, OpRecord, OpStats, trace
 from funcamp._train import TrainState, make_train_step, params_and_buffers
 from funcamp._tree import all_finite, tree_cast, tree_select
 
@@ -38,14 +40,18 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpTrace",
     "CheckpointInfo",
+    "Headroom",
     "OpPolicy",
     "OpRecord",
     "OpRule",
+    "OpStats",
     "Optimizer",
     "Policy",
+    "PolicyDecision",
     "ScaleCollapseError",
     "ScaleCollapseGuard",
     "ScalerState",
+    "SearchReport",
     "StepInfo",
     "TrainState",
     "accumulate",
@@ -62,6 +68,7 @@ __all__ = [
     "cosine_decay_schedule",
     "full_precision",
     "get_policy",
+    "headroom",
     "linear_schedule",
     "linear_warmup_cosine_decay",
     "load",
@@ -70,6 +77,7 @@ __all__ = [
     "params_and_buffers",
     "save",
     "scale",
+    "search_policy",
     "sgd",
     "state_dict",
     "trace",

@@ -45,6 +45,7 @@ import optree
 import torch
 
 from funcamp._amp import _as_policy, amp
+from funcamp._headroom import _headroom, _headroom_dtype
 from funcamp._hints import optimizer_type_error
 from funcamp._optim import Optimizer, _flatten_params, init_from_exact
 from funcamp._policy import Policy
@@ -463,6 +464,7 @@ def make_train_step(
     compile: bool = True,
     group: Any = None,
     donate_state: bool = False,
+    headroom: bool | Callable[[str], bool] = False,
     **compile_options: Any,
 ) -> StepFn:
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
@@ -481,7 +483,12 @@ def make_train_step(
     ``metrics`` is a dict of tensors: ``loss`` (unscaled, float32), ``grad_norm`` (of the
     unscaled gradients), ``scale`` (the loss scale this step used), ``found_inf`` (this step was
     skipped) and ``skipped`` (running total of skipped steps, from the scaler state), plus
-    ``aux`` with ``has_aux=True``.
+    ``aux`` with ``has_aux=True``, and with ``headroom=True`` ``headroom``: the summary of
+    :func:`funcamp.headroom` of this step's gradients at the scale it used (a dict of 0-d
+    tensors: ``underflow``, ``subnormal``, ``overflow``, ``amax``, ``log2_scale_min``,
+    ``log2_scale_max``), measured against the policy's compute dtype (float16 when that is not
+    a half dtype). Given a callable of the leaf path (``"mix.weight"``) instead of ``True``,
+    only the leaves it accepts are measured (leave out those a float32 module policy computes).
 
     Data parallel (``group=pg``): every rank of ``pg`` runs the step on its own shard of the
     batch (shards of equal size) and ends with the same state, as with DDP. The world size and
@@ -528,6 +535,8 @@ def make_train_step(
         donate_state: let the step write the new params, buffers and optimizer state into the
             tensors of the state it is given, like ``jax.jit(..., donate_argnums=0)`` (see
             below). Default ``False``: the input state is never modified.
+        headroom: add ``metrics["headroom"]`` (see above): a few reductions over the gradients;
+            ``True`` for every gradient leaf, or a predicate of the leaf path.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard).
@@ -567,6 +576,13 @@ def make_train_step(
     for name, flag in (("compile", compile), ("donate_state", donate_state)):
         if not isinstance(flag, bool):
             raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
+    if not (isinstance(headroom, bool) or callable(headroom)):
+        raise TypeError(
+            f"funcamp.{_API}: `headroom` must be a bool or a callable of the leaf path, got "
+            f"{_describe(headroom)}"
+        )
+    headroom_dtype = _headroom_dtype(pol) if headroom is not False else None
+    headroom_include = headroom if callable(headroom) else None
     data_parallel = _data_parallel(group)
     if compile_options and not compile:
         raise TypeError(
@@ -609,6 +625,17 @@ def make_train_step(
         # optimizer state and the learning rate before it touches anything and writes params
         # and optimizer state last; the buffers are written after it, by plain copies.
         write_buffers = _plan_write(new_buffers, state.buffers) if donate_state else None
+        # Measured on the scaled grads, before unscale_and_step may unscale them in place.
+        room = None
+        if headroom_dtype is not None:
+            room = _headroom(
+                grads,
+                scaler.scale,
+                headroom_dtype,
+                scaled=True,
+                leaves=False,
+                include=headroom_include,
+            )
         # The grads are this step's own (made by grad_and_value above): donating them lets the
         # eager path unscale in place and reuse their memory (ignored under compile).
         params, opt_state, info = unscale_and_step(
@@ -638,6 +665,8 @@ def make_train_step(
         }
         if has_aux:
             metrics["aux"] = aux
+        if room is not None:
+            metrics["headroom"] = room.summary()
         return TrainState(params, new_buffers, opt_state, new_scaler), metrics
 
     # Dynamo caches compiled code per code object, and the default guard filter drops the
