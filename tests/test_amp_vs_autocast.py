@@ -29,8 +29,15 @@ SEEDS = (0, 1, 2)
 
 
 def autocast_call(fn: Any, *args: Any) -> Any:
-    with torch.autocast("cpu", BF16):
-        return fn(*args)
+    try:
+        with torch.autocast("cpu", BF16):
+            return fn(*args)
+    except RuntimeError as e:
+        # torch.autocast runs a bf16 LSTM through oneDNN, which has no such primitive on CPUs
+        # without AVX512 (seen on an AMD EPYC): there is no reference to compare with there.
+        if "could not create a primitive descriptor" not in str(e):
+            raise
+        pytest.skip(f"torch.autocast itself fails on this CPU: {str(e).splitlines()[0][:80]}")
 
 
 def _dtypes(x: Any) -> tuple[torch.dtype, ...]:
