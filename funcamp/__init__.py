@@ -7,6 +7,7 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 
 from funcamp._amp import amp, full_precision
 from funcamp._checkpoint import load_state_dict, state_dict
+from funcamp._fp8 import Fp8Recipe, Fp8Record, Fp8State, fp8_update, with_fp8_state
 from funcamp._ops import OpPolicy, OpRule
 from funcamp._optim import (
     Optimizer,
@@ -35,6 +36,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmpTrace",
+    "Fp8Recipe",
+    "Fp8Record",
+    "Fp8State",
     "OpPolicy",
     "OpRecord",
     "OpRule",
@@ -54,6 +58,7 @@ __all__ = [
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
+    "fp8_update",
     "full_precision",
     "get_policy",
     "linear_schedule",
@@ -70,4 +75,5 @@ __all__ = [
     "unscale",
     "unscale_and_step",
     "update",
+    "with_fp8_state",
 ]
