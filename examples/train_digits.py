@@ -4,6 +4,12 @@
     python examples/train_digits.py --policy bf16-mixed   # or float32, bf16-true
     python examples/train_digits.py --epochs 10 --resume  # continue from the last checkpoint
     python examples/train_digits.py --policy bf16-true --update sr  # bfloat16 params
+    python examples/train_digits.py --policy bf16-mixed --fp8 delayed  # FP8 linears
+
+``--fp8 current|delayed`` runs both linears as scaled FP8 matmuls (``Policy.with_fp8``): inputs
+and weights in float8_e4m3fn, output gradients in float8_e5m2, with current (per-call) or
+TransformerEngine-style delayed scaling, whose amax histories live in ``state.fp8`` (threaded by
+the step, checkpointed with the rest). On CPU torch emulates the FP8 matmuls (correct, slower).
 
 With bfloat16/float16 params (``--policy bf16-true``) ``--update`` chooses how Adam's small
 updates survive rounding into the params: ``kahan`` (the default: a bfloat16 compensation buffer,
@@ -83,6 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=sorted(UPDATES),
         help="how half params take Adam's updates (default kahan; no effect on float32 params)",
     )
+    p.add_argument(
+        "--fp8",
+        default="none",
+        choices=("none", "current", "delayed"),
+        help="run the linears in FP8 with this scaling recipe (default none)",
+    )
+    p.add_argument("--fp8-history", type=int, default=16, help="amax history of --fp8 delayed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="run the step eagerly")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
@@ -100,6 +113,10 @@ def main(argv: list[str] | None = None) -> float:
 
     args = parse_args(argv)
     policy = funcamp.get_policy(POLICIES[args.policy])
+    if args.fp8 == "current":
+        policy = policy.with_fp8(funcamp.Fp8Recipe.current())
+    elif args.fp8 == "delayed":
+        policy = policy.with_fp8(funcamp.Fp8Recipe.delayed(history=args.fp8_history))
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     plot_path = args.plot or out / "digits.png"
@@ -114,7 +131,8 @@ def main(argv: list[str] | None = None) -> float:
 
     optimizer = funcamp.adam(args.lr, **UPDATES[args.update], **_seed(args))
     params, buffers = funcamp.params_and_buffers(model)
-    state = funcamp.TrainState.create(params, optimizer, policy, buffers=buffers)
+    # model= builds the delayed-FP8 state (state.fp8) for its linears; ignored otherwise.
+    state = funcamp.TrainState.create(params, optimizer, policy, buffers=buffers, model=model)
     history: dict[str, list[float]] = {"loss": [], "scale": []}
     start_epoch = 0
     if args.resume:
@@ -128,7 +146,10 @@ def main(argv: list[str] | None = None) -> float:
     step = funcamp.make_train_step(
         loss_fn, optimizer, policy, compile=not args.no_compile, **compile_kw
     )
-    predict = funcamp.amp(lambda p, b, x: functional_call(model, (p, b), (x,)).argmax(-1), policy)
+    # with_fp8_state: delayed FP8 scaling reads its scales from state.fp8 (a no-op otherwise).
+    predict = funcamp.with_fp8_state(
+        funcamp.amp(lambda p, b, x: functional_call(model, (p, b), (x,)).argmax(-1), policy)
+    )
 
     n_batches = len(x_tr) // args.batch_size  # drop the last partial batch: fixed shapes
     total = (args.epochs - start_epoch) * n_batches
@@ -158,17 +179,18 @@ def main(argv: list[str] | None = None) -> float:
     elapsed = time.perf_counter() - t0
 
     with torch.no_grad():
-        pred = predict(state.params, state.buffers, x_te)
+        pred = predict(state.fp8, state.params, state.buffers, x_te)
     accuracy = (pred == y_te).float().mean().item()
+    fp8 = "" if args.fp8 == "none" else f" | fp8 {args.fp8}"
     print(
-        f"policy {policy} | update {args.update} | {done} steps in {elapsed:.1f}s"
+        f"policy {policy}{fp8} | update {args.update} | {done} steps in {elapsed:.1f}s"
         f" | skipped {int(state.scaler.skipped)}"
         f" | final scale {float(state.scaler.scale):g} | test accuracy {accuracy:.4f}"
     )
 
     torch.save({"state": funcamp.state_dict(state), "epoch": epoch, "history": history}, ckpt_path)
     print(f"checkpoint: {ckpt_path}")
-    _plot(history, plot_path, str(policy))
+    _plot(history, plot_path, str(policy) + fp8)
     print(f"plot: {plot_path}")
     return accuracy
 

@@ -48,6 +48,7 @@ def test_readme_quick_start():
         "concepts.md",
         "guides/migrating.md",
         "guides/checkpoints.md",
+        "guides/fp8.md",
     ],
 )
 def test_docs_page(page):
