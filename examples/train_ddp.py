@@ -7,8 +7,12 @@
 Every rank builds the same initial params (same seed), draws the same global batch and trains on
 its own equal shard of it. The compiled step averages the gradients over the ranks (one packed
 all-reduce per step), agrees on skipping an overflowing step, and broadcasts rank 0's buffers, so
-every rank holds the same state: rank 0 alone writes the checkpoint, and it resumes anywhere
-(``--resume``), in any number of processes.
+every rank holds the same state. The checkpoint is written by all ranks together with
+``funcamp.save(..., group=...)`` (``torch.distributed.checkpoint`` underneath: each rank writes a
+part, then rank 0 commits it atomically) into ``build/train_ddp/<policy>/`` (``--out``), and
+``--resume`` continues from it in any number of processes; ``funcamp.load`` refuses one saved
+under another policy. A ``funcamp.ScaleCollapseGuard`` reads the metrics every ``--log-every``
+steps and stops the run if the loss scale collapses.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--policy", default="mixed_float16")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-steps per update")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("out/ddp"))
+    parser.add_argument("--out", type=Path, default=Path("build/train_ddp"))
+    parser.add_argument("--log-every", type=int, default=50, help="read the metrics every N steps")
+    parser.add_argument("--patience", type=int, default=100, help="ScaleCollapseGuard patience")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
 
@@ -76,15 +82,17 @@ def main(argv: list[str] | None = None) -> float:
             loss_fn, opt, args.policy, group=dist.group.WORLD, compile=not args.no_compile
         )
 
-        ckpt_path = args.out / "checkpoint.pt"
+        policy = funcamp.get_policy(args.policy)
+        ckpt_path = args.out / args.policy  # a directory: one per policy
         start = 0
         if args.resume and ckpt_path.exists():
-            ckpt = torch.load(ckpt_path, weights_only=True, map_location=device)
-            state, start = funcamp.load_state_dict(state, ckpt["state"]), ckpt["step"]
+            state = funcamp.load(ckpt_path, state, policy=policy, group=dist.group.WORLD)
+            start = funcamp.checkpoint_info(ckpt_path).metadata["step"]
+        guard = funcamp.ScaleCollapseGuard(patience=args.patience)
 
         data = torch.Generator().manual_seed(1)  # the same stream on every rank
         w_true = torch.randn(32, 1, generator=data) / 32**0.5
-        losses = []
+        losses, recent = [], []
         for i in range(args.steps):
             x = torch.randn(args.batch, 32, generator=data)
             y = torch.sin(x @ w_true) + 0.05 * torch.randn(args.batch, 1, generator=data)
@@ -93,11 +101,13 @@ def main(argv: list[str] | None = None) -> float:
             mine = slice(rank * shard, (rank + 1) * shard)  # this rank's shard
             state, metrics = step(state, (x[mine].to(device), y[mine].to(device)))
             losses.append(metrics["loss"])  # the mean over ranks; no host sync here
+            recent.append(metrics)
+            if len(recent) == args.log_every or i == args.steps - 1:
+                guard.check(state, recent)  # one host read every --log-every steps
+                recent = []
         losses = torch.stack(losses).cpu() if losses else torch.zeros(1)
+        funcamp.save(ckpt_path, state, policy=policy, group=dist.group.WORLD, step=args.steps)
         if rank == 0:
-            args.out.mkdir(parents=True, exist_ok=True)
-            ckpt = {"state": funcamp.state_dict(state), "step": args.steps, "world": world}
-            torch.save(ckpt, ckpt_path)
             print(
                 f"{world} rank(s), policy {args.policy}: loss {losses[0].item():.4f} -> "
                 f"{losses[-1].item():.4f} over {len(losses)} step(s); skipped "

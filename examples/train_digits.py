@@ -2,7 +2,7 @@
 
     python examples/train_digits.py                       # mixed_float16 + dynamic loss scaling
     python examples/train_digits.py --policy bf16-mixed   # or float32, bf16-true
-    python examples/train_digits.py --epochs 10 --resume  # continue from the last checkpoint
+    python examples/train_digits.py --epochs 30 --resume  # continue from the last checkpoint
     python examples/train_digits.py --policy bf16-true --update sr  # bfloat16 params
     python examples/train_digits.py --policy bf16-mixed --fp8 delayed  # FP8 linears
 
@@ -11,17 +11,28 @@ and weights in float8_e4m3fn, output gradients in float8_e5m2, with current (per
 TransformerEngine-style delayed scaling, whose amax histories live in ``state.fp8`` (threaded by
 the step, checkpointed with the rest). On CPU torch emulates the FP8 matmuls (correct, slower).
 
+Everything goes under ``build/train_digits/`` (``--out``), one file name per policy so runs of
+different policies do not overwrite each other: ``<policy>.pt`` (the checkpoint, written with
+``funcamp.save`` after every epoch: atomically, so a run killed mid-write keeps the previous
+epoch's) and ``<policy>.png`` (the loss and the loss scale per step, skipped steps marked).
+``--resume`` continues from ``<policy>.pt``; ``funcamp.load`` refuses a checkpoint saved under
+another policy (``--checkpoint`` pointing at another policy's file) unless ``--convert`` asks to
+continue under the new one on purpose.
+
 With bfloat16/float16 params (``--policy bf16-true``) ``--update`` chooses how Adam's small
 updates survive rounding into the params: ``kahan`` (the default: a bfloat16 compensation buffer,
 2 more bytes per parameter), ``sr`` (stochastic rounding, no extra memory), ``master`` (float32
 master weights, 4 more bytes) or ``plain`` (round to nearest, which loses updates below half an
-ulp). It changes nothing for float32 params.
+ulp). It changes nothing for float32 params (and is then not printed).
 
 The whole train step (amp casting, scaled grads, Adam, skip-on-overflow, scale update) is one
-compiled graph with no host sync; the loop reads the metrics back once per epoch. Writes a plot of
-the loss and the loss scale per step (``--plot``) and a checkpoint (``--checkpoint``) that
-``--resume`` continues from. Needs the ``examples`` extra (scikit-learn, tqdm, matplotlib); no
-download: the dataset ships with scikit-learn.
+compiled graph with no host sync; the first step compiles it (10-30 s on a CPU, said on screen).
+The loop reads the metrics back once per epoch, and there a ``funcamp.ScaleCollapseGuard`` stops
+the run if the loss scale sits at its floor and every step is skipped (``--patience``). The
+float16 scaler tries a larger scale every ``--growth-interval`` steps (100 here, GradScaler's
+2000 would never move in this short run), so the plot shows it finding its level. Needs the
+``examples`` extra (scikit-learn, tqdm, matplotlib); no download: the dataset ships with
+scikit-learn.
 
 float16 matmuls are slow on most CPUs (no kernels), which is why the model is small (64-128-10).
 """
@@ -29,6 +40,7 @@ float16 matmuls are slow on most CPUs (no kernels), which is why the model is sm
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from pathlib import Path
 
@@ -96,15 +108,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the linears in FP8 with this scaling recipe (default none)",
     )
     p.add_argument("--fp8-history", type=int, default=16, help="amax history of --fp8 delayed")
+    p.add_argument(
+        "--growth-interval",
+        type=int,
+        default=100,
+        help="steps between the float16 scaler's attempts at a larger scale (default 100)",
+    )
+    p.add_argument(
+        "--patience",
+        type=int,
+        default=100,
+        help="stop when this many consecutive steps are skipped at the lowest scale",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="run the step eagerly")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
-    p.add_argument("--out", type=Path, default=Path("build/digits"), help="output directory")
-    p.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/digits.png)")
-    p.add_argument("--checkpoint", type=Path, default=None, help="default OUT/checkpoint.pt")
+    p.add_argument("--out", type=Path, default=Path("build/train_digits"), help="output directory")
+    p.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/<policy>.png)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="default OUT/<policy>.pt")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument(
+        "--convert",
+        action="store_true",
+        help="with --resume: continue a checkpoint of another policy under --policy",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
+
+
+class _TqdmHandler(logging.Handler):
+    """Prints funcamp's log lines ("compiling the train step ...") above the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record))
+
+
+def _show_funcamp_log() -> None:
+    log = logging.getLogger("funcamp")
+    log.setLevel(logging.INFO)
+    if not any(isinstance(h, _TqdmHandler) for h in log.handlers):
+        log.addHandler(_TqdmHandler())
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -112,15 +157,19 @@ def main(argv: list[str] | None = None) -> float:
     from tqdm import tqdm
 
     args = parse_args(argv)
-    policy = funcamp.get_policy(POLICIES[args.policy])
+    name = POLICIES[args.policy]
+    policy = funcamp.get_policy(name)
     if args.fp8 == "current":
         policy = policy.with_fp8(funcamp.Fp8Recipe.current())
     elif args.fp8 == "delayed":
         policy = policy.with_fp8(funcamp.Fp8Recipe.delayed(history=args.fp8_history))
+    if args.fp8 != "none":
+        name = f"{name}-fp8-{args.fp8}"  # its own checkpoint and plot
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    plot_path = args.plot or out / "digits.png"
-    ckpt_path = args.checkpoint or out / "checkpoint.pt"
+    plot_path = args.plot or out / f"{name}.png"
+    ckpt_path = args.checkpoint or out / f"{name}.pt"
+    _show_funcamp_log()
 
     x_tr, y_tr, x_te, y_te = load_data(args.seed)
     model = make_model(args.seed)
@@ -131,13 +180,21 @@ def main(argv: list[str] | None = None) -> float:
 
     optimizer = funcamp.adam(args.lr, **UPDATES[args.update], **_seed(args))
     params, buffers = funcamp.params_and_buffers(model)
+    scaler = None  # a float16 policy gets a dynamic scaler, the others a noop one
+    if policy.compute_dtype == torch.float16:
+        scaler = funcamp.ScalerState.dynamic(growth_interval=args.growth_interval)
     # model= builds the delayed-FP8 state (state.fp8) for its linears; ignored otherwise.
-    state = funcamp.TrainState.create(params, optimizer, policy, buffers=buffers, model=model)
-    history: dict[str, list[float]] = {"loss": [], "scale": []}
+    state = funcamp.TrainState.create(
+        params, optimizer, policy, buffers=buffers, scaler=scaler, model=model
+    )
+    history: dict[str, list[float]] = {"loss": [], "scale": [], "skipped": []}
     start_epoch = 0
     if args.resume:
-        saved = torch.load(ckpt_path, weights_only=True)
-        state = funcamp.load_state_dict(state, saved["state"])
+        try:  # refuses a checkpoint of another policy unless --convert
+            state = funcamp.load(ckpt_path, state, policy=policy, convert=args.convert)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"{e}\n(train_digits: --policy {args.policy}; see --convert)") from e
+        saved = funcamp.checkpoint_info(ckpt_path).metadata
         start_epoch = saved["epoch"]
         history = {k: list(v) for k, v in saved["history"].items()}
         print(f"resumed from {ckpt_path} at epoch {start_epoch}")
@@ -150,6 +207,7 @@ def main(argv: list[str] | None = None) -> float:
     predict = funcamp.with_fp8_state(
         funcamp.amp(lambda p, b, x: functional_call(model, (p, b), (x,)).argmax(-1), policy)
     )
+    guard = funcamp.ScaleCollapseGuard(patience=args.patience)
 
     n_batches = len(x_tr) // args.batch_size  # drop the last partial batch: fixed shapes
     total = (args.epochs - start_epoch) * n_batches
@@ -160,39 +218,51 @@ def main(argv: list[str] | None = None) -> float:
     with tqdm(total=total, disable=args.quiet, unit="step") as bar:
         while done < total:
             order = torch.randperm(len(x_tr), generator=torch.Generator().manual_seed(epoch))
-            losses, scales = [], []
+            epoch_metrics = []
             for i in range(n_batches):
                 if done == total:
                     break
                 idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+                if done == 0 and not args.no_compile:
+                    bar.set_description_str("compiling the train step (first step)")
                 state, metrics = step(state, (x_tr[idx], y_tr[idx]))
-                losses.append(metrics["loss"])  # tensors: read back once per epoch
-                scales.append(metrics["scale"])
+                if done == 0:
+                    bar.set_description_str("")
+                    bar.reset(total)  # the ETA from here on, without the compile time
+                epoch_metrics.append(metrics)  # tensors: read back once per epoch
                 done += 1
                 bar.update()
-            epoch += 1 if len(losses) == n_batches else 0
-            history["loss"] += torch.stack(losses).tolist()
-            history["scale"] += torch.stack(scales).tolist()
+            epoch += 1 if len(epoch_metrics) == n_batches else 0
+            for key, name_ in (("loss", "loss"), ("scale", "scale"), ("skipped", "found_inf")):
+                history[key] += torch.stack([m[name_] for m in epoch_metrics]).tolist()
             bar.set_postfix(
                 epoch=epoch, loss=f"{history['loss'][-1]:.4f}", skipped=int(state.scaler.skipped)
             )
+            guard.check(state, epoch_metrics)  # raises ScaleCollapseError if the scale collapsed
+            if len(epoch_metrics) == n_batches:  # a whole epoch: checkpoint it
+                _save(ckpt_path, state, policy, epoch, history, args)
     elapsed = time.perf_counter() - t0
 
     with torch.no_grad():
         pred = predict(state.fp8, state.params, state.buffers, x_te)
     accuracy = (pred == y_te).float().mean().item()
+    update = f" | update {args.update}" if policy.param_dtype != torch.float32 else ""
     fp8 = "" if args.fp8 == "none" else f" | fp8 {args.fp8}"
     print(
-        f"policy {policy}{fp8} | update {args.update} | {done} steps in {elapsed:.1f}s"
+        f"policy {policy}{fp8}{update} | {done} steps in {elapsed:.1f}s"
         f" | skipped {int(state.scaler.skipped)}"
         f" | final scale {float(state.scaler.scale):g} | test accuracy {accuracy:.4f}"
     )
 
-    torch.save({"state": funcamp.state_dict(state), "epoch": epoch, "history": history}, ckpt_path)
+    _save(ckpt_path, state, policy, epoch, history, args)
     print(f"checkpoint: {ckpt_path}")
-    _plot(history, plot_path, str(policy) + fp8)
+    _plot(history, plot_path, f"{policy}{fp8} ({state.scaler.kind} scaler)")
     print(f"plot: {plot_path}")
     return accuracy
+
+
+def _save(path: Path, state, policy, epoch: int, history: dict, args) -> None:
+    funcamp.save(path, state, policy=policy, epoch=epoch, history=history, update=args.update)
 
 
 def _seed(args: argparse.Namespace) -> dict[str, int]:
@@ -210,7 +280,17 @@ def _plot(history: dict[str, list[float]], path: Path, title: str) -> None:
     ax1.set_ylabel("loss")
     ax1.set_yscale("log")
     ax1.set_title(title)
-    ax2.plot(history["scale"], lw=0.8, color="tab:orange")
+    ax2.plot(history["scale"], lw=0.8, color="tab:orange", label="loss scale")
+    skipped = [i for i, s in enumerate(history["skipped"]) if s]
+    if skipped:
+        ax2.plot(
+            skipped,
+            [history["scale"][i] for i in skipped],
+            "x",
+            color="tab:red",
+            label=f"skipped ({len(skipped)})",
+        )
+        ax2.legend(loc="lower right")
     ax2.set_ylabel("loss scale")
     ax2.set_yscale("log", base=2)
     ax2.set_xlabel("step")

@@ -8,6 +8,8 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 from funcamp._amp import amp, full_precision
 from funcamp._checkpoint import load_state_dict, state_dict
 from funcamp._fp8 import Fp8Recipe, Fp8Record, Fp8State, fp8_update, with_fp8_state
+from funcamp._guard import ScaleCollapseError, ScaleCollapseGuard
+from funcamp._headroom import Headroom, headroom
 from funcamp._ops import OpPolicy, OpRule
 from funcamp._optim import (
     Optimizer,
@@ -21,6 +23,7 @@ from funcamp._optim import (
     sgd,
 )
 from funcamp._policy import Policy, get_policy
+from funcamp._save import CheckpointInfo, checkpoint_info, load, save
 from funcamp._scaler import ScalerState, StepInfo, scale, unscale, unscale_and_step, update
 from funcamp._schedules import (
     constant_schedule,
@@ -28,7 +31,8 @@ from funcamp._schedules import (
     linear_schedule,
     linear_warmup_cosine_decay,
 )
-from funcamp._trace import AmpTrace, OpRecord, trace
+from funcamp._search import PolicyDecision, SearchReport, search_policy
+from funcamp._trace import AmpTrace, OpRecord, OpStats, trace
 from funcamp._train import TrainState, make_train_step, params_and_buffers
 from funcamp._tree import all_finite, tree_cast, tree_select
 
@@ -36,15 +40,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmpTrace",
+    "CheckpointInfo",
     "Fp8Recipe",
     "Fp8Record",
     "Fp8State",
+    "Headroom",
     "OpPolicy",
     "OpRecord",
     "OpRule",
+    "OpStats",
     "Optimizer",
     "Policy",
+    "PolicyDecision",
+    "ScaleCollapseError",
+    "ScaleCollapseGuard",
     "ScalerState",
+    "SearchReport",
     "StepInfo",
     "TrainState",
     "accumulate",
@@ -55,18 +66,23 @@ __all__ = [
     "amp",
     "apply_updates",
     "chain",
+    "checkpoint_info",
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
     "fp8_update",
     "full_precision",
     "get_policy",
+    "headroom",
     "linear_schedule",
     "linear_warmup_cosine_decay",
+    "load",
     "load_state_dict",
     "make_train_step",
     "params_and_buffers",
+    "save",
     "scale",
+    "search_policy",
     "sgd",
     "state_dict",
     "trace",

@@ -22,6 +22,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
+from funcamp import _dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
 from funcamp._fp8 import run_linear
 from funcamp._ops import (
     DTYPE_ARG_OPS,

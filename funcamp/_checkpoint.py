@@ -16,6 +16,7 @@ from typing import Any
 import optree
 import torch
 
+from funcamp._checks import check_scaler_values
 from funcamp._scaler import _CONFIG, _LEAVES, ScalerState
 from funcamp._tree import NAMESPACE, _describe
 
@@ -151,11 +152,15 @@ def _decode(template: Any, value: Any, path: tuple[Any, ...]) -> Any:
     if isinstance(template, ScalerState):
         config = {name: value[name] for name in _CONFIG}
         try:
-            return ScalerState(*decoded, **config)
+            state = ScalerState(*decoded, **config)
         except (TypeError, ValueError) as e:
             raise ValueError(
                 f"funcamp.load_state_dict: invalid ScalerState configuration at {_path(path)}: {e}"
             ) from e
+        # The values too (a checkpoint is outside input): a zero, negative or NaN scale, or a
+        # tracker out of range, would train wrongly without an error.
+        check_scaler_values("load_state_dict", state, arg="sd" + (_path(path) if path else ""))
+        return state
     if _is_namedtuple(template):
         return type(template)(*decoded)
     if isinstance(template, collections.defaultdict):

@@ -47,6 +47,13 @@ class OpRule(enum.Enum):
     PROMOTE = "promote"
     NONE = "none"
 
+    @classmethod
+    def _missing_(cls, value: object) -> OpRule:
+        raise ValueError(
+            f"funcamp.OpRule: `value` must be one of {[r.value for r in cls]} (or an OpRule), "
+            f"got {value!r}"
+        )
+
 
 #: An op is named by its canonical (aten-style) name, e.g. ``"linear"``, or given as a callable.
 OpKey = str | Callable[..., Any]
@@ -69,7 +76,7 @@ _CUDA_LOWER = (
 )
 _CUDA_FP32 = (
     "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow "
-    "softplus layer_norm native_layer_norm group_norm frobenius_norm nuclear_norm "
+    "softplus layer_norm native_layer_norm rms_norm group_norm frobenius_norm nuclear_norm "
     "cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d "
     "hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss mse_loss "
     "margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss "

@@ -68,6 +68,14 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from funcamp._checks import (
+    PREFLIGHT,
+    any_flag,
+    check_count,
+    check_state_like,
+    learning_rate_fn,
+    preflight,
+)
 from funcamp._lowp import HALF_DTYPES, random_bits, round_nearest, round_stochastic
 from funcamp._schedules import Schedule
 from funcamp._tree import NAMESPACE, _once, tree_select
@@ -218,23 +226,39 @@ def _check_number(
 
 
 def _learning_rate(api: str, learning_rate: Any) -> Callable[[torch.Tensor], Any]:
-    """Validate a learning rate and return ``count -> lr`` (a float or a 0-d tensor)."""
-    if isinstance(learning_rate, torch.Tensor):
-        if learning_rate.dim() != 0 or not learning_rate.is_floating_point():
-            raise TypeError(
-                f"funcamp.{api}: `learning_rate` must be a float, a 0-d floating tensor or a "
-                f"schedule, got {_describe(learning_rate)}"
-            )
-        if bool(learning_rate < 0):  # construction time, not the step path
-            raise ValueError(
-                f"funcamp.{api}: `learning_rate` must be >= 0, got {learning_rate.item()!r}"
-            )
-        lr_tensor = learning_rate
-        return lambda count: lr_tensor
-    if callable(learning_rate):
-        return learning_rate
-    lr = _check_number(api, "learning_rate", learning_rate)
-    return lambda count: lr
+    """Validate a learning rate and return ``count -> (lr, bad)`` (see
+    :func:`funcamp._checks.learning_rate_fn`: a schedule is probed here, at build time)."""
+    return learning_rate_fn(api, learning_rate)
+
+
+def _check_low_state(
+    api: str, mode: str | None, low: Any, ps: list[torch.Tensor], spec: Any, grads: PyTree
+) -> None:
+    """A low-precision mode's state must match the params (metadata only)."""
+    if mode is None:
+        return
+    want = {
+        "master_weights": MasterWeightsState,
+        "kahan": KahanState,
+        "stochastic_rounding": StochasticRoundingState,
+    }[mode]
+    if not isinstance(low, want):
+        raise TypeError(
+            f"funcamp.{api}: `state.low` must be a {want.__name__} (this optimizer uses "
+            f"{mode}=True), got {_describe(low)}; build the state with init(params)"
+        )
+    if mode == "stochastic_rounding":
+        check_count(api, "low.seed", low.seed, torch.int64)
+        return
+    half = [_is_half(p) for p in ps]
+    if mode == "master_weights":
+        name, leaves = "low.master", _state_leaves(api, "low.master", low.master, spec)
+        dtypes = [torch.float32 if h else p.dtype for h, p in zip(half, ps)]
+    else:
+        name = "low.compensation"
+        leaves = _state_leaves(api, name, low.compensation, spec)
+        dtypes = [p.dtype for p in ps]
+    check_state_like(api, name, leaves, ps, dtypes, grads, empty=[not h for h in half])
 
 
 def _low_mode(api: str, master_weights: bool, kahan: bool, stochastic_rounding: bool) -> str | None:
@@ -841,10 +865,27 @@ def _apply_updates(
     return optree.tree_unflatten(spec, out), fresh, done
 
 
+def _check_update_target(path: Any, p: torch.Tensor, u: Any) -> None:
+    """A param that receives an update must be floating (an integer param would truncate a
+    float update silently), and a tensor update must be real and not bool."""
+    if not p.is_floating_point():
+        raise TypeError(
+            f"funcamp.apply_updates: `params` leaf {_path_str(path)} must be a floating tensor "
+            f"to receive an update, got {_describe(p)} (adding a float update would truncate "
+            "it); keep integer state out of the params (in buffers) or give it a floating dtype"
+        )
+    if isinstance(u, torch.Tensor) and (u.dtype == torch.bool or u.is_complex()):
+        raise TypeError(
+            f"funcamp.apply_updates: `updates` leaf {_path_str(path)} must be a real floating "
+            f"tensor, got {_describe(u)}"
+        )
+
+
 def _apply_leaf(path: Any, p: Any, u: Any) -> Any:
     """One leaf of :func:`apply_updates`."""
     if not isinstance(p, torch.Tensor):
         return p
+    _check_update_target(path, p, u)
     if isinstance(u, SetParam):
         v = u.value
         if not isinstance(v, torch.Tensor) or v.dtype != p.dtype or v.shape != p.shape:
@@ -887,7 +928,8 @@ def sgd(
     the update is ``-lr * d``. Math runs in float32 for half params.
 
     Args:
-        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
         momentum: momentum factor (>= 0).
         nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         weight_decay: L2 penalty added to the gradient (>= 0).
@@ -935,11 +977,30 @@ def sgd(
             )
         return SgdState(_zero_count(leaves), bufs, _low_init(mode, params, leaves, spec, seed))
 
-    def update(grads: PyTree, state: SgdState, params: PyTree = None) -> tuple[PyTree, SgdState]:
+    def checked(
+        grads: PyTree, state: SgdState, params: PyTree
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, Any]:
+        """Flatten the inputs, checking the state against them (metadata only)."""
         _check_state(api, state, SgdState)
         gs, ps, spec = _flatten_grads(api, grads, params, need_params=need_params)
+        check_count(api, "count", state.count)
+        if momentum > 0 and gs:
+            refs = ps if ps is not None else gs
+            bufs = _state_leaves(api, "momentum", state.momentum, spec)
+            dtypes = [_math_dtype(r.dtype) for r in refs]
+            check_state_like(api, "momentum", bufs, gs, dtypes, grads)
+        if ps is not None:
+            _check_low_state(api, mode, state.low, ps, spec, grads)
+        return gs, ps, spec
+
+    def sgd_preflight(grads: PyTree, state: SgdState, params: PyTree = None) -> Any:
+        checked(grads, state, params)
+        return lr_fn(state.count)[1]
+
+    def update(grads: PyTree, state: SgdState, params: PyTree = None) -> tuple[PyTree, SgdState]:
+        gs, ps, spec = checked(grads, state, params)
         count = state.count
-        lr = lr_fn(count)
+        lr = lr_fn(count)[0]
         if not gs:
             return optree.tree_unflatten(spec, []), state._replace(count=count + 1)
         d = _as_math(gs)
@@ -1008,7 +1069,7 @@ def sgd(
             return None
         if not _plain(ps) or len(grads) != len(ps):
             return None
-        lr = lr_fn(state.count)
+        lr = lr_fn(state.count)[0]
         if isinstance(lr, torch.Tensor):
             lr = lr.to(device=ps[0].device, dtype=torch.float32)
         try:  # a torch whose fused SGD has no kernel for this device raises before writing
@@ -1033,6 +1094,7 @@ def sgd(
 
     update._funcamp_fresh = True  # type: ignore[attr-defined]  # see _FRESH
     update._funcamp_in_place = update_in_place  # type: ignore[attr-defined]  # see _IN_PLACE
+    setattr(update, PREFLIGHT, sgd_preflight)
     return Optimizer(init, update)
 
 
@@ -1074,11 +1136,31 @@ def _adam(
         low = _low_init(mode, params, leaves, spec, seed)
         return AdamState(_zero_count(leaves), zeros(), zeros(), low)
 
-    def update(grads: PyTree, state: AdamState, params: PyTree = None) -> tuple[PyTree, AdamState]:
+    def checked(
+        grads: PyTree, state: AdamState, params: PyTree
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, Any]:
+        """Flatten the inputs, checking the state against them (metadata only)."""
         _check_state(api, state, AdamState)
         gs, ps, spec = _flatten_grads(api, grads, params, need_params=need_params)
+        check_count(api, "count", state.count)
+        if gs:
+            refs = ps if ps is not None else gs
+            dtypes = [_math_dtype(r.dtype) for r in refs]
+            for name in ("exp_avg", "exp_avg_sq"):
+                leaves = _state_leaves(api, name, getattr(state, name), spec)
+                check_state_like(api, name, leaves, gs, dtypes, grads)
+        if ps is not None:
+            _check_low_state(api, mode, state.low, ps, spec, grads)
+        return gs, ps, spec
+
+    def adam_preflight(grads: PyTree, state: AdamState, params: PyTree = None) -> Any:
+        checked(grads, state, params)
+        return lr_fn(state.count)[1]
+
+    def update(grads: PyTree, state: AdamState, params: PyTree = None) -> tuple[PyTree, AdamState]:
+        gs, ps, spec = checked(grads, state, params)
         count = state.count
-        lr = lr_fn(count)
+        lr = lr_fn(count)[0]
         if not gs:
             return optree.tree_unflatten(spec, []), state._replace(count=count + 1)
         g = _as_math(gs)
@@ -1129,6 +1211,7 @@ def _adam(
         return updates, AdamState(count + 1, new_m, new_v, low)
 
     update._funcamp_fresh = True  # type: ignore[attr-defined]  # see _FRESH
+    setattr(update, PREFLIGHT, adam_preflight)
     return Optimizer(init, update)
 
 
@@ -1151,7 +1234,8 @@ def adam(
     each low-precision mode see the table in :mod:`funcamp._optim`.
 
     Args:
-        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
         b1: decay of the first moment, in [0, 1).
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator (>= 0).
@@ -1194,7 +1278,8 @@ def adamw(
     ``p -= lr * weight_decay * p`` next to the Adam step.
 
     Args:
-        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
         b1: decay of the first moment, in [0, 1).
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator (>= 0).
@@ -1272,6 +1357,15 @@ def chain(*transforms: Optimizer) -> Optimizer:
                     )
         return grads, tuple(new_states)
 
+    def chain_preflight(grads: PyTree, state: tuple[PyTree, ...], params: PyTree = None) -> Any:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise TypeError(
+                f"funcamp.chain: `state` must be a tuple of {len(transforms)} states from "
+                f"init, got {type(state).__name__}"
+            )
+        return any_flag([preflight(t.update, grads, s, params) for t, s in zip(transforms, state)])
+
+    setattr(update, PREFLIGHT, chain_preflight)
     return Optimizer(init, update)
 
 
@@ -1368,11 +1462,30 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
             optimizer.init(params),
         )
 
+    def checked(
+        grads: PyTree, state: AccumulateState, params: PyTree
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, Any]:
+        """Flatten the inputs, checking the state against them (metadata only)."""
+        _check_state(api, state, AccumulateState)
+        gs, ps, spec = _flatten_grads(api, grads, params, need_params=False)
+        check_count(api, "micro_step", state.micro_step)
+        check_count(api, "applies", state.applies, torch.bool)
+        if gs:
+            refs = ps if ps is not None else gs
+            sums = _state_leaves(api, "grad_sum", state.grad_sum, spec)
+            dtypes = [_math_dtype(r.dtype) for r in refs]
+            check_state_like(api, "grad_sum", sums, gs, dtypes, grads)
+        return gs, ps, spec
+
+    def accumulate_preflight(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
+        checked(grads, state, params)
+        bad = preflight(optimizer.update, grads, state.inner, params)
+        return None if bad is None else bad & state.applies.to(bad.device)
+
     def update(
         grads: PyTree, state: AccumulateState, params: PyTree = None
     ) -> tuple[PyTree, AccumulateState]:
-        _check_state(api, state, AccumulateState)
-        gs, ps, spec = _flatten_grads(api, grads, params, need_params=False)
+        gs, ps, spec = checked(grads, state, params)
         apply = state.applies
         if not gs:
             inner_updates, inner = optimizer.update(grads, state.inner, params)
@@ -1408,6 +1521,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
             micro, micro == every - 1, optree.tree_unflatten(spec, new_sums), inner
         )
 
+    setattr(update, PREFLIGHT, accumulate_preflight)
     return Optimizer(init, update)
 
 

@@ -373,6 +373,8 @@ def get_policy(spec: str) -> Policy:
     if not text:
         raise ValueError(_spec_help("empty policy spec"))
     if "=" not in text:
+        if text.removeprefix("torch.") not in _DTYPE_NAMES:
+            raise ValueError(_unknown_name(spec, text))
         dtype = parse_dtype(text)
         return Policy(dtype, dtype, dtype)
     values: dict[str, torch.dtype] = {}
@@ -392,6 +394,21 @@ def get_policy(spec: str) -> Policy:
     compute = values.get("compute_dtype", param)
     output = values.get("output_dtype", compute)
     return Policy(param, compute, output)
+
+
+def _unknown_name(spec: str, text: str) -> str:
+    """A bare word that is neither a preset nor a dtype name: list both, suggest the closest."""
+    import difflib
+
+    presets = sorted({*_PRESETS, "float32"})
+    close = difflib.get_close_matches(text, [*presets, *_DTYPE_NAMES], n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"funcamp.get_policy: unknown policy {spec!r}; {hint}presets: {', '.join(presets)}; "
+        f"dtype names (one dtype for params, compute and output): "
+        f"{', '.join(sorted(_DTYPE_NAMES))}; or key=value parts such as "
+        "'params=float32,compute=bfloat16'"
+    )
 
 
 def _spec_help(problem: str) -> str:

@@ -21,6 +21,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from funcamp._checks import check_scaler_leaves, preflight
 from funcamp._optim import (
     _FRESH,
     _IN_PLACE,
@@ -36,10 +37,10 @@ from funcamp._tree import (
     _named_leaves,
     _once,
     _path_str,
+    _plan_write,
     _select,
     _sharing_memory,
     _storage_key,
-    _write_into,
     tree_select,
 )
 
@@ -321,12 +322,22 @@ class ScalerState:
                 f"{list(_GRAD_SCALER_KEYS)}, got missing {missing} and unexpected {extra}"
             )
         raw_scale = sd["scale"]
-        if isinstance(raw_scale, torch.Tensor):
+        if isinstance(raw_scale, torch.Tensor) and raw_scale.numel() == 1:
             raw_scale = raw_scale.item()
         if not _is_real_number(raw_scale):
             raise TypeError(f"funcamp.{api}: `scale` must be a float, got {_describe(raw_scale)}")
+        if not (math.isfinite(raw_scale) and 0 < raw_scale <= _F32.max):
+            raise ValueError(
+                f"funcamp.{api}: `scale` must be finite and > 0 (at most the float32 maximum), "
+                f"got {raw_scale!r}; a zero or negative scale gives wrong gradients and a NaN "
+                "one skips every step: fix the GradScaler or start from ScalerState.dynamic()"
+            )
         tracker = sd["_growth_tracker"]
-        if isinstance(tracker, torch.Tensor):
+        if isinstance(tracker, torch.Tensor) and tracker.numel() == 1:
+            if tracker.is_floating_point() or tracker.dtype == torch.bool:
+                raise TypeError(
+                    f"funcamp.{api}: `_growth_tracker` must be an int, got {_describe(tracker)}"
+                )
             tracker = tracker.item()
         if not _is_int(tracker) or tracker < 0:
             raise ValueError(
@@ -350,6 +361,11 @@ class ScalerState:
             backoff_factor=float(sd["backoff_factor"]),
             growth_interval=int(sd["growth_interval"]),
         )
+        if tracker >= state.growth_interval:
+            raise ValueError(
+                f"funcamp.{api}: `_growth_tracker` must be < `growth_interval` "
+                f"({state.growth_interval}), got {tracker}"
+            )
         return dataclasses.replace(
             state, growth_tracker=torch.full_like(state.growth_tracker, tracker)
         )
@@ -543,6 +559,7 @@ def _validate_config(
 def _check_state(api: str, state: Any) -> None:
     if not isinstance(state, ScalerState):
         raise TypeError(f"funcamp.{api}: `state` must be a ScalerState, got {_describe(state)}")
+    check_scaler_leaves(api, state)  # metadata only: 0-d tensors of the right dtypes
 
 
 def _check_found_inf(api: str, found_inf: Any) -> None:
@@ -893,6 +910,11 @@ def unscale_and_step(
     ``opt_state`` are returned bit-identical (selected leaf-wise with :func:`funcamp.tree_select`,
     no host sync). Call :func:`update` with ``info.found_inf`` afterwards.
 
+    The inputs are checked first (trees, shapes, the optimizer state against the params, the
+    learning rate), before the grads are touched or anything is written: a refused call changes
+    nothing, donated or not. A tensor learning rate that is NaN, infinite or negative at run
+    time skips the step like an overflow (``found_inf`` is True).
+
     Args:
         state: the scaler state the loss was scaled with.
         optimizer: a :class:`funcamp.Optimizer`.
@@ -953,6 +975,10 @@ def unscale_and_step(
     _check_flag(api, "donate_grads", donate_grads)
     _check_flag(api, "donate_state", donate_state)
     _check_matching_trees(api, grads, params)
+    # Everything that can refuse these inputs runs before the grads are touched (donated grads
+    # are unscaled in place) and before anything is written (donate_state): the optimizer state
+    # is checked against the params, and the learning rate evaluated, here.
+    bad_lr = preflight(optimizer.update, grads, opt_state, params)
     if donate_state and not torch.compiler.is_compiling():
         shared = _sharing_memory(_named_leaves({"params": params, "opt_state": opt_state}))
         if shared is not None:
@@ -985,6 +1011,8 @@ def unscale_and_step(
         from funcamp.distributed import any_across
 
         found_inf = any_across(found_inf, group)
+    if bad_lr is not None:  # a NaN/inf/negative tensor learning rate: the step is skipped
+        found_inf = found_inf | bad_lr.to(found_inf.device)
     # Before the optimizer: it may overwrite the unscaled grads in place (see below).
     grad_norm = _global_norm(out, state.scale.device)
     if donate_state and fast:
@@ -996,8 +1024,10 @@ def unscale_and_step(
         optimizer, unscaled, opt_state, params, found_inf, fast, taken, new_leaves
     )
     if donate_state:
-        params_out = _write_into(params_out, params)
-        opt_state_out = _write_into(opt_state_out, opt_state)
+        # Both trees are matched before either is written: all or nothing.
+        write_params = _plan_write(params_out, params)
+        write_opt_state = _plan_write(opt_state_out, opt_state)
+        params_out, opt_state_out = write_params(), write_opt_state()
     return params_out, opt_state_out, StepInfo(found_inf, grad_norm)
 
 

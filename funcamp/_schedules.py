@@ -42,9 +42,19 @@ def _check_int(api: str, name: str, value: object, *, minimum: int) -> int:
     return value
 
 
-def _as_f64(count: torch.Tensor) -> torch.Tensor:
+def _as_f64(count: torch.Tensor, api: str = "schedule") -> torch.Tensor:
     if not isinstance(count, torch.Tensor):
+        if isinstance(count, bool) or not isinstance(count, Real):
+            raise TypeError(
+                f"funcamp.{api}: `count` must be the step count (a 0-d integer tensor or an "
+                f"int), got {type(count).__name__} {count!r}"
+            )
         count = torch.as_tensor(count)
+    elif count.dtype == torch.bool or count.is_complex():
+        raise TypeError(
+            f"funcamp.{api}: `count` must be the step count (a 0-d integer tensor or an int), "
+            f"got a {count.dtype} tensor"
+        )
     return count.to(torch.float64)
 
 
@@ -62,7 +72,7 @@ def constant_schedule(value: float) -> Schedule:
     value = _check_real("constant_schedule", "value", value)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(_as_f64(count), value).to(torch.float32)
+        return torch.full_like(_as_f64(count, "constant_schedule"), value).to(torch.float32)
 
     return schedule
 
@@ -94,7 +104,7 @@ def linear_schedule(
     transition_begin = _check_int(api, "transition_begin", transition_begin, minimum=0)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        t = torch.clamp(_as_f64(count) - transition_begin, 0.0, float(transition_steps))
+        t = torch.clamp(_as_f64(count, api) - transition_begin, 0.0, float(transition_steps))
         frac = t / transition_steps
         return (init_value + (end_value - init_value) * frac).to(torch.float32)
 
@@ -129,7 +139,7 @@ def cosine_decay_schedule(
         raise ValueError(f"funcamp.{api}: `exponent` must be > 0, got {exponent!r}")
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        t = torch.clamp(_as_f64(count), 0.0, float(decay_steps))
+        t = torch.clamp(_as_f64(count, api), 0.0, float(decay_steps))
         cosine = 0.5 * (1.0 + torch.cos(t * (math.pi / decay_steps)))
         decayed = (1.0 - alpha) * cosine**exponent + alpha
         return (init_value * decayed).to(torch.float32)
@@ -175,7 +185,7 @@ def linear_warmup_cosine_decay(
     cosine_steps = decay_steps - warmup_steps
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        c = _as_f64(count)
+        c = _as_f64(count, api)
         if warmup_steps > 0:
             frac = torch.clamp(c, 0.0, float(warmup_steps)) / warmup_steps
             warm = init_value + (peak_value - init_value) * frac

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -13,7 +14,7 @@ from funcamp._amp import _as_policy, _check_fn, _context, _run
 from funcamp._ops import OpRule, op_name
 from funcamp._policy import Policy, _cast_floating
 
-__all__ = ["AmpTrace", "OpRecord", "trace"]
+__all__ = ["AmpTrace", "OpRecord", "OpStats", "trace"]
 
 _SKIP_NAMES = frozenset({"__get__", "__set__", "__torch_function__"})
 
@@ -29,6 +30,14 @@ class OpRecord(NamedTuple):
         module: path of the innermost module running (``"encoder.0.attn"``), or None.
         inplace: True for in-place ops (never cast).
         out: True for calls given ``out=`` (never cast).
+        amax: with ``trace(..., stats=True)``: the largest magnitude among the op's floating
+            outputs (``inf`` when one overflowed; nan elements are left out, and it is nan when
+            every element is nan); else None.
+        nonfinite: with ``stats=True``: the fraction of the floating output elements that are
+            inf or nan; else None.
+        subnormal: with ``stats=True``: the fraction of the floating output elements that are
+            nonzero and subnormal in their own dtype (below its smallest normal value); else
+            None.
 
     Example:
         >>> import torch, funcamp
@@ -45,6 +54,67 @@ class OpRecord(NamedTuple):
     module: str | None
     inplace: bool
     out: bool
+    amax: float | None = None
+    nonfinite: float | None = None
+    subnormal: float | None = None
+
+
+class OpStats(NamedTuple):
+    """One row of :meth:`AmpTrace.summary` for a trace taken with ``stats=True``.
+
+    Attributes:
+        count: number of op calls with this (rule, output dtype).
+        amax: the largest output magnitude among them (``inf`` if one overflowed).
+        nonfinite: how many of them produced an inf or nan.
+        subnormal: how many of them produced a subnormal value.
+
+    Example:
+        >>> import torch, funcamp
+        >>> x = torch.full((2, 2), 300.0)
+        >>> t = funcamp.trace(torch.matmul, "mixed_float16", stats=True)(x, x)
+        >>> t.summary()
+        {('compute', 'float16'): OpStats(count=1, amax=inf, nonfinite=1, subnormal=0)}
+    """
+
+    count: int
+    amax: float
+    nonfinite: int
+    subnormal: int
+
+
+def _floating_outputs(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x] if x.is_floating_point() else []
+    if isinstance(x, (list, tuple)):
+        return [t for e in x for t in _floating_outputs(e)]
+    if isinstance(x, dict):
+        return _floating_outputs(tuple(x.values()))
+    return []
+
+
+def _output_stats(out: Any) -> tuple[float | None, float | None, float | None]:
+    """``(amax, nonfinite fraction, subnormal fraction)`` of the floating outputs (eager)."""
+    tensors = [t.detach() for t in _floating_outputs(out)]
+    if not tensors:
+        return None, None, None
+    total = sum(t.numel() for t in tensors)
+    if total == 0:
+        return 0.0, 0.0, 0.0
+    with torch.no_grad():
+        amax, nonfinite, subnormal, nans = 0.0, 0, 0, 0
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            a = t.abs()
+            isnan = a.isnan()
+            amax = max(amax, float(torch.where(isnan, 0.0, a).amax()))
+            nans += int(isnan.sum())
+            nonfinite += int((~torch.isfinite(t)).sum())
+            tiny = torch.finfo(t.dtype).smallest_normal
+            subnormal += int(((a != 0) & (a < tiny)).sum())
+    if nans == total:
+        amax = math.nan
+    return amax, nonfinite / total, subnormal / total
 
 
 def _dtypes(x: Any) -> tuple[torch.dtype, ...]:
@@ -66,9 +136,10 @@ def _short_dtype(d: torch.dtype) -> str:
 
 
 class _Recorder:
-    def __init__(self) -> None:
+    def __init__(self, stats: bool = False) -> None:
         self.records: list[OpRecord] = []
         self.fp8: list[Any] = []  # Fp8Record per linear call run in FP8
+        self.stats = stats
 
     def record(
         self,
@@ -86,6 +157,7 @@ class _Recorder:
         canonical = op_name(func) or name
         inplace = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
         tracker = mode.tracker
+        stats = _output_stats(out) if self.stats else (None, None, None)
         self.records.append(
             OpRecord(
                 op=canonical,
@@ -95,6 +167,9 @@ class _Recorder:
                 module=tracker.path if tracker is not None else None,
                 inplace=inplace,
                 out="out" in kwargs,
+                amax=stats[0],
+                nonfinite=stats[1],
+                subnormal=stats[2],
             )
         )
 
@@ -123,10 +198,18 @@ class AmpTrace:
         (2, tensor(8.), {('compute', 'bfloat16'): 1, ('float32', 'float32'): 1})
     """
 
-    def __init__(self, output: Any, records: list[OpRecord], policy: Policy, fp8: Any = ()) -> None:
+    def __init__(
+        self,
+        output: Any,
+        records: list[OpRecord],
+        policy: Policy,
+        stats: bool = False,
+        fp8: Any = (),
+    ) -> None:
         self.output = output
         self.records = records
         self.policy = policy
+        self.stats = stats
         self.fp8 = list(fp8)
 
     def __len__(self) -> int:
@@ -142,28 +225,66 @@ class AmpTrace:
         """Return the records of the op ``name`` (canonical name, e.g. ``"linear"``)."""
         return [r for r in self.records if r.op == name]
 
-    def summary(self) -> dict[tuple[str, str], int]:
-        """Count op calls by (rule, output dtype): ``{("compute", "bfloat16"): 3, ...}``."""
+    def nonfinite(self) -> list[OpRecord]:
+        """The records of the ops whose outputs hold an inf or nan, in call order (needs
+        ``stats=True``). The first is where the overflow starts; its ``module`` says where.
+
+        Example:
+            >>> import torch, funcamp
+            >>> f = lambda x: (x @ x).softmax(-1).sum()
+            >>> t = funcamp.trace(f, "mixed_float16", stats=True)(torch.full((2, 2), 300.0))
+            >>> [r.op for r in t.nonfinite()]
+            ['matmul', 'softmax', 'sum']
+        """
+        if not self.stats:
+            raise ValueError(
+                "funcamp.AmpTrace.nonfinite: the trace has no output statistics; take it with "
+                "funcamp.trace(fn, policy, stats=True)"
+            )
+        return [r for r in self.records if r.nonfinite]
+
+    def summary(self) -> dict[tuple[str, str], Any]:
+        """Count op calls by (rule, output dtype): ``{("compute", "bfloat16"): 3, ...}``.
+
+        For a trace taken with ``stats=True`` each value is an :class:`OpStats` instead:
+        the count, the largest output magnitude, and how many of those ops produced a
+        non-finite or a subnormal value.
+        """
         counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        amax: dict[tuple[str, str], float] = collections.defaultdict(float)
+        nonfinite: collections.Counter[tuple[str, str]] = collections.Counter()
+        subnormal: collections.Counter[tuple[str, str]] = collections.Counter()
         for r in self.records:
             out = ",".join(_short_dtype(d) for d in r.output_dtypes) or "-"
-            counts[(r.rule.value, out)] += 1
-        return dict(sorted(counts.items()))
+            key = (r.rule.value, out)
+            counts[key] += 1
+            if r.amax is not None:
+                amax[key] = max(amax[key], r.amax) if not math.isnan(r.amax) else amax[key]
+                nonfinite[key] += bool(r.nonfinite)
+                subnormal[key] += bool(r.subnormal)
+        if not self.stats:
+            return dict(sorted(counts.items()))
+        return {
+            k: OpStats(n, amax[k], nonfinite[k], subnormal[k]) for k, n in sorted(counts.items())
+        }
 
     def __str__(self) -> str:
-        rows = [("#", "op", "rule", "inputs", "outputs", "module")]
+        header: tuple[str, ...] = ("#", "op", "rule", "inputs", "outputs")
+        if self.stats:
+            header += ("amax", "nonfinite", "subnormal")
+        rows = [(*header, "module")]
         for i, r in enumerate(self.records):
             flags = " (in-place)" if r.inplace else (" (out=)" if r.out else "")
-            rows.append(
-                (
-                    str(i),
-                    r.op + flags,
-                    r.rule.value,
-                    ",".join(_short_dtype(d) for d in r.input_dtypes) or "-",
-                    ",".join(_short_dtype(d) for d in r.output_dtypes) or "-",
-                    r.module or "",
-                )
+            row: tuple[str, ...] = (
+                str(i),
+                r.op + flags,
+                r.rule.value,
+                ",".join(_short_dtype(d) for d in r.input_dtypes) or "-",
+                ",".join(_short_dtype(d) for d in r.output_dtypes) or "-",
             )
+            if self.stats:
+                row += _stat_cells(r)
+            rows.append((*row, r.module or ""))
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = [f"AmpTrace under {self.policy}: {len(self.records)} ops"]
         for row in rows:
@@ -181,10 +302,34 @@ class AmpTrace:
         return f"<AmpTrace: {len(self.records)} ops under {self.policy}>"
 
 
-def trace(fn: Callable[..., Any], policy: Policy | str) -> Callable[..., AmpTrace]:
+def _stat_cells(r: OpRecord) -> tuple[str, str, str]:
+    if r.amax is None:
+        return ("-", "-", "-")
+    return (f"{r.amax:.4g}", _fraction(r.nonfinite), _fraction(r.subnormal))
+
+
+def _fraction(x: float | None) -> str:
+    if not x:
+        return "0"
+    return f"{100 * x:.3g}%"
+
+
+def trace(
+    fn: Callable[..., Any], policy: Policy | str, *, stats: bool = False
+) -> Callable[..., AmpTrace]:
     """Run ``fn`` under ``amp(fn, policy)`` and record every op: name, rule, dtypes, module.
 
-    Eager only (it records Python-side, call by call).
+    Eager only (it records Python-side, call by call). With ``stats=True`` each record also
+    carries the op's output amax and the fractions of its output elements that are non-finite
+    and subnormal (in the output's dtype), and the table and :meth:`AmpTrace.summary` show them:
+    under ``mixed_float16`` the first op whose output is non-finite is the one that overflowed
+    float16 (values past 65504); under ``float32`` the amax column shows which ops would.
+    Reading them back costs a host sync per op.
+
+    Args:
+        fn: the function to run.
+        policy: a :class:`Policy` or a policy string.
+        stats: record the output statistics (``amax``, ``nonfinite``, ``subnormal``).
 
     Example:
         >>> import torch, funcamp
@@ -195,15 +340,21 @@ def trace(fn: Callable[..., Any], policy: Policy | str) -> Callable[..., AmpTrac
         [('matmul', 'compute', 'torch.bfloat16'), ('softmax', 'float32', 'torch.float32'), ('sum', 'float32', 'torch.float32')]
         >>> t.output.dtype
         torch.float32
+        >>> big = funcamp.trace(f, "mixed_float16", stats=True)(torch.full((2, 3), 200.0), torch.ones(3, 3))
+        >>> [(r.op, r.amax, r.nonfinite) for r in big]
+        [('matmul', 600.0, 0.0), ('softmax', 0.3333333432674408, 0.0), ('sum', 2.0, 0.0)]
     """
     _check_fn(fn, "trace")
+    if not isinstance(stats, bool):
+        raise TypeError(f"funcamp.trace: `stats` must be a bool, got {type(stats).__name__}")
     pol = _as_policy(policy, "trace")
     ctx = _context(pol)
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> AmpTrace:
-        recorder = _Recorder()
+        recorder = _Recorder(stats)
         out = _run(ctx, fn, args, kwargs, recorder)
-        return AmpTrace(_cast_floating(out, pol.output_dtype), recorder.records, pol, recorder.fp8)
+        out = _cast_floating(out, pol.output_dtype)
+        return AmpTrace(out, recorder.records, pol, stats, recorder.fp8)
 
     return traced

@@ -1,6 +1,6 @@
 """The training step: :class:`TrainState`, :func:`params_and_buffers` and :func:`make_train_step`.
 
-One step is the whole pipeline of DESIGN.md — ``amp`` → ``grad_and_value`` of the scaled loss →
+One step is the whole mixed-precision pipeline — ``amp`` → ``grad_and_value`` of the scaled loss →
 :func:`funcamp.unscale_and_step` → :func:`funcamp.update` — as one pure function of
 ``(state, batch)``, compiled whole with ``torch.compile(fullgraph=True)``. Nothing on the step path
 syncs with the host: skipped steps are selected with ``torch.where`` and every metric is a tensor.
@@ -46,16 +46,19 @@ import torch
 
 from funcamp._amp import _as_policy, amp
 from funcamp._fp8 import Fp8State, fp8_update, needs_state, with_fp8_state
+from funcamp._headroom import _headroom, _headroom_dtype
+from funcamp._hints import optimizer_type_error
 from funcamp._optim import Optimizer, _flatten_params, init_from_exact
 from funcamp._policy import Policy
+from funcamp._progress import announce_first_call
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
 from funcamp._tree import (
     NAMESPACE,
     _describe,
     _named_leaves,
     _path_str,
+    _plan_write,
     _sharing_memory,
-    _write_into,
     tree_select,
 )
 from funcamp.distributed import _reduce_step
@@ -145,11 +148,9 @@ class TrainState(NamedTuple):
         api = "TrainState.create"
         pol = _as_policy(policy, api)
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(
-                f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got "
-                f"{_describe(optimizer)}"
-            )
+            raise optimizer_type_error(api, optimizer)
         leaves = _check_params(api, params)
+        _check_float64_params(api, params, pol)
         if buffers is None:
             buffers = {}
         if scaler is None:
@@ -181,6 +182,23 @@ class TrainState(NamedTuple):
 
 def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
     return _flatten_params(api, params)[0]
+
+
+def _check_float64_params(api: str, params: PyTree, pol: Policy) -> None:
+    """float64 tensors are never cast (as in torch), so a float64 param under a policy whose
+    ``param_dtype`` is not float64 would stay float64 and meet compute-dtype activations in its
+    first matmul (``Half != double``): refuse it here instead."""
+    if pol.param_dtype == torch.float64:
+        return
+    paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    for path, p in zip(paths, leaves):
+        if isinstance(p, torch.Tensor) and p.dtype == torch.float64:
+            raise TypeError(
+                f"funcamp.{api}: `params` leaf {_path_str(path)} must not be float64 under policy "
+                f"{pol} (float64 tensors are never cast, so it would stay float64 and fail in "
+                "the first op that meets a compute-dtype input), got a float64 tensor; cast the "
+                "params first (funcamp.tree_cast(params, torch.float32)) or use a float64 policy"
+            )
 
 
 def params_and_buffers(
@@ -242,6 +260,12 @@ def _split_output(out: Any, has_aux: bool, returns_buffers: bool) -> tuple[Any, 
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
+    if isinstance(loss, (tuple, list)):
+        raise TypeError(
+            f"funcamp.{_API}: `loss_fn` must return a 0-d floating tensor as the loss, got a "
+            f"{type(loss).__name__} of {len(loss)} items; if it returns (loss, aux), build the "
+            "step with has_aux=True (and returns_buffers=True if it returns new buffers)"
+        )
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         raise TypeError(
             f"funcamp.{_API}: `loss_fn` must return a 0-d floating tensor as the loss, got "
@@ -250,24 +274,45 @@ def _check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
-def _restore_buffers(new: PyTree, old: PyTree) -> PyTree:
-    """Check ``new`` against ``old`` and give every leaf its old dtype back."""
+def _restore_buffers(new: PyTree, old: PyTree, returned: bool = True) -> PyTree:
+    """Check ``new`` against ``old`` and give every leaf its old dtype back. ``returned``: the
+    new buffers were returned by ``loss_fn`` (``returns_buffers=True``); otherwise they are the
+    copies it was given, which it may update in place but must not rebind or extend."""
+    what = (
+        "`loss_fn` must return new buffers"
+        if returned
+        else "`loss_fn` must update its buffers in place only (not add, remove or rebind keys)"
+    )
+    if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
+        if type(new) is type(old) and not new:
+            return new
+        got = sorted(map(str, new)) if isinstance(new, dict) else _describe(new)
+        raise TypeError(
+            f"funcamp.{_API}: {what} with the structure of the state's buffers (none: "
+            f"{old!r}), got {got}; keep new values out of the buffers (return them as aux with "
+            "has_aux=True) or add them to the state's buffers"
+        )
     paths, old_leaves, spec = optree.tree_flatten_with_path(old, namespace=NAMESPACE)
     try:
         new_leaves = spec.flatten_up_to(new)
     except (ValueError, TypeError):
         raise TypeError(
-            f"funcamp.{_API}: `loss_fn` must return new buffers with the structure of the "
-            f"state's buffers {spec}, got {optree.tree_structure(new, namespace=NAMESPACE)}"
+            f"funcamp.{_API}: {what} with the structure of the state's buffers {spec}, got "
+            f"{optree.tree_structure(new, namespace=NAMESPACE)}; keep new values out of the "
+            "buffers (return them as aux with has_aux=True) or add them to the state's buffers"
         ) from None
     out = []
     for path, o, n in zip(paths, old_leaves, new_leaves):
         if isinstance(o, torch.Tensor):
             if not isinstance(n, torch.Tensor) or n.shape != o.shape:
                 raise TypeError(
-                    f"funcamp.{_API}: `loss_fn` must return new buffers shaped like the old; "
-                    f"buffer {_path_str(path)} should be a tensor of shape {tuple(o.shape)}, "
-                    f"got {_describe(n)}"
+                    f"funcamp.{_API}: {what} shaped like the old; buffer {_path_str(path)} "
+                    f"should be a tensor of shape {tuple(o.shape)}, got {_describe(n)}"
+                )
+            if n.is_complex() and not o.is_complex():
+                raise TypeError(
+                    f"funcamp.{_API}: {what} of the old dtypes; buffer {_path_str(path)} "
+                    f"should be {o.dtype}, got {_describe(n)}"
                 )
             n = n.to(o.dtype)
         out.append(n)
@@ -447,6 +492,7 @@ def make_train_step(
     compile: bool = True,
     group: Any = None,
     donate_state: bool = False,
+    headroom: bool | Callable[[str], bool] = False,
     **compile_options: Any,
 ) -> StepFn:
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
@@ -465,7 +511,12 @@ def make_train_step(
     ``metrics`` is a dict of tensors: ``loss`` (unscaled, float32), ``grad_norm`` (of the
     unscaled gradients), ``scale`` (the loss scale this step used), ``found_inf`` (this step was
     skipped) and ``skipped`` (running total of skipped steps, from the scaler state), plus
-    ``aux`` with ``has_aux=True``.
+    ``aux`` with ``has_aux=True``, and with ``headroom=True`` ``headroom``: the summary of
+    :func:`funcamp.headroom` of this step's gradients at the scale it used (a dict of 0-d
+    tensors: ``underflow``, ``subnormal``, ``overflow``, ``amax``, ``log2_scale_min``,
+    ``log2_scale_max``), measured against the policy's compute dtype (float16 when that is not
+    a half dtype). Given a callable of the leaf path (``"mix.weight"``) instead of ``True``,
+    only the leaves it accepts are measured (leave out those a float32 module policy computes).
 
     Data parallel (``group=pg``): every rank of ``pg`` runs the step on its own shard of the
     batch (shards of equal size) and ends with the same state, as with DDP. The world size and
@@ -490,7 +541,14 @@ def make_train_step(
     anything sharing memory with it changes too, such as a module's parameters when the params
     came from :func:`params_and_buffers` (they then follow training, as with ``torch.optim``).
     No two state tensors may share memory (checked on every call: a clear error). The scaler
-    state (a few scalars) is always returned fresh.
+    state (a few scalars) is always returned fresh. All or nothing: every check and every
+    computation that can fail runs before the first write, so a step that raises leaves the
+    state as it was.
+
+    The first call of a compiled step traces and compiles it (10-30 s for a small model on a
+    CPU, a few seconds with a warm compile cache) and logs that it does on the ``"funcamp"``
+    logger at INFO level (``logging.basicConfig(level=logging.INFO)`` shows it), with the time
+    it took once it is done.
 
     Args:
         loss_fn: ``(params, buffers, batch) -> loss | tuple`` as above; run under ``amp``.
@@ -505,6 +563,8 @@ def make_train_step(
         donate_state: let the step write the new params, buffers and optimizer state into the
             tensors of the state it is given, like ``jax.jit(..., donate_argnums=0)`` (see
             below). Default ``False``: the input state is never modified.
+        headroom: add ``metrics["headroom"]`` (see above): a few reductions over the gradients;
+            ``True`` for every gradient leaf, or a predicate of the leaf path.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard).
@@ -536,9 +596,7 @@ def make_train_step(
     if not callable(loss_fn):
         raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {_describe(loss_fn)}")
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"funcamp.{_API}: `optimizer` must be a funcamp.Optimizer, got {_describe(optimizer)}"
-        )
+        raise optimizer_type_error(_API, optimizer)
     pol = _as_policy(policy, _API)
     for name, flag in (("has_aux", has_aux), ("returns_buffers", returns_buffers)):
         if not isinstance(flag, bool):
@@ -546,6 +604,13 @@ def make_train_step(
     for name, flag in (("compile", compile), ("donate_state", donate_state)):
         if not isinstance(flag, bool):
             raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
+    if not (isinstance(headroom, bool) or callable(headroom)):
+        raise TypeError(
+            f"funcamp.{_API}: `headroom` must be a bool or a callable of the leaf path, got "
+            f"{_describe(headroom)}"
+        )
+    headroom_dtype = _headroom_dtype(pol) if headroom is not False else None
+    headroom_include = headroom if callable(headroom) else None
     data_parallel = _data_parallel(group)
     if compile_options and not compile:
         raise TypeError(
@@ -584,8 +649,9 @@ def make_train_step(
         if fp8_stateful:
             grads, fp8_grads = grads
             new_fp8 = fp8_update(state.fp8, fp8_grads)
-        if returns_buffers:
-            new_buffers = _restore_buffers(new_buffers, state.buffers)
+        # Always checked (in-place updates too: a rebound or added key would change the state's
+        # structure), and before anything is written into a donated state.
+        new_buffers = _restore_buffers(new_buffers, state.buffers, returns_buffers)
         nonfinite = None
         if data_parallel is not None:
             # One all-reduce per gradient dtype (one in all for float32 grads): the mean of the
@@ -593,6 +659,22 @@ def make_train_step(
             pg, world_size, rank = data_parallel
             grads, loss, nonfinite, new_buffers = _reduce_step(
                 grads, loss, new_buffers, pg, world_size, rank == 0
+            )
+        # Donated state, all or nothing: every check and every computation that can fail runs
+        # before the first write. The buffers are matched now; unscale_and_step checks the
+        # optimizer state and the learning rate before it touches anything and writes params
+        # and optimizer state last; the buffers are written after it, by plain copies.
+        write_buffers = _plan_write(new_buffers, state.buffers) if donate_state else None
+        # Measured on the scaled grads, before unscale_and_step may unscale them in place.
+        room = None
+        if headroom_dtype is not None:
+            room = _headroom(
+                grads,
+                scaler.scale,
+                headroom_dtype,
+                scaled=True,
+                leaves=False,
+                include=headroom_include,
             )
         # The grads are this step's own (made by grad_and_value above): donating them lets the
         # eager path unscale in place and reuse their memory (ignored under compile).
@@ -614,8 +696,8 @@ def make_train_step(
         new_scaler = update(scaler, found_inf)
         if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
             new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
-        if donate_state:
-            new_buffers = _write_into(new_buffers, state.buffers)
+        if write_buffers is not None:
+            new_buffers = write_buffers()
         metrics: Metrics = {
             "loss": loss,
             "grad_norm": info.grad_norm,
@@ -625,12 +707,14 @@ def make_train_step(
         }
         if has_aux:
             metrics["aux"] = aux
+        if room is not None:
+            metrics["headroom"] = room.summary()
         return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
 
     # Dynamo caches compiled code per code object, and the default guard filter drops the
     # guards on closures: a code object of its own keeps each step's graph to that step.
     train_step.__code__ = _fresh_code(train_step.__code__)
-    run = _compile(train_step, compile_options) if compile else train_step
+    run = announce_first_call(_compile(train_step, compile_options)) if compile else train_step
     expected: list[Any] = []
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -658,8 +742,10 @@ def make_train_step(
         except torch._dynamo.exc.Unsupported:
             # dynamo reports an exception raised while tracing (a bad `loss_fn` output, trees
             # that do not match) as "Unsupported"; run the step eagerly to raise it plainly.
+            # A donated state is re-run on copies: this run is only for the error message.
+            rerun = _clone_buffers(state) if donate_state else state
             with torch.compiler.set_stance("force_eager"):
-                train_step(state, batch)
+                train_step(rerun, batch)
             raise
 
     step.__doc__ = f"A funcamp train step ({'compiled' if compile else 'eager'}, policy {pol})."

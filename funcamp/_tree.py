@@ -48,17 +48,34 @@ def _write_into(new: PyTree, old: PyTree) -> PyTree:
     and device), which takes its place: the step's results live in the old state's memory.
     Compiled, inductor stores the results straight into those buffers (no fresh allocations);
     leaves that do not match are returned as they are."""
+    return _plan_write(new, old)()
+
+
+def _plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
+    """:func:`_write_into` in two phases, for an all-or-nothing donated step: the structure of
+    ``new`` is checked against ``old`` now (raising before anything is written), and the returned
+    function does the writes (plain copies between matched tensors) and returns the tree."""
     if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
-        return new
+        return lambda: new
     old_leaves, spec = optree.tree_flatten(old, namespace=NAMESPACE)
-    new_leaves = spec.flatten_up_to(new)  # the optimizer keeps its state's structure
-    out = []
-    for n, o in zip(new_leaves, old_leaves):
-        if _donatable(n, o):
-            o.copy_(n)
-            n = o
-        out.append(n)
-    return optree.tree_unflatten(spec, out)
+    try:
+        new_leaves = spec.flatten_up_to(new)  # the optimizer keeps its state's structure
+    except (ValueError, TypeError):
+        raise ValueError(
+            "funcamp: a donated state must keep its structure to be written into; expected "
+            f"{spec}, got {optree.tree_structure(new, namespace=NAMESPACE)}"
+        ) from None
+
+    def commit() -> PyTree:
+        out = []
+        for n, o in zip(new_leaves, old_leaves):
+            if _donatable(n, o):
+                o.copy_(n)
+                n = o
+            out.append(n)
+        return optree.tree_unflatten(spec, out)
+
+    return commit
 
 
 def _storage_key(x: torch.Tensor) -> int | None:

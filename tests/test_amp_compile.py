@@ -6,12 +6,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from amp_zoo import make_case, one_thread  # noqa: F401 (autouse fixture)
 from torch import nn
 from torch.func import functional_call, grad
 
 import funcamp
-from funcamp import OpPolicy, Policy
+from funcamp import OpPolicy, OpRule, Policy
 
 BF16 = torch.bfloat16
 CPU_AUTOCAST = Policy(compute_dtype=BF16, ops=OpPolicy.autocast("cpu"))
@@ -142,3 +143,96 @@ def test_module_policies_compile_to_one_graph_and_match_eager() -> None:
     nn_module = torch.nn.modules.module
     assert not nn_module._global_forward_pre_hooks and not nn_module._global_forward_hooks
     assert torch._C._len_torch_function_stack() == 0
+
+
+# -- modules constructed inside the traced call (issue: a silent bf16 loss) ---------------------
+# dynamo special-cases `torch.nn.CrossEntropyLoss()` built inside a compiled function: it put a
+# bare F.cross_entropy node in the graph that never reached the amp mode (bf16 loss compiled,
+# float32 eager). funcamp._dynamo_compat routes the construction through dynamo's generic path.
+def _ce_in_forward(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    lf = nn.CrossEntropyLoss()
+    return lf(F.linear(x, w), y)
+
+
+def _ce_forward_method(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.CrossEntropyLoss(label_smoothing=0.1).forward(F.linear(x, w), y)
+
+
+def _ce_kwargs(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    weight = torch.linspace(0.5, 1.5, 10)
+    return nn.CrossEntropyLoss(weight=weight, reduction="sum", ignore_index=3)(F.linear(x, w), y)
+
+
+class _SubclassedLoss(nn.CrossEntropyLoss):
+    pass
+
+
+def _ce_subclass(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _SubclassedLoss()(F.linear(x, w), y)
+
+
+def _mse_in_forward(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.MSELoss()(F.linear(x, w), torch.zeros(x.shape[0], 10))
+
+
+IN_GRAPH_MODULES = [_ce_in_forward, _ce_forward_method, _ce_kwargs, _ce_subclass, _mse_in_forward]
+
+
+@pytest.fixture(scope="module")
+def ce_inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(10, 16, generator=g),
+        torch.randn(8, 16, generator=g),
+        torch.randint(0, 10, (8,), generator=g),
+    )
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", CPU_AUTOCAST], ids=["default", "cpu"])
+@pytest.mark.parametrize("fn", IN_GRAPH_MODULES, ids=lambda f: f.__name__)
+def test_loss_module_built_inside_compiled_amp_keeps_its_float32_rule(
+    fn: Any, policy: Any, ce_inputs: Any
+) -> None:
+    eager = funcamp.amp(fn, policy)(*ce_inputs)
+    with torch.autocast("cpu", BF16):
+        reference = fn(*ce_inputs)
+    compiled, graphs = compile_counting(funcamp.amp(fn, policy))
+    out = compiled(*ce_inputs)
+    assert len(graphs) == 1
+    assert torch.equal(eager, reference)  # the loss runs in float32, as torch.autocast runs it
+    assert out.dtype == torch.float32 and torch.equal(out, eager), (out.item(), eager.item())
+
+
+def test_loss_module_built_inside_compiled_amp_inductor(ce_inputs: Any) -> None:
+    eager = funcamp.amp(_ce_in_forward, "mixed_bfloat16")(*ce_inputs)
+    out = torch.compile(funcamp.amp(_ce_in_forward, "mixed_bfloat16"), fullgraph=True)(*ce_inputs)
+    rounded = eager.to(BF16).float()
+    assert eager != rounded  # a bf16 loss would be distinguishable
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=0)
+
+
+def test_module_built_inside_compiled_amp_gets_its_module_policy(ce_inputs: Any) -> None:
+    """Hooks fire for the in-graph module: a class-keyed module policy applies, compiled."""
+    # The base table leaves cross_entropy alone (bf16 logits give a bf16 loss); the module
+    # policy of CrossEntropyLoss casts its inputs to float32 on entry.
+    policy = (
+        funcamp.get_policy("mixed_bfloat16")
+        .with_op_rules({"cross_entropy": OpRule.NONE})
+        .with_module_policies({nn.CrossEntropyLoss: "float32"})
+    )
+    eager = funcamp.amp(_ce_in_forward, policy)(*ce_inputs)
+    compiled, graphs = compile_counting(funcamp.amp(_ce_in_forward, policy))
+    out = compiled(*ce_inputs)
+    assert len(graphs) == 1
+    assert eager != eager.to(BF16).float()  # the module policy ran: a float32 loss
+    assert out.dtype == torch.float32 and torch.equal(out, eager)
+    traced = funcamp.trace(_ce_in_forward, policy)(*ce_inputs)
+    # run inside the loss module, the outermost module of the call: the root, path ""
+    assert [r.module for r in traced.ops("cross_entropy")] == [""]
+
+
+def test_without_an_active_mode_dynamo_keeps_its_fast_path(ce_inputs: Any) -> None:
+    compiled, graphs = compile_counting(_ce_in_forward)
+    assert torch.equal(compiled(*ce_inputs), _ce_in_forward(*ce_inputs))
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert F.cross_entropy in targets  # dynamo's own node, untouched outside amp

@@ -33,18 +33,60 @@ def test_train_digits_short_run_and_resume(tmp_path: Path):
     common = ["--quiet", "--no-compile", "--out", str(tmp_path)]
     acc = digits.main([*common, "--epochs", "5"])
     assert acc >= 0.90
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert ckpt["epoch"] == 5 and len(ckpt["history"]["loss"]) == 5 * 21
-    assert ckpt["state"]["scaler"]["kind"] == "dynamic"
-    assert (tmp_path / "digits.png").stat().st_size > 1000
+    ckpt = tmp_path / "mixed_float16.pt"  # per-policy names under --out
+    info = funcamp.checkpoint_info(ckpt)
+    assert info.metadata["epoch"] == 5 and len(info.metadata["history"]["loss"]) == 5 * 21
+    assert info.policy == str(funcamp.get_policy("mixed_float16"))
+    assert info.scaler_kind == "dynamic"
+    assert (tmp_path / "mixed_float16.png").stat().st_size > 1000
 
     acc2 = digits.main([*common, "--epochs", "6", "--resume"])
-    ckpt2 = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert ckpt2["epoch"] == 6 and len(ckpt2["history"]["loss"]) == 6 * 21
-    assert int(ckpt2["state"]["opt_state"]["count"]) == 6 * 21 - int(
-        ckpt2["state"]["scaler"]["skipped"]
-    )
+    info2 = funcamp.checkpoint_info(ckpt)
+    assert info2.metadata["epoch"] == 6 and len(info2.metadata["history"]["loss"]) == 6 * 21
+    raw = torch.load(ckpt, weights_only=True)["state"]
+    assert int(raw["opt_state"]["count"]) == 6 * 21 - int(raw["scaler"]["skipped"])
     assert acc2 >= 0.90
+
+
+def test_train_digits_resume_refuses_another_policy(tmp_path: Path, capsys):
+    """Finding: a bf16-mixed checkpoint resumed under another policy trained on silently. Now
+    the resume refuses, naming both policies, unless --convert asks for it."""
+    digits = _load("train_digits")
+    common = ["--quiet", "--no-compile", "--out", str(tmp_path)]
+    digits.main([*common, "--policy", "bf16-mixed", "--steps", "21"])
+    ckpt = str(tmp_path / "mixed_bfloat16.pt")
+    resume = [*common, "--resume", "--checkpoint", ckpt, "--steps", "21"]
+    with pytest.raises(SystemExit) as info:
+        digits.main([*resume, "--epochs", "2"])  # default --policy mixed_float16
+    msg = str(info.value)
+    assert "saved under policy 'params=float32,compute=bfloat16,output=float32'" in msg
+    assert "`policy` is 'params=float32,compute=float16,output=float32'" in msg
+    assert funcamp.checkpoint_info(ckpt).metadata["epoch"] == 1  # untouched
+    # on purpose: continue under float16 compute, with a fresh dynamic scaler
+    digits.main([*resume, "--epochs", "2", "--convert"])
+    info = funcamp.checkpoint_info(ckpt)
+    assert info.policy == str(funcamp.get_policy("mixed_float16"))
+    assert info.scaler_kind == "dynamic" and info.metadata["epoch"] == 2
+    out = capsys.readouterr().out
+    assert "update kahan" not in out  # float32 params: the option does nothing, not printed
+
+
+def test_train_digits_says_it_compiles(tmp_path: Path, capsys):
+    digits = _load("train_digits")
+    args = ["--quiet", "--out", str(tmp_path), "--backend", "eager", "--steps", "3"]
+    digits.main([*args, "--policy", "bf16-mixed"])
+    out = capsys.readouterr().out
+    assert "funcamp: compiling the train step (first call, ~10-30 s on a CPU" in out
+    assert "funcamp: compiled the train step in " in out
+
+
+def test_train_digits_stops_when_the_scale_collapses(tmp_path: Path):
+    """An absurd learning rate makes every gradient non-finite: the guard stops the run at the
+    first metrics read after `patience` consecutive skipped steps at the scale's floor."""
+    digits = _load("train_digits")
+    args = ["--quiet", "--no-compile", "--out", str(tmp_path), "--lr", "1e30", "--patience", "15"]
+    with pytest.raises(funcamp.ScaleCollapseError, match=r"the last \d+ steps were all skipped"):
+        digits.main([*args, "--steps", "63"])
 
 
 def test_train_digits_other_policies(tmp_path: Path):
@@ -52,6 +94,13 @@ def test_train_digits_other_policies(tmp_path: Path):
     for policy in ("bf16-true", "float32"):
         args = ["--quiet", "--no-compile", "--out", str(tmp_path), "--policy", policy]
         assert digits.main([*args, "--steps", "40"]) >= 0.80
+    # one checkpoint and one plot per policy: runs do not overwrite each other
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bf16-true.png",
+        "bf16-true.pt",
+        "float32.png",
+        "float32.pt",
+    ]
 
 
 def test_train_digits_bf16_params_match_float32(tmp_path: Path):
@@ -79,18 +128,25 @@ def test_train_digits_fp8_tracks_bf16(tmp_path: Path):
     reference = digits.main([*common, "--out", str(tmp_path / "bf16")])
     acc = digits.main([*common, "--fp8", "delayed", "--out", str(tmp_path / "fp8")])
     assert acc >= 0.94, (acc, reference)
-    ckpt = torch.load(tmp_path / "fp8" / "checkpoint.pt", weights_only=True)
+    [fp8_path] = (tmp_path / "fp8").glob("*.pt")
+    [bf16_path] = (tmp_path / "bf16").glob("*.pt")
+    ckpt = torch.load(fp8_path, weights_only=True)
     assert sorted(ckpt["state"]["fp8"]["scale"]) == ["0", "2"]  # both linears, state saved
-    fp8 = torch.tensor(ckpt["history"]["loss"]).view(10, -1).mean(1)
-    bf16 = torch.load(tmp_path / "bf16" / "checkpoint.pt", weights_only=True)["history"]["loss"]
+    fp8 = funcamp.checkpoint_info(fp8_path).metadata["history"]["loss"]
+    fp8 = torch.tensor(fp8).view(10, -1).mean(1)
+    bf16 = funcamp.checkpoint_info(bf16_path).metadata["history"]["loss"]
     bf16 = torch.tensor(bf16).view(10, -1).mean(1)
     assert not torch.equal(fp8, bf16)  # it did run in FP8
     assert ((fp8 - bf16).abs() / bf16).max() <= 0.10, (fp8, bf16)
 
 
-def test_functional_loop():
+def test_functional_loop(capsys):
     loop = _load("functional_loop")
     assert loop.main(steps=60) < 0.1
+    out = capsys.readouterr().out
+    # every skipped step is accounted for: the inf batch and the scaler finding its level
+    assert "skipped 3 step(s) [0, 21, 30]: step 30 is the batch holding an inf" in out
+    assert "[0, 21] overflowed float16 while the scaler found its level" in out
 
 
 def test_public_names_exported():

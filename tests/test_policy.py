@@ -133,8 +133,36 @@ def test_cast_functions_preserve_structure_and_non_floating_leaves(
 def test_unknown_dtype_name() -> None:
     with pytest.raises(ValueError, match=r"funcamp.get_policy: unknown dtype name 'f8'; valid"):
         get_policy("c=f8")
-    with pytest.raises(ValueError, match=r"unknown dtype name 'int8'.*bfloat16"):
+    with pytest.raises(ValueError, match=r"unknown policy 'int8'.*bfloat16"):
         get_policy("int8")
+
+
+@pytest.mark.parametrize(
+    "typo, suggestion",
+    [
+        ("mixed_bfloat", "mixed_bfloat16"),
+        ("bf16_mixed", "bf16-mixed"),
+        ("mixed-float16", "mixed_float16"),
+        ("bf16true", "bf16-true"),
+        ("flaot32", "float32"),
+    ],
+)
+def test_preset_typo_lists_the_presets_and_suggests_one(typo, suggestion) -> None:
+    with pytest.raises(ValueError) as info:
+        get_policy(typo)
+    msg = str(info.value)
+    assert msg.startswith(f"funcamp.get_policy: unknown policy {typo!r}; ")
+    assert f"did you mean {suggestion!r}?" in msg
+    assert "dtype name" not in msg.split(";")[0]  # not reported as a bad dtype name
+    for preset in ("mixed_float16", "16-mixed", "mixed_bfloat16", "bf16-mixed", "bf16-true"):
+        assert preset in msg
+    assert get_policy(suggestion) is not None  # the suggestion is valid
+
+
+def test_unknown_word_without_close_match_has_no_suggestion() -> None:
+    with pytest.raises(ValueError, match=r"unknown policy 'xyzzy'; presets: ") as info:
+        get_policy("xyzzy")
+    assert "did you mean" not in str(info.value)
 
 
 def test_unknown_key() -> None:

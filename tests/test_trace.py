@@ -58,5 +58,90 @@ def test_module_paths_through_functional_call() -> None:
 def test_trace_errors() -> None:
     with pytest.raises(TypeError, match=r"funcamp.trace: `fn` must be callable"):
         funcamp.trace(None, "float32")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"unknown dtype name 'f7'"):
+    with pytest.raises(ValueError, match=r"unknown policy 'f7'"):
         funcamp.trace(f, "f7")
+
+
+# ------------------------------------------------------------------------- stats=True
+
+
+def test_stats_overflow_and_subnormal() -> None:
+    """float16: a matmul past 65504 overflows to inf; a tiny product lands subnormal."""
+    x = torch.full((2, 2), 300.0)  # 300 * 300 * 2 = 180000 > 65504
+    t = funcamp.trace(torch.matmul, "mixed_float16", stats=True)(x, x)
+    (r,) = t.records
+    assert r.amax == float("inf") and r.nonfinite == 1.0 and r.subnormal == 0.0
+    tiny = torch.tensor([1e-6, 1.0, 0.0, 2e-5], dtype=torch.float16)  # 1e-6, 2e-5 < 2**-14
+
+    def f(a):
+        return a * 1.0
+
+    (r,) = funcamp.trace(f, "mixed_float16", stats=True)(tiny).records
+    assert r.output_dtypes == (torch.float16,)
+    assert r.amax == 1.0 and r.nonfinite == 0.0 and r.subnormal == 0.5
+    # the same values are normal in float32: subnormal is judged in the output's own dtype
+    (r,) = funcamp.trace(f, "float32", stats=True)(tiny.float()).records
+    assert r.subnormal == 0.0
+
+
+def test_stats_nan_amax_and_non_float_outputs() -> None:
+    x = torch.tensor([float("nan"), -3.0, float("inf"), 1.0])
+    t = funcamp.trace(lambda a: (a * 1.0, a.argmax()), "float32", stats=True)(x)
+    mul, argmax = t.records
+    assert mul.amax == float("inf") and mul.nonfinite == 0.5 and mul.subnormal == 0.0
+    assert argmax.amax is None and argmax.nonfinite is None  # no floating output
+    (r,) = funcamp.trace(lambda a: a * 1.0, "float32", stats=True)(torch.full((3,), float("nan")))
+    assert r.nonfinite == 1.0 and r.amax != r.amax  # nan when every element is nan
+
+
+def test_stats_point_at_the_overflowing_module() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[1].weight.mul_(1e6)
+    params = dict(model.named_parameters())
+
+    def loss(p, x):
+        return functional_call(model, p, (x,)).square().mean()
+
+    x = torch.rand(3, 4)
+    broken = funcamp.trace(loss, "mixed_float16", stats=True)(params, x)
+    first = broken.nonfinite()[0]
+    assert (first.op, first.module) == ("linear", "1")
+    assert broken.records[0].nonfinite == 0.0  # module 0 is fine
+    full = funcamp.trace(loss, "float32", stats=True)(params, x)
+    amax = {r.module: r.amax for r in full if r.op == "linear"}
+    assert amax["1"] > 65504 > amax["0"] and amax["3"] < 65504
+    assert full.nonfinite() == []
+    # the table shows the columns; the summary counts per (rule, dtype)
+    lines = str(broken).splitlines()
+    assert lines[1].split() == [
+        "#",
+        "op",
+        "rule",
+        "inputs",
+        "outputs",
+        "amax",
+        "nonfinite",
+        "subnormal",
+        "module",
+    ]
+    row = lines[2 + broken.records.index(first)].split()
+    assert row[-1] == "1" and first.nonfinite > 0
+    assert row[-3] == f"{100 * first.nonfinite:.3g}%" and row[-4] == f"{first.amax:.4g}"
+    summary = broken.summary()
+    compute = summary[("compute", "float16")]
+    assert isinstance(compute, funcamp.OpStats)
+    assert compute.count == 3 and compute.nonfinite >= 2  # linear "1" and everything after
+    assert sum(s.count for s in summary.values()) == len(broken)
+
+
+def test_stats_off_by_default() -> None:
+    t = funcamp.trace(f, "mixed_bfloat16")(torch.randn(2, 3), torch.randn(3, 3))
+    assert all(r.amax is None and r.nonfinite is None and r.subnormal is None for r in t)
+    assert "amax" not in str(t)
+    assert all(isinstance(v, int) for v in t.summary().values())
+    with pytest.raises(ValueError, match=r"funcamp.AmpTrace.nonfinite: .*stats=True"):
+        t.nonfinite()
+    with pytest.raises(TypeError, match=r"funcamp.trace: `stats` must be a bool"):
+        funcamp.trace(f, "float32", stats=1)  # type: ignore[arg-type]

@@ -1,0 +1,293 @@
+"""Input validation shared by the optimizers, the scaler and the train step.
+
+Every check here reads metadata only (types, shapes, dtypes) unless its name says it reads
+values (``*_values``: build or load time, never on the step path). Errors have the form
+``funcamp.<api>: `arg` must be ..., got ...`` and name the pytree leaf path.
+
+Learning rates
+--------------
+A learning rate is a Python float (checked when the optimizer is built), a 0-d floating tensor
+(checked when built; it may be changed in place later) or a schedule ``count -> lr``. A schedule
+is probed once when the optimizer is built, with the count ``torch.zeros((), dtype=torch.int32)``:
+it must return a 0-d floating tensor whose value is finite and >= 0 (a schedule that raises, or
+returns a Python number, ``None``, a string or a tensor of another shape, is refused there). On
+the step path each value a schedule returns is checked again for its type and shape (metadata, no
+host sync). Its *value* can only be known on the device: a tensor learning rate that is NaN,
+infinite or negative at run time is replaced by 0 inside ``update`` (so the params do not move)
+and :func:`funcamp.unscale_and_step` / :func:`funcamp.make_train_step` treat that step as skipped
+(``found_inf`` is True: params and optimizer state kept bit-identical, the ``skipped`` counter
+counts it, and a dynamic scaler backs off as for an overflow).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from numbers import Real
+from typing import Any
+
+import optree
+import torch
+
+from funcamp._tree import NAMESPACE
+
+PyTree = Any
+
+#: ``count -> (lr, bad)``: ``lr`` a float or a 0-d tensor (0 where the value is not usable),
+#: ``bad`` None for a Python float, else a 0-d bool tensor (True when the value was NaN, infinite
+#: or negative).
+LrFn = Callable[[torch.Tensor], tuple[Any, "torch.Tensor | None"]]
+
+#: Attribute of an optimizer's ``update`` function:
+#: ``preflight(grads, state, params) -> Tensor | None``. It checks ``state`` against
+#: ``grads``/``params`` (metadata only) and evaluates the learning rate, raising before anything is
+#: computed or written, and returns a 0-d bool tensor that is True when this step's learning rate
+#: is not usable (or None when it cannot be). :func:`funcamp.unscale_and_step` calls it before it
+#: touches the (possibly donated) grads and ORs the flag into ``found_inf``.
+PREFLIGHT = "_funcamp_preflight"
+
+
+def describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    text = repr(x)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(x).__name__} {text}"
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{k!r}]" for k in path) if path else "<root>"
+
+
+# --------------------------------------------------------------------------------------------
+# learning rates
+
+
+_PROBE_HINT = (
+    "a schedule must take the step count (a 0-d int32 tensor) and return a 0-d floating tensor "
+    "(see funcamp.constant_schedule); pass a fixed rate as a float"
+)
+
+
+def _check_lr_metadata(api: str, value: Any, when: str) -> torch.Tensor:
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dim() != 0
+        or not value.is_floating_point()
+        or value.is_complex()
+    ):
+        raise TypeError(
+            f"funcamp.{api}: `learning_rate` schedule must return a 0-d floating tensor, got "
+            f"{describe(value)} {when}; {_PROBE_HINT}"
+        )
+    return value
+
+
+def _check_lr_value(api: str, value: torch.Tensor, what: str) -> None:
+    """Build-time value check (reads the value: never on the step path)."""
+    v = float(value.detach().to("cpu", torch.float64))
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"funcamp.{api}: `learning_rate` must be >= 0 and finite, got {v!r}{what}")
+
+
+def _guard_lr(lr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lr or 0 where unusable, unusable)``: 0-d device ops, no host sync."""
+    ok = (lr >= 0) & (lr <= torch.finfo(lr.dtype).max)
+    return torch.where(ok, lr, torch.zeros_like(lr)), ~ok
+
+
+def learning_rate_fn(api: str, learning_rate: Any) -> LrFn:
+    """Validate a learning rate when the optimizer is built; return ``count -> (lr, bad)``."""
+    if isinstance(learning_rate, torch.Tensor):
+        if (
+            learning_rate.dim() != 0
+            or not learning_rate.is_floating_point()
+            or learning_rate.is_complex()
+        ):
+            raise TypeError(
+                f"funcamp.{api}: `learning_rate` must be a float, a 0-d floating tensor or a "
+                f"schedule, got {describe(learning_rate)}"
+            )
+        _check_lr_value(api, learning_rate, "")  # construction time, not the step path
+        fixed = learning_rate
+        return lambda count: _guard_lr(fixed)
+    if callable(learning_rate):
+        schedule = learning_rate
+        probe = torch.zeros((), dtype=torch.int32)
+        try:
+            value = schedule(probe)
+        except Exception as e:
+            raise TypeError(
+                f"funcamp.{api}: `learning_rate` schedule raised {type(e).__name__}: {e} when "
+                f"called with the step count 0; {_PROBE_HINT}"
+            ) from e
+        _check_lr_metadata(api, value, "for the step count 0")
+        _check_lr_value(api, value, " from the schedule at step count 0")
+
+        def fn(count: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
+            return _guard_lr(_check_lr_metadata(api, schedule(count), "at run time"))
+
+        return fn
+    if (
+        isinstance(learning_rate, bool)
+        or not isinstance(learning_rate, Real)
+        or not math.isfinite(float(learning_rate))
+    ):
+        raise TypeError(
+            f"funcamp.{api}: `learning_rate` must be a finite real number, a 0-d floating "
+            f"tensor or a schedule, got {describe(learning_rate)}"
+        )
+    lr = float(learning_rate)
+    if lr < 0:
+        raise ValueError(f"funcamp.{api}: `learning_rate` must be >= 0.0, got {lr!r}")
+    return lambda count: (lr, None)
+
+
+def any_flag(flags: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """OR of the non-None 0-d bool flags (None when there are none)."""
+    out = None
+    for f in flags:
+        if f is not None:
+            out = f if out is None else out | f.to(out.device)
+    return out
+
+
+def preflight(
+    optimizer_update: Any, grads: PyTree, state: PyTree, params: PyTree
+) -> torch.Tensor | None:
+    """Run ``optimizer_update``'s preflight check (see :data:`PREFLIGHT`) if it has one."""
+    check = getattr(optimizer_update, PREFLIGHT, None)
+    return None if check is None else check(grads, state, params)
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer state
+
+
+def _leaf_paths(tree: PyTree) -> list[str]:
+    return [path_str(p) for p in optree.tree_flatten_with_path(tree, namespace=NAMESPACE)[0]]
+
+
+def check_count(api: str, name: str, value: Any, dtype: torch.dtype = torch.int32) -> None:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != dtype:
+        raise TypeError(
+            f"funcamp.{api}: `state.{name}` must be a 0-d {dtype} tensor, got {describe(value)}; "
+            "build the state with the optimizer's init(params)"
+        )
+
+
+def check_state_like(
+    api: str,
+    name: str,
+    leaves: Sequence[Any],
+    refs: Sequence[torch.Tensor],
+    dtypes: Sequence[torch.dtype],
+    grads: PyTree,
+    *,
+    empty: Sequence[bool] | None = None,
+) -> None:
+    """Each of ``leaves`` (the optimizer state's ``name`` tree, flattened like the grads) must be
+    a tensor of its ``refs``' shape and of ``dtypes[i]`` (an empty tensor where ``empty[i]``).
+    Metadata only."""
+    for i, (x, ref, dtype) in enumerate(zip(leaves, refs, dtypes)):
+        shape = (0,) if empty is not None and empty[i] else tuple(ref.shape)
+        if (
+            isinstance(x, torch.Tensor)
+            and x.dtype == dtype
+            and tuple(x.shape) == shape
+            and x.device == ref.device
+        ):
+            continue
+        path = _leaf_paths(grads)[i]
+        got = describe(x) + (f" on {x.device}" if isinstance(x, torch.Tensor) else "")
+        raise ValueError(
+            f"funcamp.{api}: `state.{name}` leaf {path} must be a {dtype} tensor of shape "
+            f"{shape} on {ref.device} to match its param, got {got}; build the state with the "
+            "optimizer's init(params) (or TrainState.create)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# scaler state
+
+#: ScalerState leaf -> its dtype (all 0-d).
+SCALER_LEAVES = {
+    "scale": torch.float32,
+    "growth_tracker": torch.int32,
+    "hysteresis_tracker": torch.int32,
+    "skipped": torch.int32,
+}
+
+
+def check_scaler_leaves(api: str, state: Any, arg: str = "state") -> None:
+    """Each leaf of a ScalerState must be a 0-d tensor of its dtype (metadata only)."""
+    for name, dtype in SCALER_LEAVES.items():
+        x = getattr(state, name)
+        if not isinstance(x, torch.Tensor) or x.dim() != 0 or x.dtype != dtype:
+            raise TypeError(
+                f"funcamp.{api}: `{arg}.{name}` must be a 0-d {dtype} tensor, got "
+                f"{describe(x)}; build scaler states with ScalerState.dynamic/static/noop (or "
+                "from_grad_scaler / load_state_dict), not positionally"
+            )
+
+
+def check_scaler_values(api: str, state: Any, arg: str = "state") -> None:
+    """Value checks for a ScalerState coming in from outside (a checkpoint, a GradScaler): reads
+    the four scalars (host sync: load time only, never on the step path). A stacked state (the
+    leaves of several states, as ``vmap`` makes) is checked element by element."""
+    for name, dtype in SCALER_LEAVES.items():
+        x = getattr(state, name)
+        if not isinstance(x, torch.Tensor) or x.dtype != dtype:
+            raise TypeError(
+                f"funcamp.{api}: `{arg}.{name}` must be a {dtype} tensor, got {describe(x)}"
+            )
+
+    def worst(x: torch.Tensor, bad: torch.Tensor) -> Any:
+        """The first offending value (a Python number), or None when there is none."""
+        bad = bad.reshape(-1).cpu()
+        if not bool(bad.any()):
+            return None
+        return x.reshape(-1).cpu()[bad][0].item()
+
+    scale = state.scale.detach().to(torch.float64)
+    f32max = torch.finfo(torch.float32).max
+    v = worst(scale, ~(torch.isfinite(scale) & (scale > 0) & (scale <= f32max)))
+    if v is not None:
+        raise ValueError(
+            f"funcamp.{api}: `{arg}.scale` must be finite and > 0, got {v!r} (a zero or "
+            "negative scale gives wrong gradients, a NaN one skips every step); start from a "
+            "fresh ScalerState.dynamic() or fix the checkpoint"
+        )
+    if state.kind == "noop":
+        v = worst(scale, scale != 1.0)
+        if v is not None:
+            raise ValueError(
+                f"funcamp.{api}: `{arg}.scale` must be 1.0 for a 'noop' scaler, got {v!r}"
+            )
+    if state.kind == "dynamic":
+        for bound, bad in (
+            ("min_scale", None if state.min_scale is None else scale < state.min_scale),
+            ("max_scale", None if state.max_scale is None else scale > state.max_scale),
+        ):
+            v = None if bad is None else worst(scale, bad)
+            if v is not None:
+                raise ValueError(
+                    f"funcamp.{api}: `{arg}.scale` must respect `{bound}` "
+                    f"({getattr(state, bound)!r}), got {v!r}"
+                )
+    for name, low, high, bound in (
+        (
+            "growth_tracker",
+            0,
+            state.growth_interval - 1,
+            f"[0, growth_interval={state.growth_interval})",
+        ),
+        ("hysteresis_tracker", 0, state.hysteresis, f"[0, hysteresis={state.hysteresis}]"),
+        ("skipped", 0, None, "[0, inf)"),
+    ):
+        x = getattr(state, name).detach()
+        bad = x < low if high is None else (x < low) | (x > high)
+        v = worst(x, bad)
+        if v is not None:
+            raise ValueError(f"funcamp.{api}: `{arg}.{name}` must be in {bound}, got {v}")

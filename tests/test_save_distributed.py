@@ -1,0 +1,194 @@
+"""funcamp.save/load with a process group: through torch.distributed.checkpoint, on 2 gloo ranks.
+
+One spawned run trains, saves (twice: the second replaces the first) and trains on; a second
+spawned run -- fresh processes -- loads the checkpoint and trains the same steps: both end with the
+same bits on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint  # preloaded by the fork server
+
+import funcamp
+import funcamp.testing
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+BATCH = 8
+POLICY = "bf16-mixed"
+SAVED_AT = 3  # steps before the checkpoint
+MORE = 2  # steps after it
+TIMEOUT_S = 150
+
+
+def _loss_fn(params, buffers, batch):
+    x, y = batch
+    buffers["seen"].add_(x.shape[0])
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return torch.nn.functional.mse_loss(h @ params["w2"], y)
+
+
+def _batch(i: int, rank: int):
+    gen = torch.Generator().manual_seed(100 + i)
+    x, y = torch.randn(BATCH, 4, generator=gen), torch.randn(BATCH, 1, generator=gen)
+    if i == 1:
+        x[-1, 0] = math.inf  # on the last rank's shard: every rank skips the step
+    n = BATCH // WORLD
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+def _opt():
+    return funcamp.adamw(1e-2)
+
+
+def _init() -> funcamp.TrainState:
+    gen = torch.Generator().manual_seed(1)
+    params = {
+        "w1": torch.randn(4, 8, generator=gen),
+        "b1": torch.zeros(8),
+        "w2": torch.randn(8, 1, generator=gen),
+    }
+    scaler = funcamp.ScalerState.dynamic(2.0**8, growth_interval=2)
+    buffers = {"seen": torch.zeros((), dtype=torch.int64)}
+    return funcamp.TrainState.create(params, _opt(), POLICY, buffers=buffers, scaler=scaler)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, ckpt: str, out_dir: str, phase: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S)
+    )
+    pg = dist.group.WORLD
+    step = funcamp.make_train_step(_loss_fn, _opt(), POLICY, group=pg, compile=False)
+    res: dict = {}
+    if phase == "train":
+        state = _init()
+        for i in range(SAVED_AT):
+            state, _ = step(state, _batch(i, rank))
+            if i == SAVED_AT - 2:  # an earlier checkpoint, replaced by the next one
+                funcamp.save(ckpt, state, policy=POLICY, group=pg, step=i + 1)
+        funcamp.save(ckpt, state, policy=POLICY, group=pg, step=SAVED_AT)
+        res["saved"] = funcamp.state_dict(state)
+        try:
+            funcamp.load(ckpt, _init(), policy="mixed_float16", group=pg)
+            res["policy_error"] = None
+        except ValueError as e:
+            res["policy_error"] = str(e)
+        start = SAVED_AT
+    else:
+        state = funcamp.load(ckpt, _init(), policy=POLICY, group=pg)
+        res["loaded"] = funcamp.state_dict(state)
+        start = funcamp.checkpoint_info(ckpt).metadata["step"]
+    for i in range(start, SAVED_AT + MORE):
+        state, _ = step(state, _batch(i, rank))
+    res["final"] = funcamp.state_dict(state)
+    torch.save(res, os.path.join(out_dir, f"{phase}{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # skip the interpreter's teardown (slow after torch.distributed)
+
+
+def _spawn(ckpt: Path, out_dir: Path, phase: str) -> list[dict]:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "funcamp", __name__])
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, str(ckpt), str(out_dir), phase), daemon=True)
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * WORLD, [p.exitcode for p in procs]
+    return [torch.load(out_dir / f"{phase}{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dcp")
+    ckpt = tmp / "ckpt"
+    t0 = time.monotonic()
+    trained = _spawn(ckpt, tmp, "train")
+    t1 = time.monotonic()
+    resumed = _spawn(ckpt, tmp, "resume")
+    print(f"train {t1 - t0:.1f}s resume {time.monotonic() - t1:.1f}s")
+    return {"ckpt": ckpt, "trained": trained, "resumed": resumed}
+
+
+def _assert_bitwise(a, b) -> None:
+    funcamp.testing.assert_trees_equal(a, b)
+    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+
+
+def test_resumed_on_two_ranks_bit_for_bit(runs):
+    trained, resumed = runs["trained"], runs["resumed"]
+    for rank in range(WORLD):
+        _assert_bitwise(resumed[rank]["loaded"], trained[rank]["saved"])
+        _assert_bitwise(resumed[rank]["final"], trained[rank]["final"])
+    _assert_bitwise(trained[0]["final"], trained[1]["final"])  # data parallel: one state
+    assert int(trained[0]["final"]["scaler"]["skipped"]) == 1  # the overflow at step 1
+    assert int(trained[0]["final"]["buffers"]["seen"]) == (SAVED_AT + MORE) * BATCH // WORLD
+
+
+def test_layout_and_records(runs):
+    ckpt = runs["ckpt"]
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert len(names) == 2 and names[0].startswith("data-") and names[1] == "funcamp.pt"
+    info = funcamp.checkpoint_info(ckpt)
+    assert info.world_size == WORLD and info.metadata == {"step": SAVED_AT}
+    assert info.policy == str(funcamp.get_policy(POLICY)) and info.scaler_kind == "dynamic"
+
+
+def test_a_different_policy_is_refused_on_every_rank(runs):
+    for res in runs["trained"]:
+        assert res["policy_error"].startswith("funcamp.load: ")
+        assert (
+            "saved under policy 'params=float32,compute=bfloat16,output=float32'"
+            in res["policy_error"]
+        )
+
+
+def test_loads_into_one_process_without_a_group(runs):
+    state = funcamp.load(runs["ckpt"], _init(), policy=POLICY)
+    _assert_bitwise(funcamp.state_dict(state), runs["trained"][0]["saved"])
+
+
+def test_group_is_checked(single_rank_group, tmp_path):
+    with pytest.raises(
+        TypeError, match=r"funcamp.save: `group` must be a torch.distributed.ProcessGroup"
+    ):
+        funcamp.save(tmp_path / "c", _init(), policy=POLICY, group="world")
+    funcamp.save(tmp_path / "file.pt", _init(), policy=POLICY)
+    with pytest.raises(
+        NotADirectoryError, match=r"funcamp.save: with `group`, `path` is a directory"
+    ):
+        funcamp.save(tmp_path / "file.pt", _init(), policy=POLICY, group=single_rank_group)
+    with pytest.raises(NotADirectoryError, match=r"funcamp.load: with `group`, .* is a file"):
+        funcamp.load(tmp_path / "file.pt", _init(), group=single_rank_group)
