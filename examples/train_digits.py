@@ -4,6 +4,12 @@
     python examples/train_digits.py --policy bf16-mixed   # or float32, bf16-true
     python examples/train_digits.py --epochs 30 --resume  # continue from the last checkpoint
     python examples/train_digits.py --policy bf16-true --update sr  # bfloat16 params
+    python examples/train_digits.py --policy bf16-mixed --fp8 delayed  # FP8 linears
+
+``--fp8 current|delayed`` runs both linears as scaled FP8 matmuls (``Policy.with_fp8``): inputs
+and weights in float8_e4m3fn, output gradients in float8_e5m2, with current (per-call) or
+TransformerEngine-style delayed scaling, whose amax histories live in ``state.fp8`` (threaded by
+the step, checkpointed with the rest). On CPU torch emulates the FP8 matmuls (correct, slower).
 
 Everything goes under ``build/train_digits/`` (``--out``), one file name per policy so runs of
 different policies do not overwrite each other: ``<policy>.pt`` (the checkpoint, written with
@@ -96,6 +102,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how half params take Adam's updates (default kahan; no effect on float32 params)",
     )
     p.add_argument(
+        "--fp8",
+        default="none",
+        choices=("none", "current", "delayed"),
+        help="run the linears in FP8 with this scaling recipe (default none)",
+    )
+    p.add_argument("--fp8-history", type=int, default=16, help="amax history of --fp8 delayed")
+    p.add_argument(
         "--growth-interval",
         type=int,
         default=100,
@@ -146,6 +159,12 @@ def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     name = POLICIES[args.policy]
     policy = funcamp.get_policy(name)
+    if args.fp8 == "current":
+        policy = policy.with_fp8(funcamp.Fp8Recipe.current())
+    elif args.fp8 == "delayed":
+        policy = policy.with_fp8(funcamp.Fp8Recipe.delayed(history=args.fp8_history))
+    if args.fp8 != "none":
+        name = f"{name}-fp8-{args.fp8}"  # its own checkpoint and plot
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     plot_path = args.plot or out / f"{name}.png"
@@ -164,7 +183,10 @@ def main(argv: list[str] | None = None) -> float:
     scaler = None  # a float16 policy gets a dynamic scaler, the others a noop one
     if policy.compute_dtype == torch.float16:
         scaler = funcamp.ScalerState.dynamic(growth_interval=args.growth_interval)
-    state = funcamp.TrainState.create(params, optimizer, policy, buffers=buffers, scaler=scaler)
+    # model= builds the delayed-FP8 state (state.fp8) for its linears; ignored otherwise.
+    state = funcamp.TrainState.create(
+        params, optimizer, policy, buffers=buffers, scaler=scaler, model=model
+    )
     history: dict[str, list[float]] = {"loss": [], "scale": [], "skipped": []}
     start_epoch = 0
     if args.resume:
@@ -181,7 +203,10 @@ def main(argv: list[str] | None = None) -> float:
     step = funcamp.make_train_step(
         loss_fn, optimizer, policy, compile=not args.no_compile, **compile_kw
     )
-    predict = funcamp.amp(lambda p, b, x: functional_call(model, (p, b), (x,)).argmax(-1), policy)
+    # with_fp8_state: delayed FP8 scaling reads its scales from state.fp8 (a no-op otherwise).
+    predict = funcamp.with_fp8_state(
+        funcamp.amp(lambda p, b, x: functional_call(model, (p, b), (x,)).argmax(-1), policy)
+    )
     guard = funcamp.ScaleCollapseGuard(patience=args.patience)
 
     n_batches = len(x_tr) // args.batch_size  # drop the last partial batch: fixed shapes
@@ -219,18 +244,19 @@ def main(argv: list[str] | None = None) -> float:
     elapsed = time.perf_counter() - t0
 
     with torch.no_grad():
-        pred = predict(state.params, state.buffers, x_te)
+        pred = predict(state.fp8, state.params, state.buffers, x_te)
     accuracy = (pred == y_te).float().mean().item()
     update = f" | update {args.update}" if policy.param_dtype != torch.float32 else ""
+    fp8 = "" if args.fp8 == "none" else f" | fp8 {args.fp8}"
     print(
-        f"policy {policy}{update} | {done} steps in {elapsed:.1f}s"
+        f"policy {policy}{fp8}{update} | {done} steps in {elapsed:.1f}s"
         f" | skipped {int(state.scaler.skipped)}"
         f" | final scale {float(state.scaler.scale):g} | test accuracy {accuracy:.4f}"
     )
 
     _save(ckpt_path, state, policy, epoch, history, args)
     print(f"checkpoint: {ckpt_path}")
-    _plot(history, plot_path, f"{policy} ({state.scaler.kind} scaler)")
+    _plot(history, plot_path, f"{policy}{fp8} ({state.scaler.kind} scaler)")
     print(f"plot: {plot_path}")
     return accuracy
 

@@ -7,6 +7,7 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 
 from funcamp._amp import amp, full_precision
 from funcamp._checkpoint import load_state_dict, state_dict
+from funcamp._fp8 import Fp8Recipe, Fp8Record, Fp8State, fp8_update, with_fp8_state
 from funcamp._guard import ScaleCollapseError, ScaleCollapseGuard
 from funcamp._headroom import Headroom, headroom
 from funcamp._ops import OpPolicy, OpRule
@@ -40,6 +41,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpTrace",
     "CheckpointInfo",
+    "Fp8Recipe",
+    "Fp8Record",
+    "Fp8State",
     "Headroom",
     "OpPolicy",
     "OpRecord",
@@ -66,6 +70,7 @@ __all__ = [
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
+    "fp8_update",
     "full_precision",
     "get_policy",
     "headroom",
@@ -86,4 +91,5 @@ __all__ = [
     "unscale",
     "unscale_and_step",
     "update",
+    "with_fp8_state",
 ]

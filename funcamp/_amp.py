@@ -23,6 +23,7 @@ from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
 from funcamp import _dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
+from funcamp._fp8 import run_linear
 from funcamp._ops import (
     DTYPE_ARG_OPS,
     OpPolicy,
@@ -198,6 +199,7 @@ def _glob_match(path: str, pattern: str) -> bool:
 class _ModuleFrame(NamedTuple):
     path: str
     ctx: _Context | None  # the module policy that matched, or None
+    fp8: bool = False  # whether this module's linear calls run in FP8
 
 
 class _ModuleTracker:
@@ -250,7 +252,8 @@ class _ModuleTracker:
                 self.paths.setdefault(id(sub), name)
         path = self.paths.get(id(module), type(module).__name__)
         ctx = self._match(module, path)
-        self.frames.append(_ModuleFrame(path, ctx))
+        fp8 = self.mode.fp8 is not None and self.mode.fp8.matches(module, path)
+        self.frames.append(_ModuleFrame(path, ctx, fp8))
         if ctx is None:
             return None
         self.mode.push(ctx)
@@ -269,6 +272,11 @@ class _ModuleTracker:
     def path(self) -> str | None:
         return self.frames[-1].path if self.frames else None
 
+    @property
+    def fp8_site(self) -> str | None:
+        """The innermost module's path when its linear calls run in FP8."""
+        return self.frames[-1].path if self.frames and self.frames[-1].fp8 else None
+
 
 # -- the mode -------------------------------------------------------------------------------------
 class _AmpMode(TorchFunctionMode):
@@ -278,6 +286,7 @@ class _AmpMode(TorchFunctionMode):
         self.saved: list[_Context] = []
         self.recorder = recorder
         self.tracker: _ModuleTracker | None = None
+        self.fp8 = ctx.policy.fp8  # the FP8 linears of the policy given to amp (or None)
 
     def push(self, ctx: _Context) -> None:
         self.saved.append(self.ctx)
@@ -297,6 +306,15 @@ class _AmpMode(TorchFunctionMode):
             kwargs = {}
         ctx = self.ctx
         name = getattr(func, "__name__", None)
+        if self.fp8 is not None and name == "linear" and self.tracker is not None:
+            site = self.tracker.fp8_site
+            if site is not None:
+                record = None
+                if self.recorder is not None:
+                    record = functools.partial(self.recorder.record_fp8, func, ctx, self)
+                out = run_linear(self.fp8, site, ctx.compute_dtype, args, kwargs, record)
+                if out is not NotImplemented:
+                    return out
         entry = ctx.table.get(name)
         if entry is None and ctx.by_identity:
             entry = ctx.table.get(func)
@@ -426,7 +444,7 @@ def _run(
     try:
         with mode:
             rules = ctx.modules
-            if rules or recorder is not None:
+            if rules or recorder is not None or mode.fp8 is not None:
                 mode.tracker = _ModuleTracker(mode, rules)
                 with mode.tracker:
                     return fn(*args, **kwargs)

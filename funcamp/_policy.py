@@ -118,6 +118,8 @@ class Policy:
             autocast lists, on every device).
         module_policies: per-module overrides, ``((ModuleClass or "glob.path", Policy), ...)``;
             build them with :meth:`with_module_policies`.
+        fp8: which linear calls run as scaled FP8 matmuls, and with which recipe, or None;
+            build it with :meth:`with_fp8`.
 
     Example:
         >>> import torch, funcamp
@@ -133,6 +135,7 @@ class Policy:
     output_dtype: torch.dtype = torch.float32
     ops: OpPolicy = dataclasses.field(default_factory=OpPolicy.default)
     module_policies: tuple[tuple[ModuleKey, Policy], ...] = ()
+    fp8: Any = None  # funcamp._fp8.Fp8Config
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -158,6 +161,14 @@ class Policy:
                 raise TypeError(
                     f"funcamp.Policy: the module policy for {entry[0]!r} must be a Policy, got "
                     f"{type(entry[1]).__name__}"
+                )
+        if self.fp8 is not None:
+            from funcamp._fp8 import Fp8Config
+
+            if not isinstance(self.fp8, Fp8Config):
+                raise TypeError(
+                    "funcamp.Policy: `fp8` must be None or built by Policy.with_fp8(recipe), got "
+                    f"{type(self.fp8).__name__}"
                 )
 
     # -- casting ------------------------------------------------------------------------------
@@ -262,6 +273,40 @@ class Policy:
             merged[key] = value
         return dataclasses.replace(self, module_policies=tuple(merged.items()))
 
+    def with_fp8(
+        self,
+        recipe: Any,
+        *,
+        modules: tuple[ModuleKey, ...] = (torch.nn.Linear,),
+        exclude: tuple[ModuleKey, ...] = (),
+    ) -> Policy:
+        """Return a policy whose matching linear calls run as scaled FP8 matmuls.
+
+        A linear call (``F.linear``, what ``nn.Linear`` runs) runs in FP8 when the innermost
+        module running it matches ``modules`` (an ``nn.Module`` subclass or a glob over module
+        paths as ``named_modules()`` gives them) and no ``exclude`` entry (``exclude`` wins):
+        input and weight quantized to ``float8_e4m3fn``, the output gradient to
+        ``float8_e5m2``, each with a per-tensor scale chosen by ``recipe``, the matmuls done by
+        ``torch._scaled_mm``, the output (and the bias add) in the compute dtype of the policy in
+        force. Everything else follows this policy. See the FP8 guide for the exact numerics.
+
+        Args:
+            recipe: a :class:`funcamp.Fp8Recipe` (``Fp8Recipe.current()`` or
+                ``Fp8Recipe.delayed(history, margin)``).
+            modules: module classes or path globs whose linear calls run in FP8.
+            exclude: module classes or path globs that stay out of FP8.
+
+        Example:
+            >>> import torch, funcamp
+            >>> p = funcamp.get_policy("mixed_bfloat16").with_fp8(
+            ...     funcamp.Fp8Recipe.current(), exclude=("head",))
+            >>> p.fp8.recipe.kind, p.fp8.exclude, str(p)
+            ('current', ('head',), 'params=float32,compute=bfloat16,output=float32')
+        """
+        from funcamp._fp8 import Fp8Config
+
+        return dataclasses.replace(self, fp8=Fp8Config.build(recipe, modules, exclude))
+
     def __str__(self) -> str:
         return (
             f"params={_CANONICAL_NAME[self.param_dtype]},"
@@ -278,6 +323,8 @@ class Policy:
                 f"{getattr(k, '__name__', k)!s}: {v!r}" for k, v in self.module_policies
             )
             parts.append(f"module_policies={{{inner}}}")
+        if self.fp8 is not None:
+            parts.append(f"fp8={self.fp8!r}")
         return ", ".join(parts) + ")"
 
 

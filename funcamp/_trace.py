@@ -138,6 +138,7 @@ def _short_dtype(d: torch.dtype) -> str:
 class _Recorder:
     def __init__(self, stats: bool = False) -> None:
         self.records: list[OpRecord] = []
+        self.fp8: list[Any] = []  # Fp8Record per linear call run in FP8
         self.stats = stats
 
     def record(
@@ -172,6 +173,13 @@ class _Recorder:
             )
         )
 
+    def record_fp8(
+        self, func: Any, ctx: Any, mode: Any, operands: Any, out: Any, record: Any
+    ) -> None:
+        """An FP8 linear: its op record (the FP8 operands as inputs) and its scales."""
+        self.record(func, OpRule.COMPUTE, ctx, operands, {}, out, mode)
+        self.fp8.append(record._replace(index=len(self.records) - 1))
+
 
 class AmpTrace:
     """What ``trace`` saw: the records of every op, and the function's output.
@@ -180,6 +188,8 @@ class AmpTrace:
         output: what the traced function returned (cast to the output dtype, as ``amp`` does).
         records: one :class:`OpRecord` per op call, in call order.
         policy: the policy the function ran under.
+        fp8: one :class:`funcamp.Fp8Record` per linear call that ran in FP8 (its site and
+            scales; its op record, at ``fp8[i].index``, lists the FP8 operands as inputs).
 
     Example:
         >>> import torch, funcamp
@@ -189,12 +199,18 @@ class AmpTrace:
     """
 
     def __init__(
-        self, output: Any, records: list[OpRecord], policy: Policy, stats: bool = False
+        self,
+        output: Any,
+        records: list[OpRecord],
+        policy: Policy,
+        stats: bool = False,
+        fp8: Any = (),
     ) -> None:
         self.output = output
         self.records = records
         self.policy = policy
         self.stats = stats
+        self.fp8 = list(fp8)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -273,6 +289,13 @@ class AmpTrace:
         lines = [f"AmpTrace under {self.policy}: {len(self.records)} ops"]
         for row in rows:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        for f in self.fp8:
+            grad = "per call" if f.grad_scale is None else f"{float(f.grad_scale):g}"
+            lines.append(
+                f"FP8 #{f.index} {f.site or '<root>'} ({f.recipe}): input scale "
+                f"{float(f.input_scale):g}, weight scale {float(f.weight_scale):g}, "
+                f"grad scale {grad}"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -331,6 +354,7 @@ def trace(
     def traced(*args: Any, **kwargs: Any) -> AmpTrace:
         recorder = _Recorder(stats)
         out = _run(ctx, fn, args, kwargs, recorder)
-        return AmpTrace(_cast_floating(out, pol.output_dtype), recorder.records, pol, stats)
+        out = _cast_floating(out, pol.output_dtype)
+        return AmpTrace(out, recorder.records, pol, stats, recorder.fp8)
 
     return traced

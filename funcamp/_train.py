@@ -45,6 +45,7 @@ import optree
 import torch
 
 from funcamp._amp import _as_policy, amp
+from funcamp._fp8 import Fp8State, fp8_update, needs_state, with_fp8_state
 from funcamp._headroom import _headroom, _headroom_dtype
 from funcamp._hints import optimizer_type_error
 from funcamp._optim import Optimizer, _flatten_params, init_from_exact
@@ -58,6 +59,7 @@ from funcamp._tree import (
     _path_str,
     _plan_write,
     _sharing_memory,
+    tree_select,
 )
 from funcamp.distributed import _reduce_step
 
@@ -80,6 +82,8 @@ class TrainState(NamedTuple):
             none.
         opt_state: the optimizer's state.
         scaler: the :class:`funcamp.ScalerState` (its ``skipped`` leaf counts skipped steps).
+        fp8: the delayed-scaling :class:`funcamp.Fp8State` (amax histories and scales of the
+            FP8 call sites); empty (the default) without a delayed FP8 recipe.
 
     Being a NamedTuple it flattens with optree and ``torch.utils._pytree``, compiles, and
     checkpoints with :func:`funcamp.state_dict`.
@@ -95,6 +99,7 @@ class TrainState(NamedTuple):
     buffers: PyTree
     opt_state: PyTree
     scaler: ScalerState
+    fp8: Fp8State = Fp8State()
 
     @classmethod
     def create(
@@ -105,6 +110,7 @@ class TrainState(NamedTuple):
         *,
         buffers: PyTree = None,
         scaler: ScalerState | None = None,
+        model: torch.nn.Module | None = None,
     ) -> TrainState:
         """Build the initial state: optimizer state, params (and buffers) cast to
         ``param_dtype``, scaler.
@@ -124,6 +130,10 @@ class TrainState(NamedTuple):
                 default ``{}``.
             scaler: the loss scaler; default ``ScalerState.for_policy(policy)`` (dynamic for a
                 float16 policy, noop otherwise) on the params' device.
+            model: the root module ``loss_fn`` runs; with a delayed FP8 policy
+                (``policy.with_fp8(Fp8Recipe.delayed(...))``) the :class:`funcamp.Fp8State` is
+                built for its FP8 call sites (:meth:`funcamp.Fp8State.init`). Ignored when the
+                policy needs no such state.
 
         Returns:
             A :class:`TrainState`.
@@ -154,7 +164,20 @@ class TrainState(NamedTuple):
         # The optimizer state is built for the params in param_dtype (a mode allocates what it
         # needs), with float32 masters taken from the params as given: exact, not rounded.
         opt_state = init_from_exact(optimizer, cast, params)
-        return cls(cast, pol.cast_to_param(buffers), opt_state, scaler)
+        fp8 = Fp8State()
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"funcamp.{api}: `model` must be the torch.nn.Module loss_fn runs, got "
+                f"{_describe(model)}"
+            )
+        if needs_state(pol):
+            if model is None:
+                raise ValueError(
+                    f"funcamp.{api}: the policy's delayed FP8 recipe keeps state per call site; "
+                    "pass `model=` (the root module loss_fn runs) to build it"
+                )
+            fp8 = Fp8State.init(model, pol, device=leaves[0].device if leaves else None)
+        return cls(cast, pol.cast_to_param(buffers), opt_state, scaler, fp8)
 
 
 def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
@@ -304,6 +327,11 @@ def _check_state(state: TrainState, optimizer: Optimizer) -> None:
         raise TypeError(
             f"funcamp.{_API}: `state.scaler` must be a funcamp.ScalerState, got "
             f"{_describe(state.scaler)}"
+        )
+    if not isinstance(state.fp8, Fp8State):
+        raise TypeError(
+            f"funcamp.{_API}: `state.fp8` must be a funcamp.Fp8State (TrainState.create builds "
+            f"it), got {_describe(state.fp8)}"
         )
     meta = optree.tree_map(
         lambda p: torch.empty_like(p, device="meta"), state.params, namespace=NAMESPACE
@@ -590,25 +618,37 @@ def make_train_step(
             "compile=False"
         )
 
-    run_loss = amp(loss_fn, pol)
+    run_loss = with_fp8_state(amp(loss_fn, pol))
+    fp8_stateful = needs_state(pol)  # delayed FP8: the state's gradient is its new value
+    if fp8_stateful and data_parallel is not None:
+        raise NotImplementedError(
+            f"funcamp.{_API}: delayed FP8 scaling with `group=` is not supported yet (the amax "
+            "histories would need a max-reduction across ranks); use Fp8Recipe.current(), "
+            "which keeps no state"
+        )
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         scaler = state.scaler
 
-        def scaled_loss(params: PyTree) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        def scaled_loss(params: PyTree, fp8: Fp8State) -> tuple[torch.Tensor, tuple[Any, ...]]:
             # Copies made inside the transform, so in-place buffer updates are allowed.
             buffers = state.buffers if returns_buffers else _clone_buffers(state.buffers)
             loss, aux, new_buffers = _split_output(
-                run_loss(params, buffers, batch), has_aux, returns_buffers
+                run_loss(fp8, params, buffers, batch), has_aux, returns_buffers
             )
             loss = _check_loss(loss).to(torch.float32)
             if not returns_buffers:
                 new_buffers = buffers
             return scale(scaler, loss), (loss.detach(), aux if has_aux else (), new_buffers)
 
-        grads, (_, (loss, aux, new_buffers)) = torch.func.grad_and_value(scaled_loss, has_aux=True)(
-            state.params
-        )
+        argnums = (0, 1) if fp8_stateful else 0
+        grads, (_, (loss, aux, new_buffers)) = torch.func.grad_and_value(
+            scaled_loss, argnums=argnums, has_aux=True
+        )(state.params, state.fp8)
+        new_fp8 = state.fp8
+        if fp8_stateful:
+            grads, fp8_grads = grads
+            new_fp8 = fp8_update(state.fp8, fp8_grads)
         # Always checked (in-place updates too: a rebound or added key would change the state's
         # structure), and before anything is written into a donated state.
         new_buffers = _restore_buffers(new_buffers, state.buffers, returns_buffers)
@@ -654,6 +694,8 @@ def make_train_step(
             # reported flag and the scaler update tied to the consensus all the same.
             found_inf = found_inf | nonfinite
         new_scaler = update(scaler, found_inf)
+        if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
+            new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
         if write_buffers is not None:
             new_buffers = write_buffers()
         metrics: Metrics = {
@@ -667,7 +709,7 @@ def make_train_step(
             metrics["aux"] = aux
         if room is not None:
             metrics["headroom"] = room.summary()
-        return TrainState(params, new_buffers, opt_state, new_scaler), metrics
+        return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
 
     # Dynamo caches compiled code per code object, and the default guard filter drops the
     # guards on closures: a code object of its own keeps each step's graph to that step.

@@ -1,0 +1,684 @@
+"""FP8 linears: ``Fp8Recipe``, the explicit delayed-scaling state ``Fp8State`` and the scaled
+matmul that ``amp`` runs for the linear calls a policy's :meth:`~funcamp.Policy.with_fp8` selects.
+
+Numerics (one linear ``y = x @ w.T + b`` of an FP8 call site, compute dtype ``c``):
+
+* ``x`` is cast to ``c`` first (as the ``COMPUTE`` rule does); ``w`` is quantized from its own
+  dtype (torchao's ``Float8Linear`` does the same).
+* a tensor ``t`` is quantized with a float32 scale ``s`` as ``clamp(t.float() * s, -max, max)
+  .to(fp8)`` (saturating, torchao's ``to_fp8_saturated``; TransformerEngine's cast kernels
+  saturate to the finite range too). ``x`` and ``w`` use ``float8_e4m3fn`` (max 448), the
+  output gradient ``float8_e5m2`` (max 57344).
+* ``current`` scaling (torchao's tensorwise dynamic default): ``s = fp8_max / max(amax(t), 1e-12)``
+  of this very tensor, computed in float64 and rounded to float32 as torchao's ``amax_to_scale``
+  does (the same float32 as a correctly rounded float32 division for ``amax >= 1e-12``).
+* ``delayed`` scaling (TransformerEngine's ``DelayedScaling``): ``s`` is read from the
+  :class:`Fp8State`; after the call the amax of each tensor joins its history (the last
+  ``history`` amaxes) and the next scale is ``fp8_max / max(history) / 2**margin`` -- kept at the
+  previous scale where that max is 0 or not finite, ``float32.max`` where the quotient overflows
+  (TransformerEngine's ``_default_sf_compute``).
+* the three matmuls (``y``, ``dx = g @ w``, ``dw = g.T @ x``) run with ``torch._scaled_mm`` on the
+  FP8 operands with the inverse scales ``1/s`` (rounded once from float64), output in ``c``; the
+  bias is added after, in ``c`` (torchao). ``dw`` is cast to ``w``'s dtype, as the backward of a
+  ``COMPUTE`` cast does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+
+from funcamp._tree import _describe
+
+__all__ = ["Fp8Record", "Fp8Recipe", "Fp8State", "fp8_update", "with_fp8_state"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_EPS = 1e-12  # torchao's EPS: the smallest amax a current scale is computed from
+_F32_MAX = torch.finfo(torch.float32).max
+_ROWS = ("input", "weight", "grad_output")
+
+
+# ------------------------------------------------------------------------------------ recipes
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How FP8 linears choose their scales: ``current`` (per call) or ``delayed`` (from history).
+
+    Build one with :meth:`current` or :meth:`delayed`. Forward operands (input and weight) are
+    quantized to ``float8_e4m3fn`` and the output gradient to ``float8_e5m2`` (TransformerEngine's
+    ``HYBRID`` format, torchao's default).
+
+    Attributes:
+        kind: ``"current"`` or ``"delayed"``.
+        history: length of the amax history (delayed; 1 for current).
+        margin: the scale is divided by ``2**margin`` (delayed; 0 for current).
+
+    Example:
+        >>> import funcamp
+        >>> funcamp.Fp8Recipe.delayed(history=4)
+        Fp8Recipe(kind='delayed', history=4, margin=0)
+    """
+
+    kind: str = "current"
+    history: int = 1
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("current", "delayed"):
+            raise ValueError(
+                f"funcamp.Fp8Recipe: `kind` must be 'current' or 'delayed', got {self.kind!r}; "
+                "use Fp8Recipe.current() or Fp8Recipe.delayed(...)"
+            )
+        for name, low in (("history", 1), ("margin", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"funcamp.Fp8Recipe: `{name}` must be an int >= {low}, got {_describe(value)}"
+                )
+        if self.kind == "current" and (self.history, self.margin) != (1, 0):
+            raise ValueError(
+                "funcamp.Fp8Recipe: `history` and `margin` only apply to delayed scaling; use "
+                f"Fp8Recipe.delayed(history={self.history}, margin={self.margin})"
+            )
+
+    @classmethod
+    def current(cls) -> Fp8Recipe:
+        """Tensorwise dynamic scaling: each tensor's scale comes from its own amax, per call.
+
+        Stateless (torchao's default): ``scale = fp8_max / max(amax, 1e-12)``.
+
+        Example:
+            >>> import funcamp
+            >>> funcamp.Fp8Recipe.current().kind
+            'current'
+        """
+        return cls("current")
+
+    @classmethod
+    def delayed(cls, history: int = 16, margin: int = 0) -> Fp8Recipe:
+        """TransformerEngine's delayed scaling: scales from the max of the last ``history`` amaxes.
+
+        ``scale = fp8_max / max(amax_history) / 2**margin``; the histories and scales are explicit
+        state (:class:`Fp8State`), one entry per call site.
+
+        Args:
+            history: how many past amaxes each scale looks at (TransformerEngine's
+                ``amax_history_len``), >= 1.
+            margin: scales are divided by ``2**margin`` (headroom), >= 0.
+
+        Example:
+            >>> import funcamp
+            >>> funcamp.Fp8Recipe.delayed(history=8, margin=1).margin
+            1
+        """
+        return cls("delayed", history, margin)
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the recipe needs an :class:`Fp8State` (delayed scaling)."""
+        return self.kind == "delayed"
+
+
+def _check_keys(keys: Any, arg: str) -> tuple[Any, ...]:
+    if isinstance(keys, (str, type)):
+        keys = (keys,)
+    if not isinstance(keys, Iterable):
+        raise TypeError(
+            f"funcamp.Policy.with_fp8: `{arg}` must be a tuple of nn.Module classes or "
+            f"module-path globs, got {_describe(keys)}"
+        )
+    keys = tuple(keys)
+    for key in keys:
+        ok = (isinstance(key, str) and key) or (
+            isinstance(key, type) and issubclass(key, torch.nn.Module)
+        )
+        if not ok:
+            raise TypeError(
+                f"funcamp.Policy.with_fp8: `{arg}` entries must be torch.nn.Module subclasses or "
+                f"non-empty module-path globs (e.g. torch.nn.Linear or 'layers.*.mlp.*'), got "
+                f"{_describe(key)}"
+            )
+    return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """What :meth:`funcamp.Policy.with_fp8` stores as ``policy.fp8``: the recipe and which
+    modules' linear calls run in FP8 (``modules`` match by class or path glob; ``exclude``
+    wins)."""
+
+    recipe: Fp8Recipe
+    modules: tuple[Any, ...] = (torch.nn.Linear,)
+    exclude: tuple[Any, ...] = ()
+
+    @classmethod
+    def build(cls, recipe: Any, modules: Any, exclude: Any) -> Fp8Config:
+        if not isinstance(recipe, Fp8Recipe):
+            raise TypeError(
+                "funcamp.Policy.with_fp8: `recipe` must be a funcamp.Fp8Recipe "
+                f"(Fp8Recipe.current() or Fp8Recipe.delayed()), got {_describe(recipe)}"
+            )
+        return cls(recipe, _check_keys(modules, "modules"), _check_keys(exclude, "exclude"))
+
+    def matches(self, module: torch.nn.Module, path: str) -> bool:
+        """Whether the linear calls of ``module`` (at ``path``) run in FP8."""
+        return _hit(self.modules, module, path) and not _hit(self.exclude, module, path)
+
+    def __repr__(self) -> str:
+        names = lambda ks: "(" + ", ".join(getattr(k, "__name__", repr(k)) for k in ks) + ")"  # noqa: E731
+        return (
+            f"Fp8Config({self.recipe!r}, modules={names(self.modules)}, "
+            f"exclude={names(self.exclude)})"
+        )
+
+
+@torch._dynamo.assume_constant_result
+def _glob_match(path: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(path, pattern)
+
+
+def _hit(keys: tuple[Any, ...], module: torch.nn.Module, path: str) -> bool:
+    for key in keys:
+        if isinstance(key, str):
+            if _glob_match(path, key):
+                return True
+        elif isinstance(module, key):
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------------- state
+class Fp8State(NamedTuple):
+    """Delayed-scaling state of every FP8 call site: amax histories and scales. Pure data.
+
+    ``amax_history[site]`` is a float32 tensor of shape ``(3, history)`` and ``scale[site]`` one
+    of shape ``(3,)``; the rows are the input, the weight and the output gradient, the newest
+    amax is the last column. Sites are module paths as ``named_modules()`` gives them. Empty
+    (``Fp8State()``) when no delayed recipe is used. Build it with :meth:`init` (or
+    ``TrainState.create(..., model=module)``); it is a NamedTuple, so it flattens, compiles and
+    checkpoints like any state.
+
+    Example:
+        >>> import torch, funcamp
+        >>> policy = funcamp.get_policy("mixed_bfloat16").with_fp8(funcamp.Fp8Recipe.delayed(4))
+        >>> state = funcamp.Fp8State.init(torch.nn.Sequential(torch.nn.Linear(2, 2)), policy)
+        >>> list(state.scale), state.amax_history["0"].shape, state.scale["0"]
+        (['0'], torch.Size([3, 4]), tensor([1., 1., 1.]))
+    """
+
+    amax_history: dict[str, torch.Tensor] = {}  # noqa: RUF012 (never mutated: a pure value)
+    scale: dict[str, torch.Tensor] = {}  # noqa: RUF012
+
+    @classmethod
+    def init(
+        cls,
+        module: torch.nn.Module,
+        policy: Any,
+        *,
+        device: torch.device | str | None = None,
+    ) -> Fp8State:
+        """The initial state for the FP8 call sites of ``module`` under ``policy``.
+
+        One entry per submodule (the root included) whose linear calls the policy runs in FP8,
+        with histories of zeros and scales of 1 (TransformerEngine's initial values). Empty when
+        the policy has no delayed FP8 recipe.
+
+        Args:
+            module: the root module (the one run by ``functional_call``).
+            policy: a :class:`funcamp.Policy` or a policy string.
+            device: where the tensors live; default the device of ``module``'s first parameter.
+
+        Returns:
+            An :class:`Fp8State`.
+
+        Example:
+            >>> import torch, funcamp
+            >>> p = funcamp.get_policy("bf16-mixed").with_fp8(funcamp.Fp8Recipe.delayed(),
+            ...                                              exclude=("2",))
+            >>> model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.ReLU(),
+            ...                             torch.nn.Linear(4, 1))
+            >>> list(funcamp.Fp8State.init(model, p).scale)
+            ['0']
+        """
+        from funcamp._amp import _as_policy
+
+        pol = _as_policy(policy, "Fp8State.init")
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"funcamp.Fp8State.init: `module` must be a torch.nn.Module, got {_describe(module)}"
+            )
+        config = pol.fp8
+        if config is None or not config.recipe.stateful:
+            return cls({}, {})
+        if device is None:
+            first = next(module.parameters(), None)
+            device = first.device if first is not None else None
+        history, scale = {}, {}
+        for path, sub in module.named_modules():
+            if config.matches(sub, path):
+                history[path] = torch.zeros(3, config.recipe.history, device=device)
+                scale[path] = torch.ones(3, device=device)
+        return cls(history, scale)
+
+
+def fp8_update(state: Fp8State, grads: Fp8State) -> Fp8State:
+    """The new :class:`Fp8State` from its "gradient": the overwrite-with-gradient merge.
+
+    Under :func:`with_fp8_state`, differentiating with respect to the FP8 state gives, for each
+    call site that ran, its *new* state (new histories and scales), not a derivative; sites that
+    did not run get zeros. This keeps the new state where a site ran (its new scale is never 0)
+    and the old one elsewhere. Pure: nothing is mutated.
+
+    Args:
+        state: the state the step started from.
+        grads: the gradient of the loss with respect to ``state``.
+
+    Returns:
+        The state for the next step.
+
+    Example:
+        >>> import torch, funcamp
+        >>> old = funcamp.Fp8State({"a": torch.zeros(3, 2)}, {"a": torch.ones(3)})
+        >>> unused = funcamp.Fp8State({"a": torch.zeros(3, 2)}, {"a": torch.zeros(3)})
+        >>> funcamp.fp8_update(old, unused).scale["a"]
+        tensor([1., 1., 1.])
+    """
+    if not isinstance(state, Fp8State) or not isinstance(grads, Fp8State):
+        raise TypeError(
+            "funcamp.fp8_update: `state` and `grads` must be funcamp.Fp8State values (the state "
+            f"and its gradient), got {_describe(state)} and {_describe(grads)}"
+        )
+    if set(state.scale) != set(grads.scale):
+        raise ValueError(
+            f"funcamp.fp8_update: `grads` must have the sites of `state` {sorted(state.scale)}, "
+            f"got {sorted(grads.scale)}"
+        )
+    history, scale = {}, {}
+    for site in state.scale:
+        ran = grads.scale[site].amax() > 0
+        history[site] = torch.where(ran, grads.amax_history[site], state.amax_history[site])
+        scale[site] = torch.where(ran, grads.scale[site], state.scale[site])
+    return Fp8State(history, scale)
+
+
+# ------------------------------------------------------------------------------------ scope
+class _Scope:
+    """The state visible to FP8 linears of the function run by :func:`with_fp8_state`."""
+
+    def __init__(self, state: Fp8State) -> None:
+        self.state = state
+        self.used: set[str] = set()
+
+
+class _Scopes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_Scope] = []
+
+
+_SCOPES = _Scopes()
+
+
+def with_fp8_state(fn: F) -> Callable[..., Any]:
+    """Thread an explicit :class:`Fp8State` through ``fn``: ``g(fp8_state, *args, **kwargs)``.
+
+    ``g`` calls ``fn(*args, **kwargs)`` with the delayed-scaling FP8 linears inside (those of an
+    ``amp``-wrapped function whose policy has ``with_fp8(Fp8Recipe.delayed(...))``) reading
+    their scales from ``fp8_state``. The new state comes back as the *gradient* with respect to
+    ``fp8_state`` (flax's "overwrite with gradient"): the output gradient's amax is only known in
+    the backward pass, so the backward pass is where the state is produced. Differentiate with
+    ``torch.func.grad(g, argnums=(0, 1))`` (or autograd) and pass the state's gradient to
+    :func:`fp8_update`. Without differentiation (evaluation) the state is only read.
+
+    A call site may run once per call of ``g`` (its two updates would add up); a second call
+    raises.
+
+    Example:
+        >>> import torch, funcamp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+        >>> policy = funcamp.get_policy("mixed_bfloat16").with_fp8(funcamp.Fp8Recipe.delayed(4))
+        >>> fp8 = funcamp.Fp8State.init(model, policy)
+        >>> def loss(params, x):
+        ...     return torch.func.functional_call(model, params, (x,)).square().mean()
+        >>> g = funcamp.with_fp8_state(funcamp.amp(loss, policy))
+        >>> params = dict(model.named_parameters())
+        >>> fp8_grads, grads = torch.func.grad(g, argnums=(0, 1))(fp8, params, torch.ones(4, 16))
+        >>> fp8 = funcamp.fp8_update(fp8, fp8_grads)
+        >>> fp8.amax_history["0"][:, -1] > 0          # this step's amaxes, newest last
+        tensor([True, True, True])
+    """
+    if not callable(fn):
+        raise TypeError(f"funcamp.with_fp8_state: `fn` must be callable, got {_describe(fn)}")
+
+    def run(fp8_state: Fp8State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(fp8_state, Fp8State):
+            raise TypeError(
+                "funcamp.with_fp8_state: the first argument must be a funcamp.Fp8State (see "
+                f"Fp8State.init), got {_describe(fp8_state)}"
+            )
+        stack = _SCOPES.stack
+        stack.append(_Scope(fp8_state))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stack.pop()
+
+    return run
+
+
+def _site_state(site: str) -> tuple[torch.Tensor, torch.Tensor]:
+    stack = _SCOPES.stack
+    if not stack:
+        raise RuntimeError(
+            f"funcamp.amp: the linear call at {site!r} runs with delayed FP8 scaling, which "
+            "needs its Fp8State: call the function through funcamp.with_fp8_state(fn)(fp8_state, "
+            "...) or train with make_train_step (state from TrainState.create(..., model=model))"
+        )
+    scope = stack[-1]
+    state = scope.state
+    if site not in state.scale:
+        raise KeyError(
+            f"funcamp.amp: `fp8_state` has no entry for the FP8 call site {site!r} (it has "
+            f"{sorted(state.scale)}); build it with Fp8State.init(model, policy) or "
+            "TrainState.create(..., model=model) for the root module the function runs"
+        )
+    if site in scope.used:
+        raise RuntimeError(
+            f"funcamp.amp: the FP8 call site {site!r} ran twice in one call; delayed scaling "
+            "keeps one state per call site. Exclude it (Policy.with_fp8(..., exclude=(...))) or "
+            "use Fp8Recipe.current()"
+        )
+    scope.used.add(site)
+    return state.amax_history[site], state.scale[site]
+
+
+# ------------------------------------------------------------------------------------ numerics
+def _fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().abs().amax().to(torch.float32)
+
+
+def current_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's ``amax_to_scale``: ``fp8_max / max(amax, 1e-12)`` in float64, as float32."""
+    return (_fp8_max(dtype) / torch.clamp(amax.to(torch.float64), min=_EPS)).to(torch.float32)
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    # One rounding from float64: the same in eager and compiled code (inductor may lower a
+    # float32 reciprocal differently).
+    return (1.0 / scale.to(torch.float64)).to(torch.float32)
+
+
+def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Saturating cast: ``clamp(t.float() * scale, -max, max).to(dtype)``."""
+    m = _fp8_max(dtype)
+    return (t.to(torch.float32) * scale).clamp(-m, m).to(dtype)
+
+
+def delayed_update(
+    history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, margin: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TransformerEngine's delayed-scaling update for the three rows of a call site."""
+    history = torch.cat([history[:, 1:], amax.to(history.dtype)[:, None]], dim=1)
+    peak = history.amax(dim=1).to(torch.float64)
+    fp8_max = torch.tensor(
+        [_fp8_max(E4M3), _fp8_max(E4M3), _fp8_max(E5M2)], dtype=torch.float64, device=peak.device
+    )
+    # (fp8_max / amax) / 2**margin, rounded once to float32 (exact: the division by a power of
+    # two is), like TransformerEngine's float32 arithmetic but the same eager and compiled.
+    new = (fp8_max / peak / 2.0**margin).to(torch.float32)
+    new = torch.where((peak > 0) & torch.isfinite(peak), new, scale)
+    new = torch.where(torch.isinf(new), torch.full_like(new, _F32_MAX), new)
+    return history, new
+
+
+def _pad_to_16(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Zero-pad an FP8 matrix so that ``dims`` are multiples of 16 (what CUDA's
+    ``_scaled_mm`` needs); the zero byte is +0.0 in both FP8 formats."""
+    pad = [0, 0, 0, 0]
+    for d in dims:
+        extra = -t.shape[d] % 16
+        pad[2 * (1 - d) + 1] = extra
+    if not any(pad):
+        return t
+    return torch.nn.functional.pad(t.view(torch.uint8), pad).view(t.dtype)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    inv_a: torch.Tensor,
+    inv_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a @ b) * inv_a * inv_b`` for FP8 ``a`` (m, k) and ``b`` (k, n) via ``torch._scaled_mm``
+    (row-major ``a``, column-major ``b``; padded to multiples of 16 on CUDA)."""
+    m, n = a.shape[0], b.shape[1]
+    if a.is_cuda:
+        a = _pad_to_16(a.contiguous(), (1,))
+        b = _pad_to_16(b.t().contiguous(), (0, 1)).t()
+    else:
+        a = a.contiguous()
+        b = b.t().contiguous().t()
+    out = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    return out[:m, :n] if out.shape != (m, n) else out
+
+
+class _CurrentLinear(torch.autograd.Function):
+    """``x @ w.T`` in FP8 with current scaling; backward quantizes the output gradient to e5m2
+    with its own scale. Returns ``(out, xq, wq)``; the FP8 operands are kept for the backward
+    pass (as TransformerEngine and torchao keep them)."""
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, w: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, out_dtype: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+        return scaled_mm(xq, wq.t(), _inverse(sx), _inverse(sw), out_dtype), xq, wq
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, w, sx, sw, out_dtype = inputs
+        _, xq, wq = output
+        ctx.mark_non_differentiable(xq, wq)
+        ctx.save_for_backward(xq, wq, sx, sw)
+        ctx.dtypes = (x.dtype, w.dtype, out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        xq, wq, sx, sw = ctx.saved_tensors
+        x_dtype, w_dtype, out_dtype = ctx.dtypes
+        g = g.detach()
+        sg = current_scale(_amax(g), E5M2)
+        dx, dw = _backward_mms(g, sg, xq, wq, sx, sw, out_dtype)
+        return dx.to(x_dtype), dw.to(w_dtype), None, None, None
+
+
+class _DelayedLinear(torch.autograd.Function):
+    """``x @ w.T`` in FP8 with delayed scaling; the "gradient" of ``(history, scale)`` is the
+    call site's new state (overwrite with gradient). Returns ``(out, xq, wq)``."""
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        history: torch.Tensor,
+        scale: torch.Tensor,
+        out_dtype: Any,
+        margin: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        xq, wq = quantize(x, scale[0], E4M3), quantize(w, scale[1], E4M3)
+        out = scaled_mm(xq, wq.t(), _inverse(scale[0]), _inverse(scale[1]), out_dtype)
+        return out, xq, wq
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, w, history, scale, out_dtype, margin = inputs
+        _, xq, wq = output
+        ctx.mark_non_differentiable(xq, wq)
+        amax = torch.stack([_amax(x), _amax(w)])
+        ctx.save_for_backward(xq, wq, amax, history.detach(), scale.detach())
+        ctx.dtypes = (x.dtype, w.dtype, out_dtype)
+        ctx.margin = margin
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        xq, wq, amax, history, scale = ctx.saved_tensors
+        x_dtype, w_dtype, out_dtype = ctx.dtypes
+        g = g.detach()
+        dx, dw = _backward_mms(g, scale[2], xq, wq, scale[0], scale[1], out_dtype)
+        amaxes = torch.cat([amax, _amax(g)[None]])
+        new_history, new_scale = delayed_update(history, scale, amaxes, ctx.margin)
+        return dx.to(x_dtype), dw.to(w_dtype), new_history, new_scale, None, None
+
+
+def _backward_mms(
+    g: torch.Tensor,
+    sg: torch.Tensor,
+    xq: torch.Tensor,
+    wq: torch.Tensor,
+    sx: torch.Tensor,
+    sw: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gq = quantize(g, sg, E5M2)
+    inv_g = _inverse(sg)
+    dx = scaled_mm(gq, wq, inv_g, _inverse(sw), out_dtype)  # (m, n) @ (n, k)
+    dw = scaled_mm(gq.t(), xq, inv_g, _inverse(sx), out_dtype)  # (n, m) @ (m, k)
+    return dx, dw
+
+
+# dynamo inlines an autograd.Function's forward under torch.func.grad and drops its backward
+# (silently wrong gradients: pytorch/pytorch#193279); called through allow_in_graph functions,
+# the Function reaches AOT autograd whole and its backward is kept (measured, eager and
+# inductor).
+@torch._dynamo.allow_in_graph
+def _current_linear(
+    x: torch.Tensor, w: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    return _CurrentLinear.apply(x, w, sx, sw, out_dtype)  # (out, xq, wq)
+
+
+@torch._dynamo.allow_in_graph
+def _delayed_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    margin: int,
+) -> tuple[torch.Tensor, ...]:
+    return _DelayedLinear.apply(x, w, history, scale, out_dtype, margin)  # (out, xq, wq)
+
+
+class Fp8Record(NamedTuple):
+    """One linear call that ran in FP8, as :func:`funcamp.trace` records it (``AmpTrace.fp8``).
+
+    Attributes:
+        site: the module path of the call site.
+        index: index of the call's :class:`funcamp.OpRecord` in the trace.
+        recipe: ``"current"`` or ``"delayed"``.
+        input_scale: the float32 scale the input was quantized with.
+        weight_scale: the float32 scale the weight was quantized with.
+        grad_scale: the output gradient's scale (delayed) or None (current: computed in the
+            backward pass from the gradient's own amax).
+        input_amax: amax of the input (in the compute dtype).
+        weight_amax: amax of the weight.
+        output_dtype: dtype of the result.
+
+    Example:
+        >>> import torch, funcamp
+        >>> model = torch.nn.Linear(16, 16)
+        >>> policy = funcamp.get_policy("mixed_bfloat16").with_fp8(funcamp.Fp8Recipe.current())
+        >>> t = funcamp.trace(lambda x: model(x), policy)(torch.ones(2, 16))
+        >>> r = t.fp8[0]
+        >>> r.site, r.recipe, float(r.input_scale), t[r.index].input_dtypes
+        ('', 'current', 448.0, (torch.float8_e4m3fn, torch.float8_e4m3fn))
+    """
+
+    site: str
+    index: int
+    recipe: str
+    input_scale: torch.Tensor
+    weight_scale: torch.Tensor
+    grad_scale: torch.Tensor | None
+    input_amax: torch.Tensor
+    weight_amax: torch.Tensor
+    output_dtype: torch.dtype
+
+
+def _linear_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
+    names = ("input", "weight", "bias")
+    values = list(args) + [None] * (3 - len(args))
+    if len(args) > 3 or any(k not in names for k in kwargs):
+        return None
+    for i, name in enumerate(names):
+        if name in kwargs:
+            values[i] = kwargs[name]
+    return values[0], values[1], values[2]
+
+
+def _eligible(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype is not torch.float64
+
+
+def run_linear(
+    config: Fp8Config,
+    site: str,
+    compute_dtype: torch.dtype,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    on_record: Callable[[tuple[torch.Tensor, ...], torch.Tensor, Fp8Record], None] | None = None,
+) -> Any:
+    """Run ``F.linear(*args, **kwargs)`` of an FP8 call site; ``NotImplemented`` when the call
+    cannot run in FP8 (float64 or non-floating operands), to let the policy's rule apply.
+    ``on_record(operands, out, record)`` is called when ``trace`` records."""
+    parsed = _linear_args(args, kwargs)
+    if parsed is None:
+        return NotImplemented
+    x, w, b = parsed
+    if not (_eligible(x) and _eligible(w) and w.dim() == 2 and x.dim() >= 1):
+        return NotImplemented
+    if b is not None and not _eligible(b):
+        return NotImplemented
+    x = x.to(compute_dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    recipe = config.recipe
+    if recipe.stateful:
+        history, scale = _site_state(site)
+        out, xq, wq = _delayed_linear(x2, w, history, scale, compute_dtype, recipe.margin)
+        scales = (scale[0].detach(), scale[1].detach(), scale[2].detach())
+    else:
+        sx = current_scale(_amax(x2), E4M3)
+        sw = current_scale(_amax(w), E4M3)
+        out, xq, wq = _current_linear(x2, w, sx, sw, compute_dtype)
+        scales = (sx, sw, None)
+    out = out.reshape(*x.shape[:-1], w.shape[0])
+    if b is not None:
+        out = out + b.to(compute_dtype)
+    if on_record is not None:
+        record = Fp8Record(site, -1, recipe.kind, *scales, _amax(x2), _amax(w), compute_dtype)
+        on_record((xq, wq), out, record)
+    return out
+
+
+def needs_state(policy: Any) -> bool:
+    """Whether ``policy`` runs FP8 linears with delayed scaling (an :class:`Fp8State`)."""
+    config = getattr(policy, "fp8", None)
+    return config is not None and config.recipe.stateful
+
+
+def _check_state(state: Any, api: str) -> None:
+    if not isinstance(state, Fp8State):
+        raise TypeError(
+            f"funcamp.{api}: `state.fp8` must be a funcamp.Fp8State, got {_describe(state)}"
+        )
