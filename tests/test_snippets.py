@@ -85,6 +85,7 @@ def test_readme_and_docs_share_one_quick_start():
         "guides/checkpoints.md",
         "guides/fp8.md",
         "guides/choosing-a-policy.md",
+        "guides/transformers.md",
     ],
 )
 def test_docs_page(page):
