@@ -35,7 +35,9 @@ changed dimensions dynamic), so a smaller last batch costs one recompile.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import sys
 import types
 from collections.abc import Callable
@@ -460,6 +462,45 @@ def _compile(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
     )
 
 
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Any:
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _graph_break_message(error: Exception) -> str:
+    """One paragraph for a graph break inside the user's ``loss_fn``: what and where."""
+    text = str(error)
+    reason = next(
+        (line.strip() for line in text.splitlines() if line.strip()), type(error).__name__
+    )
+    where = ""
+    lines = text.split("from user code:", 1)[-1].splitlines() if "from user code:" in text else []
+    frames = [i for i, line in enumerate(lines) if line.strip().startswith("File ")]
+    if frames:
+        i = frames[-1]
+        where = lines[i].strip()
+        if i + 1 < len(lines) and lines[i + 1].strip():
+            where += f": `{lines[i + 1].strip()}`"
+    at = f" at {where}" if where else ""
+    return (
+        f"funcamp.{_API}: the step cannot be compiled as one graph: dynamo stopped{at} "
+        f"({reason}). The step runs eagerly, so the model is correct but does something "
+        "torch.compile(fullgraph=True) cannot trace. Two ways out: change that call in your "
+        "model or loss_fn (for Hugging Face models see docs/guides/transformers.md, e.g. "
+        "`model.loss_type = ...`), or build the step with `compile=False` (eager). "
+        "(`fullgraph=False` does not help: dynamo cannot resume inside the amp transform "
+        "after a break.) dynamo's own report is chained below."
+    )
+
+
 def _data_parallel(group: Any) -> tuple[Any, int, int] | None:
     """``(group, world_size, rank)`` read once, when the step is built; None without a group."""
     if group is None:
@@ -738,14 +779,21 @@ def make_train_step(
         if run is train_step:
             return train_step(state, batch)
         try:
-            return run(state, batch)
-        except torch._dynamo.exc.Unsupported:
+            # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
+            # raises; the eager re-run below gives the plain error, so that log is held back.
+            with _quiet(_FAKE_TENSOR_LOG):
+                return run(state, batch)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError) as e:
             # dynamo reports an exception raised while tracing (a bad `loss_fn` output, trees
-            # that do not match) as "Unsupported"; run the step eagerly to raise it plainly.
-            # A donated state is re-run on copies: this run is only for the error message.
+            # that do not match, a shape mismatch on fake tensors) wrapped in its own logs; run
+            # the step eagerly to raise it plainly. A donated state is re-run on copies: this
+            # run is only for the error message. If the eager step runs, the model itself does
+            # something dynamo cannot put in one graph: say so in one paragraph.
             rerun = _clone_buffers(state) if donate_state else state
             with torch.compiler.set_stance("force_eager"):
                 train_step(rerun, batch)
+            if isinstance(e, torch._dynamo.exc.Unsupported):
+                raise RuntimeError(_graph_break_message(e)) from e
             raise
 
     step.__doc__ = f"A funcamp train step ({'compiled' if compile else 'eager'}, policy {pol})."

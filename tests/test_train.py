@@ -466,3 +466,46 @@ def test_donate_state_errors():
         step(needs_grad, _batches(1)[0])
     for x, y in zip(before, _leaves(state)):  # nothing was written before the errors
         assert torch.equal(x, y)
+
+
+# --------------------------------------------------------------- errors from a compiled step
+def _graph_breaking_loss(params, buffers, batch):
+    x, y = batch
+    torch._dynamo.graph_break()  # stands in for a model call dynamo cannot trace
+    return ((x @ params["w"]) - y).pow(2).mean()
+
+
+def _shape_bug_loss(params, buffers, batch):
+    x, y = batch
+    return ((x @ params["w"].T) - y).pow(2).mean()
+
+
+def test_graph_break_in_loss_fn_is_one_paragraph_naming_the_call_and_the_ways_out():
+    opt = funcamp.sgd(0.1)
+    state = funcamp.TrainState.create({"w": torch.randn(3, 2)}, opt, "float32")
+    step = funcamp.make_train_step(_graph_breaking_loss, opt, "float32", backend="eager")
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    with pytest.raises(RuntimeError) as info:
+        step(state, batch)
+    message = str(info.value)
+    assert message.startswith("funcamp.make_train_step: the step cannot be compiled as one graph")
+    assert "test_train.py" in message and "_graph_breaking_loss" in message
+    assert "torch._dynamo.graph_break()" in message
+    assert "compile=False" in message
+    assert "\n" not in message  # one paragraph; dynamo's report is chained
+    assert isinstance(info.value.__cause__, torch._dynamo.exc.Unsupported)
+    # the way out it names works
+    eager = funcamp.make_train_step(_graph_breaking_loss, opt, "float32", compile=False)
+    _, metrics = eager(state, batch)
+    assert torch.isfinite(metrics["loss"])
+
+
+def test_shape_error_in_compiled_step_is_the_plain_torch_error(capfd):
+    opt = funcamp.sgd(0.1)
+    state = funcamp.TrainState.create({"w": torch.randn(3, 2)}, opt, "float32")
+    step = funcamp.make_train_step(_shape_bug_loss, opt, "float32", backend="eager")
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    with pytest.raises(RuntimeError, match=r"^mat1 and mat2 shapes cannot be multiplied"):
+        step(state, batch)
+    err = capfd.readouterr().err
+    assert "fake_tensor" not in err and "Traceback" not in err, err[:500]
