@@ -152,3 +152,13 @@ def test_functional_loop(capsys):
 def test_public_names_exported():
     for name in ("TrainState", "make_train_step", "params_and_buffers"):
         assert name in funcamp.__all__ and hasattr(funcamp, name)
+
+
+def test_train_gpt2_chars_learns(tmp_path: Path):
+    """The transformers example, shortened (eager, 30 steps, a small batch): it learns."""
+    pytest.importorskip("transformers")
+    example = _load("train_gpt2_chars")
+    argv = ["--quiet", "--no-compile", "--steps", "30", "--batch", "8", "--chars", "50000"]
+    result = example.main([*argv, "--out", str(tmp_path)])
+    assert result["last"] < result["first"] - 0.5, result
+    assert (tmp_path / "bf16-mixed.png").stat().st_size > 0
