@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from amp_zoo import one_thread  # noqa: F401 (autouse fixture: one intra-op thread)
 from hf_models import MODELS, build
 from torch._dynamo.utils import counters
 from torch.func import functional_call, grad
@@ -53,14 +54,6 @@ TRAIN_STEP_MODELS = [
     )
     for name in NAMES
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _loss_fn(model: torch.nn.Module) -> Any:
