@@ -17,7 +17,9 @@ of:
         on ready-made tensors) plus one fused Adam pass over the params
 
 Variants are timed in interleaved rounds (a, b, c, ... a, b, c, ...), so background load hits
-them alike; the spread across rounds is reported next to the median. Models: an MLP 512x3 at
+them alike; the spread across rounds is reported next to the median. With ``--against REV``,
+funcamp's (d) and (e) steps at git revision REV are timed too, in the same rounds (A/B for
+"no regression" claims). Models: an MLP 512x3 at
 batch 256 and a small GPT (4 layers, d=256, 4 heads, seq 128, batch 8). Writes JSON to --out.
 """
 
@@ -28,6 +30,7 @@ import copy
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +44,9 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcamp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _revision import import_revision
 
 LOWP = torch.bfloat16
 
@@ -133,8 +139,15 @@ def torch_variant(
 
 
 def funcamp_variant(
-    model: nn.Module, batch: Any, criterion: Any, device: str, **compile_kw: Any
+    model: nn.Module,
+    batch: Any,
+    criterion: Any,
+    device: str,
+    fc: Any = funcamp,
+    **compile_kw: Any,
 ) -> Callable[[], Any]:
+    """funcamp's step; ``fc`` is the funcamp module to use (another revision with --against)."""
+    funcamp = fc
     model = copy.deepcopy(model)
     policy = funcamp.get_policy("mixed_bfloat16")
     opt = funcamp.adam(1e-4)
@@ -273,6 +286,18 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "e_funcamp_eager": lambda: funcamp_variant(model, batch, criterion, device, compile=False),
         "floor": lambda: floor_variant(model, batch, criterion, device),
     }
+    if args.against:
+        old = import_revision(args.against)
+        tag = f"@{args.against}"
+        makers[f"d_funcamp_compiled{tag}"] = lambda: funcamp_variant(
+            model, batch, criterion, device, old
+        )
+        makers[f"d_funcamp_compiled_donated{tag}"] = lambda: funcamp_variant(
+            model, batch, criterion, device, old, donate_state=True
+        )
+        makers[f"e_funcamp_eager{tag}"] = lambda: funcamp_variant(
+            model, batch, criterion, device, old, compile=False
+        )
     if device == "cuda":
         makers["d_funcamp_compiled_reduce_overhead"] = lambda: funcamp_variant(
             model, batch, criterion, device, mode="reduce-overhead"
@@ -309,6 +334,14 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "donated_over_floor": dd / rows["floor"]["median_ms"] if "floor" in rows else math.nan,
         "graphs_compiled_while_timing": recompiles_while_timing,
     }
+    if args.against:
+        for key in list(rows):
+            if key.endswith(f"@{args.against}"):
+                new = key[: -len(args.against) - 1]
+                if new in rows:
+                    summary[f"{new}: this tree / {args.against}"] = (
+                        rows[new]["median_ms"] / rows[key]["median_ms"]
+                    )
     return {"rows": rows, "summary": summary}
 
 
@@ -331,6 +364,9 @@ def print_table(name: str, result: dict[str, Any]) -> None:
         f"  donated (d) vs (b): {s['speedup_donated_over_b']:.2f}x   vs (c): "
         f"{s['speedup_donated_over_c']:.2f}x   /floor: {s['donated_over_floor']:.2f}"
     )
+    for key, value in s.items():
+        if "this tree /" in key:
+            print(f"  {key}: {value:.3f} (time ratio, < 1 is faster)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -341,6 +377,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--iters", type=int, default=20, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--only", default="", help="variant letters to run, e.g. 'bcd' (+floor)")
+    p.add_argument(
+        "--against",
+        default="",
+        help="also time funcamp's (d) and (e) steps at this git revision, in the same process",
+    )
     p.add_argument("--out", type=Path, default=Path("build/bench/train_step.json"))
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
