@@ -495,10 +495,43 @@ def _graph_break_message(error: Exception) -> str:
         f"({reason}). The step runs eagerly, so the model is correct but does something "
         "torch.compile(fullgraph=True) cannot trace. Two ways out: change that call in your "
         "model or loss_fn (for Hugging Face models see docs/guides/transformers.md, e.g. "
-        "`model.loss_type = ...`), or build the step with `compile=False` (eager). "
-        "(`fullgraph=False` does not help: dynamo cannot resume inside the amp transform "
-        "after a break.) dynamo's own report is chained below."
+        "`model.loss_type = ...`), or build the step with `fullgraph=False` (compiled in "
+        "pieces around the break, gradients by torch.autograd; `compile=False` runs it "
+        "eagerly). dynamo's own report is chained below."
     )
+
+
+def _autograd_grad_and_value(
+    fn: Callable[..., Any], *, argnums: int | tuple[int, ...], has_aux: bool
+) -> Callable[..., Any]:
+    """``torch.func.grad_and_value(fn, argnums, has_aux=True)`` computed by torch.autograd on
+    leaf copies of the differentiated arguments (grads of unused leaves are zeros, as there)."""
+    assert has_aux
+
+    def run(*args: Any) -> tuple[Any, tuple[torch.Tensor, Any]]:
+        nums = argnums if isinstance(argnums, tuple) else (argnums,)
+        args = list(args)
+        specs = []
+        for i in nums:
+            leaves, spec = optree.tree_flatten(args[i], namespace=NAMESPACE)
+            leaves = [x.detach().requires_grad_(True) for x in leaves]
+            specs.append((leaves, spec))
+            args[i] = optree.tree_unflatten(spec, leaves)
+        with torch.enable_grad():
+            out, aux = fn(*args)
+        flat = [x for leaves, _ in specs for x in leaves]
+        grads = list(torch.autograd.grad(out, flat, allow_unused=True, materialize_grads=True))
+        trees = []
+        for leaves, spec in specs:
+            trees.append(optree.tree_unflatten(spec, grads[: len(leaves)]))
+            grads = grads[len(leaves) :]
+        result = tuple(trees) if isinstance(argnums, tuple) else trees[0]
+        aux = optree.tree_map(
+            lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux, namespace=NAMESPACE
+        )
+        return result, (out.detach(), aux)
+
+    return run
 
 
 def _data_parallel(group: Any) -> tuple[Any, int, int] | None:
@@ -609,6 +642,9 @@ def make_train_step(
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard).
+            ``fullgraph=False`` compiles a ``loss_fn`` with graph breaks in pieces: the
+            gradients then come from ``torch.autograd.grad`` (dynamo cannot resume a frame
+            inside ``torch.func.grad``), the rest of the step is unchanged.
 
     Returns:
         ``step(state, batch) -> (new_state, metrics)``.
@@ -660,6 +696,11 @@ def make_train_step(
         )
 
     run_loss = with_fp8_state(amp(loss_fn, pol))
+    # dynamo cannot resume a frame inside torch.func.grad after a graph break (the resumed
+    # frame's inputs are functorch-wrapped tensors it fails to fake), so a step compiled in
+    # pieces takes its gradients from torch.autograd instead, as torch.compile(model) does.
+    pieces = compile and compile_options.get("fullgraph", True) is False
+    grad_and_value = _autograd_grad_and_value if pieces else torch.func.grad_and_value
     fp8_stateful = needs_state(pol)  # delayed FP8: the state's gradient is its new value
     if fp8_stateful and data_parallel is not None:
         raise NotImplementedError(
@@ -683,7 +724,7 @@ def make_train_step(
             return scale(scaler, loss), (loss.detach(), aux if has_aux else (), new_buffers)
 
         argnums = (0, 1) if fp8_stateful else 0
-        grads, (_, (loss, aux, new_buffers)) = torch.func.grad_and_value(
+        grads, (_, (loss, aux, new_buffers)) = grad_and_value(
             scaled_loss, argnums=argnums, has_aux=True
         )(state.params, state.fp8)
         new_fp8 = state.fp8

@@ -491,13 +491,49 @@ def test_graph_break_in_loss_fn_is_one_paragraph_naming_the_call_and_the_ways_ou
     assert message.startswith("funcamp.make_train_step: the step cannot be compiled as one graph")
     assert "test_train.py" in message and "_graph_breaking_loss" in message
     assert "torch._dynamo.graph_break()" in message
-    assert "compile=False" in message
+    assert "fullgraph=False" in message and "compile=False" in message
     assert "\n" not in message  # one paragraph; dynamo's report is chained
     assert isinstance(info.value.__cause__, torch._dynamo.exc.Unsupported)
-    # the way out it names works
+    # the ways out it names work
     eager = funcamp.make_train_step(_graph_breaking_loss, opt, "float32", compile=False)
     _, metrics = eager(state, batch)
     assert torch.isfinite(metrics["loss"])
+
+
+def _mlp_loss_with_break(params, buffers, batch):
+    x, y = batch
+    h = torch.relu(x @ params["w1"] + params["b1"])
+    torch._dynamo.graph_break()  # e.g. a logging call inside a model
+    return torch.nn.functional.mse_loss(h @ params["w2"], y)
+
+
+def test_fullgraph_false_compiles_a_breaking_loss_fn_in_pieces_equal_to_eager():
+    # The way out the graph-break message names: compiled in pieces around the break, with
+    # gradients from torch.autograd (dynamo cannot resume inside torch.func.grad), bit for
+    # bit equal to the eager step (same ops, same order) under a bfloat16 policy.
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "w1": torch.randn(8, 16, generator=g),
+        "b1": torch.randn(16, generator=g),
+        "w2": torch.randn(16, 4, generator=g),
+        "unused": torch.randn(3, generator=g),  # no gradient: zeros, as torch.func gives
+    }
+    batch = (torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g))
+    opt = funcamp.adamw(1e-2)
+    state = funcamp.TrainState.create(params, opt, "mixed_bfloat16")
+    eager = funcamp.make_train_step(_mlp_loss_with_break, opt, "mixed_bfloat16", compile=False)
+    pieces = funcamp.make_train_step(
+        _mlp_loss_with_break, opt, "mixed_bfloat16", fullgraph=False, backend="aot_eager"
+    )
+    counters.clear()
+    a = b = state
+    for _ in range(3):
+        a, ma = eager(a, batch)
+        b, mb = pieces(b, batch)
+        assert torch.equal(ma["loss"], mb["loss"]) and torch.equal(ma["grad_norm"], mb["grad_norm"])
+    assert sum(counters["graph_break"].values()) >= 1  # it really was compiled in pieces
+    for x, y in zip(optree.tree_leaves(a.params), optree.tree_leaves(b.params)):
+        assert torch.equal(x, y)
 
 
 def test_shape_error_in_compiled_step_is_the_plain_torch_error(capfd):
