@@ -129,6 +129,10 @@ def _decode_leaf(template: Any, value: Any, path: tuple[Any, ...]) -> Any:
     return value
 
 
+def _holds_nothing(tree: Any) -> bool:
+    return not optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
 def _decode(template: Any, value: Any, path: tuple[Any, ...]) -> Any:
     if _is_leaf(template):
         return _decode_leaf(template, value, path)
@@ -140,6 +144,14 @@ def _decode(template: Any, value: Any, path: tuple[Any, ...]) -> Any:
         raise _mismatch(path, f"a dict with keys {expected_keys}", value)
     missing = [k for k in expected_keys if k not in value]
     unexpected = [k for k in value if k not in expected_keys]
+    if missing and _is_namedtuple(template):
+        # A field added in a later release with a default (TrainState.fp8) is absent from older
+        # checkpoints: when the template holds no tensors there either, nothing is lost by
+        # taking the template's value, so those checkpoints still load.
+        kept = dict(zip(keys, children))
+        added = [k for k in missing if k in template._field_defaults and _holds_nothing(kept[k])]
+        value = {**value, **{k: _encode(kept[k], (*path, k)) for k in added}}
+        missing = [k for k in missing if k not in added]
     if missing or unexpected:
         where = _path((*path, (missing or unexpected)[0]))
         raise ValueError(
