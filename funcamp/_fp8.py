@@ -429,6 +429,12 @@ def delayed_update(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TransformerEngine's delayed-scaling update for the three rows of a call site."""
     history = torch.cat([history[:, 1:], amax.to(history.dtype)[:, None]], dim=1)
+    return history, _delayed_scale(history, scale, margin)
+
+
+def _delayed_scale(history: torch.Tensor, scale: torch.Tensor, margin: int) -> torch.Tensor:
+    """The scales of a call site's three rows from their amax histories (``scale`` where the
+    history's peak is 0 or not finite)."""
     peak = history.amax(dim=1).to(torch.float64)
     fp8_max = torch.tensor(
         [_fp8_max(E4M3), _fp8_max(E4M3), _fp8_max(E5M2)], dtype=torch.float64, device=peak.device
@@ -437,8 +443,35 @@ def delayed_update(
     # two is), like TransformerEngine's float32 arithmetic but the same eager and compiled.
     new = (fp8_max / peak / 2.0**margin).to(torch.float32)
     new = torch.where((peak > 0) & torch.isfinite(peak), new, scale)
-    new = torch.where(torch.isinf(new), torch.full_like(new, _F32_MAX), new)
-    return history, new
+    return torch.where(torch.isinf(new), torch.full_like(new, _F32_MAX), new)
+
+
+def all_reduce_amax(state: Fp8State, grads: Fp8State, margin: int, group: Any) -> Fp8State:
+    """Data parallel: the FP8 "gradient" (the new state, see :func:`fp8_update`) with each
+    site's amax histories max-reduced over the ranks of ``group`` and the scales recomputed
+    from them, as TransformerEngine reduces amaxes over its data-parallel group. One packed
+    all-reduce; every rank gets the same new state. ``state`` (the same on every rank) gives the
+    fallback scales; a site counts as run when it ran on any rank."""
+    import torch.distributed._functional_collectives as funcol
+
+    sites = list(state.scale)
+    if not sites:
+        return grads
+    parts = []
+    for site in sites:
+        ran = (grads.scale[site].amax() > 0).to(torch.float32).reshape(1)
+        parts += [grads.amax_history[site].reshape(-1), ran]
+    got = funcol.wait_tensor(funcol.all_reduce(torch.cat(parts), "max", group))
+    history, scale, pos = {}, {}, 0
+    for site in sites:
+        like = grads.amax_history[site]
+        reduced = got[pos : pos + like.numel()].view(like.shape)
+        ran = got[pos + like.numel()] > 0
+        pos += like.numel() + 1
+        history[site] = reduced
+        new = _delayed_scale(reduced, state.scale[site], margin)
+        scale[site] = torch.where(ran, new, torch.zeros_like(new))
+    return Fp8State(history, scale)
 
 
 def _pad_to_16(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -47,7 +47,7 @@ import optree
 import torch
 
 from funcamp._amp import _as_policy, amp
-from funcamp._fp8 import Fp8State, fp8_update, needs_state, with_fp8_state
+from funcamp._fp8 import Fp8State, all_reduce_amax, fp8_update, needs_state, with_fp8_state
 from funcamp._headroom import _headroom, _headroom_dtype
 from funcamp._hints import optimizer_type_error
 from funcamp._optim import Optimizer, _flatten_params, init_from_exact
@@ -702,12 +702,6 @@ def make_train_step(
     pieces = compile and compile_options.get("fullgraph", True) is False
     grad_and_value = _autograd_grad_and_value if pieces else torch.func.grad_and_value
     fp8_stateful = needs_state(pol)  # delayed FP8: the state's gradient is its new value
-    if fp8_stateful and data_parallel is not None:
-        raise NotImplementedError(
-            f"funcamp.{_API}: delayed FP8 scaling with `group=` is not supported yet (the amax "
-            "histories would need a max-reduction across ranks); use Fp8Recipe.current(), "
-            "which keeps no state"
-        )
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         scaler = state.scaler
@@ -730,6 +724,9 @@ def make_train_step(
         new_fp8 = state.fp8
         if fp8_stateful:
             grads, fp8_grads = grads
+            if data_parallel is not None:  # every rank scales with the amaxes of all ranks
+                margin = pol.fp8.recipe.margin
+                fp8_grads = all_reduce_amax(state.fp8, fp8_grads, margin, data_parallel[0])
             new_fp8 = fp8_update(state.fp8, fp8_grads)
         # Always checked (in-place updates too: a rebound or added key would change the state's
         # structure), and before anything is written into a donated state.

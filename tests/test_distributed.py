@@ -151,6 +151,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, full: bool) -> None:
         sr = make(_sr(), "bf16-true", name="sr")
         sstate, _ = _train(sr, _init(_sr(), "bf16-true"), batches[:BAD_STEP], rank, world)
         res["sr"] = funcamp.state_dict(sstate)
+        # Delayed FP8: amax histories max-reduced across ranks, the same Fp8State everywhere.
+        res.update(_fp8_runs(pg, batches, rank, world))
         # A rank that raises: the others must fail within the group's timeout, not hang.
         short = dist.new_group(timeout=timedelta(seconds=HANG_TIMEOUT_S))
         res["hang"] = _hang(rank, short, out_dir)
@@ -164,6 +166,37 @@ def _worker(rank: int, world: int, port: int, out_dir: str, full: bool) -> None:
             time.sleep(0.1)
     # After a collective timed out the group cannot be torn down cleanly: leave at once.
     os._exit(0)
+
+
+def _fp8_problem():
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    policy = funcamp.get_policy("mixed_bfloat16").with_fp8(funcamp.Fp8Recipe.delayed(4))
+
+    def loss_fn(params, buffers, batch):
+        x, y = batch
+        out = torch.func.functional_call(net, (params, buffers), (x,))
+        return torch.nn.functional.mse_loss(out, y)
+
+    params, _ = funcamp.params_and_buffers(net)
+    state = funcamp.TrainState.create(
+        params, _adam(), policy, model=net, scaler=funcamp.ScalerState.dynamic(2.0**8)
+    )
+    return policy, loss_fn, state
+
+
+def _fp8_runs(pg, batches, rank: int, world: int) -> dict:
+    policy, loss_fn, state = _fp8_problem()
+    dp = funcamp.make_train_step(loss_fn, _adam(), policy, group=pg, compile=False)
+    alone = funcamp.make_train_step(loss_fn, _adam(), policy, compile=False)
+    first = _shard(batches[0], rank, world)
+    out = {
+        "fp8_first_dp": funcamp.state_dict(dp(state, first)[0].fp8),
+        "fp8_first_alone": funcamp.state_dict(alone(state, first)[0].fp8),
+    }
+    final, out["fp8_metrics"] = _train(dp, state, batches, rank, world)
+    out["fp8"] = funcamp.state_dict(final)
+    return out
 
 
 def _counting_backend(counts: list[int]):
@@ -343,6 +376,28 @@ def test_checkpoint_of_rank_0_resumes_in_one_process(two_ranks):
     assert_trees_close(got["opt_state"], want["opt_state"], atol=ATOL, rtol=0)
     assert_trees_equal(got["scaler"], want["scaler"])
     assert torch.equal(got["opt_state"]["count"], want["opt_state"]["count"])
+
+
+def test_delayed_fp8_amaxes_are_max_reduced_across_ranks(two_ranks):
+    # After one step each rank's newest amaxes are the max over the ranks' own (local) amaxes,
+    # and the scales follow from them; the whole state stays bit-identical across ranks over
+    # STEPS steps.
+    for res in two_ranks[1:]:
+        _assert_bitwise(two_ranks[0]["fp8_first_dp"], res["fp8_first_dp"])
+    _same_on_every_rank(two_ranks, "fp8")
+    dp = two_ranks[0]["fp8_first_dp"]
+    assert sorted(dp["scale"]) == ["0", "2"]
+    for site in dp["scale"]:
+        local = torch.stack([r["fp8_first_alone"]["amax_history"][site] for r in two_ranks])
+        assert torch.equal(dp["amax_history"][site], local.amax(0))
+        assert (dp["amax_history"][site][:, -1] > 0).all()
+        differs = [r["fp8_first_alone"]["scale"][site] for r in two_ranks]
+        assert any(not torch.equal(dp["scale"][site], d) for d in differs)  # really reduced
+    # The last rank's inf input is saturated by the FP8 cast (torchao's clamp), so no step
+    # overflows; its inf amax reaches every rank's history (and holds the old input scale).
+    for res in two_ranks:
+        assert [bool(m["found_inf"]) for m in res["fp8_metrics"]] == [False] * STEPS
+        assert torch.isinf(res["fp8"]["fp8"]["amax_history"]["0"][0]).any()
 
 
 def test_a_failing_rank_does_not_hang_the_others(two_ranks):
