@@ -16,7 +16,10 @@ of:
     floor: the step's matmuls alone (recorded from one autocast forward/backward and replayed
         on ready-made tensors) plus one fused Adam pass over the params
 
-Variants are timed in interleaved rounds (a, b, c, ... a, b, c, ...), so background load hits
+Before timing each model it samples the machine for a second and prints whether it is quiet
+(other processes' CPU use; ``--require-quiet`` stops instead of timing on a busy machine), with
+the CPU model and the vector ISA torch uses: on a CPU without AVX512-BF16 every bfloat16
+matmul is emulated and dominates all variants alike. Variants are timed in interleaved rounds (a, b, c, ... a, b, c, ...), so background load hits
 them alike; the spread across rounds is reported next to the median. With ``--against REV``,
 funcamp's (d) and (e) steps at git revision REV are timed too, in the same rounds (A/B for
 "no regression" claims). Models: an MLP 512x3 at
@@ -46,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import funcamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine
 from _revision import import_revision
 
 LOWP = torch.bfloat16
@@ -310,6 +314,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         info[key] = first_calls(steps[key], device, args.warmup)
         print(f"  {name}/{key}: first call {info[key]['first_call_s']:.1f}s", flush=True)
     info["floor"].update(getattr(floor_variant, "info", {}))
+    machine = _machine.check(args.require_quiet)  # after compiling: before timing
     counters.clear()
     times = time_rounds(steps, device, args.iters, args.rounds)
     recompiles_while_timing = int(counters["stats"]["unique_graphs"])  # should stay 0
@@ -342,7 +347,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     summary[f"{new}: this tree / {args.against}"] = (
                         rows[new]["median_ms"] / rows[key]["median_ms"]
                     )
-    return {"rows": rows, "summary": summary}
+    return {"rows": rows, "summary": summary, "machine": machine}
 
 
 def print_table(name: str, result: dict[str, Any]) -> None:
@@ -381,6 +386,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--against",
         default="",
         help="also time funcamp's (d) and (e) steps at this git revision, in the same process",
+    )
+    p.add_argument(
+        "--require-quiet",
+        action="store_true",
+        help="stop (exit 3) instead of timing when other processes keep the machine busy",
     )
     p.add_argument("--out", type=Path, default=Path("build/bench/train_step.json"))
     args = p.parse_args(argv)
