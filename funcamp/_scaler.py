@@ -841,11 +841,15 @@ def _tensors(tree: PyTree) -> list[torch.Tensor]:
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
+_SUBNORMAL, _NEGATIVE_ZERO = 5e-324, -0.0  # names, not literals: never constant-folded
+
+
 def _adds_negative_zero_exactly() -> bool:
     """False when the CPU flushes subnormals (``torch.set_flush_denormal(True)``), where
-    ``p + -0.0`` is not ``p``. Built from bits, so the probe itself is never flushed."""
-    tiny = torch.ones(1, dtype=torch.int32).view(torch.float32)  # the smallest subnormal
-    return bool((tiny + -0.0).view(torch.int32).item() == 1)
+    ``p + -0.0`` is not ``p``. ``torch.set_flush_denormal`` sets the calling thread's
+    floating-point control flags, which Python's own float arithmetic obeys too: the probe is a
+    Python addition (``.hex()`` shows the bits), with no tensor and no read back from one."""
+    return (_SUBNORMAL + _NEGATIVE_ZERO).hex() != "0x0.0p+0"
 
 
 def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
