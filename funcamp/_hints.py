@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from funcamp._tree import _describe
+from funcamp._tree import describe
 
 __all__ = ["optimizer_type_error"]
 
@@ -67,7 +67,7 @@ def optimizer_type_error(api: str, optimizer: Any) -> TypeError:
     if not isinstance(optimizer, torch.optim.Optimizer):
         return TypeError(
             f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer (e.g. funcamp.adamw(1e-3)), "
-            f"got {_describe(optimizer)}"
+            f"got {describe(optimizer)}"
         )
     name = f"torch.optim.{type(optimizer).__name__}"
     call, caveats = _equivalent(optimizer)

@@ -47,23 +47,25 @@ import optree
 import torch
 
 from funcamp._amp import _as_policy, amp
+from funcamp._checks import flatten_params
 from funcamp._fp8 import Fp8State, fp8_update, needs_state, with_fp8_state
 from funcamp._headroom import _headroom, _headroom_dtype
 from funcamp._hints import optimizer_type_error
-from funcamp._optim import Optimizer, _flatten_params, init_from_exact
 from funcamp._policy import Policy
 from funcamp._progress import announce_first_call
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
 from funcamp._tree import (
     NAMESPACE,
-    _describe,
     _named_leaves,
-    _path_str,
     _plan_write,
     _sharing_memory,
+    describe,
+    path_str,
     tree_select,
 )
 from funcamp.distributed import _reduce_step
+from funcamp.optim._base import Optimizer
+from funcamp.optim._modes import init_from_exact
 
 __all__ = ["TrainState", "make_train_step", "params_and_buffers"]
 
@@ -160,7 +162,7 @@ class TrainState(NamedTuple):
             scaler = ScalerState.for_policy(pol, device=device)
         elif not isinstance(scaler, ScalerState):
             raise TypeError(
-                f"funcamp.{api}: `scaler` must be a funcamp.ScalerState, got {_describe(scaler)}"
+                f"funcamp.{api}: `scaler` must be a funcamp.ScalerState, got {describe(scaler)}"
             )
         cast = pol.cast_to_param(params)
         # The optimizer state is built for the params in param_dtype (a mode allocates what it
@@ -170,7 +172,7 @@ class TrainState(NamedTuple):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"funcamp.{api}: `model` must be the torch.nn.Module loss_fn runs, got "
-                f"{_describe(model)}"
+                f"{describe(model)}"
             )
         if needs_state(pol):
             if model is None:
@@ -183,7 +185,7 @@ class TrainState(NamedTuple):
 
 
 def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
-    return _flatten_params(api, params)[0]
+    return flatten_params(api, params)[0]
 
 
 def _check_float64_params(api: str, params: PyTree, pol: Policy) -> None:
@@ -196,7 +198,7 @@ def _check_float64_params(api: str, params: PyTree, pol: Policy) -> None:
     for path, p in zip(paths, leaves):
         if isinstance(p, torch.Tensor) and p.dtype == torch.float64:
             raise TypeError(
-                f"funcamp.{api}: `params` leaf {_path_str(path)} must not be float64 under policy "
+                f"funcamp.{api}: `params` leaf {path_str(path)} must not be float64 under policy "
                 f"{pol} (float64 tensors are never cast, so it would stay float64 and fail in "
                 "the first op that meets a compute-dtype input), got a float64 tensor; cast the "
                 "params first (funcamp.tree_cast(params, torch.float32)) or use a float64 policy"
@@ -222,7 +224,7 @@ def params_and_buffers(
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"funcamp.params_and_buffers: `module` must be a torch.nn.Module, got "
-            f"{_describe(module)}"
+            f"{describe(module)}"
         )
     params = {k: v.detach() for k, v in module.named_parameters()}
     buffers = {k: v.detach() for k, v in module.named_buffers()}
@@ -252,7 +254,7 @@ def _split_output(out: Any, has_aux: bool, returns_buffers: bool) -> tuple[Any, 
         )
         raise TypeError(
             f"funcamp.{_API}: `loss_fn` must return a tuple {want} with {flags}, got "
-            f"{_describe(out)}"
+            f"{describe(out)}"
         )
     if has_aux and returns_buffers:
         return out
@@ -271,7 +273,7 @@ def _check_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         raise TypeError(
             f"funcamp.{_API}: `loss_fn` must return a 0-d floating tensor as the loss, got "
-            f"{_describe(loss)}"
+            f"{describe(loss)}"
         )
     return loss
 
@@ -288,7 +290,7 @@ def _restore_buffers(new: PyTree, old: PyTree, returned: bool = True) -> PyTree:
     if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
         if type(new) is type(old) and not new:
             return new
-        got = sorted(map(str, new)) if isinstance(new, dict) else _describe(new)
+        got = sorted(map(str, new)) if isinstance(new, dict) else describe(new)
         raise TypeError(
             f"funcamp.{_API}: {what} with the structure of the state's buffers (none: "
             f"{old!r}), got {got}; keep new values out of the buffers (return them as aux with "
@@ -308,32 +310,32 @@ def _restore_buffers(new: PyTree, old: PyTree, returned: bool = True) -> PyTree:
         if isinstance(o, torch.Tensor):
             if not isinstance(n, torch.Tensor) or n.shape != o.shape:
                 raise TypeError(
-                    f"funcamp.{_API}: {what} shaped like the old; buffer {_path_str(path)} "
-                    f"should be a tensor of shape {tuple(o.shape)}, got {_describe(n)}"
+                    f"funcamp.{_API}: {what} shaped like the old; buffer {path_str(path)} "
+                    f"should be a tensor of shape {tuple(o.shape)}, got {describe(n)}"
                 )
             if n.is_complex() and not o.is_complex():
                 raise TypeError(
-                    f"funcamp.{_API}: {what} of the old dtypes; buffer {_path_str(path)} "
-                    f"should be {o.dtype}, got {_describe(n)}"
+                    f"funcamp.{_API}: {what} of the old dtypes; buffer {path_str(path)} "
+                    f"should be {o.dtype}, got {describe(n)}"
                 )
             n = n.to(o.dtype)
         out.append(n)
     return optree.tree_unflatten(spec, out)
 
 
-def _check_state(state: TrainState, optimizer: Optimizer) -> None:
+def _check_train_state(state: TrainState, optimizer: Optimizer) -> None:
     """First-call check: ``opt_state`` must be what ``optimizer.init(params)`` builds (its
     structure and shapes, computed on the meta device, so nothing is allocated)."""
     _check_params(_API, state.params)
     if not isinstance(state.scaler, ScalerState):
         raise TypeError(
             f"funcamp.{_API}: `state.scaler` must be a funcamp.ScalerState, got "
-            f"{_describe(state.scaler)}"
+            f"{describe(state.scaler)}"
         )
     if not isinstance(state.fp8, Fp8State):
         raise TypeError(
             f"funcamp.{_API}: `state.fp8` must be a funcamp.Fp8State (TrainState.create builds "
-            f"it), got {_describe(state.fp8)}"
+            f"it), got {describe(state.fp8)}"
         )
     meta = optree.tree_map(
         lambda p: torch.empty_like(p, device="meta"), state.params, namespace=NAMESPACE
@@ -356,9 +358,9 @@ def _check_state(state: TrainState, optimizer: Optimizer) -> None:
             not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype
         ):
             raise ValueError(
-                f"funcamp.{_API}: `state.opt_state` leaf {_path_str(path)} must be a "
+                f"funcamp.{_API}: `state.opt_state` leaf {path_str(path)} must be a "
                 f"{w.dtype} tensor of shape {tuple(w.shape)} to match `state.params` ({hint}), "
-                f"got {_describe(g)}"
+                f"got {describe(g)}"
             )
 
 
@@ -515,7 +517,7 @@ def _data_parallel(group: Any) -> tuple[Any, int, int] | None:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"funcamp.{_API}: `group` must be a torch.distributed.ProcessGroup (for example "
-            f"torch.distributed.group.WORLD), got {_describe(group)}"
+            f"torch.distributed.group.WORLD), got {describe(group)}"
         )
     rank = dist.get_rank(group)
     if rank < 0:
@@ -635,20 +637,20 @@ def make_train_step(
         512.0
     """
     if not callable(loss_fn):
-        raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {_describe(loss_fn)}")
+        raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {describe(loss_fn)}")
     if not isinstance(optimizer, Optimizer):
         raise optimizer_type_error(_API, optimizer)
     pol = _as_policy(policy, _API)
     for name, flag in (("has_aux", has_aux), ("returns_buffers", returns_buffers)):
         if not isinstance(flag, bool):
-            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
+            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {describe(flag)}")
     for name, flag in (("compile", compile), ("donate_state", donate_state)):
         if not isinstance(flag, bool):
-            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
+            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {describe(flag)}")
     if not (isinstance(headroom, bool) or callable(headroom)):
         raise TypeError(
             f"funcamp.{_API}: `headroom` must be a bool or a callable of the leaf path, got "
-            f"{_describe(headroom)}"
+            f"{describe(headroom)}"
         )
     headroom_dtype = _headroom_dtype(pol) if headroom is not False else None
     headroom_include = headroom if callable(headroom) else None
@@ -762,11 +764,11 @@ def make_train_step(
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"funcamp.{_API}: `state` must be a funcamp.TrainState (see "
-                f"TrainState.create), got {_describe(state)}"
+                f"TrainState.create), got {describe(state)}"
             )
         structure = optree.tree_structure(batch, namespace=NAMESPACE)
         if not expected:
-            _check_state(state, optimizer)
+            _check_train_state(state, optimizer)
             expected.append(structure)
         elif structure != expected[0]:
             raise ValueError(
