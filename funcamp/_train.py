@@ -525,6 +525,109 @@ def _data_parallel(group: Any) -> tuple[Any, int, int] | None:
     return group, dist.get_world_size(group), rank
 
 
+def _validate_step_args(
+    loss_fn: Any,
+    optimizer: Any,
+    policy: Any,
+    *,
+    has_aux: Any,
+    returns_buffers: Any,
+    compile: Any,
+    donate_state: Any,
+    headroom: Any,
+    group: Any,
+    compile_options: dict[str, Any],
+) -> tuple[Policy, Any, Any, Any]:
+    """:func:`make_train_step`'s argument checks; returns ``(policy, headroom dtype or None,
+    headroom leaf predicate or None, data-parallel setup or None)``."""
+    if not callable(loss_fn):
+        raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {describe(loss_fn)}")
+    if not isinstance(optimizer, Optimizer):
+        raise optimizer_type_error(_API, optimizer)
+    pol = _as_policy(policy, _API)
+    for name, flag in (
+        ("has_aux", has_aux),
+        ("returns_buffers", returns_buffers),
+        ("compile", compile),
+        ("donate_state", donate_state),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {describe(flag)}")
+    if not (isinstance(headroom, bool) or callable(headroom)):
+        raise TypeError(
+            f"funcamp.{_API}: `headroom` must be a bool or a callable of the leaf path, got "
+            f"{describe(headroom)}"
+        )
+    headroom_dtype = _headroom_dtype(pol) if headroom is not False else None
+    headroom_include = headroom if callable(headroom) else None
+    data_parallel = _data_parallel(group)
+    if compile_options and not compile:
+        raise TypeError(
+            f"funcamp.{_API}: compile options {sorted(compile_options)} must not be given with "
+            "compile=False"
+        )
+    return pol, headroom_dtype, headroom_include, data_parallel
+
+
+def _forward_backward(
+    run_loss: Callable[..., Any],
+    state: TrainState,
+    batch: Batch,
+    has_aux: bool,
+    returns_buffers: bool,
+    fp8_stateful: bool,
+) -> tuple[PyTree, torch.Tensor, Any, PyTree, Fp8State]:
+    """The loss under ``amp``, scaled, and its gradients: ``(scaled grads, loss (float32,
+    unscaled), aux, new buffers, new FP8 state)``."""
+    scaler = state.scaler
+
+    def scaled_loss(params: PyTree, fp8: Fp8State) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        # Copies made inside the transform, so in-place buffer updates are allowed.
+        buffers = state.buffers if returns_buffers else _clone_buffers(state.buffers)
+        loss, aux, new_buffers = _split_output(
+            run_loss(fp8, params, buffers, batch), has_aux, returns_buffers
+        )
+        loss = _check_loss(loss).to(torch.float32)
+        if not returns_buffers:
+            new_buffers = buffers
+        return scale(scaler, loss), (loss.detach(), aux if has_aux else (), new_buffers)
+
+    argnums = (0, 1) if fp8_stateful else 0
+    grads, (_, (loss, aux, new_buffers)) = torch.func.grad_and_value(
+        scaled_loss, argnums=argnums, has_aux=True
+    )(state.params, state.fp8)
+    new_fp8 = state.fp8
+    if fp8_stateful:
+        grads, fp8_grads = grads
+        new_fp8 = fp8_update(state.fp8, fp8_grads)
+    return grads, loss, aux, new_buffers, new_fp8
+
+
+def _metrics(
+    loss: torch.Tensor,
+    grad_norm: Any,
+    scaler: ScalerState,
+    found_inf: torch.Tensor,
+    new_scaler: ScalerState,
+    aux: Any,
+    has_aux: bool,
+    room: Any,
+) -> Metrics:
+    """The step's metrics: tensors only (no host sync)."""
+    metrics: Metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "scale": scaler.scale,
+        "found_inf": found_inf,
+        "skipped": new_scaler.skipped,
+    }
+    if has_aux:
+        metrics["aux"] = aux
+    if room is not None:
+        metrics["headroom"] = room.summary()
+    return metrics
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: Optimizer,
@@ -636,31 +739,18 @@ def make_train_step(
         >>> float(state.scaler.scale)
         512.0
     """
-    if not callable(loss_fn):
-        raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {describe(loss_fn)}")
-    if not isinstance(optimizer, Optimizer):
-        raise optimizer_type_error(_API, optimizer)
-    pol = _as_policy(policy, _API)
-    for name, flag in (("has_aux", has_aux), ("returns_buffers", returns_buffers)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {describe(flag)}")
-    for name, flag in (("compile", compile), ("donate_state", donate_state)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {describe(flag)}")
-    if not (isinstance(headroom, bool) or callable(headroom)):
-        raise TypeError(
-            f"funcamp.{_API}: `headroom` must be a bool or a callable of the leaf path, got "
-            f"{describe(headroom)}"
-        )
-    headroom_dtype = _headroom_dtype(pol) if headroom is not False else None
-    headroom_include = headroom if callable(headroom) else None
-    data_parallel = _data_parallel(group)
-    if compile_options and not compile:
-        raise TypeError(
-            f"funcamp.{_API}: compile options {sorted(compile_options)} must not be given with "
-            "compile=False"
-        )
-
+    pol, headroom_dtype, headroom_include, data_parallel = _validate_step_args(
+        loss_fn,
+        optimizer,
+        policy,
+        has_aux=has_aux,
+        returns_buffers=returns_buffers,
+        compile=compile,
+        donate_state=donate_state,
+        headroom=headroom,
+        group=group,
+        compile_options=compile_options,
+    )
     run_loss = with_fp8_state(amp(loss_fn, pol))
     fp8_stateful = needs_state(pol)  # delayed FP8: the state's gradient is its new value
     if fp8_stateful and data_parallel is not None:
@@ -672,26 +762,9 @@ def make_train_step(
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         scaler = state.scaler
-
-        def scaled_loss(params: PyTree, fp8: Fp8State) -> tuple[torch.Tensor, tuple[Any, ...]]:
-            # Copies made inside the transform, so in-place buffer updates are allowed.
-            buffers = state.buffers if returns_buffers else _clone_buffers(state.buffers)
-            loss, aux, new_buffers = _split_output(
-                run_loss(fp8, params, buffers, batch), has_aux, returns_buffers
-            )
-            loss = _check_loss(loss).to(torch.float32)
-            if not returns_buffers:
-                new_buffers = buffers
-            return scale(scaler, loss), (loss.detach(), aux if has_aux else (), new_buffers)
-
-        argnums = (0, 1) if fp8_stateful else 0
-        grads, (_, (loss, aux, new_buffers)) = torch.func.grad_and_value(
-            scaled_loss, argnums=argnums, has_aux=True
-        )(state.params, state.fp8)
-        new_fp8 = state.fp8
-        if fp8_stateful:
-            grads, fp8_grads = grads
-            new_fp8 = fp8_update(state.fp8, fp8_grads)
+        grads, loss, aux, new_buffers, new_fp8 = _forward_backward(
+            run_loss, state, batch, has_aux, returns_buffers, fp8_stateful
+        )
         # Always checked (in-place updates too: a rebound or added key would change the state's
         # structure), and before anything is written into a donated state.
         new_buffers = _restore_buffers(new_buffers, state.buffers, returns_buffers)
@@ -741,17 +814,7 @@ def make_train_step(
             new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
         if write_buffers is not None:
             new_buffers = write_buffers()
-        metrics: Metrics = {
-            "loss": loss,
-            "grad_norm": info.grad_norm,
-            "scale": scaler.scale,
-            "found_inf": found_inf,
-            "skipped": new_scaler.skipped,
-        }
-        if has_aux:
-            metrics["aux"] = aux
-        if room is not None:
-            metrics["headroom"] = room.summary()
+        metrics = _metrics(loss, info.grad_norm, scaler, found_inf, new_scaler, aux, has_aux, room)
         return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
 
     # Dynamo caches compiled code per code object, and the default guard filter drops the
