@@ -20,7 +20,7 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
-from funcamp._checks import check_flag, check_grads_match, check_scaler_leaves
+from funcamp._checks import check_flag, check_grads_match, check_int, check_scaler_leaves
 from funcamp._tree import (
     NAMESPACE,
     _named_leaves,
@@ -529,10 +529,8 @@ def _validate_config(
         raise ValueError(
             f"{prefix} `backoff_factor` must be a float in (0, 1), got {backoff_factor!r}"
         )
-    if not _is_int(growth_interval) or growth_interval < 1:
-        raise ValueError(f"{prefix} `growth_interval` must be an int >= 1, got {growth_interval!r}")
-    if not _is_int(hysteresis) or hysteresis < 1:
-        raise ValueError(f"{prefix} `hysteresis` must be an int >= 1, got {hysteresis!r}")
+    check_int(api, "growth_interval", growth_interval, minimum=1)
+    check_int(api, "hysteresis", hysteresis, minimum=1)
     if min_scale is not None and (
         not _is_real_number(min_scale) or not (_F32.tiny <= min_scale <= _F32.max)
     ):
