@@ -353,6 +353,12 @@ def grad_fn_tree(params, step):
         lambda: funcamp.accumulate(
             funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.adam(1e-3)), 2
         ),
+        lambda: funcamp.lion(1e-3, kahan=True),
+        lambda: funcamp.masked(funcamp.lion(1e-3), {"w": True, "b": False}),
+        lambda: funcamp.multi_transform(
+            {"a": funcamp.sgd(0.1, momentum=0.9), "b": funcamp.adamw(1e-3, master_weights=True)},
+            lambda path: "a" if path == "b" else "b",
+        ),
     ],
 )
 def test_states_are_tensor_pytrees(make):
