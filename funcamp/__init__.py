@@ -5,23 +5,13 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 ``update`` functions, functional optimizers and a compiled, host-sync-free train step.
 """
 
+from funcamp import optim as optim  # the public funcamp.optim submodule
 from funcamp._amp import amp, full_precision
 from funcamp._checkpoint import load_state_dict, state_dict
 from funcamp._fp8 import Fp8Recipe, Fp8Record, Fp8State, fp8_update, with_fp8_state
 from funcamp._guard import ScaleCollapseError, ScaleCollapseGuard
 from funcamp._headroom import Headroom, headroom
 from funcamp._ops import OpPolicy, OpRule
-from funcamp._optim import (
-    Optimizer,
-    accumulate,
-    accumulate_applies,
-    adam,
-    adamw,
-    apply_updates,
-    chain,
-    clip_by_global_norm,
-    sgd,
-)
 from funcamp._policy import Policy, get_policy
 from funcamp._save import CheckpointInfo, checkpoint_info, load, save
 from funcamp._scaler import ScalerState, StepInfo, scale, unscale, unscale_and_step, update
@@ -35,6 +25,15 @@ from funcamp._search import PolicyDecision, SearchReport, search_policy
 from funcamp._trace import AmpTrace, OpRecord, OpStats, trace
 from funcamp._train import TrainState, make_train_step, params_and_buffers
 from funcamp._tree import all_finite, tree_cast, tree_select
+from funcamp.optim._base import Optimizer, apply_updates, chain
+from funcamp.optim._optimizers import adam, adamw, lion, sgd
+from funcamp.optim._transforms import (
+    accumulate,
+    accumulate_applies,
+    clip_by_global_norm,
+    masked,
+    multi_transform,
+)
 
 __version__ = "0.1.0"
 
@@ -76,9 +75,12 @@ __all__ = [
     "headroom",
     "linear_schedule",
     "linear_warmup_cosine_decay",
+    "lion",
     "load",
     "load_state_dict",
     "make_train_step",
+    "masked",
+    "multi_transform",
     "params_and_buffers",
     "save",
     "scale",

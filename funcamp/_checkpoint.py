@@ -18,7 +18,7 @@ import torch
 
 from funcamp._checks import check_scaler_values
 from funcamp._scaler import _CONFIG, _LEAVES, ScalerState
-from funcamp._tree import NAMESPACE, _describe
+from funcamp._tree import NAMESPACE, describe
 
 __all__ = ["load_state_dict", "state_dict"]
 
@@ -68,7 +68,7 @@ def _children(node: Any, path: tuple[Any, ...], api: str) -> tuple[list[Any], li
     if optree.tree_is_leaf(node, namespace=NAMESPACE):
         raise TypeError(
             f"funcamp.{api}: leaf {_path(path)} must be a tensor, a Python scalar, a string or "
-            f"None, got {_describe(node)}"
+            f"None, got {describe(node)}"
         )
     out = optree.tree_flatten_one_level(node, namespace=NAMESPACE)
     return [str(e) for e in out.entries], list(out.children)
@@ -107,7 +107,7 @@ def state_dict(tree: PyTree) -> dict[str, Any]:
 
 def _mismatch(path: tuple[Any, ...], expected: str, got: Any) -> ValueError:
     return ValueError(
-        f"funcamp.load_state_dict: `sd` at {_path(path)} must be {expected}, got {_describe(got)}"
+        f"funcamp.load_state_dict: `sd` at {_path(path)} must be {expected}, got {describe(got)}"
     )
 
 
@@ -207,7 +207,7 @@ def load_state_dict(template: PyTree, sd: dict[str, Any]) -> PyTree:
         (tensor([1., 1.]), 7)
     """
     if not isinstance(sd, dict):
-        raise TypeError(f"funcamp.load_state_dict: `sd` must be a dict, got {_describe(sd)}")
+        raise TypeError(f"funcamp.load_state_dict: `sd` must be a dict, got {describe(sd)}")
     if _is_leaf(template):
         if set(sd) != {_ROOT_LEAF_KEY}:
             raise ValueError(

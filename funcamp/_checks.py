@@ -29,7 +29,7 @@ from typing import Any
 import optree
 import torch
 
-from funcamp._tree import NAMESPACE
+from funcamp._tree import NAMESPACE, describe, path_str
 
 PyTree = Any
 
@@ -37,27 +37,6 @@ PyTree = Any
 #: ``bad`` None for a Python float, else a 0-d bool tensor (True when the value was NaN, infinite
 #: or negative).
 LrFn = Callable[[torch.Tensor], tuple[Any, "torch.Tensor | None"]]
-
-#: Attribute of an optimizer's ``update`` function:
-#: ``preflight(grads, state, params) -> Tensor | None``. It checks ``state`` against
-#: ``grads``/``params`` (metadata only) and evaluates the learning rate, raising before anything is
-#: computed or written, and returns a 0-d bool tensor that is True when this step's learning rate
-#: is not usable (or None when it cannot be). :func:`funcamp.unscale_and_step` calls it before it
-#: touches the (possibly donated) grads and ORs the flag into ``found_inf``.
-PREFLIGHT = "_funcamp_preflight"
-
-
-def describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
-    text = repr(x)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{type(x).__name__} {text}"
-
-
-def path_str(path: tuple[Any, ...]) -> str:
-    return "".join(f"[{k!r}]" for k in path) if path else "<root>"
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,7 +77,8 @@ def _guard_lr(lr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def learning_rate_fn(api: str, learning_rate: Any) -> LrFn:
-    """Validate a learning rate when the optimizer is built; return ``count -> (lr, bad)``."""
+    """Validate a learning rate when the optimizer is built; return ``count -> (lr, bad)`` (a
+    schedule is probed here, at build time)."""
     if isinstance(learning_rate, torch.Tensor):
         if (
             learning_rate.dim() != 0
@@ -153,12 +133,127 @@ def any_flag(flags: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     return out
 
 
-def preflight(
-    optimizer_update: Any, grads: PyTree, state: PyTree, params: PyTree
-) -> torch.Tensor | None:
-    """Run ``optimizer_update``'s preflight check (see :data:`PREFLIGHT`) if it has one."""
-    check = getattr(optimizer_update, PREFLIGHT, None)
-    return None if check is None else check(grads, state, params)
+# --------------------------------------------------------------------------------------------
+# numbers and flags
+
+
+def check_number(
+    api: str,
+    name: str,
+    value: Any,
+    *,
+    minimum: float = 0.0,
+    maximum: float | None = None,
+    maximum_open: bool = True,
+) -> float:
+    """A finite real hyperparameter in ``[minimum, maximum)`` (``]`` unless ``maximum_open``),
+    returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise TypeError(f"funcamp.{api}: `{name}` must be a finite real number, got {value!r}")
+    value = float(value)
+    if maximum is None:
+        if value < minimum:
+            raise ValueError(f"funcamp.{api}: `{name}` must be >= {minimum}, got {value!r}")
+    elif value < minimum or value > maximum or (maximum_open and value == maximum):
+        bracket = ")" if maximum_open else "]"
+        raise ValueError(
+            f"funcamp.{api}: `{name}` must be in [{minimum}, {maximum}{bracket}, got {value!r}"
+        )
+    return value
+
+
+def check_flag(api: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"funcamp.{api}: `{name}` must be a bool, got {describe(value)}")
+
+
+def check_int(api: str, name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"funcamp.{api}: `{name}` must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_type(api: str, name: str, value: Any, cls: type, hint: str) -> None:
+    if not isinstance(value, cls):
+        raise TypeError(
+            f"funcamp.{api}: `{name}` must be a {cls.__name__}{hint}, got {describe(value)}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# params and grads
+
+
+def flatten_params(api: str, params: PyTree) -> tuple[list[torch.Tensor], Any]:
+    """The leaves of ``params`` (each a floating tensor) and its treespec."""
+    paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
+            raise TypeError(
+                f"funcamp.{api}: `params` leaf {path_str(path)} must be a floating tensor, "
+                f"got {describe(leaf)}"
+            )
+    return leaves, spec
+
+
+def check_grads_match(api: str, grads: PyTree, params: PyTree) -> None:
+    """``grads`` must have the tree structure of ``params`` and, where a param is a tensor, a
+    tensor of its shape. Names the first leaf that differs."""
+    gpaths, gleaves, gspec = optree.tree_flatten_with_path(grads, namespace=NAMESPACE)
+    ppaths, pleaves, pspec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    if gspec != pspec:
+        gset = {path_str(p) for p in gpaths}
+        pset = {path_str(p) for p in ppaths}
+        missing = [path_str(p) for p in ppaths if path_str(p) not in gset]
+        extra = [path_str(p) for p in gpaths if path_str(p) not in pset]
+        if missing:
+            detail = f"leaf {missing[0]} is in `params` but not in `grads`"
+        elif extra:
+            detail = f"leaf {extra[0]} is in `grads` but not in `params`"
+        else:
+            detail = f"the containers differ: {gspec} vs {pspec}"
+        raise ValueError(f"funcamp.{api}: `grads` must have the structure of `params`; {detail}")
+    for path, g, p in zip(gpaths, gleaves, pleaves):
+        if isinstance(p, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
+            raise ValueError(
+                f"funcamp.{api}: `grads` leaf {path_str(path)} must be a tensor of shape "
+                f"{tuple(p.shape)} like its param, got {describe(g)}"
+            )
+
+
+def flatten_grads(
+    api: str, grads: PyTree, params: PyTree, *, need_params: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, Any]:
+    """Flatten ``grads`` (and ``params`` when given; they must match leaf by leaf): floating
+    tensors. ``(grad leaves, param leaves or None, treespec)``."""
+    gpaths, gleaves, gspec = optree.tree_flatten_with_path(grads, namespace=NAMESPACE)
+    for path, g in zip(gpaths, gleaves):
+        if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+            raise TypeError(
+                f"funcamp.{api}: `grads` leaf {path_str(path)} must be a floating tensor, "
+                f"got {describe(g)}"
+            )
+    if params is None:
+        if need_params:
+            raise ValueError(
+                f"funcamp.{api}: `params` must be given to update (weight decay or a "
+                "low-precision mode needs them), got None"
+            )
+        return gleaves, None, gspec
+    check_grads_match(api, grads, params)
+    pleaves = flatten_params(api, params)[0]
+    return gleaves, pleaves, gspec
+
+
+def state_leaves(api: str, name: str, tree: PyTree, spec: Any) -> list[torch.Tensor]:
+    """The leaves of the optimizer state's ``name`` tree, flattened like the grads (``spec``)."""
+    try:
+        return spec.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"funcamp.{api}: `state.{name}` must have the tree structure of the grads {spec}, "
+            f"got {optree.tree_structure(tree, namespace=NAMESPACE)}"
+        ) from e
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from funcamp._tree import _describe
+from funcamp._tree import describe
 
 __all__ = ["Fp8Record", "Fp8Recipe", "Fp8State", "fp8_update", "with_fp8_state"]
 
@@ -80,7 +80,7 @@ class Fp8Recipe:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(
-                    f"funcamp.Fp8Recipe: `{name}` must be an int >= {low}, got {_describe(value)}"
+                    f"funcamp.Fp8Recipe: `{name}` must be an int >= {low}, got {describe(value)}"
                 )
         if self.kind == "current" and (self.history, self.margin) != (1, 0):
             raise ValueError(
@@ -132,7 +132,7 @@ def _check_keys(keys: Any, arg: str) -> tuple[Any, ...]:
     if not isinstance(keys, Iterable):
         raise TypeError(
             f"funcamp.Policy.with_fp8: `{arg}` must be a tuple of nn.Module classes or "
-            f"module-path globs, got {_describe(keys)}"
+            f"module-path globs, got {describe(keys)}"
         )
     keys = tuple(keys)
     for key in keys:
@@ -143,7 +143,7 @@ def _check_keys(keys: Any, arg: str) -> tuple[Any, ...]:
             raise TypeError(
                 f"funcamp.Policy.with_fp8: `{arg}` entries must be torch.nn.Module subclasses or "
                 f"non-empty module-path globs (e.g. torch.nn.Linear or 'layers.*.mlp.*'), got "
-                f"{_describe(key)}"
+                f"{describe(key)}"
             )
     return keys
 
@@ -163,7 +163,7 @@ class Fp8Config:
         if not isinstance(recipe, Fp8Recipe):
             raise TypeError(
                 "funcamp.Policy.with_fp8: `recipe` must be a funcamp.Fp8Recipe "
-                f"(Fp8Recipe.current() or Fp8Recipe.delayed()), got {_describe(recipe)}"
+                f"(Fp8Recipe.current() or Fp8Recipe.delayed()), got {describe(recipe)}"
             )
         return cls(recipe, _check_keys(modules, "modules"), _check_keys(exclude, "exclude"))
 
@@ -252,7 +252,7 @@ class Fp8State(NamedTuple):
         pol = _as_policy(policy, "Fp8State.init")
         if not isinstance(module, torch.nn.Module):
             raise TypeError(
-                f"funcamp.Fp8State.init: `module` must be a torch.nn.Module, got {_describe(module)}"
+                f"funcamp.Fp8State.init: `module` must be a torch.nn.Module, got {describe(module)}"
             )
         config = pol.fp8
         if config is None or not config.recipe.stateful:
@@ -293,7 +293,7 @@ def fp8_update(state: Fp8State, grads: Fp8State) -> Fp8State:
     if not isinstance(state, Fp8State) or not isinstance(grads, Fp8State):
         raise TypeError(
             "funcamp.fp8_update: `state` and `grads` must be funcamp.Fp8State values (the state "
-            f"and its gradient), got {_describe(state)} and {_describe(grads)}"
+            f"and its gradient), got {describe(state)} and {describe(grads)}"
         )
     if set(state.scale) != set(grads.scale):
         raise ValueError(
@@ -354,13 +354,13 @@ def with_fp8_state(fn: F) -> Callable[..., Any]:
         tensor([True, True, True])
     """
     if not callable(fn):
-        raise TypeError(f"funcamp.with_fp8_state: `fn` must be callable, got {_describe(fn)}")
+        raise TypeError(f"funcamp.with_fp8_state: `fn` must be callable, got {describe(fn)}")
 
     def run(fp8_state: Fp8State, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(fp8_state, Fp8State):
             raise TypeError(
                 "funcamp.with_fp8_state: the first argument must be a funcamp.Fp8State (see "
-                f"Fp8State.init), got {_describe(fp8_state)}"
+                f"Fp8State.init), got {describe(fp8_state)}"
             )
         stack = _SCOPES.stack
         stack.append(_Scope(fp8_state))
@@ -710,8 +710,8 @@ def needs_state(policy: Any) -> bool:
     return config is not None and config.recipe.stateful
 
 
-def _check_state(state: Any, api: str) -> None:
+def _check_fp8_state(state: Any, api: str) -> None:
     if not isinstance(state, Fp8State):
         raise TypeError(
-            f"funcamp.{api}: `state.fp8` must be a funcamp.Fp8State, got {_describe(state)}"
+            f"funcamp.{api}: `state.fp8` must be a funcamp.Fp8State, got {describe(state)}"
         )

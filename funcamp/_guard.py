@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from funcamp._scaler import ScalerState
-from funcamp._tree import _describe
+from funcamp._tree import describe
 
 __all__ = ["ScaleCollapseError", "ScaleCollapseGuard"]
 
@@ -76,7 +76,7 @@ class ScaleCollapseGuard:
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
             raise ValueError(
                 "funcamp.ScaleCollapseGuard: `patience` must be a positive int (a number of "
-                f"consecutive steps), got {_describe(patience)}"
+                f"consecutive steps), got {describe(patience)}"
             )
         self.patience = patience
         self.count = 0  # consecutive counted steps so far
@@ -110,7 +110,7 @@ class ScaleCollapseGuard:
         if not isinstance(state, ScalerState):
             raise TypeError(
                 "funcamp.ScaleCollapseGuard.check: `scaler` must be a funcamp.ScalerState or a "
-                f"TrainState, got {_describe(scaler)}"
+                f"TrainState, got {describe(scaler)}"
             )
         found_inf, scales = _stack(metrics)
         if found_inf.numel() == 0:
@@ -134,14 +134,14 @@ def _stack(metrics: Any) -> tuple[torch.Tensor, torch.Tensor]:
         rows = list(metrics)
     else:
         raise TypeError(
-            f"{api}: `metrics` must be a metrics dict or a list of them, got {_describe(metrics)}"
+            f"{api}: `metrics` must be a metrics dict or a list of them, got {describe(metrics)}"
         )
     found, scales = [], []
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping) or "found_inf" not in row or "scale" not in row:
             raise TypeError(
                 f"{api}: `metrics[{i}]` must be a make_train_step metrics dict with 'found_inf' "
-                f"and 'scale', got {_describe(row)}"
+                f"and 'scale', got {describe(row)}"
             )
         found.append(torch.as_tensor(row["found_inf"]).reshape(-1))
         scales.append(torch.as_tensor(row["scale"]).reshape(-1).to(torch.float64))

@@ -18,7 +18,7 @@ import optree
 import torch
 
 from funcamp._scaler import ScalerState
-from funcamp._tree import NAMESPACE, _describe
+from funcamp._tree import NAMESPACE, describe, dotted_path
 
 __all__ = ["Headroom", "headroom"]
 
@@ -142,10 +142,6 @@ def _result(
     )
 
 
-def _path(path: tuple[Any, ...]) -> str:
-    return ".".join(str(k) for k in path) if path else "<root>"
-
-
 def _headroom(
     grads: Any,
     scale: torch.Tensor,
@@ -167,14 +163,14 @@ def _headroom(
     for path, g in zip(paths, tensors):
         if not isinstance(g, torch.Tensor) or not g.is_floating_point():
             continue
-        if include is not None and not include(_path(path)):
+        if include is not None and not include(dotted_path(path)):
             continue
         x = g.to(torch.float32)
         if not scaled:
             x = x * scale
         counts = _count(x, lim)
         if leaves:
-            per_leaf[_path(path)] = _result(counts, x.numel(), scale, lim, {})
+            per_leaf[dotted_path(path)] = _result(counts, x.numel(), scale, lim, {})
         all_counts.append(counts)
         total += x.numel()
     if not all_counts:
@@ -245,7 +241,7 @@ def headroom(grads: Any, scaler_state: ScalerState, dtype: torch.dtype = torch.f
     if not isinstance(scaler_state, ScalerState):
         raise TypeError(
             f"funcamp.{api}: `scaler_state` must be a funcamp.ScalerState (for a bare scale "
-            f"use ScalerState.static(scale)), got {_describe(scaler_state)}"
+            f"use ScalerState.static(scale)), got {describe(scaler_state)}"
         )
     _check_dtype(dtype, api)
     return _headroom(grads, scaler_state.scale, dtype, scaled=False)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from funcamp._tree import _describe
+from funcamp._tree import describe
 
 __all__ = ["optimizer_type_error"]
 
@@ -27,7 +27,8 @@ def _equivalent(optimizer: torch.optim.Optimizer) -> tuple[str, list[str]]:
     if len(optimizer.param_groups) > 1:
         caveats.append(
             f"it has {len(optimizer.param_groups)} param groups and the values above are the "
-            "first's (a funcamp optimizer applies one setting to every param)"
+            "first's; give each group its own optimizer with funcamp.multi_transform({label: "
+            "optimizer}, labels)"
         )
     if isinstance(optimizer, torch.optim.AdamW) or (
         isinstance(optimizer, torch.optim.Adam) and g.get("decoupled_weight_decay")
@@ -54,8 +55,9 @@ def _equivalent(optimizer: torch.optim.Optimizer) -> tuple[str, list[str]]:
         sig = "funcamp.sgd(lr, momentum, nesterov, weight_decay, dampening)"
     else:
         return "", [
-            f"funcamp has no {name}: use funcamp.sgd, funcamp.adam or funcamp.adamw, or write "
-            "a funcamp.Optimizer(init, update) pair"
+            f"funcamp has no {name}: use funcamp.sgd, funcamp.adam, funcamp.adamw or "
+            "funcamp.lion, or write one with funcamp.optim.elementwise (or a "
+            "funcamp.Optimizer(init, update) pair)"
         ]
     if g.get("amsgrad"):
         caveats.append("amsgrad=True has no funcamp equivalent")
@@ -67,7 +69,7 @@ def optimizer_type_error(api: str, optimizer: Any) -> TypeError:
     if not isinstance(optimizer, torch.optim.Optimizer):
         return TypeError(
             f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer (e.g. funcamp.adamw(1e-3)), "
-            f"got {_describe(optimizer)}"
+            f"got {describe(optimizer)}"
         )
     name = f"torch.optim.{type(optimizer).__name__}"
     call, caveats = _equivalent(optimizer)

@@ -42,7 +42,7 @@ from funcamp._amp import _as_policy
 from funcamp._checkpoint import load_state_dict, state_dict
 from funcamp._policy import Policy
 from funcamp._scaler import _CONFIG, _LEAVES
-from funcamp._tree import NAMESPACE, _describe
+from funcamp._tree import NAMESPACE, describe
 
 __all__ = ["CheckpointInfo", "checkpoint_info", "load", "save"]
 
@@ -96,9 +96,7 @@ class CheckpointInfo(NamedTuple):
 
 def _check_path(path: Any, api: str) -> Path:
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
-            f"funcamp.{api}: `path` must be a str or os.PathLike, got {_describe(path)}"
-        )
+        raise TypeError(f"funcamp.{api}: `path` must be a str or os.PathLike, got {describe(path)}")
     return Path(path)
 
 
@@ -114,7 +112,7 @@ def _check_metadata(key: str, value: Any) -> None:
         raise TypeError(
             f"funcamp.save: metadata `{key}` must be made of tensors, Python scalars, strings, "
             "None and lists/tuples/dicts of them (a checkpoint loads with "
-            f"torch.load(weights_only=True)), got {_describe(value)[:200]} ({first[:300]})"
+            f"torch.load(weights_only=True)), got {describe(value)[:200]} ({first[:300]})"
         ) from None
 
 
@@ -498,7 +496,7 @@ def load(
     """
     p = _check_path(path, "load")
     if not isinstance(convert, bool):
-        raise TypeError(f"funcamp.load: `convert` must be a bool, got {_describe(convert)}")
+        raise TypeError(f"funcamp.load: `convert` must be a bool, got {describe(convert)}")
     if policy is not None:
         _as_policy(policy, "load")
     if group is not None or p.is_dir():
@@ -577,7 +575,7 @@ def _group_info(group: Any, api: str) -> tuple[int, int]:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"funcamp.{api}: `group` must be a torch.distributed.ProcessGroup (for example "
-            f"torch.distributed.group.WORLD), got {_describe(group)}"
+            f"torch.distributed.group.WORLD), got {describe(group)}"
         )
     return dist.get_rank(group), dist.get_world_size(group)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
@@ -21,28 +20,26 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
-from funcamp._checks import check_scaler_leaves, preflight
-from funcamp._optim import (
-    _FRESH,
-    _IN_PLACE,
-    _OWNED_GRADS,
-    Optimizer,
-    SetParam,
-    _apply_updates,
-    apply_updates,
-)
+from funcamp._checks import check_flag, check_grads_match, check_int, check_scaler_leaves
 from funcamp._tree import (
     NAMESPACE,
-    _describe,
     _named_leaves,
-    _once,
-    _path_str,
     _plan_write,
     _select,
     _sharing_memory,
     _storage_key,
+    describe,
     tree_select,
 )
+from funcamp.optim._base import (
+    Optimizer,
+    apply_updates,
+    apply_updates_owned,
+    exclusive,
+    update_tensors,
+)
+from funcamp.optim._numerics import hoist_scalar, math_dtype
+from funcamp.optim._paths import eager_path
 
 __all__ = ["ScalerState", "StepInfo", "scale", "unscale", "unscale_and_step", "update"]
 
@@ -265,7 +262,7 @@ class ScalerState:
         if not any(isinstance(d, torch.dtype) for d in dtypes):
             raise TypeError(
                 "funcamp.ScalerState.for_policy: `policy` must have a `compute_dtype` or "
-                f"`param_dtype` torch.dtype attribute, got {_describe(policy)}"
+                f"`param_dtype` torch.dtype attribute, got {describe(policy)}"
             )
         if torch.float16 in dtypes:
             return cls.dynamic(device=device)
@@ -310,7 +307,7 @@ class ScalerState:
         else:
             raise TypeError(
                 f"funcamp.{api}: `scaler_or_state_dict` must be a torch.amp.GradScaler or its "
-                f"state_dict(), got {_describe(scaler_or_state_dict)}"
+                f"state_dict(), got {describe(scaler_or_state_dict)}"
             )
         if not sd:
             return cls.noop(device=device)
@@ -325,7 +322,7 @@ class ScalerState:
         if isinstance(raw_scale, torch.Tensor) and raw_scale.numel() == 1:
             raw_scale = raw_scale.item()
         if not _is_real_number(raw_scale):
-            raise TypeError(f"funcamp.{api}: `scale` must be a float, got {_describe(raw_scale)}")
+            raise TypeError(f"funcamp.{api}: `scale` must be a float, got {describe(raw_scale)}")
         if not (math.isfinite(raw_scale) and 0 < raw_scale <= _F32.max):
             raise ValueError(
                 f"funcamp.{api}: `scale` must be finite and > 0 (at most the float32 maximum), "
@@ -336,7 +333,7 @@ class ScalerState:
         if isinstance(tracker, torch.Tensor) and tracker.numel() == 1:
             if tracker.is_floating_point() or tracker.dtype == torch.bool:
                 raise TypeError(
-                    f"funcamp.{api}: `_growth_tracker` must be an int, got {_describe(tracker)}"
+                    f"funcamp.{api}: `_growth_tracker` must be an int, got {describe(tracker)}"
                 )
             tracker = tracker.item()
         if not _is_int(tracker) or tracker < 0:
@@ -532,10 +529,8 @@ def _validate_config(
         raise ValueError(
             f"{prefix} `backoff_factor` must be a float in (0, 1), got {backoff_factor!r}"
         )
-    if not _is_int(growth_interval) or growth_interval < 1:
-        raise ValueError(f"{prefix} `growth_interval` must be an int >= 1, got {growth_interval!r}")
-    if not _is_int(hysteresis) or hysteresis < 1:
-        raise ValueError(f"{prefix} `hysteresis` must be an int >= 1, got {hysteresis!r}")
+    check_int(api, "growth_interval", growth_interval, minimum=1)
+    check_int(api, "hysteresis", hysteresis, minimum=1)
     if min_scale is not None and (
         not _is_real_number(min_scale) or not (_F32.tiny <= min_scale <= _F32.max)
     ):
@@ -556,9 +551,9 @@ def _validate_config(
         )
 
 
-def _check_state(api: str, state: Any) -> None:
+def _check_scaler(api: str, state: Any) -> None:
     if not isinstance(state, ScalerState):
-        raise TypeError(f"funcamp.{api}: `state` must be a ScalerState, got {_describe(state)}")
+        raise TypeError(f"funcamp.{api}: `state` must be a ScalerState, got {describe(state)}")
     check_scaler_leaves(api, state)  # metadata only: 0-d tensors of the right dtypes
 
 
@@ -569,17 +564,11 @@ def _check_found_inf(api: str, found_inf: Any) -> None:
         or found_inf.dim() != 0
     ):
         raise TypeError(
-            f"funcamp.{api}: `found_inf` must be a 0-d bool tensor, got {_describe(found_inf)}"
+            f"funcamp.{api}: `found_inf` must be a 0-d bool tensor, got {describe(found_inf)}"
         )
 
 
 # ---------------------------------------------------------------------- scale / unscale
-
-
-def _unscaled_dtype(dtype: torch.dtype) -> torch.dtype:
-    # float16/bfloat16/float32 -> float32; float64 stays float64 (GradScaler unscales float64
-    # grads in float64 too).
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def scale(state: ScalerState, tree: PyTree) -> PyTree:
@@ -595,41 +584,45 @@ def scale(state: ScalerState, tree: PyTree) -> PyTree:
         >>> funcamp.scale(s, torch.tensor(0.5, dtype=torch.float16))
         tensor(4.)
     """
-    _check_state("scale", state)
+    _check_scaler("scale", state)
 
     def mul(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return x
-        return x.to(_unscaled_dtype(x.dtype)) * state.scale.to(x.device)
+        return x.to(math_dtype(x.dtype)) * state.scale.to(x.device)
 
     return optree.tree_map(mul, tree, namespace=NAMESPACE)
 
 
-def _use_fused_kernel(leaves: list[torch.Tensor]) -> bool:
-    """Whether ``torch._amp_foreach_non_finite_check_and_unscale_`` may run on copies of leaves.
+def _fused_unscale(leaves: list[torch.Tensor]) -> bool:
+    """Whether unscaling runs on the eager path: torch's fused
+    ``_amp_foreach_non_finite_check_and_unscale_`` on copies of the leaves (one pass for the
+    check and the multiply). It mutates in place, has no autograd formula, no vmap rule, and
+    inductor cannot fuse it: the traced path's pure ops, which give identical results, run
+    under compile, functorch transforms and autograd."""
+    return hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_") and eager_path(leaves)
 
-    It is the fastest eager path (one fused pass for the check and the multiply), but it mutates
-    in place, has no autograd formula, no vmap rule, and inductor cannot fuse it: the pure-torch
-    path, which gives identical results, runs under compile, functorch transforms and autograd.
-    """
-    if not hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    for x in leaves:
-        if type(x) is not torch.Tensor or x.device.type not in ("cpu", "cuda"):
-            return False
-        if is_wrapped(x) or (x.requires_grad and torch.is_grad_enabled()):
-            return False
-    return True
+
+def _floating(grads: PyTree) -> tuple[list[Any], Any, list[int]]:
+    """``(leaves, treespec, indices of the floating tensor leaves)`` of ``grads``."""
+    leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    return leaves, spec, idx
+
+
+def _refill(leaves: list[Any], idx: list[int], out: list[torch.Tensor]) -> list[Any]:
+    """``leaves`` with the floating ones (at ``idx``) replaced by ``out``."""
+    new_leaves = list(leaves)
+    for i, x in zip(idx, out):
+        new_leaves[i] = x
+    return new_leaves
 
 
 def _unscale_leaves(
     leaves: list[torch.Tensor], scale_tensor: torch.Tensor, fused: bool, *, donate: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     # torch's rule: the reciprocal is taken in float64, then rounded to float32.
-    inv_scale = _once(scale_tensor.double().reciprocal().float())
+    inv_scale = hoist_scalar(scale_tensor.double().reciprocal().float())
     if not leaves:
         return [], torch.zeros((), dtype=torch.bool, device=scale_tensor.device)
     if fused:
@@ -637,8 +630,8 @@ def _unscale_leaves(
         # the unscaled dtype), grouped by device and dtype as the kernel requires; it writes 1.0
         # into found (a float, per device) on inf/nan.
         out = [
-            x if donate and x.dtype == _unscaled_dtype(x.dtype) else
-            x.to(_unscaled_dtype(x.dtype), copy=True)
+            x if donate and x.dtype == math_dtype(x.dtype) else
+            x.to(math_dtype(x.dtype), copy=True)
             for x in leaves
         ]  # fmt: skip
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -653,7 +646,7 @@ def _unscale_leaves(
         return out, found_inf
     finite = [torch.isfinite(x).all().to(scale_tensor.device) for x in leaves]
     found_inf = ~torch.stack(finite).all()
-    out = [x.to(_unscaled_dtype(x.dtype)) * inv_scale.to(x.device) for x in leaves]
+    out = [x.to(math_dtype(x.dtype)) * inv_scale.to(x.device) for x in leaves]
     return out, found_inf
 
 
@@ -693,18 +686,14 @@ def unscale(
         >>> funcamp.unscale(s, mine, donate_grads=True)[0]["w"] is mine["w"]
         True
     """
-    _check_state("unscale", state)
-    _check_flag("unscale", "donate_grads", donate_grads)
-    leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    _check_scaler("unscale", state)
+    check_flag("unscale", "donate_grads", donate_grads)
+    leaves, spec, idx = _floating(grads)
     floating = [leaves[i] for i in idx]
-    fused = _use_fused_kernel(floating)
+    fused = _fused_unscale(floating)
     donate = donate_grads and fused and _disjoint(floating, set())
     out, found_inf = _unscale_leaves(floating, state.scale, fused, donate=donate)
-    new_leaves = list(leaves)
-    for i, x in zip(idx, out):
-        new_leaves[i] = x
-    return optree.tree_unflatten(spec, new_leaves), found_inf
+    return optree.tree_unflatten(spec, _refill(leaves, idx, out)), found_inf
 
 
 # ---------------------------------------------------------------------- update
@@ -738,7 +727,7 @@ def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
         32.0 0
         16.0 0
     """
-    _check_state("update", state)
+    _check_scaler("update", state)
     _check_found_inf("update", found_inf)
     found_inf = found_inf.to(state.scale.device)
     skipped = state.skipped + found_inf.to(state.skipped.dtype)
@@ -788,34 +777,6 @@ def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
 # ---------------------------------------------------------------------- unscale_and_step
 
 
-def _check_matching_trees(api: str, grads: PyTree, params: PyTree) -> None:
-    g_paths, g_leaves, g_spec = optree.tree_flatten_with_path(grads, namespace=NAMESPACE)
-    p_paths, p_leaves, p_spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
-    if g_spec != p_spec:
-        g_set = {_path_str(p) for p in g_paths}
-        p_set = {_path_str(p) for p in p_paths}
-        missing = [p for p in map(_path_str, p_paths) if p not in g_set]
-        extra = [p for p in map(_path_str, g_paths) if p not in p_set]
-        if missing:
-            detail = f"leaf {missing[0]} is in `params` but not in `grads`"
-        elif extra:
-            detail = f"leaf {extra[0]} is in `grads` but not in `params`"
-        else:
-            detail = f"the containers differ: {g_spec} vs {p_spec}"
-        raise ValueError(f"funcamp.{api}: `grads` must have the structure of `params`; {detail}")
-    for path, g, p in zip(g_paths, g_leaves, p_leaves):
-        if isinstance(p, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
-            raise ValueError(
-                f"funcamp.{api}: `grads` leaf {_path_str(path)} must be a tensor of shape "
-                f"{tuple(p.shape)} like its param, got {_describe(g)}"
-            )
-
-
-def _check_flag(api: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"funcamp.{api}: `{name}` must be a bool, got {_describe(value)}")
-
-
 def _disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
     """Whether no two of ``leaves`` share memory and none shares memory with ``taken``."""
     seen: set[int | None] = set()
@@ -827,29 +788,19 @@ def _disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
     return True
 
 
-def _tensors(tree: PyTree) -> list[torch.Tensor]:
-    out = []
-    for x in optree.tree_leaves(
-        tree, is_leaf=lambda x: isinstance(x, SetParam), namespace=NAMESPACE
-    ):
-        x = x.value if isinstance(x, SetParam) else x
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-    return out
-
-
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
-_SUBNORMAL, _NEGATIVE_ZERO = 5e-324, -0.0  # names, not literals: never constant-folded
+_TINY = float.fromhex("0x1p-1074")  # the smallest float64 subnormal
+_NEGATIVE_ZERO = -0.0
 
 
 def _adds_negative_zero_exactly() -> bool:
-    """False when the CPU flushes subnormals (``torch.set_flush_denormal(True)``), where
-    ``p + -0.0`` is not ``p``. ``torch.set_flush_denormal`` sets the calling thread's
-    floating-point control flags, which Python's own float arithmetic obeys too: the probe is a
-    Python addition (``.hex()`` shows the bits), with no tensor and no read back from one."""
-    return (_SUBNORMAL + _NEGATIVE_ZERO).hex() != "0x0.0p+0"
+    """False when the CPU flushes subnormals (``torch.set_flush_denormal(True)`` sets the
+    thread's DAZ/FTZ flags, which Python's own float arithmetic obeys too), where ``p + -0.0`` is
+    not ``p``. Plain Python floats held in variables: no tensor, no host sync, no constant
+    folding."""
+    return _TINY + _NEGATIVE_ZERO != 0.0
 
 
 def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
@@ -885,13 +836,13 @@ def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
     return mask
 
 
-def _global_norm(leaves: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _global_norm(leaves: list[torch.Tensor], device: torch.device, eager: bool) -> torch.Tensor:
     if not leaves:
         return torch.zeros((), dtype=torch.float32, device=device)
-    if torch.compiler.is_compiling():
-        norms = [torch.linalg.vector_norm(x) for x in leaves]
-    else:
+    if eager:
         norms = list(torch._foreach_norm(leaves))
+    else:
+        norms = [torch.linalg.vector_norm(x) for x in leaves]
     norms = [n.to(device=device, dtype=torch.float32) for n in norms]
     return torch.linalg.vector_norm(torch.stack(norms))
 
@@ -971,18 +922,11 @@ def unscale_and_step(
         tensor([0., 1.])
     """
     api = "unscale_and_step"
-    _check_state(api, state)
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got {_describe(optimizer)}"
-        )
-    _check_flag(api, "donate_grads", donate_grads)
-    _check_flag(api, "donate_state", donate_state)
-    _check_matching_trees(api, grads, params)
+    caps = _check_step_args(api, state, optimizer, grads, params, donate_grads, donate_state)
     # Everything that can refuse these inputs runs before the grads are touched (donated grads
     # are unscaled in place) and before anything is written (donate_state): the optimizer state
     # is checked against the params, and the learning rate evaluated, here.
-    bad_lr = preflight(optimizer.update, grads, opt_state, params)
+    bad_lr = None if caps.preflight is None else caps.preflight(grads, opt_state, params)
     if donate_state and not torch.compiler.is_compiling():
         shared = _sharing_memory(_named_leaves({"params": params, "opt_state": opt_state}))
         if shared is not None:
@@ -991,89 +935,111 @@ def unscale_and_step(
                 f"tensors of `params` and `opt_state`, but {shared[0]} and {shared[1]} share "
                 "memory; give each its own tensor (clone) or pass donate_state=False"
             )
-    leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    leaves, spec, idx = _floating(grads)
     floating = [leaves[i] for i in idx]
-    # Plain eager: the fused unscale kernel, and in-place reuse of the temporaries this step
-    # makes. Under compile, functorch transforms or autograd everything stays out of place
-    # (inductor fuses the whole step into a few kernels anyway). Results are identical.
-    fast, donate, taken = False, False, set()
-    if not torch.compiler.is_compiling():
-        inputs = _tensors(params) + _tensors(opt_state) + _tensors(state)
-        fast = _use_fused_kernel(floating + inputs)
-    if fast:
+    # The execution path, chosen once: eager (torch's fused unscale kernel, in-place reuse of
+    # this step's temporaries, the optimizer's fused kernel on a donated state) or traced (pure
+    # ops; under compile inductor fuses the whole step anyway). Results are identical.
+    inputs = update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
+    eager = _fused_unscale(floating + inputs)
+    taken: set[int | None] = set()
+    donate = False
+    if eager:
         taken = {_storage_key(x) for x in inputs}
         donate = donate_grads and _disjoint(floating, taken)
         if not donate:
             taken.update(_storage_key(x) for x in floating)
-    out, found_inf = _unscale_leaves(floating, state.scale, fast, donate=donate)
-    new_leaves = list(leaves)
-    for i, x in zip(idx, out):
-        new_leaves[i] = x
-    unscaled = optree.tree_unflatten(spec, new_leaves)
+    out, found_inf = _unscale_leaves(floating, state.scale, eager, donate=donate)
+    unscaled = optree.tree_unflatten(spec, _refill(leaves, idx, out))
     if group is not None:
         from funcamp.distributed import any_across
 
         found_inf = any_across(found_inf, group)
     if bad_lr is not None:  # a NaN/inf/negative tensor learning rate: the step is skipped
         found_inf = found_inf | bad_lr.to(found_inf.device)
-    # Before the optimizer: it may overwrite the unscaled grads in place (see below).
-    grad_norm = _global_norm(out, state.scale.device)
-    if donate_state and fast:
-        in_place = getattr(optimizer.update, _IN_PLACE, None)
-        new_state = None if in_place is None else in_place(out, opt_state, params, found_inf)
+    # Before the optimizer: on the eager path it may overwrite the unscaled grads in place.
+    info = StepInfo(found_inf, _global_norm(out, state.scale.device, eager))
+    if eager and donate_state and caps.fused_step is not None:
+        new_state = caps.fused_step(out, opt_state, params, found_inf)
         if new_state is not None:
-            return params, new_state, StepInfo(found_inf, grad_norm)
-    params_out, opt_state_out = _step(
-        optimizer, unscaled, opt_state, params, found_inf, fast, taken, new_leaves
-    )
+            return params, new_state, info
+    if eager:
+        params_out, opt_state_out = _step_eager(
+            optimizer, unscaled, opt_state, params, found_inf, taken, out
+        )
+    else:
+        params_out, opt_state_out = _step_traced(optimizer, unscaled, opt_state, params, found_inf)
     if donate_state:
         # Both trees are matched before either is written: all or nothing.
         write_params = _plan_write(params_out, params)
         write_opt_state = _plan_write(opt_state_out, opt_state)
         params_out, opt_state_out = write_params(), write_opt_state()
-    return params_out, opt_state_out, StepInfo(found_inf, grad_norm)
+    return params_out, opt_state_out, info
 
 
-def _step(
+def _check_step_args(
+    api: str,
+    state: Any,
+    optimizer: Any,
+    grads: PyTree,
+    params: PyTree,
+    donate_grads: Any,
+    donate_state: Any,
+) -> Any:
+    """Validate :func:`unscale_and_step`'s arguments; returns the optimizer's capabilities."""
+    _check_scaler(api, state)
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got {describe(optimizer)}"
+        )
+    check_flag(api, "donate_grads", donate_grads)
+    check_flag(api, "donate_state", donate_state)
+    check_grads_match(api, grads, params)
+    return optimizer.capabilities
+
+
+def _step_traced(
+    optimizer: Optimizer, unscaled: PyTree, opt_state: PyTree, params: PyTree, found_inf: Any
+) -> tuple[PyTree, PyTree]:
+    """The traced path: update, apply and select, all pure."""
+    updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
+    new_params = apply_updates(params, updates)
+    return (
+        tree_select(found_inf, params, new_params),
+        tree_select(found_inf, opt_state, new_opt_state),
+    )
+
+
+def _step_eager(
     optimizer: Optimizer,
     unscaled: PyTree,
     opt_state: PyTree,
     params: PyTree,
     found_inf: torch.Tensor,
-    fast: bool,
     taken: set[int | None],
-    new_leaves: list[Any],
+    grads: list[torch.Tensor],
 ) -> tuple[PyTree, PyTree]:
-    """The update, applied and selected: ``(params, opt_state)``, the old ones where
-    ``found_inf``."""
-    if not fast:
+    """The eager path: the unscaled ``grads`` are this step's own (or donated), so an optimizer
+    that declares ``update_owned`` may overwrite them; one that declares ``fresh`` returns only
+    new tensors or its inputs' leaves, so each new tensor that shares memory with no input and no
+    other output is ours to reuse: a delta receives its new param (after the skip mask), a new
+    state leaf its selection."""
+    caps = optimizer.capabilities
+    if caps.update_owned is not None:
+        updates, new_opt_state = caps.update_owned(unscaled, opt_state, params, grads)
+    else:
         updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
-        new_params = apply_updates(params, updates)
-        params_out = tree_select(found_inf, params, new_params)
-        opt_state_out = tree_select(found_inf, opt_state, new_opt_state)
-        return params_out, opt_state_out
-
-    # The unscaled grads are this step's own (or donated): the optimizer whose update this is
-    # may overwrite them in place. A built-in optimizer (marked with _FRESH) returns only fresh
-    # tensors or its inputs' leaves, so each new tensor that shares memory with no input and no
-    # other output is ours to reuse: a delta receives its new param, a new leaf its selection.
-    token = _OWNED_GRADS.set((optimizer.update, tuple(new_leaves)))
-    try:
-        updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
-    finally:
-        _OWNED_GRADS.reset(token)
     owned = None
-    if getattr(optimizer.update, _FRESH, False):
-        made = _tensors(updates) + _tensors(new_opt_state)
-        if _use_fused_kernel(made):
-            counts = Counter(_storage_key(x) for x in made)
+    if caps.fresh:
+        made = update_tensors(updates) + update_tensors(new_opt_state)
+        if eager_path(made):
+            ours = {id(x) for x, ok in zip(made, exclusive(made, [])) if ok}
+            taken_now = taken
 
             def owned(x: torch.Tensor) -> bool:
-                key = _storage_key(x)
-                return key is not None and key not in taken and counts[key] == 1
+                return id(x) in ours and _storage_key(x) not in taken_now
 
-    new_params, fresh, done = _apply_updates(
+    new_params, fresh, done = apply_updates_owned(
         params, updates, owned, _skip_mask(found_inf) if owned is not None else None
     )
     params_out = _select(

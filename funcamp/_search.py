@@ -20,12 +20,12 @@ import optree
 import torch
 
 from funcamp._amp import _as_policy, _check_fn, amp
+from funcamp._checks import flatten_params
 from funcamp._headroom import _headroom
 from funcamp._ops import OpRule
-from funcamp._optim import _flatten_params
 from funcamp._policy import ModuleKey, Policy, _check_module_key
 from funcamp._trace import trace
-from funcamp._tree import NAMESPACE, _describe
+from funcamp._tree import NAMESPACE, describe
 
 __all__ = ["PolicyDecision", "SearchReport", "search_policy"]
 
@@ -190,7 +190,7 @@ class _Runner:
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError(
                     f"funcamp.{_API}: `loss_fn` must return a 0-d floating tensor (the loss), "
-                    f"got {_describe(loss)}"
+                    f"got {describe(loss)}"
                 )
             loss = loss.to(torch.float32)
             return loss * scale, loss.detach()
@@ -253,7 +253,7 @@ def _check_candidates(candidates: Any) -> list[ModuleKey]:
         raise TypeError(
             f"funcamp.{_API}: `candidates` must be a list of module paths, globs or "
             f"nn.Module classes (or None for the paths the trace finds), got "
-            f"{_describe(candidates)}"
+            f"{describe(candidates)}"
         )
     out: list[ModuleKey] = []
     for c in candidates:
@@ -373,7 +373,7 @@ def search_policy(
             f"funcamp.{_API}: `tolerance` must be a finite number >= 0 (a relative error), got "
             f"{tolerance!r}"
         )
-    _flatten_params(_API, params)
+    flatten_params(_API, params)
     if candidates is not None:
         candidates = _check_candidates(candidates)
     params32 = optree.tree_map(lambda x: x.detach().to(torch.float32), params, namespace=NAMESPACE)

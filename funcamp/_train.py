@@ -47,23 +47,25 @@ import optree
 import torch
 
 from funcamp._amp import _as_policy, amp
+from funcamp._checks import flatten_params
 from funcamp._fp8 import Fp8State, all_reduce_amax, fp8_update, needs_state, with_fp8_state
 from funcamp._headroom import _headroom, _headroom_dtype
 from funcamp._hints import optimizer_type_error
-from funcamp._optim import Optimizer, _flatten_params, init_from_exact
 from funcamp._policy import Policy
 from funcamp._progress import announce_first_call
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
 from funcamp._tree import (
     NAMESPACE,
-    _describe,
     _named_leaves,
-    _path_str,
     _plan_write,
     _sharing_memory,
+    describe,
+    path_str,
     tree_select,
 )
 from funcamp.distributed import _reduce_step
+from funcamp.optim._base import Optimizer
+from funcamp.optim._modes import init_from_exact
 
 __all__ = ["TrainState", "make_train_step", "params_and_buffers"]
 
@@ -160,7 +162,7 @@ class TrainState(NamedTuple):
             scaler = ScalerState.for_policy(pol, device=device)
         elif not isinstance(scaler, ScalerState):
             raise TypeError(
-                f"funcamp.{api}: `scaler` must be a funcamp.ScalerState, got {_describe(scaler)}"
+                f"funcamp.{api}: `scaler` must be a funcamp.ScalerState, got {describe(scaler)}"
             )
         cast = pol.cast_to_param(params)
         # The optimizer state is built for the params in param_dtype (a mode allocates what it
@@ -170,7 +172,7 @@ class TrainState(NamedTuple):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"funcamp.{api}: `model` must be the torch.nn.Module loss_fn runs, got "
-                f"{_describe(model)}"
+                f"{describe(model)}"
             )
         if needs_state(pol):
             if model is None:
@@ -183,7 +185,7 @@ class TrainState(NamedTuple):
 
 
 def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
-    return _flatten_params(api, params)[0]
+    return flatten_params(api, params)[0]
 
 
 def _check_float64_params(api: str, params: PyTree, pol: Policy) -> None:
@@ -196,7 +198,7 @@ def _check_float64_params(api: str, params: PyTree, pol: Policy) -> None:
     for path, p in zip(paths, leaves):
         if isinstance(p, torch.Tensor) and p.dtype == torch.float64:
             raise TypeError(
-                f"funcamp.{api}: `params` leaf {_path_str(path)} must not be float64 under policy "
+                f"funcamp.{api}: `params` leaf {path_str(path)} must not be float64 under policy "
                 f"{pol} (float64 tensors are never cast, so it would stay float64 and fail in "
                 "the first op that meets a compute-dtype input), got a float64 tensor; cast the "
                 "params first (funcamp.tree_cast(params, torch.float32)) or use a float64 policy"
@@ -222,7 +224,7 @@ def params_and_buffers(
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"funcamp.params_and_buffers: `module` must be a torch.nn.Module, got "
-            f"{_describe(module)}"
+            f"{describe(module)}"
         )
     params = {k: v.detach() for k, v in module.named_parameters()}
     buffers = {k: v.detach() for k, v in module.named_buffers()}
@@ -252,7 +254,7 @@ def _split_output(out: Any, has_aux: bool, returns_buffers: bool) -> tuple[Any, 
         )
         raise TypeError(
             f"funcamp.{_API}: `loss_fn` must return a tuple {want} with {flags}, got "
-            f"{_describe(out)}"
+            f"{describe(out)}"
         )
     if has_aux and returns_buffers:
         return out
@@ -271,7 +273,7 @@ def _check_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         raise TypeError(
             f"funcamp.{_API}: `loss_fn` must return a 0-d floating tensor as the loss, got "
-            f"{_describe(loss)}"
+            f"{describe(loss)}"
         )
     return loss
 
@@ -288,7 +290,7 @@ def _restore_buffers(new: PyTree, old: PyTree, returned: bool = True) -> PyTree:
     if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
         if type(new) is type(old) and not new:
             return new
-        got = sorted(map(str, new)) if isinstance(new, dict) else _describe(new)
+        got = sorted(map(str, new)) if isinstance(new, dict) else describe(new)
         raise TypeError(
             f"funcamp.{_API}: {what} with the structure of the state's buffers (none: "
             f"{old!r}), got {got}; keep new values out of the buffers (return them as aux with "
@@ -308,32 +310,32 @@ def _restore_buffers(new: PyTree, old: PyTree, returned: bool = True) -> PyTree:
         if isinstance(o, torch.Tensor):
             if not isinstance(n, torch.Tensor) or n.shape != o.shape:
                 raise TypeError(
-                    f"funcamp.{_API}: {what} shaped like the old; buffer {_path_str(path)} "
-                    f"should be a tensor of shape {tuple(o.shape)}, got {_describe(n)}"
+                    f"funcamp.{_API}: {what} shaped like the old; buffer {path_str(path)} "
+                    f"should be a tensor of shape {tuple(o.shape)}, got {describe(n)}"
                 )
             if n.is_complex() and not o.is_complex():
                 raise TypeError(
-                    f"funcamp.{_API}: {what} of the old dtypes; buffer {_path_str(path)} "
-                    f"should be {o.dtype}, got {_describe(n)}"
+                    f"funcamp.{_API}: {what} of the old dtypes; buffer {path_str(path)} "
+                    f"should be {o.dtype}, got {describe(n)}"
                 )
             n = n.to(o.dtype)
         out.append(n)
     return optree.tree_unflatten(spec, out)
 
 
-def _check_state(state: TrainState, optimizer: Optimizer) -> None:
+def _check_train_state(state: TrainState, optimizer: Optimizer) -> None:
     """First-call check: ``opt_state`` must be what ``optimizer.init(params)`` builds (its
     structure and shapes, computed on the meta device, so nothing is allocated)."""
     _check_params(_API, state.params)
     if not isinstance(state.scaler, ScalerState):
         raise TypeError(
             f"funcamp.{_API}: `state.scaler` must be a funcamp.ScalerState, got "
-            f"{_describe(state.scaler)}"
+            f"{describe(state.scaler)}"
         )
     if not isinstance(state.fp8, Fp8State):
         raise TypeError(
             f"funcamp.{_API}: `state.fp8` must be a funcamp.Fp8State (TrainState.create builds "
-            f"it), got {_describe(state.fp8)}"
+            f"it), got {describe(state.fp8)}"
         )
     meta = optree.tree_map(
         lambda p: torch.empty_like(p, device="meta"), state.params, namespace=NAMESPACE
@@ -356,9 +358,9 @@ def _check_state(state: TrainState, optimizer: Optimizer) -> None:
             not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype
         ):
             raise ValueError(
-                f"funcamp.{_API}: `state.opt_state` leaf {_path_str(path)} must be a "
+                f"funcamp.{_API}: `state.opt_state` leaf {path_str(path)} must be a "
                 f"{w.dtype} tensor of shape {tuple(w.shape)} to match `state.params` ({hint}), "
-                f"got {_describe(g)}"
+                f"got {describe(g)}"
             )
 
 
@@ -548,12 +550,121 @@ def _data_parallel(group: Any) -> tuple[Any, int, int] | None:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"funcamp.{_API}: `group` must be a torch.distributed.ProcessGroup (for example "
-            f"torch.distributed.group.WORLD), got {_describe(group)}"
+            f"torch.distributed.group.WORLD), got {describe(group)}"
         )
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"funcamp.{_API}: this process is not a member of `group`")
     return group, dist.get_world_size(group), rank
+
+
+def _validate_step_args(
+    loss_fn: Any,
+    optimizer: Any,
+    policy: Any,
+    *,
+    has_aux: Any,
+    returns_buffers: Any,
+    compile: Any,
+    donate_state: Any,
+    headroom: Any,
+    group: Any,
+    compile_options: dict[str, Any],
+) -> tuple[Policy, Any, Any, Any]:
+    """:func:`make_train_step`'s argument checks; returns ``(policy, headroom dtype or None,
+    headroom leaf predicate or None, data-parallel setup or None)``."""
+    if not callable(loss_fn):
+        raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {describe(loss_fn)}")
+    if not isinstance(optimizer, Optimizer):
+        raise optimizer_type_error(_API, optimizer)
+    pol = _as_policy(policy, _API)
+    for name, flag in (
+        ("has_aux", has_aux),
+        ("returns_buffers", returns_buffers),
+        ("compile", compile),
+        ("donate_state", donate_state),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {describe(flag)}")
+    if not (isinstance(headroom, bool) or callable(headroom)):
+        raise TypeError(
+            f"funcamp.{_API}: `headroom` must be a bool or a callable of the leaf path, got "
+            f"{describe(headroom)}"
+        )
+    headroom_dtype = _headroom_dtype(pol) if headroom is not False else None
+    headroom_include = headroom if callable(headroom) else None
+    data_parallel = _data_parallel(group)
+    if compile_options and not compile:
+        raise TypeError(
+            f"funcamp.{_API}: compile options {sorted(compile_options)} must not be given with "
+            "compile=False"
+        )
+    return pol, headroom_dtype, headroom_include, data_parallel
+
+
+def _forward_backward(
+    run_loss: Callable[..., Any],
+    state: TrainState,
+    batch: Batch,
+    has_aux: bool,
+    returns_buffers: bool,
+    fp8_stateful: bool,
+    grad_and_value: Callable[..., Any],
+    fp8_reduce: Callable[[Fp8State, Fp8State], Fp8State] | None,
+) -> tuple[PyTree, torch.Tensor, Any, PyTree, Fp8State]:
+    """The loss under ``amp``, scaled, and its gradients: ``(scaled grads, loss (float32,
+    unscaled), aux, new buffers, new FP8 state)``. ``grad_and_value`` is torch.func's, or
+    torch.autograd's for a step compiled in pieces; ``fp8_reduce`` combines the delayed-FP8
+    "gradient" across data-parallel ranks."""
+    scaler = state.scaler
+
+    def scaled_loss(params: PyTree, fp8: Fp8State) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        # Copies made inside the transform, so in-place buffer updates are allowed.
+        buffers = state.buffers if returns_buffers else _clone_buffers(state.buffers)
+        loss, aux, new_buffers = _split_output(
+            run_loss(fp8, params, buffers, batch), has_aux, returns_buffers
+        )
+        loss = _check_loss(loss).to(torch.float32)
+        if not returns_buffers:
+            new_buffers = buffers
+        return scale(scaler, loss), (loss.detach(), aux if has_aux else (), new_buffers)
+
+    argnums = (0, 1) if fp8_stateful else 0
+    grads, (_, (loss, aux, new_buffers)) = grad_and_value(
+        scaled_loss, argnums=argnums, has_aux=True
+    )(state.params, state.fp8)
+    new_fp8 = state.fp8
+    if fp8_stateful:
+        grads, fp8_grads = grads
+        if fp8_reduce is not None:  # every rank scales with the amaxes of all ranks
+            fp8_grads = fp8_reduce(state.fp8, fp8_grads)
+        new_fp8 = fp8_update(state.fp8, fp8_grads)
+    return grads, loss, aux, new_buffers, new_fp8
+
+
+def _metrics(
+    loss: torch.Tensor,
+    grad_norm: Any,
+    scaler: ScalerState,
+    found_inf: torch.Tensor,
+    new_scaler: ScalerState,
+    aux: Any,
+    has_aux: bool,
+    room: Any,
+) -> Metrics:
+    """The step's metrics: tensors only (no host sync)."""
+    metrics: Metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "scale": scaler.scale,
+        "found_inf": found_inf,
+        "skipped": new_scaler.skipped,
+    }
+    if has_aux:
+        metrics["aux"] = aux
+    if room is not None:
+        metrics["headroom"] = room.summary()
+    return metrics
 
 
 def make_train_step(
@@ -670,64 +781,45 @@ def make_train_step(
         >>> float(state.scaler.scale)
         512.0
     """
-    if not callable(loss_fn):
-        raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {_describe(loss_fn)}")
-    if not isinstance(optimizer, Optimizer):
-        raise optimizer_type_error(_API, optimizer)
-    pol = _as_policy(policy, _API)
-    for name, flag in (("has_aux", has_aux), ("returns_buffers", returns_buffers)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
-    for name, flag in (("compile", compile), ("donate_state", donate_state)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {_describe(flag)}")
-    if not (isinstance(headroom, bool) or callable(headroom)):
-        raise TypeError(
-            f"funcamp.{_API}: `headroom` must be a bool or a callable of the leaf path, got "
-            f"{_describe(headroom)}"
-        )
-    headroom_dtype = _headroom_dtype(pol) if headroom is not False else None
-    headroom_include = headroom if callable(headroom) else None
-    data_parallel = _data_parallel(group)
-    if compile_options and not compile:
-        raise TypeError(
-            f"funcamp.{_API}: compile options {sorted(compile_options)} must not be given with "
-            "compile=False"
-        )
-
+    pol, headroom_dtype, headroom_include, data_parallel = _validate_step_args(
+        loss_fn,
+        optimizer,
+        policy,
+        has_aux=has_aux,
+        returns_buffers=returns_buffers,
+        compile=compile,
+        donate_state=donate_state,
+        headroom=headroom,
+        group=group,
+        compile_options=compile_options,
+    )
     run_loss = with_fp8_state(amp(loss_fn, pol))
     # dynamo cannot resume a frame inside torch.func.grad after a graph break (the resumed
     # frame's inputs are functorch-wrapped tensors it fails to fake), so a step compiled in
     # pieces takes its gradients from torch.autograd instead, as torch.compile(model) does.
     pieces = compile and compile_options.get("fullgraph", True) is False
     grad_and_value = _autograd_grad_and_value if pieces else torch.func.grad_and_value
+    fp8_reduce = None
+    if data_parallel is not None:
+        margin = pol.fp8.recipe.margin if pol.fp8 is not None else 0
+
+        def fp8_reduce(state: Fp8State, grads: Fp8State) -> Fp8State:
+            return all_reduce_amax(state, grads, margin, data_parallel[0])
+
     fp8_stateful = needs_state(pol)  # delayed FP8: the state's gradient is its new value
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         scaler = state.scaler
-
-        def scaled_loss(params: PyTree, fp8: Fp8State) -> tuple[torch.Tensor, tuple[Any, ...]]:
-            # Copies made inside the transform, so in-place buffer updates are allowed.
-            buffers = state.buffers if returns_buffers else _clone_buffers(state.buffers)
-            loss, aux, new_buffers = _split_output(
-                run_loss(fp8, params, buffers, batch), has_aux, returns_buffers
-            )
-            loss = _check_loss(loss).to(torch.float32)
-            if not returns_buffers:
-                new_buffers = buffers
-            return scale(scaler, loss), (loss.detach(), aux if has_aux else (), new_buffers)
-
-        argnums = (0, 1) if fp8_stateful else 0
-        grads, (_, (loss, aux, new_buffers)) = grad_and_value(
-            scaled_loss, argnums=argnums, has_aux=True
-        )(state.params, state.fp8)
-        new_fp8 = state.fp8
-        if fp8_stateful:
-            grads, fp8_grads = grads
-            if data_parallel is not None:  # every rank scales with the amaxes of all ranks
-                margin = pol.fp8.recipe.margin
-                fp8_grads = all_reduce_amax(state.fp8, fp8_grads, margin, data_parallel[0])
-            new_fp8 = fp8_update(state.fp8, fp8_grads)
+        grads, loss, aux, new_buffers, new_fp8 = _forward_backward(
+            run_loss,
+            state,
+            batch,
+            has_aux,
+            returns_buffers,
+            fp8_stateful,
+            grad_and_value,
+            fp8_reduce,
+        )
         # Always checked (in-place updates too: a rebound or added key would change the state's
         # structure), and before anything is written into a donated state.
         new_buffers = _restore_buffers(new_buffers, state.buffers, returns_buffers)
@@ -777,17 +869,7 @@ def make_train_step(
             new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
         if write_buffers is not None:
             new_buffers = write_buffers()
-        metrics: Metrics = {
-            "loss": loss,
-            "grad_norm": info.grad_norm,
-            "scale": scaler.scale,
-            "found_inf": found_inf,
-            "skipped": new_scaler.skipped,
-        }
-        if has_aux:
-            metrics["aux"] = aux
-        if room is not None:
-            metrics["headroom"] = room.summary()
+        metrics = _metrics(loss, info.grad_norm, scaler, found_inf, new_scaler, aux, has_aux, room)
         return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
 
     # Dynamo caches compiled code per code object, and the default guard filter drops the
@@ -800,11 +882,11 @@ def make_train_step(
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"funcamp.{_API}: `state` must be a funcamp.TrainState (see "
-                f"TrainState.create), got {_describe(state)}"
+                f"TrainState.create), got {describe(state)}"
             )
         structure = optree.tree_structure(batch, namespace=NAMESPACE)
         if not expected:
-            _check_state(state, optimizer)
+            _check_train_state(state, optimizer)
             expected.append(structure)
         elif structure != expected[0]:
             raise ValueError(

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from funcamp._tree import NAMESPACE, _describe
+from funcamp._tree import NAMESPACE, describe
 
 __all__ = ["all_reduce_grads", "any_across"]
 
@@ -55,7 +55,7 @@ def any_across(flag: torch.Tensor, group: Any = None) -> torch.Tensor:
     if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool or flag.dim() != 0:
         raise TypeError(
             f"funcamp.distributed.any_across: `flag` must be a 0-d bool tensor, got "
-            f"{_describe(flag)}"
+            f"{describe(flag)}"
         )
     pg = _group("any_across", group)
     return funcol.all_reduce(flag.to(torch.int32), "max", pg) > 0

@@ -48,7 +48,7 @@ import torch
 from funcamp._ops import OpPolicy, OpRule
 from funcamp._policy import Policy
 from funcamp._scaler import ScalerState
-from funcamp._tree import NAMESPACE, _path_str
+from funcamp._tree import NAMESPACE, path_str
 
 __all__ = [
     "Node",
@@ -636,7 +636,7 @@ def scaler_states(
 
 def _flatten(tree: PyTree) -> tuple[list[str], list[Any], Any]:
     paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
-    return [_path_str(p) for p in paths], leaves, spec
+    return [path_str(p) for p in paths], leaves, spec
 
 
 def _check_structure(api: str, actual: PyTree, expected: PyTree) -> tuple[list[str], list, list]:

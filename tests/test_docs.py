@@ -11,6 +11,7 @@ import pytest
 
 import funcamp
 import funcamp.distributed
+import funcamp.optim
 import funcamp.testing
 
 if sys.version_info >= (3, 11):
@@ -24,11 +25,13 @@ API_DIR = ROOT / "docs" / "api"
 PUBLIC = [
     *(("funcamp", name) for name in funcamp.__all__),
     *(("funcamp.distributed", name) for name in funcamp.distributed.__all__),
+    *(("funcamp.optim", name) for name in funcamp.optim.__all__),
     *(("funcamp.testing", name) for name in funcamp.testing.__all__),
 ]
 MODULES = {
     "funcamp": funcamp,
     "funcamp.distributed": funcamp.distributed,
+    "funcamp.optim": funcamp.optim,
     "funcamp.testing": funcamp.testing,
 }
 

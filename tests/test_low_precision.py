@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import funcamp
 from funcamp._lowp import random_bits, round_nearest, round_stochastic
-from funcamp._optim import MasterWeightsState, SetParam
 from funcamp._tree import NAMESPACE
+from funcamp.optim import MasterWeightsState, SetParam
 
 MODES = {
     "plain": {},
@@ -260,7 +260,7 @@ def _bytes_per_param(state, params):
     return total / n
 
 
-# The table in funcamp._optim's docstring: (optimizer, mode) -> bytes per element for a half param
+# The table in funcamp.optim's docstring: (optimizer, mode) -> bytes per element for a half param
 TABLE = {
     ("sgd", "plain"): 0, ("sgd", "master_weights"): 4, ("sgd", "kahan"): 2,
     ("sgd", "stochastic_rounding"): 0,
@@ -268,11 +268,14 @@ TABLE = {
     ("sgd_momentum", "kahan"): 6, ("sgd_momentum", "stochastic_rounding"): 4,
     ("adam", "plain"): 8, ("adam", "master_weights"): 12, ("adam", "kahan"): 10,
     ("adam", "stochastic_rounding"): 8,
+    ("lion", "plain"): 4, ("lion", "master_weights"): 8, ("lion", "kahan"): 6,
+    ("lion", "stochastic_rounding"): 4,
 }  # fmt: skip
 FACTORIES = {
     "sgd": lambda **kw: funcamp.sgd(0.1, **kw),
     "sgd_momentum": lambda **kw: funcamp.sgd(0.1, momentum=0.9, **kw),
     "adam": lambda **kw: funcamp.adam(0.1, **kw),
+    "lion": lambda **kw: funcamp.lion(0.1, **kw),
 }
 
 
@@ -286,5 +289,5 @@ def test_state_bytes_per_param_match_the_documented_table(name, mode, dtype):
     acc = funcamp.accumulate(opt, 4)
     assert _bytes_per_param(acc.init(params), params) == expected + 4
     assert (
-        funcamp._optim.__doc__ is not None and "master 12, kahan 10, SR 8" in funcamp._optim.__doc__
+        funcamp.optim.__doc__ is not None and "master 12, kahan 10, SR 8" in funcamp.optim.__doc__
     )

@@ -13,8 +13,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import funcamp
-from funcamp._optim import KahanState, MasterWeightsState, StochasticRoundingState
 from funcamp._tree import NAMESPACE
+from funcamp.optim import KahanState, MasterWeightsState, StochasticRoundingState
 
 MODES = {
     "plain": {},
@@ -102,7 +102,7 @@ def test_create_starts_master_weights_exact_through_wrappers():
     assert f32.opt_state.low.master["w"].numel() == 0
 
 
-# Optimizer state per param element for bfloat16 params (funcamp._optim's table), plus the 2-byte
+# Optimizer state per param element for bfloat16 params (funcamp.optim's table), plus the 2-byte
 # param itself.
 ADAM_BYTES = {"plain": 8, "master": 12, "kahan": 10, "sr": 8}
 SGD_MOMENTUM_BYTES = {"plain": 4, "master": 8, "kahan": 6, "sr": 4}

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcamp
-from funcamp._optim import AccumulateState, AdamState, SgdState
 from funcamp._tree import NAMESPACE
+from funcamp.optim import AccumulateState, AdamState, SgdState
 
 RTOL, ATOL = 1e-5, 1e-7
 STEPS = 50
@@ -353,6 +353,12 @@ def grad_fn_tree(params, step):
         lambda: funcamp.accumulate(
             funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.adam(1e-3)), 2
         ),
+        lambda: funcamp.lion(1e-3, kahan=True),
+        lambda: funcamp.masked(funcamp.lion(1e-3), {"w": True, "b": False}),
+        lambda: funcamp.multi_transform(
+            {"a": funcamp.sgd(0.1, momentum=0.9), "b": funcamp.adamw(1e-3, master_weights=True)},
+            lambda path: "a" if path == "b" else "b",
+        ),
     ],
 )
 def test_states_are_tensor_pytrees(make):
@@ -485,9 +491,13 @@ def test_mismatched_trees_name_the_leaf():
     state = opt.init(params)
     with pytest.raises(ValueError, match=r"funcamp\.adam: `grads` .* \['enc'\]\['b'\]"):
         opt.update({"enc": {"w": torch.ones(2)}}, state, params)
-    with pytest.raises(ValueError, match=r"\['enc'\]\['w'\] must have the param's shape \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"\['enc'\]\['w'\] must be a tensor of shape \(2,\) like its param"
+    ):
         opt.update({"enc": {"w": torch.ones(3), "b": torch.ones(1)}}, state, params)
-    with pytest.raises(ValueError, match=r"\['enc'\]\['x'\], which is not a params leaf"):
+    with pytest.raises(
+        ValueError, match=r"leaf \['enc'\]\['x'\] is in `grads` but not in `params`"
+    ):
         opt.update(
             {"enc": {"w": torch.ones(2), "b": torch.ones(1), "x": torch.ones(1)}}, state, params
         )

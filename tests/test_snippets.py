@@ -86,6 +86,7 @@ def test_readme_and_docs_share_one_quick_start():
         "guides/fp8.md",
         "guides/choosing-a-policy.md",
         "guides/transformers.md",
+        "guides/writing-an-optimizer.md",
     ],
 )
 def test_docs_page(page):

@@ -1,0 +1,99 @@
+"""Functional optimizers in optax's shape, and the building blocks to write one.
+
+``init(params) -> state``, ``update(grads, state, params) -> (updates, state)`` and
+:func:`funcamp.apply_updates`. The optimizers themselves (``funcamp.sgd``, ``adam``, ``adamw``,
+``lion``) and the combinators (``chain``, ``clip_by_global_norm``, ``accumulate``, ``masked``,
+``multi_transform``) are importable from ``funcamp``; this module holds their state types, the
+:class:`SetParam` update leaf, the declared :class:`Capabilities`, and the public building
+blocks for writing an optimizer: :func:`elementwise` and the :class:`Ops` its algorithm uses.
+
+All states are NamedTuples of tensors (no ``None`` leaves), so they compile, ``vmap``, select
+with :func:`funcamp.tree_select` and checkpoint. Every optimizer keeps a 0-d int32 ``count``:
+the number of updates applied before this one, which is what a learning-rate schedule receives
+(0 on the first step). A skipped step -- the caller keeps the old state -- does not advance it.
+Nothing on the update path syncs with the host; Python floats are fixed when an optimizer is
+built, tensors (schedules) may change every step without recompiling.
+
+Layout (the package's private modules, one idea each):
+
+* ``_base`` -- :class:`~funcamp.Optimizer`, :class:`Capabilities`, :class:`SetParam`,
+  ``apply_updates`` and ``chain``;
+* ``_elementwise`` -- :func:`elementwise`: an algorithm plus everything around it (validation,
+  learning rates, count, buffers, low-precision modes, capabilities);
+* ``_optimizers`` -- each optimizer's algorithm, written once (``sgd``, ``adam``/``adamw``,
+  ``lion``);
+* ``_transforms`` -- ``clip_by_global_norm``, ``accumulate``, ``masked``, ``multi_transform``;
+* ``_modes`` -- the low-precision modes;
+* ``_numerics`` -- float32 scalars, math dtypes, the ``funcamp::fma`` and ``funcamp::sqrt`` ops;
+* ``_paths`` -- the two execution paths (eager, traced), chosen in one place.
+
+See the internals page of the docs for each operation's paths and their invariants.
+
+``sgd``, ``adam``, ``adamw`` do torch.optim's operations in torch.optim's order and round as
+its CPU kernels do: ``add(alpha=)``, ``lerp`` and ``addcmul`` are fused multiply-adds (one
+rounding), in eager code through torch's own kernels and in compiled code through an op that
+inductor turns into the hardware instruction. Square roots are correctly rounded everywhere, so
+eager and compiled updates agree bit for bit. Against torch.optim: within 1e-5 relative over 50
+steps (tested with Hypothesis-generated shapes and hyperparameters).
+
+Low-precision parameters
+------------------------
+For float16/bfloat16 params the optimizer math runs in float32 (the moments are float32) and
+every optimizer built with :func:`elementwise` (``sgd``/``adam``/``adamw``/``lion``) accepts one
+of three modes that keep small updates from being lost to rounding:
+
+* ``master_weights=True`` -- a float32 copy of each half param lives in the state; the update is
+  added to it and the param becomes the copy rounded to nearest.
+* ``kahan=True`` -- a compensation buffer in the param dtype carries the rounding error of each
+  step into the next (Kahan summation, as in optimi).
+* ``stochastic_rounding=True`` -- the new param is rounded up or down at random with probability
+  given by the distance, so it is unbiased. The random bits are a counter-based hash of (seed,
+  count, leaf index, element index) -- never the global RNG -- so results are deterministic,
+  identical on every rank and identical eager vs compiled.
+
+In these modes the optimizer itself computes the new half param, and its update leaf for that
+param is a :class:`SetParam` holding it; :func:`funcamp.apply_updates` installs it as is. An
+additive float32 delta cannot do this exactly: with a param of 1.0 no float32 ``u`` makes
+``round(1.0 + u)`` equal a target of 1e-10, while Kahan's compensation needs the exact rounded
+result anyway. The modes do nothing for float32/float64 params (their update leaves are plain
+deltas), so a mixed tree works. All rounding is done on the float32 bit pattern, so eager and
+inductor agree bit for bit. A mode optimizer must be the last transform of a ``chain``.
+
+Optimizer state per parameter element (the 0-d ``count``/``seed`` scalars aside):
+
+==========================  =============  ================  ==================
+optimizer                   float32 param  bf16/f16 param    bf16/f16 + mode
+==========================  =============  ================  ==================
+``sgd`` (momentum=0)        0 B            0 B               master 4, kahan 2, SR 0
+``sgd`` (momentum>0)        4 B            4 B               master 8, kahan 6, SR 4
+``adam`` / ``adamw``        8 B            8 B               master 12, kahan 10, SR 8
+``lion``                    4 B            4 B               master 8, kahan 6, SR 4
+``accumulate(opt, k)``      opt + 4 B      opt + 4 B         opt + 4 B
+==========================  =============  ================  ==================
+
+(The param itself is 4 B or 2 B on top.) Each algorithm buffer costs 4 B per element (8 B for
+float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half params.
+"""
+
+from funcamp.optim._base import Capabilities, SetParam
+from funcamp.optim._elementwise import elementwise
+from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRoundingState
+from funcamp.optim._optimizers import AdamState, LionState, SgdState
+from funcamp.optim._paths import Ops
+from funcamp.optim._transforms import AccumulateState, MaskedState, MultiTransformState
+
+__all__ = [
+    "AccumulateState",
+    "AdamState",
+    "Capabilities",
+    "KahanState",
+    "LionState",
+    "MaskedState",
+    "MasterWeightsState",
+    "MultiTransformState",
+    "Ops",
+    "SetParam",
+    "SgdState",
+    "StochasticRoundingState",
+    "elementwise",
+]

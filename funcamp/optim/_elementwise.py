@@ -1,0 +1,243 @@
+"""From an algorithm to an :class:`~funcamp.Optimizer`: everything around the math, once.
+
+:func:`elementwise` takes an optimizer's algorithm -- a short function of lists of tensors -- and
+adds what every funcamp optimizer needs: validation of the inputs and of the state against them,
+the learning rate (a float, a tensor or a schedule of the step count; an unusable value skips the
+step), the step count, the empty-grads case, the state's buffers, the low-precision modes
+(master weights, Kahan, stochastic rounding), the execution path (:mod:`funcamp.optim._paths`)
+and the declared :class:`~funcamp.optim.Capabilities`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from funcamp._checks import (
+    check_count,
+    check_state_like,
+    flatten_grads,
+    flatten_params,
+    learning_rate_fn,
+    state_leaves,
+)
+from funcamp._tree import describe
+from funcamp.optim._base import Capabilities, Optimizer
+from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
+from funcamp.optim._numerics import math_dtype
+from funcamp.optim._paths import Ops, choose_ops
+
+__all__ = ["Step", "elementwise"]
+
+PyTree = Any
+Tensors = list[torch.Tensor]
+#: ``step(ops, grads, params, buffers, lr, count) -> (deltas, new_buffers)``.
+Step = Callable[..., tuple[Tensors, dict[str, Tensors]]]
+#: ``kernel(param_leaves, grad_leaves, state, lr, found_inf) -> new_state | None``: an in-place
+#: fused kernel for float32 params on one CPU/CUDA device (see ``Capabilities.fused_step``).
+FusedKernel = Callable[[Tensors, Tensors, Any, Any, torch.Tensor], Any]
+
+
+def elementwise(
+    name: str,
+    state: type,
+    step: Step,
+    learning_rate: Any,
+    *,
+    buffers: Sequence[str] | None = None,
+    needs_params: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Build an :class:`~funcamp.Optimizer` from an elementwise algorithm, written once.
+
+    ``step(ops, grads, params, buffers, lr, count) -> (deltas, new_buffers)`` receives lists of
+    tensors, one per param leaf, in the math dtype (float32, or float64 for float64 params):
+    ``grads``; ``params`` (the float32 masters in master-weights mode; None when ``update`` got
+    no params and ``needs_params`` is False); ``buffers``, a dict from each buffer name to its
+    list; ``lr``, a float or a 0-d tensor (0 where a tensor value was unusable: the step is then
+    skipped); ``count``, the 0-d int32 number of updates applied before this one. It returns the
+    deltas to add to the params and the new buffers. All arithmetic goes through ``ops``
+    (:class:`~funcamp.optim.Ops`: ``add``, ``sub``, ``mul``, ``div``, ``fma``, ``sqrt``,
+    ``sign``, ``where``, ``scalar``), which runs it on the eager or the traced path; a Python
+    scalar is rounded to float32 as torch's kernels round it. ``ops.kept(xs)`` marks a list that
+    goes into the new state, and ``into=xs`` lets an op reuse a dead list's memory.
+
+    Args:
+        name: the optimizer's name in error messages (``funcamp.<name>: ...``).
+        state: a NamedTuple class whose fields are ``count``, the buffer names, and ``low``
+            (the low-precision mode's state, ``()`` without one).
+        step: the algorithm.
+        learning_rate: a float, a 0-d tensor or a schedule ``count -> lr``.
+        buffers: the buffer fields in use (default: all between ``count`` and ``low``); the
+            others hold ``()``. Buffers start at zero, in the math dtype, shaped like the params.
+        needs_params: ``step`` reads ``params`` (weight decay): ``update`` then requires them.
+        master_weights: keep float32 copies of half params.
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a ``state``, with its capabilities
+        declared (a preflight check, fresh results, owned grads).
+
+    Example:
+        >>> import torch, funcamp
+        >>> from typing import NamedTuple
+        >>> class SignSgdState(NamedTuple):
+        ...     count: torch.Tensor
+        ...     low: tuple
+        >>> def sign_sgd_step(ops, grads, params, buffers, lr, count):
+        ...     return ops.mul(ops.sign(grads), ops.scalar(-lr)), {}
+        >>> opt = funcamp.optim.elementwise("sign_sgd", SignSgdState, sign_sgd_step, 0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([3.0, -0.5])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates), state.count
+        ({'w': tensor([-0.1000,  0.1000])}, tensor(1, dtype=torch.int32))
+    """
+    return build(
+        name,
+        state,
+        step,
+        learning_rate,
+        buffers=buffers,
+        needs_params=needs_params,
+        master_weights=master_weights,
+        kahan=kahan,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+    )
+
+
+def build(
+    api: str,
+    state_type: type,
+    step: Step,
+    learning_rate: Any,
+    *,
+    buffers: Sequence[str] | None,
+    needs_params: bool,
+    master_weights: bool,
+    kahan: bool,
+    stochastic_rounding: bool,
+    seed: int,
+    fused_kernel: FusedKernel | None = None,
+) -> Optimizer:
+    """:func:`elementwise`, plus a fused in-place kernel for the built-in optimizers."""
+    if not isinstance(api, str) or not api:
+        raise TypeError(f"funcamp.optim.elementwise: `name` must be a non-empty str, got {api!r}")
+    fields = getattr(state_type, "_fields", None)
+    if (
+        not isinstance(state_type, type)
+        or not fields
+        or fields[0] != "count"
+        or fields[-1] != "low"
+    ):
+        raise TypeError(
+            f"funcamp.{api}: `state` must be a NamedTuple class with fields (count, <buffers>, "
+            f"low), got {describe(state_type)}"
+        )
+    if not callable(step):
+        raise TypeError(f"funcamp.{api}: `step` must be callable, got {describe(step)}")
+    names = tuple(fields[1:-1]) if buffers is None else tuple(buffers)
+    unknown = [b for b in names if b not in fields[1:-1]]
+    if unknown:
+        raise ValueError(
+            f"funcamp.{api}: `buffers` must be fields of {state_type.__name__} between count "
+            f"and low, got {unknown}"
+        )
+    lr_fn = learning_rate_fn(api, learning_rate)
+    mode = select_mode(api, master_weights, kahan, stochastic_rounding, seed)
+    need_params = needs_params or mode is not None
+
+    def init(params: PyTree) -> Any:
+        leaves, spec = flatten_params(api, params)
+        device = leaves[0].device if leaves else torch.device("cpu")
+        state = {f: () for f in fields}
+        for b in names:
+            state[b] = optree.tree_unflatten(
+                spec, [torch.zeros_like(p, dtype=math_dtype(p.dtype)) for p in leaves]
+            )
+        state["count"] = torch.zeros((), dtype=torch.int32, device=device)
+        state["low"] = init_mode(mode, leaves, spec, seed)
+        return state_type(**state)
+
+    def checked(grads: PyTree, state: Any, params: PyTree) -> tuple[Tensors, Tensors | None, Any]:
+        """Flatten the inputs, checking the state against them (metadata only)."""
+        if not isinstance(state, state_type):
+            raise TypeError(
+                f"funcamp.{api}: `state` must be a {state_type.__name__} from this optimizer's "
+                f"init, got {type(state).__name__}"
+            )
+        gs, ps, spec = flatten_grads(api, grads, params, need_params=need_params)
+        check_count(api, "count", state.count)
+        if gs:
+            dtypes = [math_dtype(r.dtype) for r in (ps if ps is not None else gs)]
+            for b in names:
+                leaves = state_leaves(api, b, getattr(state, b), spec)
+                check_state_like(api, b, leaves, gs, dtypes, grads)
+        if ps is not None:
+            check_mode_state(api, mode, state.low, ps, spec, grads)
+        return gs, ps, spec
+
+    def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
+        checked(grads, state, params)
+        return lr_fn(state.count)[1]
+
+    def run(
+        grads: PyTree, state: Any, params: PyTree, owned: Sequence[torch.Tensor]
+    ) -> tuple[PyTree, Any]:
+        gs, ps, spec = checked(grads, state, params)
+        count = state.count
+        if not gs:
+            return optree.tree_unflatten(spec, []), state._replace(count=count + 1)
+        lr = lr_fn(count)[0]
+        bufs = {b: state_leaves(api, b, getattr(state, b), spec) for b in names}
+        low_leaves = optree.tree_leaves(state.low)
+        ops: Ops = choose_ops(
+            [*gs, *(ps or ()), *(x for v in bufs.values() for x in v), *low_leaves, count, lr],
+            owned=_owned_grads(gs, owned),
+            device=gs[0].device,
+        )
+        g = ops.to_math(gs)
+        pm = math_params(api, mode, state.low, ps, spec) if ps is not None else None
+        deltas, new_bufs = step(ops, g, pm, bufs, lr, count)
+        updates, low = to_updates(api, mode, state.low, count, deltas, ps, spec)
+        new_state = {b: optree.tree_unflatten(spec, new_bufs[b]) for b in names}
+        return updates, state._replace(count=count + 1, low=low, **new_state)
+
+    def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        return run(grads, state, params, ())
+
+    fused_step = None
+    if fused_kernel is not None and mode is None:
+        kernel = fused_kernel
+
+        def fused_step(grads: Tensors, state: Any, params: PyTree, found_inf: torch.Tensor) -> Any:
+            ps = flatten_params(api, params)[0]
+            if not ps or len(grads) != len(ps):
+                return None
+            if not all(x.dtype == torch.float32 for x in ps + grads):
+                return None
+            if len({p.device for p in ps}) != 1:
+                return None
+            return kernel(ps, grads, state, lr_fn(state.count)[0], found_inf)
+
+    return Optimizer(
+        init,
+        update,
+        Capabilities(preflight=preflight, fresh=True, update_owned=run, fused_step=fused_step),
+    )
+
+
+def _owned_grads(gs: Tensors, owned: Sequence[torch.Tensor]) -> Tensors:
+    """The grad leaves the caller owns (may be overwritten in place)."""
+    if not owned:
+        return []
+    ids = {id(o) for o in owned}
+    return [g for g in gs if id(g) in ids]

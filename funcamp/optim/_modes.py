@@ -1,0 +1,257 @@
+"""Low-precision modes: what an optimizer does with float16/bfloat16 params.
+
+An algorithm computes float32 deltas; :func:`to_updates` turns them into update leaves: plain
+deltas for float32/float64 params (and for half params without a mode), or a
+:class:`funcamp.optim.SetParam` holding the new half param, computed by the mode:
+
+* ``master_weights`` -- the delta is added to a float32 copy in the state, and the param becomes
+  that copy rounded to nearest;
+* ``kahan`` -- a compensation buffer in the param dtype carries each step's rounding error into
+  the next;
+* ``stochastic_rounding`` -- the new param is rounded up or down at random (a counter-based hash of
+  seed, count, leaf and element: never the global RNG).
+
+All rounding is done on the float32 bit pattern (:mod:`funcamp._lowp`), so eager and inductor agree.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from funcamp._checks import check_count, check_state_like, state_leaves
+from funcamp._lowp import random_bits, round_nearest, round_stochastic
+from funcamp._tree import NAMESPACE, describe
+from funcamp.optim._base import Optimizer, SetParam
+from funcamp.optim._numerics import is_half
+
+__all__ = [
+    "KahanState",
+    "MasterWeightsState",
+    "StochasticRoundingState",
+    "check_mode_state",
+    "init_from_exact",
+    "init_mode",
+    "math_params",
+    "select_mode",
+    "to_updates",
+]
+
+PyTree = Any
+MODES = ("master_weights", "kahan", "stochastic_rounding")
+
+
+class MasterWeightsState(NamedTuple):
+    """State of ``master_weights=True``: float32 copies of the half params (empty tensors for
+    the others).
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.sgd(0.1, master_weights=True)
+        >>> opt.init({"w": torch.ones(2, dtype=torch.bfloat16)}).low.master["w"].dtype
+        torch.float32
+    """
+
+    master: PyTree
+
+
+class KahanState(NamedTuple):
+    """State of ``kahan=True``: compensation buffers in the param dtype (empty tensors for
+    float32 params).
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.sgd(0.1, kahan=True)
+        >>> opt.init({"w": torch.ones(2, dtype=torch.bfloat16)}).low.compensation["w"]
+        tensor([0., 0.], dtype=torch.bfloat16)
+    """
+
+    compensation: PyTree
+
+
+class StochasticRoundingState(NamedTuple):
+    """State of ``stochastic_rounding=True``: the 0-d int64 seed of the hash.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.sgd(0.1, stochastic_rounding=True, seed=7).init({"w": torch.ones(1)}).low
+        StochasticRoundingState(seed=tensor(7))
+    """
+
+    seed: torch.Tensor
+
+
+_STATE = {
+    "master_weights": MasterWeightsState,
+    "kahan": KahanState,
+    "stochastic_rounding": StochasticRoundingState,
+}
+
+
+def select_mode(
+    api: str, master_weights: bool, kahan: bool, stochastic_rounding: bool, seed: Any
+) -> str | None:
+    """The chosen mode (at most one), or None; checks ``seed``."""
+    chosen = [
+        name
+        for name, on in zip(MODES, (master_weights, kahan, stochastic_rounding), strict=True)
+        if on
+    ]
+    if len(chosen) > 1:
+        raise ValueError(
+            f"funcamp.{api}: at most one of `master_weights`, `kahan`, `stochastic_rounding` "
+            f"must be True, got {', '.join(chosen)}"
+        )
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"funcamp.{api}: `seed` must be an int, got {seed!r}")
+    return chosen[0] if chosen else None
+
+
+#: Set by :func:`init_from_exact`: ``{id(half param): the float32 tensor it was rounded
+#: from}``. ``master_weights`` starts each master from that tensor instead of the rounded param.
+_EXACT_MASTERS: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
+    "funcamp_exact_masters", default=None
+)
+
+
+def init_from_exact(optimizer: Optimizer, params: PyTree, originals: PyTree) -> PyTree:
+    """``optimizer.init(params)`` for ``params`` that were rounded from ``originals`` (same
+    structure, usually float32): float32 master weights start from the originals, so they are
+    exact rather than rounded through the half dtype. Everything else is what ``init`` builds.
+    Leaves are matched by identity, so this works through every wrapper that hands the same
+    params (or a subset of them) to the inner ``init``."""
+    leaves = optree.tree_leaves(params, namespace=NAMESPACE)
+    exact = optree.tree_leaves(originals, namespace=NAMESPACE)
+    table = {
+        id(p): o
+        for p, o in zip(leaves, exact)
+        if isinstance(p, torch.Tensor)
+        and isinstance(o, torch.Tensor)
+        and is_half(p)
+        and o.shape == p.shape
+        and o.dtype in (torch.float32, torch.float64)
+    }
+    token = _EXACT_MASTERS.set(table)
+    try:
+        return optimizer.init(params)
+    finally:
+        _EXACT_MASTERS.reset(token)
+
+
+def _master_of(p: torch.Tensor) -> torch.Tensor:
+    exact = (_EXACT_MASTERS.get() or {}).get(id(p))
+    if exact is not None:  # a copy: the state never shares memory with the caller's tensors
+        return exact.detach().to(device=p.device, dtype=torch.float32, copy=True)
+    return p.to(torch.float32)
+
+
+def _empty(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def init_mode(mode: str | None, leaves: list[torch.Tensor], spec: Any, seed: int) -> PyTree:
+    """The mode's initial state for these param leaves (``()`` without a mode)."""
+    if mode is None:
+        return ()
+    if mode == "master_weights":
+        master = [_master_of(p) if is_half(p) else _empty(p) for p in leaves]
+        return MasterWeightsState(optree.tree_unflatten(spec, master))
+    if mode == "kahan":
+        comp = [torch.zeros_like(p) if is_half(p) else _empty(p) for p in leaves]
+        return KahanState(optree.tree_unflatten(spec, comp))
+    device = leaves[0].device if leaves else torch.device("cpu")
+    return StochasticRoundingState(torch.tensor(seed, dtype=torch.int64, device=device))
+
+
+def check_mode_state(
+    api: str, mode: str | None, low: Any, ps: list[torch.Tensor], spec: Any, grads: PyTree
+) -> None:
+    """A mode's state must match the params (metadata only)."""
+    if mode is None:
+        return
+    want = _STATE[mode]
+    if not isinstance(low, want):
+        raise TypeError(
+            f"funcamp.{api}: `state.low` must be a {want.__name__} (this optimizer uses "
+            f"{mode}=True), got {describe(low)}; build the state with init(params)"
+        )
+    if mode == "stochastic_rounding":
+        check_count(api, "low.seed", low.seed, torch.int64)
+        return
+    half = [is_half(p) for p in ps]
+    if mode == "master_weights":
+        name, leaves = "low.master", state_leaves(api, "low.master", low.master, spec)
+        dtypes = [torch.float32 if h else p.dtype for h, p in zip(half, ps)]
+    else:
+        name = "low.compensation"
+        leaves = state_leaves(api, name, low.compensation, spec)
+        dtypes = [p.dtype for p in ps]
+    check_state_like(api, name, leaves, ps, dtypes, grads, empty=[not h for h in half])
+
+
+def math_params(
+    api: str, mode: str | None, low: PyTree, params: list[torch.Tensor], spec: Any
+) -> list[torch.Tensor]:
+    """The params as the math sees them: the float32 master for half params in master mode,
+    else the params in their math dtype."""
+    if mode == "master_weights":
+        master = state_leaves(api, "low.master", low.master, spec)
+        return [m if is_half(p) else p for m, p in zip(master, params)]
+    return [p.to(torch.float64 if p.dtype == torch.float64 else torch.float32) for p in params]
+
+
+def to_updates(
+    api: str,
+    mode: str | None,
+    low: PyTree,
+    count: torch.Tensor,
+    deltas: list[torch.Tensor],
+    params: list[torch.Tensor] | None,
+    spec: Any,
+) -> tuple[PyTree, PyTree]:
+    """Turn float32 deltas into update leaves (plain deltas, or :class:`SetParam` for half
+    params in a mode) and the mode's new state."""
+    if mode is None or params is None:
+        return optree.tree_unflatten(spec, deltas), low
+    updates: list[Any] = []
+    if mode == "master_weights":
+        master = state_leaves(api, "low.master", low.master, spec)
+        new_master = []
+        for d, p, m in zip(deltas, params, master):
+            if is_half(p):
+                m = m + d
+                updates.append(SetParam(round_nearest(m, p.dtype).to(p.dtype)))
+            else:
+                updates.append(d)
+            new_master.append(m)
+        return optree.tree_unflatten(spec, updates), MasterWeightsState(
+            optree.tree_unflatten(spec, new_master)
+        )
+    if mode == "kahan":
+        comp = state_leaves(api, "low.compensation", low.compensation, spec)
+        new_comp = []
+        for d, p, c in zip(deltas, params, comp):
+            if is_half(p):
+                pf = p.to(torch.float32)
+                y = d + c.to(torch.float32)
+                new_p = round_nearest(pf + y, p.dtype)
+                c = round_nearest(y - (new_p - pf), p.dtype).to(p.dtype)
+                updates.append(SetParam(new_p.to(p.dtype)))
+            else:
+                updates.append(d)
+            new_comp.append(c)
+        return optree.tree_unflatten(spec, updates), KahanState(
+            optree.tree_unflatten(spec, new_comp)
+        )
+    seed = low.seed
+    for i, (d, p) in enumerate(zip(deltas, params)):
+        if is_half(p):
+            noise = random_bits(seed, count, i, p.shape)
+            new_p = round_stochastic(p.to(torch.float32) + d, p.dtype, noise)
+            updates.append(SetParam(new_p.to(p.dtype)))
+        else:
+            updates.append(d)
+    return optree.tree_unflatten(spec, updates), low

@@ -1,0 +1,451 @@
+"""The optimizers: each one's algorithm, written once, and its public factory.
+
+Each algorithm is a ``step(ops, grads, params, buffers, lr, count)`` function (see
+:func:`funcamp.optim.elementwise`) that does torch.optim's operations in torch.optim's order,
+rounding as its CPU kernels do: ``add(alpha=)``, ``lerp`` and ``addcmul`` are one fused
+multiply-add (``ops.fma``). The update leaf is the step itself (Adam) or ``new_p - p`` (SGD, the
+decoupled decays, Lion), which ``apply_updates`` adds back exactly unless a step nearly reaches
+zero, where ``p + (new_p - p)`` can be one ulp off.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from funcamp._checks import check_number
+from funcamp.optim._base import Optimizer
+from funcamp.optim._elementwise import build
+from funcamp.optim._numerics import f32
+from funcamp.optim._paths import Ops
+
+__all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]
+
+PyTree = Any
+Tensors = list[torch.Tensor]
+#: A learning rate: a Python float (fixed), a 0-d tensor, or a schedule of the step count.
+LearningRate = Any
+
+
+class SgdState(NamedTuple):
+    """State of :func:`funcamp.sgd`: ``count`` (0-d int32), ``momentum`` (a params-shaped tree
+    of buffers, or ``()`` without momentum) and ``low`` (a low-precision mode's state or ``()``).
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.sgd(0.1).init({"w": torch.ones(2)})
+        SgdState(count=tensor(0, dtype=torch.int32), momentum=(), low=())
+    """
+
+    count: torch.Tensor
+    momentum: PyTree
+    low: PyTree
+
+
+class AdamState(NamedTuple):
+    """State of :func:`funcamp.adam`/:func:`funcamp.adamw`: ``count`` (0-d int32), ``exp_avg``
+    and ``exp_avg_sq`` (params-shaped trees, float32 for half params) and ``low`` (a mode's
+    state or ``()``).
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.adam(0.1).init({"w": torch.ones(1)}).exp_avg_sq
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    exp_avg_sq: PyTree
+    low: PyTree
+
+
+class LionState(NamedTuple):
+    """State of :func:`funcamp.lion`: ``count`` (0-d int32), ``exp_avg`` (params-shaped, float32
+    for half params) and ``low`` (a mode's state or ``()``).
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.lion(0.1).init({"w": torch.ones(1)}).exp_avg
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    low: PyTree
+
+
+_MODE_ARGS = """        master_weights: keep float32 copies of half params.
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash."""
+
+
+# --------------------------------------------------------------------------------------------
+# sgd
+
+
+def _sgd_step(momentum: float, dampening: float, nesterov: bool, weight_decay: float) -> Any:
+    def step(ops: Ops, grads: Tensors, params: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.SGD: grad.add(p, alpha=weight_decay); buf.mul_(momentum).add_(grad,
+        # alpha=1 - dampening) (buf = grad on the first step); grad.add(buf, alpha=momentum)
+        # (nesterov) or grad = buf; p.add_(grad, alpha=-lr).
+        d, new = grads, {}
+        if weight_decay > 0:
+            d = ops.fma(params, weight_decay, d, into=d)
+        if momentum > 0:
+            buf = ops.mul(buffers["momentum"], momentum)
+            if dampening:
+                buf = ops.where(count == 0, d, ops.fma(d, 1.0 - dampening, buf))
+            else:
+                buf = ops.add(buf, d)
+            new["momentum"] = ops.kept(buf)
+            d = ops.fma(buf, momentum, d, into=d) if nesterov else buf
+        neg_lr = ops.scalar(-lr)
+        if params is None:  # no params to add to: the rounded step itself
+            return ops.mul(d, neg_lr, into=d), new
+        new_p = ops.fma(d, neg_lr, params, into=d)
+        return ops.sub(new_p, params, into=new_p), new
+
+    return step
+
+
+def _fused_sgd(weight_decay: float) -> Any:
+    """torch's fused SGD kernel: the params updated in one pass, or not at all where found_inf
+    (read by the kernel: no host sync). Plain SGD only (weight decay allowed), where it gives
+    torch.optim.SGD's params bit for bit; with momentum the kernel's rounding differs from
+    torch.optim's foreach path."""
+    if not hasattr(torch, "_fused_sgd_"):  # pragma: no cover - older torch
+        return None
+
+    def kernel(ps: Tensors, grads: Tensors, state: SgdState, lr: Any, found_inf: Any) -> Any:
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(device=ps[0].device, dtype=torch.float32)
+        try:  # a torch whose fused SGD has no kernel for this device raises before writing
+            torch._fused_sgd_(
+                ps,
+                grads,
+                [],
+                weight_decay=weight_decay,
+                momentum=0.0,
+                lr=lr,
+                dampening=0.0,
+                nesterov=False,
+                maximize=False,
+                is_first_step=False,
+                grad_scale=None,
+                found_inf=found_inf.to(device=ps[0].device, dtype=torch.float32),
+            )
+        except NotImplementedError:  # pragma: no cover - depends on the torch build
+            return None
+        count = torch.where(found_inf, state.count, state.count + 1)
+        return state._replace(count=count.to(state.count.dtype))
+
+    return kernel
+
+
+def sgd(
+    learning_rate: LearningRate,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    dampening: float = 0.0,
+    *,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Stochastic gradient descent with torch.optim.SGD's semantics.
+
+    ``d = g + weight_decay * p``; with momentum ``buf = momentum * buf + (1 - dampening) * d``
+    (``buf = d`` on the first step), then ``d = d + momentum * buf`` (nesterov) or ``d = buf``;
+    the update is ``-lr * d``. Math runs in float32 for half params.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
+        momentum: momentum factor (>= 0).
+        nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        dampening: dampening for momentum, in [0, 1].
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`Optimizer` whose state is a :class:`funcamp.optim.SgdState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.sgd(0.5, momentum=0.9)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> for _ in range(2):
+        ...     updates, state = opt.update({"w": torch.ones(2)}, state, params)
+        ...     params = funcamp.apply_updates(params, updates)
+        >>> params, state.count
+        ({'w': tensor([-0.4500, -0.4500])}, tensor(2, dtype=torch.int32))
+    """
+    api = "sgd"
+    momentum = check_number(api, "momentum", momentum)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    dampening = check_number(api, "dampening", dampening, maximum=1.0, maximum_open=False)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"funcamp.{api}: `nesterov` must be False unless momentum > 0 and dampening == 0, "
+            f"got nesterov=True with momentum={momentum!r}, dampening={dampening!r}"
+        )
+    return build(
+        api,
+        SgdState,
+        _sgd_step(momentum, dampening, nesterov, weight_decay),
+        learning_rate,
+        buffers=("momentum",) if momentum > 0 else (),
+        needs_params=weight_decay > 0,
+        master_weights=master_weights,
+        kahan=kahan,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+        fused_kernel=None if momentum > 0 else _fused_sgd(weight_decay),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# adam / adamw
+
+
+def _adam_step(b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.Adam/AdamW: grad.add(p, alpha=weight_decay) or p.mul_(1 - lr * wd);
+        # exp_avg.lerp_(grad, 1 - b1); exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2);
+        # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps;
+        # p.addcdiv_(exp_avg, denom, value=-step_size), that is p + (-step_size * m) / denom.
+        if weight_decay > 0 and not decoupled:
+            g = ops.fma(p, weight_decay, g, into=g)
+        m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
+        w = f32(1.0 - b1)
+        diff = ops.sub(g, m)  # lerp works from the nearer end: m + w (g - m) or g + (w - 1)(g - m)
+        m = ops.kept(ops.fma(diff, w, m) if w < 0.5 else ops.fma(diff, w - 1.0, g))
+        del diff
+        v = ops.kept(ops.fma(ops.mul(g, 1.0 - b2), g, ops.mul(v, b2)))
+        # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
+        t = (count + 1).to(torch.float64)
+        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        neg_step = ops.scalar(-(lr64 / (1.0 - torch.pow(b1, t))))
+        bc2_sqrt = ops.scalar(torch.sqrt(1.0 - torch.pow(b2, t)))
+        denom = ops.sqrt(v)  # correctly rounded (torch's eager float32 sqrt is not always)
+        denom = ops.div(denom, bc2_sqrt, into=denom)
+        denom = ops.add(denom, eps, into=denom)
+        deltas = ops.mul(m, neg_step)
+        deltas = ops.div(deltas, denom, into=deltas)
+        del denom
+        if weight_decay > 0 and decoupled:  # p * (1 - lr * wd) + step, as the difference to p
+            new_p = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+            new_p = ops.add(new_p, deltas, into=new_p)
+            deltas = ops.sub(new_p, p, into=new_p)
+        return deltas, {"exp_avg": m, "exp_avg_sq": v}
+
+    return step
+
+
+def _adam(
+    api: str,
+    learning_rate: LearningRate,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    modes: dict[str, Any],
+) -> Optimizer:
+    b1 = check_number(api, "b1", b1, maximum=1.0)
+    b2 = check_number(api, "b2", b2, maximum=1.0)
+    eps = check_number(api, "eps", eps)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    return build(
+        api,
+        AdamState,
+        _adam_step(b1, b2, eps, weight_decay, decoupled),
+        learning_rate,
+        buffers=None,
+        needs_params=weight_decay > 0,
+        **modes,
+    )
+
+
+def adam(
+    learning_rate: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Adam with torch.optim.Adam's semantics (``weight_decay`` is an L2 term added to the
+    gradient; ``eps`` is added after the bias-corrected square root).
+
+    Math runs in float32 for half params (moments are float32). For the memory per parameter of
+    each low-precision mode see the table in :mod:`funcamp.optim`.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: L2 penalty (>= 0).
+        master_weights: keep float32 copies of half params.
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adam(0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -2.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([-0.1000,  0.1000])}
+    """
+    modes = dict(
+        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
+        seed=seed,
+    )  # fmt: skip
+    return _adam("adam", learning_rate, b1, b2, eps, weight_decay, False, modes)
+
+
+def adamw(
+    learning_rate: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """AdamW with torch.optim.AdamW's semantics: decoupled weight decay
+    ``p -= lr * weight_decay * p`` next to the Adam step.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: decoupled decay rate (>= 0).
+        master_weights: keep float32 copies of half params.
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adamw(0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(1)}
+        >>> updates, _ = opt.update({"w": torch.zeros(1)}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([0.9500])}
+    """
+    modes = dict(
+        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
+        seed=seed,
+    )  # fmt: skip
+    return _adam("adamw", learning_rate, b1, b2, eps, weight_decay, True, modes)
+
+
+# --------------------------------------------------------------------------------------------
+# lion
+
+
+def _lion_step(b1: float, b2: float, weight_decay: float) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # Chen et al. 2023, Program 1, with decoupled weight decay done as torch does it:
+        # p.mul_(1 - lr * wd); p.add_(sign(b1 * m + (1 - b1) * g), alpha=-lr);
+        # m = b2 * m + (1 - b2) * g. Each `mul(b) + x * (1 - b)` is one fused multiply-add.
+        m = buffers["exp_avg"]
+        direction = ops.fma(g, 1.0 - b1, ops.mul(m, b1))
+        direction = ops.sign(direction, into=direction)
+        new_m = ops.kept(ops.fma(g, 1.0 - b2, ops.mul(m, b2)))
+        neg_lr = ops.scalar(-lr)
+        if weight_decay == 0:  # -lr * (+-1 or 0) is exact: apply_updates adds it as torch does
+            return ops.mul(direction, neg_lr, into=direction), {"exp_avg": new_m}
+        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        new_p = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+        new_p = ops.fma(direction, neg_lr, new_p, into=new_p)
+        return ops.sub(new_p, p, into=new_p), {"exp_avg": new_m}
+
+    return step
+
+
+def lion(
+    learning_rate: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 1e-3,
+    *,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the update is
+    the sign of an interpolation of the momentum and the gradient, with decoupled weight decay.
+
+    ``p = p * (1 - lr * weight_decay) - lr * sign(b1 * m + (1 - b1) * g)``, then
+    ``m = b2 * m + (1 - b2) * g``. One buffer per param (half Adam's memory). The defaults are
+    optax's; Lion wants a learning rate 3-10x smaller than AdamW's and a larger weight decay.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
+            built; a value that is NaN, infinite or negative at run time skips the step).
+        b1: interpolation factor of the update direction, in [0, 1).
+        b2: decay of the momentum, in [0, 1).
+        weight_decay: decoupled decay rate (>= 0).
+        master_weights: keep float32 copies of half params.
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`Optimizer` whose state is a :class:`funcamp.optim.LionState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.lion(0.1, weight_decay=0.0)
+        >>> params = {"w": torch.zeros(3)}
+        >>> g = {"w": torch.tensor([2.0, -0.5, 0.0])}
+        >>> updates, state = opt.update(g, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([-0.1000,  0.1000,  0.0000])}
+    """
+    api = "lion"
+    b1 = check_number(api, "b1", b1, maximum=1.0)
+    b2 = check_number(api, "b2", b2, maximum=1.0)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    return build(
+        api,
+        LionState,
+        _lion_step(b1, b2, weight_decay),
+        learning_rate,
+        buffers=None,
+        needs_params=weight_decay > 0,
+        master_weights=master_weights,
+        kahan=kahan,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+    )

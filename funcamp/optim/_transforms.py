@@ -1,0 +1,535 @@
+"""Transforms and wrappers: gradient clipping, accumulation and parameter groups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from funcamp._checks import (
+    any_flag,
+    check_count,
+    check_int,
+    check_number,
+    check_state_like,
+    flatten_grads,
+    flatten_params,
+    state_leaves,
+)
+from funcamp._tree import NAMESPACE, describe, dotted_path, path_str, tree_select
+from funcamp.optim._base import (
+    Capabilities,
+    Optimizer,
+    SetParam,
+    check_optimizer,
+    is_set_param,
+)
+from funcamp.optim._numerics import hoist_scalar, math_dtype
+from funcamp.optim._paths import choose_ops
+
+__all__ = [
+    "AccumulateState",
+    "MaskedState",
+    "MultiTransformState",
+    "accumulate",
+    "accumulate_applies",
+    "clip_by_global_norm",
+    "masked",
+    "multi_transform",
+]
+
+PyTree = Any
+Tensors = list[torch.Tensor]
+
+
+class AccumulateState(NamedTuple):
+    """State of :func:`funcamp.accumulate`: ``micro_step`` (0-d int32, micro-batches summed so
+    far), ``applies`` (0-d bool, whether the next update applies), ``grad_sum`` (params-shaped
+    float32 sums) and ``inner`` (the wrapped optimizer's state).
+
+    Example:
+        >>> import torch, funcamp
+        >>> s = funcamp.accumulate(funcamp.sgd(0.1), every=2).init({"w": torch.zeros(1)})
+        >>> s.micro_step, s.applies, s.grad_sum
+        (tensor(0, dtype=torch.int32), tensor(False), {'w': tensor([0.])})
+    """
+
+    micro_step: torch.Tensor
+    applies: torch.Tensor
+    grad_sum: PyTree
+    inner: PyTree
+
+
+class MaskedState(NamedTuple):
+    """State of :func:`funcamp.masked`: ``inner``, the wrapped optimizer's state for the masked
+    leaves (a dict keyed by their dotted paths).
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.masked(funcamp.sgd(0.1, momentum=0.9), {"w": True, "b": False})
+        >>> opt.init({"w": torch.zeros(1), "b": torch.zeros(1)}).inner.momentum
+        {'w': tensor([0.])}
+    """
+
+    inner: PyTree
+
+
+class MultiTransformState(NamedTuple):
+    """State of :func:`funcamp.multi_transform`: ``inner``, a dict from each label to its
+    optimizer's state (for its leaves, a dict keyed by their dotted paths).
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.multi_transform({"a": funcamp.sgd(0.1), "b": funcamp.adam(0.1)},
+        ...                               {"w": "a", "v": "b"})
+        >>> sorted(opt.init({"w": torch.zeros(1), "v": torch.zeros(1)}).inner)
+        ['a', 'b']
+    """
+
+    inner: dict[str, PyTree]
+
+
+# --------------------------------------------------------------------------------------------
+# clip_by_global_norm
+
+
+def clip_by_global_norm(max_norm: float) -> Optimizer:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``.
+
+    Same rule as ``torch.nn.utils.clip_grad_norm_``: ``g * min(1, max_norm / (norm + 1e-6))``,
+    the norm computed in float32. Half-precision grads come back in float32 (not rounded
+    again); the state is ``()``.
+
+    Args:
+        max_norm: the largest global norm (> 0).
+
+    Example:
+        >>> import torch, funcamp
+        >>> clip = funcamp.clip_by_global_norm(1.0)
+        >>> g, _ = clip.update({"w": torch.tensor([3.0, 4.0])}, clip.init({}), None)
+        >>> g
+        {'w': tensor([0.6000, 0.8000])}
+    """
+    api = "clip_by_global_norm"
+    max_norm = check_number(api, "max_norm", max_norm)
+    if max_norm <= 0:
+        raise ValueError(f"funcamp.{api}: `max_norm` must be > 0, got {max_norm!r}")
+
+    def init(params: PyTree) -> tuple[()]:
+        return ()
+
+    def run(
+        grads: PyTree, state: tuple[()], params: PyTree, owned: Sequence[torch.Tensor]
+    ) -> tuple[PyTree, tuple[()]]:
+        gs, _, spec = flatten_grads(api, grads, params, need_params=False)
+        if not gs:
+            return grads, state
+        ops = choose_ops(gs, owned=owned)
+        g = ops.to_math(gs)
+        norms = [torch.linalg.vector_norm(x) for x in g]
+        total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+        coef = hoist_scalar(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return optree.tree_unflatten(spec, ops.mul(g, coef, into=g)), state
+
+    def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, Any]:
+        return run(grads, state, params, ())
+
+    return Optimizer(init, update, Capabilities(fresh=True, update_owned=run))
+
+
+# --------------------------------------------------------------------------------------------
+# accumulate
+
+
+def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
+    """Gradient accumulation over ``every`` micro-steps.
+
+    Each call adds the grads (in float32) to a running sum. On micro-steps 1 … ``every - 1``
+    the updates are zero and the inner optimizer's state is untouched; on the ``every``-th the
+    averaged grads ``sum / every`` go through ``optimizer`` and its updates are returned, and the
+    sum resets. With equal micro-batches and a mean loss this is one step on the concatenated
+    batch. The inner update is computed on every micro-step and selected with ``torch.where``
+    (no host sync), so each micro-step costs one inner update.
+
+    Use :func:`accumulate_applies` on the state *before* an update to learn whether that update
+    applies (for example to all-reduce grads only then). When a micro-step is skipped because of
+    overflow and the caller keeps the old state (``tree_select``), that micro-batch is dropped and
+    accumulation continues: the next micro-batch takes its place, so an applied update always
+    averages ``every`` finite micro-batches, and the inner ``count`` (what schedules see) counts
+    applied updates only.
+
+    Args:
+        optimizer: the inner :class:`Optimizer`.
+        every: number of micro-steps per update (>= 1).
+
+    Returns:
+        An :class:`Optimizer` whose state is a :class:`funcamp.optim.AccumulateState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.accumulate(funcamp.sgd(1.0), every=2)
+        >>> params = {"w": torch.zeros(1)}
+        >>> state = opt.init(params)
+        >>> u1, state = opt.update({"w": torch.tensor([1.0])}, state, params)
+        >>> funcamp.accumulate_applies(state)
+        tensor(True)
+        >>> u2, state = opt.update({"w": torch.tensor([3.0])}, state, params)
+        >>> u1, u2
+        ({'w': tensor([0.])}, {'w': tensor([-2.])})
+    """
+    api = "accumulate"
+    check_optimizer(api, "optimizer", optimizer)
+    check_int(api, "every", every, minimum=1)
+    inner_caps = optimizer.capabilities
+
+    def init(params: PyTree) -> AccumulateState:
+        leaves, spec = flatten_params(api, params)
+        sums = [torch.zeros_like(p, dtype=math_dtype(p.dtype)) for p in leaves]
+        device = leaves[0].device if leaves else torch.device("cpu")
+        count = torch.zeros((), dtype=torch.int32, device=device)
+        return AccumulateState(
+            count,
+            torch.full_like(count, every == 1, dtype=torch.bool),
+            optree.tree_unflatten(spec, sums),
+            optimizer.init(params),
+        )
+
+    def checked(
+        grads: PyTree, state: AccumulateState, params: PyTree
+    ) -> tuple[Tensors, Tensors | None, Any]:
+        """Flatten the inputs, checking the state against them (metadata only)."""
+        if not isinstance(state, AccumulateState):
+            raise TypeError(
+                f"funcamp.{api}: `state` must be a AccumulateState from this optimizer's init, "
+                f"got {type(state).__name__}"
+            )
+        gs, ps, spec = flatten_grads(api, grads, params, need_params=False)
+        check_count(api, "micro_step", state.micro_step)
+        check_count(api, "applies", state.applies, torch.bool)
+        if gs:
+            sums = state_leaves(api, "grad_sum", state.grad_sum, spec)
+            dtypes = [math_dtype(r.dtype) for r in (ps if ps is not None else gs)]
+            check_state_like(api, "grad_sum", sums, gs, dtypes, grads)
+        return gs, ps, spec
+
+    def preflight(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
+        checked(grads, state, params)
+        if inner_caps.preflight is None:
+            return None
+        bad = inner_caps.preflight(grads, state.inner, params)
+        return None if bad is None else bad & state.applies.to(bad.device)
+
+    def run(
+        grads: PyTree, state: AccumulateState, params: PyTree, owned: Sequence[torch.Tensor]
+    ) -> tuple[PyTree, AccumulateState]:
+        gs, ps, spec = checked(grads, state, params)
+        apply = state.applies
+        micro = torch.where(apply, 0, state.micro_step + 1).to(torch.int32)
+        if not gs:
+            inner_updates, inner = optimizer.update(grads, state.inner, params)
+            inner = tree_select(apply, inner, state.inner)
+            return inner_updates, AccumulateState(micro, micro == every - 1, state.grad_sum, inner)
+        sums = state_leaves(api, "grad_sum", state.grad_sum, spec)
+        ops = choose_ops([*gs, *sums], owned=owned)
+        sums = ops.add(sums, ops.to_math(gs))
+        new_sums = [torch.where(apply, torch.zeros_like(s), s) for s in sums]
+        avg = ops.div(sums, float(every)) if every > 1 else sums
+        del sums
+        avg_tree = optree.tree_unflatten(spec, avg)
+        if owned and inner_caps.update_owned is not None:  # avg: this update's temporaries
+            inner_updates, inner = inner_caps.update_owned(avg_tree, state.inner, params, avg)
+        else:
+            inner_updates, inner = optimizer.update(avg_tree, state.inner, params)
+        inner = tree_select(apply, inner, state.inner)
+        ups, uspec = optree.tree_flatten(inner_updates, is_leaf=is_set_param, namespace=NAMESPACE)
+        if len(ups) != len(gs):
+            raise ValueError(
+                f"funcamp.{api}: the inner optimizer's updates must have the grads' structure, "
+                f"got {uspec}"
+            )
+        out = []
+        for u, p in zip(ups, ps if ps is not None else [None] * len(ups)):
+            if isinstance(u, SetParam):
+                out.append(SetParam(torch.where(apply, u.value, p)))
+            else:
+                out.append(torch.where(apply, u, torch.zeros_like(u)))
+        return optree.tree_unflatten(uspec, out), AccumulateState(
+            micro, micro == every - 1, optree.tree_unflatten(spec, new_sums), inner
+        )
+
+    def update(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
+        return run(grads, state, params, ())
+
+    return Optimizer(
+        init,
+        update,
+        Capabilities(preflight=preflight, fresh=inner_caps.fresh, update_owned=run),
+    )
+
+
+def accumulate_applies(opt_state: PyTree) -> torch.Tensor:
+    """Return a 0-d bool tensor: True when the next ``update`` with ``opt_state`` applies an
+    update (the last micro-step of :func:`accumulate`).
+
+    ``opt_state`` may be an :class:`funcamp.optim.AccumulateState` or contain one (e.g. inside
+    a :func:`chain`'s tuple); without one every step applies, and the result is True.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.accumulate(funcamp.sgd(0.1), every=3)
+        >>> funcamp.accumulate_applies(opt.init({"w": torch.zeros(1)}))
+        tensor(False)
+        >>> funcamp.accumulate_applies(funcamp.sgd(0.1).init({"w": torch.zeros(1)}))
+        tensor(True)
+    """
+    found = [
+        x
+        for x in optree.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, AccumulateState), namespace=NAMESPACE
+        )
+        if isinstance(x, AccumulateState)
+    ]
+    if not found:
+        return torch.ones((), dtype=torch.bool)
+    out = found[0].applies
+    for f in (s.applies for s in found[1:]):
+        out = out & f.to(out.device)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# parameter groups: masked and multi_transform
+
+
+def _leaf_labels(api: str, arg: str, labels: Any, params: PyTree, kinds: tuple[type, ...]) -> list:
+    """One label per param leaf: ``labels`` is a pytree with the params' structure, or a
+    callable of the dotted leaf path (``"encoder.weight"``)."""
+    paths, _, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    if callable(labels):
+        out = [labels(dotted_path(p)) for p in paths]
+    else:
+        try:
+            out = spec.flatten_up_to(labels)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"funcamp.{api}: `{arg}` must have the tree structure of the params {spec} (or "
+                f"be a callable of the leaf path), got "
+                f"{optree.tree_structure(labels, namespace=NAMESPACE)}"
+            ) from e
+    for path, label in zip(paths, out):
+        if not isinstance(label, kinds):
+            want = " or ".join(k.__name__ for k in kinds)
+            raise TypeError(
+                f"funcamp.{api}: `{arg}` must give a {want} for each param leaf, got "
+                f"{describe(label)} at {path_str(path)}"
+            )
+    return out
+
+
+def _group(tree: PyTree, keys: list[str], chosen: list[bool]) -> dict[str, Any] | None:
+    """The chosen leaves of ``tree`` as a dict keyed by their dotted paths (None for None)."""
+    if tree is None:
+        return None
+    leaves = optree.tree_leaves(tree, namespace=NAMESPACE)
+    return {k: x for k, x, c in zip(keys, leaves, chosen) if c}
+
+
+def _param_groups(
+    api: str,
+    transforms: Mapping[str, Optimizer],
+    assign: Callable[[PyTree], list[str | None]],
+    wrap: Callable[[dict[str, PyTree]], Any],
+    unwrap: Callable[[Any], dict[str, PyTree]],
+) -> Optimizer:
+    def keys_and_groups(tree: PyTree) -> tuple[Any, list[str], list[str | None]]:
+        paths, _, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+        return spec, [dotted_path(p) for p in paths], assign(tree)
+
+    def init(params: PyTree) -> Any:
+        flatten_params(api, params)
+        _, keys, owner = keys_and_groups(params)
+        return wrap(
+            {
+                name: opt.init(_group(params, keys, [o == name for o in owner]))
+                for name, opt in transforms.items()
+            }
+        )
+
+    def parts(grads: PyTree, state: Any, params: PyTree) -> Any:
+        """``(grad leaves, treespec, dotted keys, each leaf's group, inner states)``."""
+        gs, _, spec = flatten_grads(api, grads, params, need_params=False)
+        _, keys, owner = keys_and_groups(params if params is not None else grads)
+        return gs, spec, keys, owner, unwrap(state)
+
+    def run(
+        grads: PyTree, state: Any, params: PyTree, owned: Sequence[torch.Tensor]
+    ) -> tuple[PyTree, Any]:
+        gs, spec, keys, owner, inner = parts(grads, state, params)
+        out: list[Any] = [None] * len(gs)
+        new_inner = {}
+        for name, opt in transforms.items():
+            chosen = [o == name for o in owner]
+            sub_g, sub_p = _group(grads, keys, chosen), _group(params, keys, chosen)
+            caps = opt.capabilities
+            if owned and caps.update_owned is not None:
+                ups, new_inner[name] = caps.update_owned(sub_g, inner[name], sub_p, owned)
+            else:
+                ups, new_inner[name] = opt.update(sub_g, inner[name], sub_p)
+            flat = _group_updates(api, name, ups, [k for k, c in zip(keys, chosen) if c])
+            for i, c in enumerate(chosen):
+                if c:
+                    out[i] = flat[keys[i]]
+        for i, g in enumerate(gs):
+            if owner[i] is None:
+                out[i] = torch.zeros_like(g, dtype=math_dtype(g.dtype))
+        return optree.tree_unflatten(spec, out), wrap(new_inner)
+
+    def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        return run(grads, state, params, ())
+
+    def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
+        _, _, keys, owner, inner = parts(grads, state, params)
+        flags = []
+        for name, opt in transforms.items():
+            if opt.capabilities.preflight is not None:
+                chosen = [o == name for o in owner]
+                sub_g, sub_p = _group(grads, keys, chosen), _group(params, keys, chosen)
+                flags.append(opt.capabilities.preflight(sub_g, inner[name], sub_p))
+        return any_flag(flags)
+
+    fresh = all(t.capabilities.fresh for t in transforms.values())
+    return Optimizer(
+        init,
+        update,
+        Capabilities(preflight=preflight, fresh=fresh, update_owned=run if fresh else None),
+    )
+
+
+def _group_updates(api: str, name: str, updates: Any, keys: list[str]) -> dict[str, Any]:
+    if not isinstance(updates, dict) or sorted(updates) != sorted(keys):
+        raise ValueError(
+            f"funcamp.{api}: the optimizer of group {name!r} must return updates for exactly "
+            f"its leaves {keys}, got {describe(updates)}"
+        )
+    return updates
+
+
+def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimizer:
+    """Apply ``optimizer`` to the params where ``mask`` is True; the others get zero updates
+    and no optimizer state: they stay frozen (optax's ``masked`` passes their grads through
+    unchanged instead).
+
+    The masked leaves reach ``optimizer`` as a dict keyed by their dotted paths
+    (``"encoder.weight"``), so its state (and a checkpoint of it) names them. Combine several
+    with :func:`funcamp.chain`, or use :func:`multi_transform` for param groups with their own
+    settings.
+
+    Args:
+        optimizer: the :class:`Optimizer` for the masked leaves (any low-precision mode).
+        mask: a pytree of Python bools with the params' structure, or a callable of the dotted
+            leaf path returning a bool.
+
+    Returns:
+        An :class:`Optimizer` whose state is a :class:`funcamp.optim.MaskedState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.masked(funcamp.sgd(1.0), lambda path: not path.endswith("bias"))
+        >>> params = {"weight": torch.ones(2), "bias": torch.ones(2)}
+        >>> grads = {"weight": torch.ones(2), "bias": torch.ones(2)}
+        >>> updates, _ = opt.update(grads, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'weight': tensor([0., 0.]), 'bias': tensor([1., 1.])}
+    """
+    api = "masked"
+    check_optimizer(api, "optimizer", optimizer)
+    if not callable(mask):
+        optree.tree_structure(mask, namespace=NAMESPACE)  # a pytree
+
+    def assign(tree: PyTree) -> list[str | None]:
+        flags = _leaf_labels(api, "mask", mask, tree, (bool,))
+        return ["masked" if f else None for f in flags]
+
+    return _param_groups(
+        api, {"masked": optimizer}, assign, lambda d: MaskedState(d["masked"]), _unwrap_masked
+    )
+
+
+def _unwrap_masked(state: Any) -> dict[str, PyTree]:
+    if not isinstance(state, MaskedState):
+        raise TypeError(
+            f"funcamp.masked: `state` must be a MaskedState from this optimizer's init, got "
+            f"{type(state).__name__}"
+        )
+    return {"masked": state.inner}
+
+
+def multi_transform(
+    transforms: Mapping[str, Optimizer], labels: PyTree | Callable[[str], str]
+) -> Optimizer:
+    """Parameter groups: each param leaf gets the optimizer of its label (optax's
+    ``multi_transform``, torch.optim's ``param_groups``).
+
+    Each optimizer sees its leaves as a dict keyed by their dotted paths and keeps its own
+    state (its own step count, moments and low-precision mode), so
+    ``multi_transform({"decay": adamw(lr, weight_decay=0.1), "no_decay": adamw(lr,
+    weight_decay=0.0)}, labels)`` is ``torch.optim.AdamW`` with two param groups.
+
+    Args:
+        transforms: a dict from label to :class:`Optimizer`.
+        labels: a pytree of labels (strings) with the params' structure, or a callable of the
+            dotted leaf path (``"encoder.bias"``) returning the label. Every label must be a key
+            of ``transforms``.
+
+    Returns:
+        An :class:`Optimizer` whose state is a :class:`funcamp.optim.MultiTransformState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.multi_transform(
+        ...     {"decay": funcamp.adamw(0.1, weight_decay=0.5), "no_decay": funcamp.adam(0.1)},
+        ...     lambda path: "no_decay" if path.endswith("bias") else "decay",
+        ... )
+        >>> params = {"weight": torch.ones(1), "bias": torch.ones(1)}
+        >>> grads = {"weight": torch.zeros(1), "bias": torch.zeros(1)}
+        >>> updates, _ = opt.update(grads, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'weight': tensor([0.9500]), 'bias': tensor([1.])}
+    """
+    api = "multi_transform"
+    if not isinstance(transforms, Mapping) or not transforms:
+        raise TypeError(
+            f"funcamp.{api}: `transforms` must be a non-empty dict from label to Optimizer, "
+            f"got {describe(transforms)}"
+        )
+    for name, opt in transforms.items():
+        if not isinstance(name, str):
+            raise TypeError(f"funcamp.{api}: `transforms` keys must be str labels, got {name!r}")
+        check_optimizer(api, f"transforms[{name!r}]", opt)
+    transforms = dict(transforms)
+
+    def assign(tree: PyTree) -> list[str | None]:
+        out = _leaf_labels(api, "labels", labels, tree, (str,))
+        unknown = sorted({x for x in out if x not in transforms})
+        if unknown:
+            raise ValueError(
+                f"funcamp.{api}: `labels` must be keys of `transforms` {sorted(transforms)}, "
+                f"got {unknown}"
+            )
+        return out
+
+    def unwrap(state: Any) -> dict[str, PyTree]:
+        if (
+            not isinstance(state, MultiTransformState)
+            or not isinstance(state.inner, dict)
+            or (sorted(state.inner) != sorted(transforms))
+        ):
+            raise TypeError(
+                f"funcamp.{api}: `state` must be a MultiTransformState with the labels "
+                f"{sorted(transforms)} from this optimizer's init, got {describe(state)}"
+            )
+        return state.inner
+
+    return _param_groups(api, transforms, assign, MultiTransformState, unwrap)
