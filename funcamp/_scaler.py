@@ -481,7 +481,8 @@ class StepInfo(NamedTuple):
     Attributes:
         found_inf: 0-d bool, True when the scaled gradients had an inf or nan and the step was
             skipped.
-        grad_norm: 0-d float32, the global L2 norm of the unscaled gradients.
+        grad_norm: 0-d float32, the global L2 norm of the unscaled gradients; ``None`` when
+            the step was asked not to compute it (``grad_norm=False``).
 
     Example:
         >>> import torch, funcamp
@@ -491,7 +492,7 @@ class StepInfo(NamedTuple):
     """
 
     found_inf: torch.Tensor
-    grad_norm: torch.Tensor
+    grad_norm: torch.Tensor | None
 
 
 # ---------------------------------------------------------------------- validation
@@ -857,6 +858,7 @@ def unscale_and_step(
     group: Any = None,
     donate_grads: bool = False,
     donate_state: bool = False,
+    grad_norm: bool = True,
 ) -> tuple[PyTree, PyTree, StepInfo]:
     """Unscale ``grads``, apply ``optimizer``, and skip the step if the grads overflowed.
 
@@ -896,9 +898,13 @@ def unscale_and_step(
             can be an ulp off where a step nearly reaches zero). Tensors of
             ``params``/``opt_state`` that share memory are refused (eager).
 
+        grad_norm: compute ``info.grad_norm``, the global L2 norm of the unscaled gradients
+            (default True). It is one more pass over every gradient (a norm per leaf and their
+            norm); ``False`` skips it and ``info.grad_norm`` is ``None``.
+
     Returns:
         ``(params, opt_state, StepInfo(found_inf, grad_norm))``; ``grad_norm`` is the global L2
-        norm of the unscaled gradients (float32).
+        norm of the unscaled gradients (float32), or ``None`` with ``grad_norm=False``.
 
     Example:
         >>> import torch, funcamp
@@ -923,6 +929,7 @@ def unscale_and_step(
     """
     api = "unscale_and_step"
     caps = _check_step_args(api, state, optimizer, grads, params, donate_grads, donate_state)
+    check_flag(api, "grad_norm", grad_norm)
     # Everything that can refuse these inputs runs before the grads are touched (donated grads
     # are unscaled in place) and before anything is written (donate_state): the optimizer state
     # is checked against the params, and the learning rate evaluated, here.
@@ -958,7 +965,8 @@ def unscale_and_step(
     if bad_lr is not None:  # a NaN/inf/negative tensor learning rate: the step is skipped
         found_inf = found_inf | bad_lr.to(found_inf.device)
     # Before the optimizer: on the eager path it may overwrite the unscaled grads in place.
-    info = StepInfo(found_inf, _global_norm(out, state.scale.device, eager))
+    norm = _global_norm(out, state.scale.device, eager) if grad_norm else None
+    info = StepInfo(found_inf, norm)
     if eager and donate_state and caps.fused_step is not None:
         new_state = caps.fused_step(out, opt_state, params, found_inf)
         if new_state is not None:

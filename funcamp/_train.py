@@ -570,6 +570,7 @@ def _validate_step_args(
     headroom: Any,
     group: Any,
     compile_options: dict[str, Any],
+    grad_norm: Any = True,
 ) -> tuple[Policy, Any, Any, Any]:
     """:func:`make_train_step`'s argument checks; returns ``(policy, headroom dtype or None,
     headroom leaf predicate or None, data-parallel setup or None)``."""
@@ -583,6 +584,7 @@ def _validate_step_args(
         ("returns_buffers", returns_buffers),
         ("compile", compile),
         ("donate_state", donate_state),
+        ("grad_norm", grad_norm),
     ):
         if not isinstance(flag, bool):
             raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {describe(flag)}")
@@ -660,6 +662,8 @@ def _metrics(
         "found_inf": found_inf,
         "skipped": new_scaler.skipped,
     }
+    if grad_norm is None:  # make_train_step(grad_norm=False)
+        del metrics["grad_norm"]
     if has_aux:
         metrics["aux"] = aux
     if room is not None:
@@ -678,6 +682,7 @@ def make_train_step(
     group: Any = None,
     donate_state: bool = False,
     headroom: bool | Callable[[str], bool] = False,
+    grad_norm: bool = True,
     **compile_options: Any,
 ) -> StepFn:
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
@@ -750,6 +755,9 @@ def make_train_step(
             below). Default ``False``: the input state is never modified.
         headroom: add ``metrics["headroom"]`` (see above): a few reductions over the gradients;
             ``True`` for every gradient leaf, or a predicate of the leaf path.
+        grad_norm: report ``metrics["grad_norm"]`` (default True). ``False`` leaves the
+            metric out and saves the step its pass over every gradient (see
+            :func:`funcamp.unscale_and_step`); global-norm clipping computes its own norm.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard).
@@ -792,6 +800,7 @@ def make_train_step(
         headroom=headroom,
         group=group,
         compile_options=compile_options,
+        grad_norm=grad_norm,
     )
     run_loss = with_fp8_state(amp(loss_fn, pol))
     # dynamo cannot resume a frame inside torch.func.grad after a graph break (the resumed
@@ -857,6 +866,7 @@ def make_train_step(
             state.params,
             donate_grads=True,
             donate_state=donate_state,
+            grad_norm=grad_norm,
         )
         found_inf = info.found_inf
         if nonfinite is not None:

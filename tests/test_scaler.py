@@ -578,6 +578,15 @@ def test_unscale_and_step_grad_norm_and_half_params():
     assert new["w"].dtype == torch.float16
     assert new["w"].tolist() == [1 - 0.375, 1 - 0.5, 1.0]
     assert new["b"].tolist() == [-1.5, 0.0]
+    for donate in (False, True):  # grad_norm=False: no norm, the same step
+        g = {k: v.clone() for k, v in grads.items()}
+        same, _, quiet = funcamp.unscale_and_step(
+            s, opt, g, opt.init(params), params, donate_grads=donate, grad_norm=False
+        )
+        assert quiet.grad_norm is None and quiet.found_inf.item() is False
+        assert all(torch.equal(same[k], new[k]) for k in new)
+    with pytest.raises(TypeError, match=r"`grad_norm` must be a bool"):
+        funcamp.unscale_and_step(s, opt, grads, opt.init(params), params, grad_norm=1)
 
 
 def test_step_info_is_a_pytree():

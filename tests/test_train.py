@@ -545,3 +545,31 @@ def test_shape_error_in_compiled_step_is_the_plain_torch_error(capfd):
         step(state, batch)
     err = capfd.readouterr().err
     assert "fake_tensor" not in err and "Traceback" not in err, err[:500]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_grad_norm_false_leaves_the_metric_out_and_changes_nothing_else(compile: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(6, 3, generator=g), "b": torch.randn(3, generator=g)}
+    batch = (torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g))
+
+    def loss_fn(p, buffers, b):
+        return torch.nn.functional.mse_loss(b[0] @ p["w"] + p["b"], b[1])
+
+    opt = funcamp.chain(funcamp.clip_by_global_norm(0.5), funcamp.adamw(1e-2))
+    kw = {"backend": "aot_eager"} if compile else {"compile": False}
+    state = funcamp.TrainState.create(params, opt, "mixed_bfloat16")
+    with_norm = funcamp.make_train_step(loss_fn, opt, "mixed_bfloat16", **kw)
+    without = funcamp.make_train_step(loss_fn, opt, "mixed_bfloat16", grad_norm=False, **kw)
+    a = b = state
+    for _ in range(2):
+        a, ma = with_norm(a, batch)
+        b, mb = without(b, batch)
+    assert "grad_norm" in ma and "grad_norm" not in mb
+    assert set(ma) - set(mb) == {"grad_norm"}
+    for x, y in zip(
+        optree.tree_leaves(a, namespace=NAMESPACE), optree.tree_leaves(b, namespace=NAMESPACE)
+    ):  # clipping unaffected
+        assert torch.equal(x, y)
+    with pytest.raises(TypeError, match=r"`grad_norm` must be a bool"):
+        funcamp.make_train_step(loss_fn, opt, "float32", grad_norm="no")
