@@ -28,6 +28,9 @@ Rows (ratio = funcamp / torch, lower is better):
   copy), and the pure-torch path that runs under transforms.
 * ``step, compiled``: the public step under ``torch.compile(fullgraph=True)`` (inductor).
 
+``--against REV`` adds each funcamp row as of git revision REV (imported beside this tree by
+``benchmarks/_revision.py``) right after this tree's, both against the same torch baseline.
+
 Runs are interleaved in one process (alternating which side goes first) and the median of
 ``--runs`` runs is reported. Allocation of fresh 4-40 MB tensors (page faults) is a large part of
 the cost on CPU; the library never tunes the allocator, and neither does this script.
@@ -44,13 +47,19 @@ import argparse
 import inspect
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
 import funcamp
-from funcamp._scaler import _unscale_leaves
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine
+from _revision import import_revision
 
 LR = 1e-3
 
@@ -91,6 +100,92 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _funcamp_rows(
+    args: argparse.Namespace,
+    device: torch.device,
+    fc: Any,
+    tag: str,
+    scale: float,
+    params: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    torch_step: Callable[[], object],
+    torch_unscale: Callable[[], object],
+) -> list[Any]:
+    """funcamp's rows, for the module ``fc`` (this tree's funcamp, or another revision's)."""
+    state = fc.ScalerState.dynamic(scale, device=device)
+    sgd = fc.sgd(LR)
+    opt_state = sgd.init(params)
+
+    def ours_step_fn(state, grads, opt_state, params):
+        return fc.unscale_and_step(state, sgd, grads, opt_state, params)
+
+    def ours_step() -> object:
+        return ours_step_fn(state, grads, opt_state, params)
+
+    donated: list[dict[str, torch.Tensor]] = []
+
+    def make_donated() -> None:
+        donated[:] = [{k: v.clone() for k, v in grads.items()}]
+
+    def ours_donated() -> object:
+        return fc.unscale_and_step(state, sgd, donated.pop(), opt_state, params, donate_grads=True)
+
+    donated_all: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+
+    def make_donated_all() -> None:
+        donated_all[:] = [
+            ({k: v.clone() for k, v in grads.items()}, {k: v.clone() for k, v in params.items()})
+        ]
+
+    def ours_donated_all() -> object:
+        g, p = donated_all.pop()
+        return fc.unscale_and_step(
+            state, sgd, g, opt_state, p, donate_grads=True, donate_state=True
+        )
+
+    def ours_unscale() -> object:
+        return fc.unscale(state, grads)
+
+    grad_leaves = list(grads.values())
+
+    def ours_unscale_pure() -> object:
+        return fc._scaler._unscale_leaves(grad_leaves, state.scale, fused=False)
+
+    Row = tuple[str, Callable[[], object], Callable[[], object], Callable[[], None] | None]
+    rows: list[Row] = [(f"step, eager{tag}", ours_step, torch_step, None)]
+    if "grad_norm" in inspect.signature(fc.unscale_and_step).parameters:
+
+        def ours_no_norm() -> object:
+            return fc.unscale_and_step(state, sgd, grads, opt_state, params, grad_norm=False)
+
+        rows.append((f"step, eager, grad_norm=False{tag}", ours_no_norm, torch_step, None))
+    if "donate_grads" in inspect.signature(fc.unscale_and_step).parameters:
+        rows.append((f"step, eager, donate_grads{tag}", ours_donated, torch_step, make_donated))
+    if "donate_state" in inspect.signature(fc.unscale_and_step).parameters:
+        rows.append(
+            (
+                f"step, eager, donate grads+state{tag}",
+                ours_donated_all,
+                torch_step,
+                make_donated_all,
+            )
+        )
+    rows += [
+        (f"unscale + check only, eager{tag}", ours_unscale, torch_unscale, None),
+        (f"  same, pure-torch path{tag}", ours_unscale_pure, torch_unscale, None),
+    ]
+    if not args.no_compile:
+        compiled = torch.compile(ours_step_fn, fullgraph=True)
+        for _ in range(3):
+            compiled(state, grads, opt_state, params)
+
+        def ours_compiled() -> object:
+            return compiled(state, grads, opt_state, params)
+
+        rows.append((f"step, compiled (inductor){tag}", ours_compiled, torch_step, None))
+    return rows
+
+
 def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
     numel = args.numel or (100_000_000 if device.type == "cuda" else 10_000_000)
     shapes = (_original_shapes if split == "original" else _model_shapes)(numel)
@@ -120,69 +215,13 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
     def torch_unscale() -> None:
         gs.unscale_(opt)
 
-    # funcamp side
-    state = funcamp.ScalerState.dynamic(scale, device=device)
-    sgd = funcamp.sgd(LR)
-    opt_state = sgd.init(params)
-
-    def ours_step_fn(state, grads, opt_state, params):
-        return funcamp.unscale_and_step(state, sgd, grads, opt_state, params)
-
-    def ours_step() -> object:
-        return ours_step_fn(state, grads, opt_state, params)
-
-    donated: list[dict[str, torch.Tensor]] = []
-
-    def make_donated() -> None:
-        donated[:] = [{k: v.clone() for k, v in grads.items()}]
-
-    def ours_donated() -> object:
-        return funcamp.unscale_and_step(
-            state, sgd, donated.pop(), opt_state, params, donate_grads=True
-        )
-
-    donated_all: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
-
-    def make_donated_all() -> None:
-        donated_all[:] = [
-            ({k: v.clone() for k, v in grads.items()}, {k: v.clone() for k, v in params.items()})
-        ]
-
-    def ours_donated_all() -> object:
-        g, p = donated_all.pop()
-        return funcamp.unscale_and_step(
-            state, sgd, g, opt_state, p, donate_grads=True, donate_state=True
-        )
-
-    def ours_unscale() -> object:
-        return funcamp.unscale(state, grads)
-
-    grad_leaves = list(grads.values())
-
-    def ours_unscale_pure() -> object:
-        return _unscale_leaves(grad_leaves, state.scale, fused=False)
-
-    Row = tuple[str, Callable[[], object], Callable[[], object], Callable[[], None] | None]
-    rows: list[Row] = [("step, eager", ours_step, torch_step, None)]
-    if "donate_grads" in inspect.signature(funcamp.unscale_and_step).parameters:
-        rows.append(("step, eager, donate_grads", ours_donated, torch_step, make_donated))
-    if "donate_state" in inspect.signature(funcamp.unscale_and_step).parameters:
-        rows.append(
-            ("step, eager, donate grads+state", ours_donated_all, torch_step, make_donated_all)
-        )
-    rows += [
-        ("unscale + check only, eager", ours_unscale, torch_unscale, None),
-        ("  same, pure-torch path (no fused)", ours_unscale_pure, torch_unscale, None),
-    ]
-    if not args.no_compile:
-        compiled = torch.compile(ours_step_fn, fullgraph=True)
-        for _ in range(3):
-            compiled(state, grads, opt_state, params)
-
-        def ours_compiled() -> object:
-            return compiled(state, grads, opt_state, params)
-
-        rows.append(("step, compiled (inductor)", ours_compiled, torch_step, None))
+    rows = _funcamp_rows(args, device, funcamp, "", scale, params, grads, torch_step, torch_unscale)
+    if args.against:  # each row of this tree next to the same row at the other revision
+        old = import_revision(args.against)
+        rows = [pair for both in zip(rows, _funcamp_rows(
+            args, device, old, f" @{args.against}", scale, params, grads, torch_step,
+            torch_unscale,
+        )) for pair in both]  # fmt: skip
 
     biggest = max(math.prod(s) for s in shapes) * 4 / 2**20
     print(
@@ -218,6 +257,10 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=None, help="grad elements (10M/100M)")
     parser.add_argument("--split", choices=["original", "model", "both"], default="both")
     parser.add_argument("--runs", type=int, default=25)
+    parser.add_argument(
+        "--against", default="", help="also time funcamp at this git revision, same process"
+    )
+    parser.add_argument("--require-quiet", action="store_true", help="stop on a busy machine")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled row")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: less noise)"
@@ -228,6 +271,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     splits = ["original", "model"] if args.split == "both" else [args.split]
+    _machine.check(args.require_quiet)
     for split in splits:
         _bench(args, device, split)
 
