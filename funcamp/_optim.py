@@ -68,6 +68,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from funcamp import _shard
 from funcamp._checks import (
     PREFLIGHT,
     any_flag,
@@ -1401,6 +1402,8 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         g = _as_math(gs)
         norms = [torch.linalg.vector_norm(x) for x in g]
         total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+        if _shard.NORM_HOOKS:  # a sharded step: these are local shards, the norm is global
+            total = _shard.NORM_HOOKS[-1](norms)
         coef = _once(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return optree.tree_unflatten(spec, _fe("mul", g, coef)), state
 

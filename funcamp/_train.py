@@ -534,6 +534,7 @@ def make_train_step(
     group: Any = None,
     donate_state: bool = False,
     headroom: bool | Callable[[str], bool] = False,
+    mesh: Any = None,
     **compile_options: Any,
 ) -> StepFn:
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
@@ -650,14 +651,30 @@ def make_train_step(
             f"funcamp.{_API}: `headroom` must be a bool or a callable of the leaf path, got "
             f"{_describe(headroom)}"
         )
-    headroom_dtype = _headroom_dtype(pol) if headroom is not False else None
-    headroom_include = headroom if callable(headroom) else None
-    data_parallel = _data_parallel(group)
     if compile_options and not compile:
         raise TypeError(
             f"funcamp.{_API}: compile options {sorted(compile_options)} must not be given with "
             "compile=False"
         )
+    if mesh is not None:  # sharded params and optimizer state: funcamp/_shard.py
+        from funcamp._shard import make_sharded_step
+
+        return make_sharded_step(
+            loss_fn,
+            optimizer,
+            pol,
+            mesh,
+            has_aux=has_aux,
+            returns_buffers=returns_buffers,
+            compile=compile,
+            group=group,
+            donate_state=donate_state,
+            headroom=headroom,
+            compile_options=compile_options,
+        )
+    headroom_dtype = _headroom_dtype(pol) if headroom is not False else None
+    headroom_include = headroom if callable(headroom) else None
+    data_parallel = _data_parallel(group)
 
     run_loss = with_fp8_state(amp(loss_fn, pol))
     fp8_stateful = needs_state(pol)  # delayed FP8: the state's gradient is its new value

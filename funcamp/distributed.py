@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from funcamp._shard import shard
 from funcamp._tree import NAMESPACE, _describe
 
-__all__ = ["all_reduce_grads", "any_across"]
+__all__ = ["all_reduce_grads", "any_across", "shard"]
 
 PyTree = Any
 
