@@ -232,7 +232,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(flat: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        return funcol.wait_tensor(funcol.all_gather_tensor(flat, 0, group))
+        return funcol.wait_tensor(funcol.all_gather_single(flat, 0, group))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -242,7 +242,7 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         # detach: the functional op's own autograd wrapper has no setup_context either, and
         # under torch.func the incoming grad is a wrapped tensor that requires grad.
-        out = funcol.reduce_scatter_tensor(grad.detach().contiguous(), "sum", 0, ctx.group)
+        out = funcol.reduce_scatter_single(grad.detach().contiguous(), "sum", 0, ctx.group)
         return funcol.wait_tensor(out), None
 
 
