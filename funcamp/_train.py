@@ -575,6 +575,20 @@ def make_train_step(
     a collective issued only on that step needs its value on the host -- a host sync
     (``torch.cond`` reads it with ``.item()``). See the data-parallel guide.
 
+    Sharded (``mesh=mesh``, a 1-D ``DeviceMesh``): the state's params and optimizer state are
+    ``DTensor`` s made by :func:`funcamp.distributed.shard` (large leaves split along one
+    dimension, so each rank holds about ``1/N`` of them; small ones replicated), and every rank
+    runs the step on its own equal shard of the batch, as with ``group=``. The step works on the
+    local shards: the sharded params are all-gathered (one packed all-gather per dtype) for the
+    forward and their gradients reduce-scattered in the backward; one all-reduce carries the
+    replicated leaves' gradients, the loss, rank 0's buffers and each rank's squared gradient
+    norm and overflow flag, so ``loss``, ``grad_norm`` and ``found_inf`` are global (no rank
+    steps when any rank overflowed); unscale, the optimizer and the skip then run on the local
+    shards, and the new state comes back as DTensors with the same placements.
+    :func:`funcamp.clip_by_global_norm` (chained at the top level) gets the global norm.
+    Compiles as one graph per rank with the collectives inside. Not yet with ``mesh``:
+    ``donate_state``, ``headroom``, a delayed FP8 recipe. See the sharded-training guide.
+
     Donating the state (``donate_state=True``): the returned state's params, buffers and
     optimizer-state tensors are the input state's own tensors, overwritten with the new values
     (as ``torch.optim`` updates in place), so the compiled step allocates no new memory for
@@ -607,6 +621,9 @@ def make_train_step(
             below). Default ``False``: the input state is never modified.
         headroom: add ``metrics["headroom"]`` (see above): a few reductions over the gradients;
             ``True`` for every gradient leaf, or a predicate of the leaf path.
+        mesh: a 1-D ``torch.distributed.device_mesh.DeviceMesh`` for sharded training (see
+            above; the state must come from :func:`funcamp.distributed.shard`); ``None``
+            (default) keeps params and optimizer state whole. Not together with ``group``.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard).
