@@ -371,19 +371,42 @@ def mesh(single_rank_group):
     return init_device_mesh("cpu", (1,))
 
 
-def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh):
-    """Bit for bit with AdamW; with global-norm clipping the norm is summed in another order
-    (squared norms of the shards, all-reduced), so the clipped run is within float32 rounding."""
-    for make in (_adamw, _clipped):
-        plain = funcamp.make_train_step(_loss_fn, make(), POLICY, compile=False)
-        sharded = funcamp.make_train_step(_loss_fn, make(), POLICY, compile=False, mesh=mesh)
-        a, _ = _train(plain, _init(make()), _batches(8))
-        b, mb = _train(sharded, fd.shard(_init(make()), mesh), _batches(8))
-        a, b = funcamp.state_dict(a), funcamp.state_dict(_full(b))
-        if make is _adamw:
-            _assert_bitwise(a, b)
-        else:
-            assert_trees_close(b, a, atol=ATOL, rtol=RTOL)
+def _accumulated():
+    return funcamp.accumulate(_adamw(), every=2)
+
+
+def _master():
+    return funcamp.adam(1e-2, master_weights=True)
+
+
+@pytest.mark.parametrize(
+    ("make", "policy"),
+    [(_adamw, POLICY), (_clipped, POLICY), (_accumulated, POLICY), (_master, "bf16-true")],
+)
+def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh, make, policy):
+    """Bit for bit (AdamW, accumulation, bfloat16 params with float32 master weights); with
+    global-norm clipping the norm is summed in another order (squared norms of the shards,
+    all-reduced), so the clipped run is within float32 rounding."""
+
+    def init():
+        state = _init(make()) if policy == POLICY else None
+        if state is None:
+            params = optree.tree_map(lambda x: x.clone(), _init(_adamw()).params)
+            state = funcamp.TrainState.create(
+                params, make(), policy, buffers={"seen": torch.zeros((), dtype=torch.int64)}
+            )
+        return state
+
+    plain = funcamp.make_train_step(_loss_fn, make(), policy, compile=False)
+    sharded = funcamp.make_train_step(_loss_fn, make(), policy, compile=False, mesh=mesh)
+    a, _ = _train(plain, init(), _batches(8))
+    b, mb = _train(sharded, fd.shard(init(), mesh), _batches(8))
+    a, b = funcamp.state_dict(a), funcamp.state_dict(_full(b))
+    if make is _clipped:
+        assert_trees_close(b, a, atol=ATOL, rtol=RTOL)
+    else:
+        _assert_bitwise(a, b)
+    if policy == POLICY:
         assert [bool(m["found_inf"]) for m in mb] == [i == BAD_STEP for i in range(8)]
 
 
