@@ -181,6 +181,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str, ckpt: str) -> None:
     )
     res["clipped"] = funcamp.state_dict(_full(cstate))
     lap("clipped")
+    # Sharded along dim 1 (w1: 32 columns, w2: 4, uneven on neither; b1, b2, t replicated).
+    dstate = fd.shard(_init(_adamw()), mesh, dim=1)
+    res["dim1_placements"] = {k: str(v.placements) for k, v in dstate.params.items()}
+    dstate, res["dim1_metrics"] = _train(
+        sharded(_adamw(), compile=False), dstate, batches, rank, world
+    )
+    res["dim1"] = funcamp.state_dict(_full(dstate))
+    lap("dim1")
     if world == 2:  # compiled (aot_eager, counting graphs and collectives); 2 ranks only
         counts: list[dict] = []
         res["graphs"] = counts
@@ -290,10 +298,22 @@ def _check(got: dict, got_metrics, want: dict, want_metrics, world: int, steps: 
 
 @pytest.mark.parametrize(
     ("world", "key"),
-    [(2, "eager"), (4, "eager"), (2, "clipped"), (4, "clipped"), (2, "compiled")],
+    [
+        (2, "eager"),
+        (4, "eager"),
+        (2, "clipped"),
+        (4, "clipped"),
+        (2, "dim1"),
+        (4, "dim1"),
+        (2, "compiled"),
+    ],
 )
 def test_sharded_step_matches_one_process(runs, reference, world, key):
     steps = COMPILED_STEPS if key == "compiled" else STEPS
+    if key == "dim1":  # sharded along dim 1: the same numbers as along dim 0
+        reference = {"dim1": reference["eager"], "dim1_metrics": reference["eager_metrics"]}
+        assert runs[world][0]["dim1_placements"]["w1"] == "(Shard(dim=1),)"
+        assert runs[world][0]["dim1_placements"]["b1"] == "(Replicate(),)"
     for res in runs[world]:
         _check(
             res[key],
