@@ -683,6 +683,7 @@ def make_train_step(
     donate_state: bool = False,
     headroom: bool | Callable[[str], bool] = False,
     grad_norm: bool = True,
+    mesh: Any = None,
     **compile_options: Any,
 ) -> StepFn:
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
@@ -723,6 +724,20 @@ def make_train_step(
     a collective issued only on that step needs its value on the host -- a host sync
     (``torch.cond`` reads it with ``.item()``). See the data-parallel guide.
 
+    Sharded (``mesh=mesh``, a 1-D ``DeviceMesh``): the state's params and optimizer state are
+    ``DTensor`` s made by :func:`funcamp.distributed.shard` (large leaves split along one
+    dimension, so each rank holds about ``1/N`` of them; small ones replicated), and every rank
+    runs the step on its own equal shard of the batch, as with ``group=``. The step works on the
+    local shards: the sharded params are all-gathered (one packed all-gather per dtype) for the
+    forward and their gradients reduce-scattered in the backward; one all-reduce carries the
+    replicated leaves' gradients, the loss, rank 0's buffers and each rank's squared gradient
+    norm and overflow flag, so ``loss``, ``grad_norm`` and ``found_inf`` are global (no rank
+    steps when any rank overflowed); unscale, the optimizer and the skip then run on the local
+    shards, and the new state comes back as DTensors with the same placements.
+    :func:`funcamp.clip_by_global_norm` (chained at the top level) gets the global norm.
+    Compiles as one graph per rank with the collectives inside. Not yet with ``mesh``:
+    ``donate_state``, ``headroom``, a delayed FP8 recipe. See the sharded-training guide.
+
     Donating the state (``donate_state=True``): the returned state's params, buffers and
     optimizer-state tensors are the input state's own tensors, overwritten with the new values
     (as ``torch.optim`` updates in place), so the compiled step allocates no new memory for
@@ -758,6 +773,9 @@ def make_train_step(
         grad_norm: report ``metrics["grad_norm"]`` (default True). ``False`` leaves the
             metric out and saves the step its pass over every gradient (see
             :func:`funcamp.unscale_and_step`); global-norm clipping computes its own norm.
+        mesh: a 1-D ``torch.distributed.device_mesh.DeviceMesh`` for sharded training (see
+            above; the state must come from :func:`funcamp.distributed.shard`); ``None``
+            (default) keeps params and optimizer state whole. Not together with ``group``.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard).
@@ -802,6 +820,23 @@ def make_train_step(
         compile_options=compile_options,
         grad_norm=grad_norm,
     )
+    if mesh is not None:  # sharded params and optimizer state: funcamp/_shard.py
+        from funcamp._shard import make_sharded_step
+
+        return make_sharded_step(
+            loss_fn,
+            optimizer,
+            pol,
+            mesh,
+            has_aux=has_aux,
+            returns_buffers=returns_buffers,
+            compile=compile,
+            group=group,
+            donate_state=donate_state,
+            headroom=headroom,
+            compile_options=compile_options,
+            grad_norm=grad_norm,
+        )
     run_loss = with_fp8_state(amp(loss_fn, pol))
     # dynamo cannot resume a frame inside torch.func.grad after a graph break (the resumed
     # frame's inputs are functorch-wrapped tensors it fails to fake), so a step compiled in

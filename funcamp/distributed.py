@@ -7,6 +7,9 @@ never modified), need no host sync and trace into a single graph under
 :func:`funcamp.make_train_step` with ``group=`` packs everything a data-parallel step exchanges --
 the gradients, the loss, a non-finite flag and rank 0's buffers -- into one flat buffer per
 gradient dtype (see :func:`all_reduce_grads`), so a float32-gradient step costs one all-reduce.
+
+:func:`shard` turns a state into DTensors sharded on a 1-D device mesh for the sharded step,
+``make_train_step(..., mesh=mesh)`` (params and optimizer state split across the ranks).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from funcamp._shard import shard
 from funcamp._tree import NAMESPACE, describe
 
-__all__ = ["all_reduce_grads", "any_across"]
+__all__ = ["all_reduce_grads", "any_across", "shard"]
 
 PyTree = Any
 

@@ -134,6 +134,18 @@ def test_property_testing_guide():
     _run("docs/guides/property-testing.md", text, {"max_examples=50": "max_examples=8"})
 
 
+def test_sharded_guide(tmp_path, monkeypatch):
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    monkeypatch.chdir(tmp_path)  # the page writes its checkpoint into the working directory
+    text = (ROOT / "docs" / "guides" / "sharded.md").read_text()
+    try:
+        _run("docs/guides/sharded.md", text)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_data_parallel_guide():
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from funcamp import _shard
 from funcamp._checks import (
     any_flag,
     check_count,
@@ -130,6 +131,8 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         g = ops.to_math(gs)
         norms = [torch.linalg.vector_norm(x) for x in g]
         total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+        if _shard.NORM_HOOKS:  # a sharded step: these are local shards, the norm is global
+            total = _shard.NORM_HOOKS[-1](norms)
         coef = hoist_scalar(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return optree.tree_unflatten(spec, ops.mul(g, coef, into=g)), state
 
