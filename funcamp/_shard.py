@@ -362,6 +362,7 @@ def make_sharded_step(
     from funcamp.optim._base import apply_updates
 
     api = "make_train_step"
+    report_norm = grad_norm
     _check_mesh(api, mesh)
     if group is not None:
         raise ValueError(
@@ -451,7 +452,7 @@ def make_sharded_step(
             "found_inf": found_inf,
             "skipped": new_scaler.skipped,
         }
-        if not grad_norm:  # computed anyway: it rides in the step's one all-reduce
+        if not report_norm:  # computed anyway: it rides in the step's one all-reduce
             del metrics["grad_norm"]
         if has_aux:
             metrics["aux"] = aux

@@ -428,6 +428,11 @@ def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh, make, policy):
         _assert_bitwise(a, b)
     if policy == POLICY:
         assert [bool(m["found_inf"]) for m in mb] == [i == BAD_STEP for i in range(8)]
+    quiet = funcamp.make_train_step(
+        _loss_fn, make(), policy, compile=False, mesh=mesh, grad_norm=False
+    )
+    _, mq = quiet(fd.shard(init(), mesh), _batches(1)[0])
+    assert "grad_norm" not in mq and torch.equal(mq["loss"], mb[0]["loss"])
 
 
 def test_shard_checks_its_arguments(mesh):
