@@ -218,10 +218,13 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
     rows = _funcamp_rows(args, device, funcamp, "", scale, params, grads, torch_step, torch_unscale)
     if args.against:  # each row of this tree next to the same row at the other revision
         old = import_revision(args.against)
-        rows = [pair for both in zip(rows, _funcamp_rows(
-            args, device, old, f" @{args.against}", scale, params, grads, torch_step,
-            torch_unscale,
-        )) for pair in both]  # fmt: skip
+        tag = f" @{args.against}"
+        theirs = _funcamp_rows(
+            args, device, old, tag, scale, params, grads, torch_step, torch_unscale
+        )
+        by_name = {row[0][: -len(tag)]: row for row in theirs}
+        rows = [r for row in rows for r in (row, by_name.pop(row[0], None)) if r is not None]
+        rows += list(by_name.values())
 
     biggest = max(math.prod(s) for s in shapes) * 4 / 2**20
     print(
