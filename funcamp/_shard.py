@@ -354,6 +354,7 @@ def make_sharded_step(
         _clone_buffers,
         _compile,
         _fresh_code,
+        _metrics,
         _restore_buffers,
         _split_output,
     )
@@ -445,17 +446,9 @@ def make_sharded_step(
         params = tree_select(found_inf, state.params, params)
         opt_state = tree_select(found_inf, state.opt_state, opt_state)
         new_scaler = update(scaler, found_inf)
-        metrics = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "scale": scaler.scale,
-            "found_inf": found_inf,
-            "skipped": new_scaler.skipped,
-        }
-        if not report_norm:  # computed anyway: it rides in the step's one all-reduce
-            del metrics["grad_norm"]
-        if has_aux:
-            metrics["aux"] = aux
+        # The norm is computed anyway (it rides in the step's one all-reduce); None drops it.
+        norm = grad_norm if report_norm else None
+        metrics = _metrics(loss, norm, scaler, found_inf, new_scaler, aux, has_aux, None)
         new_state = TrainState(params, new_buffers, opt_state, new_scaler, state.fp8)
         return new_state, metrics
 

@@ -47,7 +47,7 @@ import optree
 import torch
 
 from funcamp._amp import _as_policy, amp
-from funcamp._checks import flatten_params
+from funcamp._checks import check_flag, flatten_params
 from funcamp._fp8 import Fp8State, all_reduce_amax, fp8_update, needs_state, with_fp8_state
 from funcamp._headroom import _headroom, _headroom_dtype
 from funcamp._hints import optimizer_type_error
@@ -586,8 +586,7 @@ def _validate_step_args(
         ("donate_state", donate_state),
         ("grad_norm", grad_norm),
     ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"funcamp.{_API}: `{name}` must be a bool, got {describe(flag)}")
+        check_flag(_API, name, flag)
     if not (isinstance(headroom, bool) or callable(headroom)):
         raise TypeError(
             f"funcamp.{_API}: `headroom` must be a bool or a callable of the leaf path, got "
