@@ -28,8 +28,10 @@ Rows (ratio = funcamp / torch, lower is better):
   copy), and the pure-torch path that runs under transforms.
 * ``step, compiled``: the public step under ``torch.compile(fullgraph=True)`` (inductor).
 
-``--against REV`` adds each funcamp row as of git revision REV (imported beside this tree by
-``benchmarks/_revision.py``) right after this tree's, both against the same torch baseline.
+``--against REV`` times each funcamp row as of git revision REV (imported beside this tree by
+``benchmarks/_revision.py``) in the same rounds as this tree's and torch's (each round takes the
+next order of the sides); the ``vs @REV`` column is the median of the per-round ratios this/REV. Run it
+against ``HEAD`` for the noise floor (an A/A comparison of identical code).
 
 Runs are interleaved in one process (alternating which side goes first) and the median of
 ``--runs`` runs is reported. Allocation of fresh 4-40 MB tensors (page faults) is a large part of
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import math
 import statistics
 import sys
@@ -216,15 +219,14 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
         gs.unscale_(opt)
 
     rows = _funcamp_rows(args, device, funcamp, "", scale, params, grads, torch_step, torch_unscale)
-    if args.against:  # each row of this tree next to the same row at the other revision
+    tag = f" @{args.against}" if args.against else ""
+    by_name: dict[str, Any] = {}
+    if args.against:  # each row of this tree timed in the same rounds as the other revision's
         old = import_revision(args.against)
-        tag = f" @{args.against}"
         theirs = _funcamp_rows(
             args, device, old, tag, scale, params, grads, torch_step, torch_unscale
         )
         by_name = {row[0][: -len(tag)]: row for row in theirs}
-        rows = [r for row in rows for r in (row, by_name.pop(row[0], None)) if r is not None]
-        rows += list(by_name.values())
 
     biggest = max(math.prod(s) for s in shapes) * 4 / 2**20
     print(
@@ -232,26 +234,41 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
         f"leaves={len(shapes)} biggest={biggest:.1f} MB runs={args.runs} "
         f"threads={torch.get_num_threads()} torch={torch.__version__}"
     )
-    print(f"{'':36s} {'funcamp ms':>11s} {'torch ms':>9s} {'ratio':>6s}")
-    for name, ours, theirs, setup in rows:
-        ours_t, theirs_t = [], []
+    head = f"{'':36s} {'funcamp ms':>11s} {'torch ms':>9s} {'ratio':>6s}"
+    print(head + (f" {'vs' + tag:>12s}" if args.against else ""))
+    for name, ours, torch_fn, setup in rows:
+        sides = [(ours, setup), (torch_fn, None)]
+        other = by_name.pop(name, None)
+        if other is not None:
+            sides.append((other[1], other[3]))
+        times: list[list[float]] = [[] for _ in sides]
         for i in range(args.runs + 2):  # two warm-up runs
             reset_torch()
-            if setup is not None:
-                setup()
+            for _, side_setup in sides:
+                if side_setup is not None:
+                    side_setup()
             _sync(device)
-            if i % 2:
-                a = _timed(ours, device)
-                b = _timed(theirs, device)
-            else:
-                b = _timed(theirs, device)
-                a = _timed(ours, device)
+            # every order of the sides in turn: no side always runs first or after the same one
+            orders = list(itertools.permutations(range(len(sides))))
+            order = orders[i % len(orders)]
+            took = [0.0] * len(sides)
+            for k in order:
+                took[k] = _timed(sides[k][0], device)
             gs.update()
             if i >= 2:
-                ours_t.append(a)
-                theirs_t.append(b)
-        o, t = statistics.median(ours_t) * 1e3, statistics.median(theirs_t) * 1e3
-        print(f"{name:36s} {o:11.2f} {t:9.2f} {o / t:6.2f}")
+                for k, t in enumerate(took):
+                    times[k].append(t)
+        med = [statistics.median(t) * 1e3 for t in times]
+        line = f"{name:36s} {med[0]:11.2f} {med[1]:9.2f} {med[0] / med[1]:6.2f}"
+        if other is not None:
+            # per-round ratio this/other: both sides timed within one round
+            paired = statistics.median(a / b for a, b in zip(times[0], times[2]))
+            line += f" {paired:12.3f}"
+        print(line)
+        if other is not None:
+            print(f"{other[0]:36s} {med[2]:11.2f} {med[1]:9.2f} {med[2] / med[1]:6.2f}")
+    for row in by_name.values():  # rows only the other revision has
+        print(f"{row[0]:36s} (only at {args.against}; not timed)")
 
 
 def main() -> None:
