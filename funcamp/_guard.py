@@ -38,6 +38,8 @@ class ScaleCollapseError(RuntimeError):
         funcamp.ScaleCollapseGuard: the last 1 steps were all skippe
     """
 
+    __module__ = "funcamp"  # tracebacks name it by its public path
+
 
 class ScaleCollapseGuard:
     """Stop training when the scaler sits at its floor and keeps skipping steps.
@@ -69,7 +71,7 @@ class ScaleCollapseGuard:
         >>> guard.check(scaler, [at_floor])
         Traceback (most recent call last):
         ...
-        funcamp._guard.ScaleCollapseError: funcamp.ScaleCollapseGuard: the last 3 steps were all skipped with the loss scale at its floor 1 (min_scale 1); ...
+        funcamp.ScaleCollapseError: funcamp.ScaleCollapseGuard: the last 3 steps were all skipped with the loss scale at its floor 1 (min_scale 1); ...
     """
 
     def __init__(self, patience: int = 100) -> None:

@@ -61,9 +61,9 @@ def parse_dtype(name: str, *, api: str = "get_policy") -> torch.dtype:
     """Parse a dtype name (``f32|float32|full``, ``f16|float16|half``, ``bf16|bfloat16``,
     ``f64|float64``).
 
-    Example:
-        >>> from funcamp._policy import parse_dtype
-        >>> parse_dtype("bf16")
+    Example (every policy string goes through it):
+        >>> import funcamp
+        >>> funcamp.get_policy("params=f32,compute=bf16,output=f32").compute_dtype
         torch.bfloat16
     """
     key = name.strip().lower()

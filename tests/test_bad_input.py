@@ -19,8 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import funcamp
-from funcamp._tree import NAMESPACE
 from funcamp.testing import assert_trees_equal
+
+#: The optree namespace funcamp documents for its state types (docs/concepts.md).
+NAMESPACE = "funcamp"
 
 NAN, INF = float("nan"), float("inf")
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import funcamp
-from funcamp._tree import NAMESPACE
+
+#: The optree namespace funcamp documents for its state types (docs/concepts.md).
+NAMESPACE = "funcamp"
 
 
 class Moments(NamedTuple):

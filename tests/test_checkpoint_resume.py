@@ -13,7 +13,9 @@ import torch.nn as nn
 from torch.func import functional_call
 
 import funcamp
-from funcamp._tree import NAMESPACE
+
+#: The optree namespace funcamp documents for its state types (docs/concepts.md).
+NAMESPACE = "funcamp"
 
 POLICY = "mixed_float16"
 

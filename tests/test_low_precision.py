@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 import funcamp
 from funcamp._lowp import random_bits, round_nearest, round_stochastic
-from funcamp._tree import NAMESPACE
 from funcamp.optim import MasterWeightsState, SetParam
+
+#: The optree namespace funcamp documents for its state types (docs/concepts.md).
+NAMESPACE = "funcamp"
 
 MODES = {
     "plain": {},

@@ -13,8 +13,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import funcamp
-from funcamp._tree import NAMESPACE
 from funcamp.optim import KahanState, MasterWeightsState, StochasticRoundingState
+
+#: The optree namespace funcamp documents for its state types (docs/concepts.md).
+NAMESPACE = "funcamp"
 
 MODES = {
     "plain": {},

@@ -13,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcamp
-from funcamp._tree import NAMESPACE
 from funcamp.optim import AccumulateState, AdamState, SgdState
+
+#: The optree namespace funcamp documents for its state types (docs/concepts.md).
+NAMESPACE = "funcamp"
 
 RTOL, ATOL = 1e-5, 1e-7
 STEPS = 50

@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 import funcamp
-from funcamp._tree import NAMESPACE, leaf_paths
 from funcamp.testing import (
     FLOAT_DTYPES,
     Node,
@@ -31,6 +30,9 @@ from funcamp.testing import (
     special_values,
     tensors,
 )
+
+#: The optree namespace funcamp documents for its state types (docs/concepts.md).
+NAMESPACE = "funcamp"
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Deterministic searches; no explain phase (it reruns shrunk examples to annotate failures,
@@ -398,7 +400,8 @@ def test_policy_casts_preserve_structure_and_leave_float64_alone(policy, tree):
         (policy.cast_to_output, policy.output_dtype),
     ):
         out = cast(tree)
-        assert leaf_paths(out) == leaf_paths(tree)
+        paths = optree.tree_flatten_with_path(out, namespace=NAMESPACE)[0]
+        assert paths == optree.tree_flatten_with_path(tree, namespace=NAMESPACE)[0]
         for before, after in zip(
             optree.tree_leaves(tree, namespace=NAMESPACE),
             optree.tree_leaves(out, namespace=NAMESPACE),

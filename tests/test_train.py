@@ -12,7 +12,9 @@ from torch._dynamo.utils import counters
 from torch.func import functional_call
 
 import funcamp
-from funcamp._tree import NAMESPACE
+
+#: The optree namespace funcamp documents for its state types (docs/concepts.md).
+NAMESPACE = "funcamp"
 
 POLICY = "mixed_float16"
 
