@@ -346,17 +346,15 @@ def make_sharded_step(
     from funcamp._amp import amp
     from funcamp._fp8 import needs_state, with_fp8_state
     from funcamp._progress import announce_first_call
-    from funcamp._scaler import scale, unscale, update
+    from funcamp._scaler import unscale, update
     from funcamp._train import (
         TrainState,
-        _check_loss,
         _check_train_state,
-        _clone_buffers,
         _compile,
+        _forward_backward,
         _fresh_code,
         _metrics,
         _restore_buffers,
-        _split_output,
     )
     from funcamp._tree import tree_select
     from funcamp.distributed import _reduce_step
@@ -392,20 +390,20 @@ def make_sharded_step(
         scaler = state.scaler
         sharded = [lay.dim is not None for lay in layouts]
 
-        def scaled_loss(local: PyTree) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        def gather(local: PyTree) -> PyTree:
             leaves, spec = optree.tree_flatten(local, namespace=NAMESPACE)
-            params = optree.tree_unflatten(spec, _gather(leaves, layouts, pg, world))
-            buffers = state.buffers if returns_buffers else _clone_buffers(state.buffers)
-            loss, aux, new_buffers = _split_output(
-                run_loss(state.fp8, params, buffers, batch), has_aux, returns_buffers
-            )
-            loss = _check_loss(loss).to(torch.float32)
-            if not returns_buffers:
-                new_buffers = buffers
-            return scale(scaler, loss), (loss.detach(), aux if has_aux else (), new_buffers)
+            return optree.tree_unflatten(spec, _gather(leaves, layouts, pg, world))
 
-        grads, (_, (loss, aux, new_buffers)) = torch.func.grad_and_value(scaled_loss, has_aux=True)(
-            state.params
+        grads, loss, aux, new_buffers, _ = _forward_backward(
+            run_loss,
+            state,
+            batch,
+            has_aux,
+            returns_buffers,
+            False,  # delayed FP8 is refused above: no FP8 state to differentiate
+            torch.func.grad_and_value,
+            None,
+            gather,
         )
         new_buffers = _restore_buffers(new_buffers, state.buffers, returns_buffers)
         leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)

@@ -612,14 +612,18 @@ def _forward_backward(
     fp8_stateful: bool,
     grad_and_value: Callable[..., Any],
     fp8_reduce: Callable[[Fp8State, Fp8State], Fp8State] | None,
+    gather: Callable[[PyTree], PyTree] | None = None,
 ) -> tuple[PyTree, torch.Tensor, Any, PyTree, Fp8State]:
     """The loss under ``amp``, scaled, and its gradients: ``(scaled grads, loss (float32,
     unscaled), aux, new buffers, new FP8 state)``. ``grad_and_value`` is torch.func's, or
     torch.autograd's for a step compiled in pieces; ``fp8_reduce`` combines the delayed-FP8
-    "gradient" across data-parallel ranks."""
+    "gradient" across data-parallel ranks; ``gather`` makes the loss's params from the
+    differentiated ones (the sharded step's all-gather of its local shards)."""
     scaler = state.scaler
 
     def scaled_loss(params: PyTree, fp8: Fp8State) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        if gather is not None:
+            params = gather(params)
         # Copies made inside the transform, so in-place buffer updates are allowed.
         buffers = state.buffers if returns_buffers else _clone_buffers(state.buffers)
         loss, aux, new_buffers = _split_output(
