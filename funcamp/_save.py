@@ -512,12 +512,14 @@ def load(
             f"funcamp.load: {where} is corrupted (its contents do not match the CRC-32 stored "
             "when it was saved); load an earlier checkpoint"
         )
-    return _finish(info, sd, template, policy, convert, where)
+    return _check_and_rebuild(info, sd, template, policy, convert, where)
 
 
-def _finish(
+def _check_and_rebuild(
     info: CheckpointInfo, sd: Any, template: PyTree, policy: Any, convert: bool, where: str
 ) -> PyTree:
+    """The loaded state dict ``sd`` as ``template``'s tree: policy checked, newer-version warning,
+    converted (``convert``) or scaler configs checked, then rebuilt leaf by leaf."""
     _check_policy(info, policy, convert, where)
     _warn_newer(info, where)
     template_sd = state_dict(template)
@@ -686,4 +688,4 @@ def _load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, gro
             f"funcamp.load: the data of {where} could not be read (truncated or corrupted: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'})"
         ) from e
-    return _finish(info, dest, template, policy, convert, where)
+    return _check_and_rebuild(info, dest, template, policy, convert, where)
