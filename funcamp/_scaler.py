@@ -947,8 +947,14 @@ def unscale_and_step(
     # The execution path, chosen once: eager (torch's fused unscale kernel, in-place reuse of
     # this step's temporaries, the optimizer's fused kernel on a donated state) or traced (pure
     # ops; under compile inductor fuses the whole step anyway). Results are identical.
-    inputs = update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
-    eager = _fused_unscale(floating + inputs)
+    # (Under torch.compile the answer is "traced" without looking at the inputs.)
+    compiling = torch.compiler.is_compiling()
+    inputs = (
+        []
+        if compiling
+        else update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
+    )
+    eager = not compiling and _fused_unscale(floating + inputs)
     taken: set[int | None] = set()
     donate = False
     if eager:

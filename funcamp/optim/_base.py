@@ -11,7 +11,7 @@ import torch
 
 from funcamp._checks import any_flag
 from funcamp._lowp import round_nearest
-from funcamp._tree import NAMESPACE, _storage_key, describe, path_str
+from funcamp._tree import NAMESPACE, _storage_key, describe, leaf_path
 from funcamp.optim._numerics import is_half
 
 __all__ = [
@@ -177,7 +177,7 @@ def apply_updates_owned(
     Returns the new params, the ids of the new leaves that are fresh tensors nobody else holds,
     and the ids of those that ``skip_mask`` already handled.
     """
-    paths, leaves, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
     try:
         ups = spec.flatten_up_to(updates)
     except (ValueError, TypeError) as e:
@@ -186,7 +186,7 @@ def apply_updates_owned(
             f"{spec}, got {optree.tree_structure(updates, namespace=NAMESPACE)}"
         ) from e
     out, fresh, done = [], set(), set()
-    for path, p, u in zip(paths, leaves, ups):
+    for i, (p, u) in enumerate(zip(leaves, ups)):
         if (
             owned is not None
             and isinstance(p, torch.Tensor)
@@ -202,7 +202,7 @@ def apply_updates_owned(
                 done.add(id(u))
             v = torch.add(p, u, out=u)  # == (p.to(md) + u.to(md)).to(p.dtype) for these dtypes
         else:
-            v = _apply_leaf(path, p, u)
+            v = _apply_leaf(params, i, p, u)
         out.append(v)
         if isinstance(p, torch.Tensor) and (
             not isinstance(u, SetParam) or (owned is not None and owned(v))
@@ -211,38 +211,38 @@ def apply_updates_owned(
     return optree.tree_unflatten(spec, out), fresh, done
 
 
-def _check_update_target(path: Any, p: torch.Tensor, u: Any) -> None:
+def _check_update_target(params: PyTree, i: int, p: torch.Tensor, u: Any) -> None:
     """A param that receives an update must be floating (an integer param would truncate a
     float update silently), and a tensor update must be real and not bool."""
     if not p.is_floating_point():
         raise TypeError(
-            f"funcamp.apply_updates: `params` leaf {path_str(path)} must be a floating tensor "
+            f"funcamp.apply_updates: `params` leaf {leaf_path(params, i)} must be a floating tensor "
             f"to receive an update, got {describe(p)} (adding a float update would truncate "
             "it); keep integer state out of the params (in buffers) or give it a floating dtype"
         )
     if isinstance(u, torch.Tensor) and (u.dtype == torch.bool or u.is_complex()):
         raise TypeError(
-            f"funcamp.apply_updates: `updates` leaf {path_str(path)} must be a real floating "
+            f"funcamp.apply_updates: `updates` leaf {leaf_path(params, i)} must be a real floating "
             f"tensor, got {describe(u)}"
         )
 
 
-def _apply_leaf(path: Any, p: Any, u: Any) -> Any:
-    """One leaf of :func:`apply_updates`."""
+def _apply_leaf(params: PyTree, i: int, p: Any, u: Any) -> Any:
+    """One leaf of :func:`apply_updates` (leaf ``i`` of ``params``)."""
     if not isinstance(p, torch.Tensor):
         return p
-    _check_update_target(path, p, u)
+    _check_update_target(params, i, p, u)
     if isinstance(u, SetParam):
         v = u.value
         if not isinstance(v, torch.Tensor) or v.dtype != p.dtype or v.shape != p.shape:
             raise ValueError(
-                f"funcamp.apply_updates: SetParam at {path_str(path)} must hold a tensor "
+                f"funcamp.apply_updates: SetParam at {leaf_path(params, i)} must hold a tensor "
                 f"like the param ({p.dtype}, {tuple(p.shape)}), got {describe(v)}"
             )
         return v
     if not isinstance(u, torch.Tensor) or u.shape != p.shape:
         raise ValueError(
-            f"funcamp.apply_updates: `updates` leaf {path_str(path)} must be a tensor of "
+            f"funcamp.apply_updates: `updates` leaf {leaf_path(params, i)} must be a tensor of "
             f"shape {tuple(p.shape)}, got {describe(u)}"
         )
     if is_half(p):
