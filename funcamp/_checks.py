@@ -210,10 +210,14 @@ def check_grads_match(api: str, grads: PyTree, params: PyTree) -> None:
 
 
 def _matching_params(gleaves: list[Any], gspec: Any, params: PyTree) -> list[Any] | None:
-    """The common case, cheaply: ``params`` flattened by the grads' treespec when that yields a
-    tensor of each grad's shape (then the structures are equal); None otherwise (the caller then
-    runs the full check, which names what differs). Under ``torch.compile`` flattening *up to* a
-    known treespec is traced in a fifth of the instructions of a second flatten."""
+    """Under ``torch.compile``, cheaply: ``params`` flattened by the grads' treespec when that
+    yields a tensor of each grad's shape; None otherwise, and always in eager (the caller then
+    runs the full check, which names what differs). Flattening *up to* a known treespec is
+    traced in a fifth of the instructions of a second flatten; like optree's ``flatten_up_to``
+    it takes a dict, ``OrderedDict`` or ``defaultdict`` with the same keys as one another,
+    which the eager check refuses."""
+    if not torch.compiler.is_compiling():  # eager: optree's C++ flatten is cheap, and strict
+        return None
     try:
         pleaves = gspec.flatten_up_to(params)
     except (ValueError, TypeError):

@@ -209,9 +209,11 @@ def _select_same_layout(
     pred: torch.Tensor, true_leaves: list[Any], spec: Any, on_false: PyTree
 ) -> PyTree | None:
     """:func:`tree_select` when ``on_false`` flattens by ``on_true``'s treespec into tensors of
-    the same shapes and dtypes (then the structures are equal); None otherwise (the full path
-    then checks and names what differs). Under ``torch.compile`` flattening up to a known
-    treespec is traced in a fifth of the instructions of a second flatten."""
+    the same shapes and dtypes; None otherwise (the full path then checks and names what
+    differs). Used under ``torch.compile``, where flattening up to a known treespec is traced in
+    a fifth of the instructions of a second flatten; it takes a dict, ``OrderedDict`` or
+    ``defaultdict`` with the same keys as one another (optree's ``flatten_up_to``), which the
+    eager check refuses."""
     try:
         false_leaves = spec.flatten_up_to(on_false)
     except (ValueError, TypeError):
@@ -243,7 +245,7 @@ def _select(
             f"funcamp.tree_select: `pred` must be a 0-d bool tensor, got {describe(pred)}"
         )
     true_leaves, spec = optree.tree_flatten(on_true, namespace=NAMESPACE)
-    if writable is None:  # the common (traced) case, without a second full flatten
+    if writable is None and torch.compiler.is_compiling():  # without a second full flatten
         fast = _select_same_layout(pred, true_leaves, spec, on_false)
         if fast is not None:
             return fast

@@ -77,3 +77,34 @@ def test_tree_select_errors() -> None:
         funcamp.tree_select(torch.tensor(True), a, {"w": torch.ones(2, dtype=BF16)})
     with pytest.raises(ValueError, match=r"non-tensor leaf \['n'\] differs: 1 vs 2"):
         funcamp.tree_select(torch.tensor(True), {"n": 1}, {"n": 2})
+
+
+def test_tree_select_compiled_equals_eager_and_checks_the_same() -> None:
+    """Under torch.compile tree_select flattens the second tree by the first's treespec (fewer
+    traced instructions); results and messages match the eager path, and eager still refuses a
+    dict/OrderedDict pair that optree's flatten_up_to would take."""
+    import collections
+
+    new = {"b": torch.tensor([1.0, float("nan")]), "a": Pair(torch.ones(2, dtype=BF16), 3)}
+    old = {"b": torch.tensor([2.0, 3.0]), "a": Pair(torch.zeros(2, dtype=BF16), 3)}
+    select = torch.compile(funcamp.tree_select, backend="eager", fullgraph=True)
+    for pred in (True, False):
+        want = funcamp.tree_select(torch.tensor(pred), new, old)
+        got = select(torch.tensor(pred), new, old)
+        assert optree.tree_structure(got) == optree.tree_structure(want)
+        for x, y in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+            assert (
+                x == y
+                if not isinstance(x, torch.Tensor)
+                else torch.equal(
+                    x.view(torch.int16 if x.dtype == BF16 else torch.int32),
+                    y.view(torch.int16 if y.dtype == BF16 else torch.int32),
+                )
+            )
+    # a mismatch under compile takes the full check (dynamo reports the same message)
+    with pytest.raises(Exception, match=r"leaf \['b'\] differs in shape or dtype"):
+        select(torch.tensor(True), new, {**old, "b": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"must have the same structure"):
+        funcamp.tree_select(
+            torch.tensor(True), {"w": torch.ones(2)}, collections.OrderedDict(w=torch.ones(2))
+        )
