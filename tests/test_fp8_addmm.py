@@ -2,13 +2,15 @@
 ``Conv1D``, weight ``(in, out)``) runs as the scaled FP8 matmul of a linear.
 
 Bit for bit against an emulated reference (quantize with the scale, float32 matmul, unscale,
-round to the output dtype, add the bias in the output dtype): on this CPU ``torch._scaled_mm``
-applies a non-power-of-two scale with an error of ~2**-15 relative (measured, torch 2.13, oneDNN
-3.12), so the bit-for-bit cases use power-of-two scales and operands whose FP8 products sum
-exactly in float32 (asserted), where every correct implementation must agree to the bit. On
-general data (any scales, any magnitudes) an addmm site equals the linear site holding ``w.T``
-bit for bit, and the linear site is checked against the reference within float32 accumulation
-error by tests/test_fp8.py (Hypothesis over shapes, magnitudes and recipes).
+round to the output dtype, add the bias in the output dtype) needs data whose float32 sums are
+exact: ``torch._scaled_mm`` sums in its own order (on this CPU, oneDNN 3.12, torch 2.13, with a
+non-power-of-two scale its float32 result differs from the unscaled exact sum times the scales
+by up to ~3e-5 relative on elements where terms cancel). So the bit-for-bit cases use
+power-of-two scales and operands whose FP8 products sum exactly in float32 (asserted), where
+every correct implementation must agree to the bit. On general data (any scales, any
+magnitudes) an addmm site equals the linear site holding ``w.T`` bit for bit, and the linear
+site is checked against the reference within float32 accumulation error by tests/test_fp8.py
+(Hypothesis over shapes, magnitudes and recipes).
 """
 
 from __future__ import annotations
