@@ -425,3 +425,23 @@ def test_gpt2_fp8_train_step_compiled_equals_eager(gpt2_eager, gpt2_compiled) ->
     assert len(gpt2_compiled["graphs"]) == 1
     assert torch.equal(gpt2_compiled["losses"], gpt2_eager["losses"])
     assert_states_equal(gpt2_compiled["final"], gpt2_eager["final"])
+
+
+def test_addmm_sites_and_fallbacks_compile_to_one_graph_equal_to_eager() -> None:
+    """fullgraph compile (aot_eager) of the gradient through FP8 addmm sites, a linear site and
+    the fallbacks of Odd: the same loss, gradients and FP8 state as eager."""
+    torch.manual_seed(2)
+    net = Blocks()
+    x = torch.randn(4, 16)
+    policy = BF16_MIXED.with_fp8(Fp8Recipe.delayed(4), modules=(AddmmLinear, Odd, nn.Linear))
+    run = funcamp.with_fp8_state(funcamp.amp(lambda x: net(x).float().square().mean(), policy))
+    state = Fp8State.init(net, policy)
+
+    def grads(s, x):
+        return torch.func.grad_and_value(run)(s, x)
+
+    eager = grads(state, x)
+    torch._dynamo.reset()
+    compiled = torch.compile(grads, backend="aot_eager", fullgraph=True)(state, x)
+    assert_states_equal(compiled, eager)
+    assert (eager[0].amax_history["blocks.1.mlp"][:, -1] > 0).all()
