@@ -720,6 +720,9 @@ def _operands(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[A
     bound = _bind(op, args, kwargs)
     if isinstance(bound, str):
         return bound
+    x: Any
+    w: Any
+    b: Any
     if op == "linear":
         x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
     else:
