@@ -3,13 +3,21 @@
     python examples/train_gpt2_chars.py                       # bf16-mixed, compiled, 300 steps
     python examples/train_gpt2_chars.py --steps 50 --no-compile
     python examples/train_gpt2_chars.py --policy mixed_float16
+    python examples/train_gpt2_chars.py --fp8 delayed         # Conv1D and lm_head in FP8
 
 The text is the standard library's own ``.py`` files (they ship with every Python: no download);
 the model is ``transformers.GPT2LMHeadModel`` built from a ``GPT2Config`` (no weights fetched).
 The step is ``funcamp.make_train_step`` over ``functional_call`` of the model: ``amp``, loss
 scaling, gradient clipping, AdamW with a warmup-cosine schedule, one compiled graph.
-Writes ``build/train_gpt2_chars/<policy>.png`` (loss curve, train and held-out) and prints a
-sample. Needs the ``transformers`` and ``examples`` extras.
+
+``--fp8 current|delayed`` adds ``Policy.with_fp8(recipe, modules=(Conv1D, nn.Linear))``: GPT-2's
+``transformers.pytorch_utils.Conv1D`` layers (attention and MLP projections, which compute
+``torch.addmm(bias, x, weight)``) and its ``lm_head`` (an ``nn.Linear``) run as scaled FP8
+matmuls, with current (per-call) or delayed (TransformerEngine-style) scaling; the delayed amax
+histories, one per layer, live in ``state.fp8``. On CPU torch emulates the FP8 matmuls.
+
+Writes ``build/train_gpt2_chars/<policy>[-fp8-<recipe>].png`` (loss curve, train and held-out)
+and prints a sample. Needs the ``transformers`` and ``examples`` extras.
 """
 
 from __future__ import annotations
@@ -50,14 +58,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--chars", type=int, default=400_000, help="characters of text to use")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fp8",
+        default="none",
+        choices=("none", "current", "delayed"),
+        help="run the Conv1D layers and lm_head in FP8 with this scaling recipe (default none)",
+    )
+    p.add_argument("--fp8-history", type=int, default=16, help="amax history of --fp8 delayed")
     p.add_argument("--no-compile", action="store_true", help="run the step eagerly")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--out", type=Path, default=Path("build/train_gpt2_chars"))
     return p.parse_args(argv)
 
 
+def fp8_policy(policy: funcamp.Policy, fp8: str, history: int = 16) -> funcamp.Policy:
+    """``policy`` with GPT-2's Conv1D layers and lm_head in FP8 (``fp8`` "none": unchanged)."""
+    from transformers.pytorch_utils import Conv1D
+
+    if fp8 == "none":
+        return policy
+    recipe = funcamp.Fp8Recipe.current() if fp8 == "current" else funcamp.Fp8Recipe.delayed(history)
+    return policy.with_fp8(recipe, modules=(Conv1D, torch.nn.Linear))
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Train; return the first and last train loss and the held-out loss."""
+    """Train; return the first and last train loss, the held-out loss and the FP8 site count."""
     import transformers
     from tqdm import tqdm
 
@@ -96,10 +121,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             weight_decay=0.01,
         ),
     )
-    policy = funcamp.get_policy(args.policy)
-    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
+    policy = fp8_policy(funcamp.get_policy(args.policy), args.fp8, args.fp8_history)
+    # model= builds the delayed-FP8 state (state.fp8, one entry per FP8 layer); else ignored.
+    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers, model=model)
     step = funcamp.make_train_step(loss_fn, opt, policy, compile=not args.no_compile)
-    eval_loss = funcamp.amp(loss_fn, policy)
+    # with_fp8_state: delayed FP8 scaling reads its scales from state.fp8 (a no-op otherwise).
+    eval_loss = funcamp.with_fp8_state(funcamp.amp(loss_fn, policy))
 
     g = torch.Generator().manual_seed(args.seed)
 
@@ -121,24 +148,32 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 bar.set_description("training")
             if (i + 1) % 50 == 0 or i + 1 == args.steps:
                 with torch.no_grad():
-                    value = eval_loss(state.params, state.buffers, batch_from(held_out))
+                    value = eval_loss(state.fp8, state.params, state.buffers, batch_from(held_out))
                 held.append((i, float(value)))
                 bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", held_out=f"{held[-1][1]:.3f}")
             bar.update()
     elapsed = time.perf_counter() - t0
     curve = [float(x) for x in losses]
+    fp8 = "" if args.fp8 == "none" else f" | fp8 {args.fp8}"
     if not args.quiet:
         print(
-            f"policy {policy} | {args.steps} steps in {elapsed:.1f}s | loss {curve[0]:.3f} -> "
-            f"{curve[-1]:.3f} (uniform guess {math.log(len(vocab)):.3f}) | held-out {held[-1][1]:.3f}"
+            f"policy {policy}{fp8} | {args.steps} steps in {elapsed:.1f}s | loss {curve[0]:.3f} "
+            f"-> {curve[-1]:.3f} (uniform guess {math.log(len(vocab)):.3f}) | held-out "
+            f"{held[-1][1]:.3f}"
         )
         print("sample:", repr(_sample(model, state, vocab, index, policy, 80)))
     args.out.mkdir(parents=True, exist_ok=True)
-    plot = args.out / f"{args.policy}.png"
-    _plot(curve, held, plot, str(policy))
+    name = args.policy if args.fp8 == "none" else f"{args.policy}-fp8-{args.fp8}"
+    plot = args.out / f"{name}.png"
+    _plot(curve, held, plot, f"{policy}{fp8}")
     if not args.quiet:
         print(f"plot: {plot}")
-    return {"first": curve[0], "last": curve[-1], "held_out": held[-1][1]}
+    return {
+        "first": curve[0],
+        "last": curve[-1],
+        "held_out": held[-1][1],
+        "fp8_sites": len(state.fp8.scale),  # delayed FP8: one state entry per FP8 layer
+    }
 
 
 def _sample(model, state, vocab, index, policy, n: int) -> str:
@@ -147,11 +182,12 @@ def _sample(model, state, vocab, index, policy, n: int) -> str:
     def logits(params, buffers, ids):
         return functional_call(model, (params, buffers), (ids,)).logits
 
-    run = funcamp.amp(logits, policy)
+    run = funcamp.with_fp8_state(funcamp.amp(logits, policy))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _ in range(n):
-            probs = torch.softmax(run(state.params, state.buffers, ids)[0, -1].float(), -1)
+            out = run(state.fp8, state.params, state.buffers, ids)
+            probs = torch.softmax(out[0, -1].float(), -1)
             nxt = torch.multinomial(probs, 1, generator=g)
             ids = torch.cat([ids, nxt[None]], dim=1)[:, -model.config.n_positions :]
     return "".join(vocab[i] for i in ids[0].tolist())

@@ -8,7 +8,7 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 from funcamp import optim as optim  # the public funcamp.optim submodule
 from funcamp._amp import amp, full_precision
 from funcamp._checkpoint import load_state_dict, state_dict
-from funcamp._fp8 import Fp8Recipe, Fp8Record, Fp8State, fp8_update, with_fp8_state
+from funcamp._fp8 import Fp8Fallback, Fp8Recipe, Fp8Record, Fp8State, fp8_update, with_fp8_state
 from funcamp._guard import ScaleCollapseError, ScaleCollapseGuard
 from funcamp._headroom import Headroom, headroom
 from funcamp._ops import OpPolicy, OpRule
@@ -40,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpTrace",
     "CheckpointInfo",
+    "Fp8Fallback",
     "Fp8Recipe",
     "Fp8Record",
     "Fp8State",

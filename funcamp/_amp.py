@@ -23,7 +23,7 @@ from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
 from funcamp import _dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
-from funcamp._fp8 import run_linear
+from funcamp._fp8 import FP8_OPS, Fp8Fallback, run_fp8
 from funcamp._ops import (
     DTYPE_ARG_OPS,
     OpPolicy,
@@ -199,7 +199,7 @@ def _glob_match(path: str, pattern: str) -> bool:
 class _ModuleFrame(NamedTuple):
     path: str
     ctx: _Context | None  # the module policy that matched, or None
-    fp8: bool = False  # whether this module's linear calls run in FP8
+    fp8: bool = False  # whether this module's linear and addmm calls run in FP8
 
 
 class _ModuleTracker:
@@ -274,7 +274,7 @@ class _ModuleTracker:
 
     @property
     def fp8_site(self) -> str | None:
-        """The innermost module's path when its linear calls run in FP8."""
+        """The innermost module's path when its linear and addmm calls run in FP8."""
         return self.frames[-1].path if self.frames and self.frames[-1].fp8 else None
 
 
@@ -306,15 +306,17 @@ class _AmpMode(TorchFunctionMode):
             kwargs = {}
         ctx = self.ctx
         name = getattr(func, "__name__", None)
-        if self.fp8 is not None and name == "linear" and self.tracker is not None:
+        if self.fp8 is not None and name in FP8_OPS and self.tracker is not None:
             site = self.tracker.fp8_site
             if site is not None:
                 record = None
                 if self.recorder is not None:
                     record = functools.partial(self.recorder.record_fp8, func, ctx, self)
-                out = run_linear(self.fp8, site, ctx.compute_dtype, args, kwargs, record)
-                if out is not NotImplemented:
+                out = run_fp8(name, self.fp8, site, ctx.compute_dtype, args, kwargs, record)
+                if not isinstance(out, Fp8Fallback):
                     return out
+                if self.recorder is not None:
+                    self.recorder.record_fp8_fallback(out)  # then the policy runs the call
         entry = ctx.table.get(name)
         if entry is None and ctx.by_identity:
             entry = ctx.table.get(func)

@@ -1,7 +1,11 @@
 """FP8 linears: ``Fp8Recipe``, the explicit delayed-scaling state ``Fp8State`` and the scaled
-matmul that ``amp`` runs for the linear calls a policy's :meth:`~funcamp.Policy.with_fp8` selects.
+matmul that ``amp`` runs for the linear and addmm calls of the modules a policy's
+:meth:`~funcamp.Policy.with_fp8` selects.
 
-Numerics (one linear ``y = x @ w.T + b`` of an FP8 call site, compute dtype ``c``):
+Numerics (one linear ``y = x @ w.T + b`` of an FP8 call site, compute dtype ``c``; an
+``addmm(b, x, w)`` -- ``w`` of shape ``(in, out)``, as Hugging Face's ``Conv1D`` keeps it -- runs
+as the linear with weight ``w.T``: ``w``'s per-tensor scale and FP8 values do not depend on its
+layout, so the quantization, matmuls and state are the same):
 
 * ``x`` is cast to ``c`` first (as the ``COMPUTE`` rule does); ``w`` is quantized from its own
   dtype (torchao's ``Float8Linear`` does the same).
@@ -35,7 +39,7 @@ import torch
 
 from funcamp._tree import describe
 
-__all__ = ["Fp8Record", "Fp8Recipe", "Fp8State", "fp8_update", "with_fp8_state"]
+__all__ = ["Fp8Fallback", "Fp8Record", "Fp8Recipe", "Fp8State", "fp8_update", "with_fp8_state"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -151,8 +155,8 @@ def _check_keys(keys: Any, arg: str) -> tuple[Any, ...]:
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
     """What :meth:`funcamp.Policy.with_fp8` stores as ``policy.fp8``: the recipe and which
-    modules' linear calls run in FP8 (``modules`` match by class or path glob; ``exclude``
-    wins)."""
+    modules' linear and addmm calls run in FP8 (``modules`` match by class or path glob;
+    ``exclude`` wins)."""
 
     recipe: Fp8Recipe
     modules: tuple[Any, ...] = (torch.nn.Linear,)
@@ -168,7 +172,7 @@ class Fp8Config:
         return cls(recipe, _check_keys(modules, "modules"), _check_keys(exclude, "exclude"))
 
     def matches(self, module: torch.nn.Module, path: str) -> bool:
-        """Whether the linear calls of ``module`` (at ``path``) run in FP8."""
+        """Whether the linear and addmm calls of ``module`` (at ``path``) run in FP8."""
         return _hit(self.modules, module, path) and not _hit(self.exclude, module, path)
 
     def __repr__(self) -> str:
@@ -226,9 +230,9 @@ class Fp8State(NamedTuple):
     ) -> Fp8State:
         """The initial state for the FP8 call sites of ``module`` under ``policy``.
 
-        One entry per submodule (the root included) whose linear calls the policy runs in FP8,
-        with histories of zeros and scales of 1 (TransformerEngine's initial values). Empty when
-        the policy has no delayed FP8 recipe.
+        One entry per submodule (the root included) whose linear and addmm calls the policy runs
+        in FP8, with histories of zeros and scales of 1 (TransformerEngine's initial values).
+        Empty when the policy has no delayed FP8 recipe.
 
         Args:
             module: the root module (the one run by ``functional_call``).
@@ -614,7 +618,8 @@ def _delayed_linear(
 
 
 class Fp8Record(NamedTuple):
-    """One linear call that ran in FP8, as :func:`funcamp.trace` records it (``AmpTrace.fp8``).
+    """One linear or addmm call that ran in FP8, as :func:`funcamp.trace` records it
+    (``AmpTrace.fp8``; ``trace[record.index].op`` says which op).
 
     Attributes:
         site: the module path of the call site.
@@ -649,22 +654,113 @@ class Fp8Record(NamedTuple):
     output_dtype: torch.dtype
 
 
-def _linear_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
-    names = ("input", "weight", "bias")
-    values = list(args) + [None] * (3 - len(args))
-    if len(args) > 3 or any(k not in names for k in kwargs):
-        return None
-    for i, name in enumerate(names):
-        if name in kwargs:
-            values[i] = kwargs[name]
-    return values[0], values[1], values[2]
+class Fp8Fallback(NamedTuple):
+    """A linear or addmm call of an FP8 call site that ran under the policy instead, and why.
+
+    :func:`funcamp.trace` lists them as ``AmpTrace.fp8_fallbacks``: a call of a selected module
+    that the scaled FP8 matmul cannot express (float64 or integer operands, ``addmm`` with
+    ``beta``/``alpha`` other than 1, a bias that is not 1-D, ``out=``) runs by the policy's rule
+    for its op, as it would without ``with_fp8``.
+
+    Attributes:
+        site: the module path of the call site.
+        index: index of the call's :class:`funcamp.OpRecord` in the trace.
+        op: ``"linear"`` or ``"addmm"``.
+        reason: why it did not run in FP8.
+
+    Example:
+        >>> import torch, funcamp
+        >>> class Scaled(torch.nn.Module):  # addmm with alpha=0.5: not a plain x @ w + b
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w, self.b = torch.nn.Parameter(torch.ones(4, 2)), torch.nn.Parameter(torch.zeros(2))
+        ...     def forward(self, x):
+        ...         return torch.addmm(self.b, x, self.w, alpha=0.5)
+        >>> m = Scaled()
+        >>> policy = funcamp.get_policy("mixed_bfloat16").with_fp8(
+        ...     funcamp.Fp8Recipe.current(), modules=(Scaled,))
+        >>> t = funcamp.trace(lambda x: m(x), policy)(torch.ones(3, 4))
+        >>> t.fp8, t.fp8_fallbacks[0].reason
+        ([], 'addmm with beta or alpha other than 1 (FP8 runs input + mat1 @ mat2 only)')
+        >>> t[t.fp8_fallbacks[0].index].input_dtypes      # the policy's COMPUTE rule instead
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    """
+
+    site: str
+    index: int
+    op: str
+    reason: str
+
+
+_OPERANDS = {"linear": ("input", "weight", "bias"), "addmm": ("input", "mat1", "mat2")}
+_OPTIONS = {"linear": (), "addmm": ("beta", "alpha", "out")}
+
+
+def _bind(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | str:
+    """The arguments of ``op`` by name, or why they are not ones the FP8 matmul takes."""
+    names, options = _OPERANDS[op], _OPTIONS[op]
+    if len(args) > len(names):
+        return f"{op} called with {len(args)} positional arguments"
+    bound = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if (key in names and key not in bound) or key in options:
+            bound[key] = value
+        else:
+            return f"{op} called with the argument `{key}`"
+    return bound
+
+
+def _is_one(value: Any) -> bool:
+    return type(value) in (int, float) and value == 1
+
+
+def _operands(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | str:
+    """``(x, w, b)`` of a linear or addmm call as ``F.linear`` takes them (``w`` of shape
+    ``(out, in)``: addmm's ``mat2`` transposed, a view), or why the call cannot run in FP8."""
+    bound = _bind(op, args, kwargs)
+    if isinstance(bound, str):
+        return bound
+    x: Any
+    w: Any
+    b: Any
+    if op == "linear":
+        x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    else:
+        if bound.get("out") is not None:
+            return "addmm with out= (a call with out= is never cast)"
+        if not (_is_one(bound.get("beta", 1)) and _is_one(bound.get("alpha", 1))):
+            return "addmm with beta or alpha other than 1 (FP8 runs input + mat1 @ mat2 only)"
+        x, w, b = bound.get("mat1"), bound.get("mat2"), bound.get("input")
+        if b is None:
+            return "addmm without `input`"
+    if not (_eligible(x) and _eligible(w) and (b is None or _eligible(b))):
+        return (
+            f"{op} with an operand that is not a float16, bfloat16 or float32 tensor (float64 "
+            "and integer calls run by the policy)"
+        )
+    if op == "linear":
+        if w.dim() != 2 or x.dim() < 1:
+            return "linear with a weight that is not 2-D"
+        return x, w, b
+    if x.dim() != 2 or w.dim() != 2:
+        return "addmm with `mat1` or `mat2` not 2-D"
+    if b.dim() != 1:
+        return (
+            f"addmm with a {b.dim()}-D `input` (FP8 takes a 1-D bias, added to every row, as "
+            "Conv1D's)"
+        )
+    return x, w.t(), b
 
 
 def _eligible(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype is not torch.float64
 
 
-def run_linear(
+FP8_OPS = frozenset(_OPERANDS)  # the ops an FP8 call site runs in FP8
+
+
+def run_fp8(
+    op: str,
     config: Fp8Config,
     site: str,
     compute_dtype: torch.dtype,
@@ -672,17 +768,15 @@ def run_linear(
     kwargs: dict[str, Any],
     on_record: Callable[[tuple[torch.Tensor, ...], torch.Tensor, Fp8Record], None] | None = None,
 ) -> Any:
-    """Run ``F.linear(*args, **kwargs)`` of an FP8 call site; ``NotImplemented`` when the call
-    cannot run in FP8 (float64 or non-floating operands), to let the policy's rule apply.
-    ``on_record(operands, out, record)`` is called when ``trace`` records."""
-    parsed = _linear_args(args, kwargs)
-    if parsed is None:
-        return NotImplemented
-    x, w, b = parsed
-    if not (_eligible(x) and _eligible(w) and w.dim() == 2 and x.dim() >= 1):
-        return NotImplemented
-    if b is not None and not _eligible(b):
-        return NotImplemented
+    """Run ``F.linear(*args, **kwargs)`` or ``torch.addmm(*args, **kwargs)`` (``op``) of an FP8
+    call site as the scaled FP8 matmul. ``addmm(b, x, w)`` is ``linear(x, w.T, b)``: the same
+    quantization (``w``'s per-tensor scale does not depend on its layout), matmuls and state.
+    Returns an :class:`Fp8Fallback` (``index`` -1) when the call cannot run in FP8, to let the
+    policy's rule apply. ``on_record(operands, out, record)`` is called when ``trace`` records."""
+    operands = _operands(op, args, kwargs)
+    if isinstance(operands, str):
+        return Fp8Fallback(site, -1, op, operands)
+    x, w, b = operands
     x = x.to(compute_dtype)
     x2 = x.reshape(-1, x.shape[-1])
     recipe = config.recipe

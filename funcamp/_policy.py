@@ -118,8 +118,8 @@ class Policy:
             autocast lists, on every device).
         module_policies: per-module overrides, ``((ModuleClass or "glob.path", Policy), ...)``;
             build them with :meth:`with_module_policies`.
-        fp8: which linear calls run as scaled FP8 matmuls, and with which recipe, or None;
-            build it with :meth:`with_fp8`.
+        fp8: which linear and addmm calls run as scaled FP8 matmuls, and with which recipe, or
+            None; build it with :meth:`with_fp8`.
 
     Example:
         >>> import torch, funcamp
@@ -280,20 +280,26 @@ class Policy:
         modules: tuple[ModuleKey, ...] = (torch.nn.Linear,),
         exclude: tuple[ModuleKey, ...] = (),
     ) -> Policy:
-        """Return a policy whose matching linear calls run as scaled FP8 matmuls.
+        """Return a policy whose matching linear and addmm calls run as scaled FP8 matmuls.
 
-        A linear call (``F.linear``, what ``nn.Linear`` runs) runs in FP8 when the innermost
-        module running it matches ``modules`` (an ``nn.Module`` subclass or a glob over module
-        paths as ``named_modules()`` gives them) and no ``exclude`` entry (``exclude`` wins):
-        input and weight quantized to ``float8_e4m3fn``, the output gradient to
-        ``float8_e5m2``, each with a per-tensor scale chosen by ``recipe``, the matmuls done by
-        ``torch._scaled_mm``, the output (and the bias add) in the compute dtype of the policy in
-        force. Everything else follows this policy. See the FP8 guide for the exact numerics.
+        A linear call (``F.linear``, what ``nn.Linear`` runs) or an ``addmm(bias, x, w)`` call
+        (``torch.addmm`` or ``Tensor.addmm``, what Hugging Face's ``Conv1D`` runs, ``w`` of
+        shape ``(in, out)``) runs in FP8 when the innermost module running it matches
+        ``modules`` (an ``nn.Module`` subclass or a glob over module paths as
+        ``named_modules()`` gives them) and no ``exclude`` entry (``exclude`` wins): input and
+        weight quantized to ``float8_e4m3fn``, the output gradient to ``float8_e5m2``, each
+        with a per-tensor scale chosen by ``recipe``, the matmuls done by ``torch._scaled_mm``,
+        the output (and the bias add) in the compute dtype of the policy in force. An addmm
+        runs in FP8 only with 2-D ``x`` and ``w``, a 1-D bias and ``beta = alpha = 1``; other
+        calls of a selected module (and float64 ones) follow the policy, and
+        :func:`funcamp.trace` lists them with the reason (``AmpTrace.fp8_fallbacks``).
+        Everything else follows this policy. See the FP8 guide for the exact numerics.
 
         Args:
             recipe: a :class:`funcamp.Fp8Recipe` (``Fp8Recipe.current()`` or
                 ``Fp8Recipe.delayed(history, margin)``).
-            modules: module classes or path globs whose linear calls run in FP8.
+            modules: module classes or path globs whose linear and addmm calls run in FP8
+                (``(transformers.pytorch_utils.Conv1D, torch.nn.Linear)`` for GPT-2).
             exclude: module classes or path globs that stay out of FP8.
 
         Example:

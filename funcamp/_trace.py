@@ -138,7 +138,8 @@ def _short_dtype(d: torch.dtype) -> str:
 class _Recorder:
     def __init__(self, stats: bool = False) -> None:
         self.records: list[OpRecord] = []
-        self.fp8: list[Any] = []  # Fp8Record per linear call run in FP8
+        self.fp8: list[Any] = []  # Fp8Record per linear or addmm call run in FP8
+        self.fp8_fallbacks: list[Any] = []  # Fp8Fallback per such call of an FP8 site not run so
         self.stats = stats
 
     def record(
@@ -176,9 +177,13 @@ class _Recorder:
     def record_fp8(
         self, func: Any, ctx: Any, mode: Any, operands: Any, out: Any, record: Any
     ) -> None:
-        """An FP8 linear: its op record (the FP8 operands as inputs) and its scales."""
+        """An FP8 linear or addmm: its op record (the FP8 operands as inputs) and its scales."""
         self.record(func, OpRule.COMPUTE, ctx, operands, {}, out, mode)
         self.fp8.append(record._replace(index=len(self.records) - 1))
+
+    def record_fp8_fallback(self, fallback: Any) -> None:
+        """An FP8 call site's call that the policy runs instead: its record comes next."""
+        self.fp8_fallbacks.append(fallback._replace(index=len(self.records)))
 
 
 class AmpTrace:
@@ -188,8 +193,10 @@ class AmpTrace:
         output: what the traced function returned (cast to the output dtype, as ``amp`` does).
         records: one :class:`OpRecord` per op call, in call order.
         policy: the policy the function ran under.
-        fp8: one :class:`funcamp.Fp8Record` per linear call that ran in FP8 (its site and
-            scales; its op record, at ``fp8[i].index``, lists the FP8 operands as inputs).
+        fp8: one :class:`funcamp.Fp8Record` per linear or addmm call that ran in FP8 (its site
+            and scales; its op record, at ``fp8[i].index``, lists the FP8 operands as inputs).
+        fp8_fallbacks: one :class:`funcamp.Fp8Fallback` per linear or addmm call of an FP8 call
+            site that ran under the policy instead, with the reason.
 
     Example:
         >>> import torch, funcamp
@@ -205,12 +212,14 @@ class AmpTrace:
         policy: Policy,
         stats: bool = False,
         fp8: Any = (),
+        fp8_fallbacks: Any = (),
     ) -> None:
         self.output = output
         self.records = records
         self.policy = policy
         self.stats = stats
         self.fp8 = list(fp8)
+        self.fp8_fallbacks = list(fp8_fallbacks)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -296,6 +305,8 @@ class AmpTrace:
                 f"{float(f.input_scale):g}, weight scale {float(f.weight_scale):g}, "
                 f"grad scale {grad}"
             )
+        for f in self.fp8_fallbacks:
+            lines.append(f"FP8 fallback #{f.index} {f.site or '<root>'}: {f.reason}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -355,6 +366,6 @@ def trace(
         recorder = _Recorder(stats)
         out = _run(ctx, fn, args, kwargs, recorder)
         out = _cast_floating(out, pol.output_dtype)
-        return AmpTrace(out, recorder.records, pol, stats, recorder.fp8)
+        return AmpTrace(out, recorder.records, pol, stats, recorder.fp8, recorder.fp8_fallbacks)
 
     return traced
