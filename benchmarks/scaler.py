@@ -24,6 +24,9 @@ Rows (ratio = funcamp / torch, lower is better):
   old ones -- for plain SGD by torch's fused kernel, which skips on ``found_inf`` by itself.
   Each run starts from a fresh copy of the params made outside the timed region, as torch's
   params are reset outside it.
+* ``step, eager, donate grads+state, grad_norm=False``: the same without the global grad norm
+  (``StepInfo.grad_norm`` is None), the work ``GradScaler.unscale_`` + ``step`` does: the like
+  for like comparison of issue 13's scaler target.
 * ``unscale + check only``: ``funcamp.unscale`` vs ``GradScaler.unscale_`` (fused kernel on a
   copy), and the pure-torch path that runs under transforms.
 * ``step, compiled``: the public step under ``torch.compile(fullgraph=True)`` (inductor).
@@ -173,6 +176,22 @@ def _funcamp_rows(
                 make_donated_all,
             )
         )
+    if {"donate_state", "grad_norm"} <= set(inspect.signature(fc.unscale_and_step).parameters):
+
+        def ours_donated_all_no_norm() -> object:
+            g, p = donated_all.pop()
+            return fc.unscale_and_step(
+                state, sgd, g, opt_state, p, donate_grads=True, donate_state=True, grad_norm=False
+            )
+
+        rows.append(
+            (
+                f"step, eager, donate grads+state, grad_norm=False{tag}",
+                ours_donated_all_no_norm,
+                torch_step,
+                make_donated_all,
+            )
+        )
     rows += [
         (f"unscale + check only, eager{tag}", ours_unscale, torch_unscale, None),
         (f"  same, pure-torch path{tag}", ours_unscale_pure, torch_unscale, None),
@@ -234,7 +253,7 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
         f"leaves={len(shapes)} biggest={biggest:.1f} MB runs={args.runs} "
         f"threads={torch.get_num_threads()} torch={torch.__version__}"
     )
-    head = f"{'':36s} {'funcamp ms':>11s} {'torch ms':>9s} {'ratio':>6s}"
+    head = f"{'':50s} {'funcamp ms':>11s} {'torch ms':>9s} {'ratio':>6s}"
     print(head + (f" {'vs' + tag:>12s}" if args.against else ""))
     for name, ours, torch_fn, setup in rows:
         sides = [(ours, setup), (torch_fn, None)]
@@ -259,16 +278,16 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
                 for k, t in enumerate(took):
                     times[k].append(t)
         med = [statistics.median(t) * 1e3 for t in times]
-        line = f"{name:36s} {med[0]:11.2f} {med[1]:9.2f} {med[0] / med[1]:6.2f}"
+        line = f"{name:50s} {med[0]:11.2f} {med[1]:9.2f} {med[0] / med[1]:6.2f}"
         if other is not None:
             # per-round ratio this/other: both sides timed within one round
             paired = statistics.median(a / b for a, b in zip(times[0], times[2]))
             line += f" {paired:12.3f}"
         print(line)
         if other is not None:
-            print(f"{other[0]:36s} {med[2]:11.2f} {med[1]:9.2f} {med[2] / med[1]:6.2f}")
+            print(f"{other[0]:50s} {med[2]:11.2f} {med[1]:9.2f} {med[2] / med[1]:6.2f}")
     for row in by_name.values():  # rows only the other revision has
-        print(f"{row[0]:36s} (only at {args.against}; not timed)")
+        print(f"{row[0]:50s} (only at {args.against}; not timed)")
 
 
 def main() -> None:

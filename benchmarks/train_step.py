@@ -23,7 +23,12 @@ matmul is emulated and dominates all variants alike. Variants are timed in inter
 them alike; the spread across rounds is reported next to the median. With ``--against REV``,
 funcamp's (d) and (e) steps at git revision REV are timed too, in the same rounds (A/B for
 "no regression" claims). Models: an MLP 512x3 at
-batch 256 and a small GPT (4 layers, d=256, 4 heads, seq 128, batch 8). Writes JSON to --out.
+batch 256, a small GPT (4 layers, d=256, 4 heads, seq 128, batch 8) and, with ``--models gpt12``,
+a deeper one (12 layers, d=512, 8 heads). Each compiled variant's first call is split into where
+its compile time went (torch's own timers: dynamo tracing, AOT autograd, inductor and, inside it,
+scheduling/fusion, code generation and the C++ compiler). A cold compile needs an empty
+``TORCHINDUCTOR_CACHE_DIR``; a warm start is a second process on the same cache directory.
+Writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -105,17 +110,21 @@ def build(name: str, device: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.
     """(model, batch, criterion(output, target)) for a model name, seeded."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
+    if name == "gpt12":  # the deeper row: 12 layers, d=512, 8 heads (seq 128, batch 8)
+        model = GPT(d=512, layers=12, heads=8)
+        idx = torch.randint(0, 512, (8, 129), generator=g)
+        return model.to(device), (idx[:, :-1].to(device), idx[:, 1:].to(device)), _next_token
     if name == "mlp":
         model = MLP()
         x, y = torch.randn(256, 512, generator=g), torch.randn(256, 512, generator=g)
         return model.to(device), (x.to(device), y.to(device)), F.mse_loss
     model = GPT()
     idx = torch.randint(0, 512, (8, 129), generator=g)
+    return model.to(device), (idx[:, :-1].to(device), idx[:, 1:].to(device)), _next_token
 
-    def criterion(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
-    return model.to(device), (idx[:, :-1].to(device), idx[:, 1:].to(device)), criterion
+def _next_token(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 # ---------------------------------------------------------------------------------- variants
@@ -238,18 +247,39 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+#: Where a first call's compile time goes: torch's own compile timers (seconds; nested, so the
+#: phases overlap: inductor includes scheduling, codegen and C++).
+PHASES = {
+    "dynamo": "bytecode_tracing",
+    "aot": "create_aot_dispatcher_function",
+    "inductor": "compile_fx_inner",
+    "scheduling": "Scheduler.__init__",
+    "codegen": "Scheduler.codegen",
+    "c++": "async_compile.wait",
+}
+
+
+def _phase_totals() -> dict[str, float]:
+    return {k: sum(compilation_time_metrics.get(v, ())) for k, v in PHASES.items()}
+
+
 def first_calls(step: Callable[[], Any], device: str, warmup: int) -> dict[str, Any]:
-    """Run the first call (compile) and the warm-up; count graphs and breaks on the way."""
+    """Run the first call (compile) and the warm-up; count graphs and breaks on the way, and
+    where the first call's compile time went."""
     counters.clear()
+    before = _phase_totals()
     t0 = time.perf_counter()
     step()
     sync(device)
     first = time.perf_counter() - t0
+    after = _phase_totals()
+    phases = {k: after[k] - before[k] for k in PHASES}
     for _ in range(warmup):
         step()
     sync(device)
     return {
         "first_call_s": first,
+        "compile_phases_s": phases,
         "graphs": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
     }
@@ -312,7 +342,13 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             continue
         steps[key] = make()
         info[key] = first_calls(steps[key], device, args.warmup)
-        print(f"  {name}/{key}: first call {info[key]['first_call_s']:.1f}s", flush=True)
+        phases = info[key]["compile_phases_s"]
+        where = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if v >= 0.05)
+        print(
+            f"  {name}/{key}: first call {info[key]['first_call_s']:.1f}s"
+            + (f" ({where})" if where else ""),
+            flush=True,
+        )
     info["floor"].update(getattr(floor_variant, "info", {}))
     machine = _machine.check(args.require_quiet)  # after compiling: before timing
     counters.clear()
@@ -377,7 +413,7 @@ def print_table(name: str, result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description="funcamp train-step benchmark")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt")
+    p.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt, gpt12")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=20, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=15)
