@@ -522,7 +522,12 @@ def _autograd_grad_and_value(
         with torch.enable_grad():
             out, aux = fn(*args)
         flat = [x for leaves, _ in specs for x in leaves]
-        grads = list(torch.autograd.grad(out, flat, allow_unused=True, materialize_grads=True))
+        if out.requires_grad:
+            grads = list(
+                torch.autograd.grad(out, flat, allow_unused=True, materialize_grads=True)
+            )
+        else:  # a loss that does not depend on the params: zero grads, as torch.func gives
+            grads = [torch.zeros_like(x) for x in flat]
         trees = []
         for leaves, spec in specs:
             trees.append(optree.tree_unflatten(spec, grads[: len(leaves)]))
@@ -845,15 +850,29 @@ def make_train_step(
     # frame's inputs are functorch-wrapped tensors it fails to fake), so a step compiled in
     # pieces takes its gradients from torch.autograd instead, as torch.compile(model) does.
     pieces = compile and compile_options.get("fullgraph", True) is False
-    grad_and_value = _autograd_grad_and_value if pieces else torch.func.grad_and_value
+    fp8_stateful = needs_state(pol)  # delayed FP8: the state's gradient is its new value
+
+    def gradients() -> Callable[..., Any]:
+        """torch.func's grad_and_value, except in pieces (above) and in plain eager, where
+        torch.autograd on leaf copies gives the same bits about 15 % faster (an MLP step):
+        not under torch.compile or a torch.func transform, and without delayed FP8 state."""
+        if pieces:
+            return _autograd_grad_and_value
+        if (
+            not compile
+            and not fp8_stateful
+            and not torch.compiler.is_compiling()
+            and torch._C._functorch.maybe_current_level() is None
+        ):
+            return _autograd_grad_and_value
+        return torch.func.grad_and_value
+
     fp8_reduce = None
     if data_parallel is not None:
         margin = pol.fp8.recipe.margin if pol.fp8 is not None else 0
 
         def fp8_reduce(state: Fp8State, grads: Fp8State) -> Fp8State:
             return all_reduce_amax(state, grads, margin, data_parallel[0])
-
-    fp8_stateful = needs_state(pol)  # delayed FP8: the state's gradient is its new value
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         scaler = state.scaler
@@ -864,7 +883,7 @@ def make_train_step(
             has_aux,
             returns_buffers,
             fp8_stateful,
-            grad_and_value,
+            gradients(),
             fp8_reduce,
         )
         # Always checked (in-place updates too: a rebound or added key would change the state's

@@ -575,3 +575,62 @@ def test_grad_norm_false_leaves_the_metric_out_and_changes_nothing_else(compile:
         assert torch.equal(x, y)
     with pytest.raises(TypeError, match=r"`grad_norm` must be a bool"):
         funcamp.make_train_step(loss_fn, opt, "float32", grad_norm="no")
+
+
+def _tied_bn_loss(params, buffers, batch):
+    # a weight used twice (its gradient accumulates), a BatchNorm updating its buffers in
+    # place, and an unused leaf
+    x, y = batch
+    h = torch.nn.functional.batch_norm(
+        x @ params["w"], buffers["mean"], buffers["var"], training=True, momentum=0.1
+    )
+    return torch.nn.functional.mse_loss(torch.tanh(h) @ params["w"].T, y)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_eager_step_takes_grads_from_autograd_equal_to_torch_func(monkeypatch, policy):
+    # A plain eager step differentiates with torch.autograd (faster than torch.func.grad in
+    # eager); forced back onto torch.func.grad_and_value it gives the same bits.
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(6, 6, generator=g), "unused": torch.randn(2, generator=g)}
+    buffers = {"mean": torch.zeros(6), "var": torch.ones(6)}
+    batch = (torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g))
+    opt = funcamp.adamw(1e-2)
+    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
+    calls = []
+    real = funcamp._train._autograd_grad_and_value
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(funcamp._train, "_autograd_grad_and_value", spy)
+    fast = funcamp.make_train_step(_tied_bn_loss, opt, policy, compile=False)
+    a = state
+    for _ in range(3):
+        a, ma = fast(a, batch)
+    assert len(calls) == 3  # the autograd path really ran
+    monkeypatch.setattr(
+        funcamp._train,
+        "_autograd_grad_and_value",
+        lambda fn, **kw: torch.func.grad_and_value(fn, **kw),
+    )
+    reference = funcamp.make_train_step(_tied_bn_loss, opt, policy, compile=False)
+    b = state
+    for _ in range(3):
+        b, mb = reference(b, batch)
+    for key in ("loss", "grad_norm"):
+        assert torch.equal(ma[key], mb[key])
+    for x, y in zip(
+        optree.tree_leaves(a, namespace=NAMESPACE), optree.tree_leaves(b, namespace=NAMESPACE)
+    ):
+        assert torch.equal(x, y)
+    assert not torch.equal(a.buffers["mean"], state.buffers["mean"])  # buffers were updated
+
+
+def test_eager_step_of_a_loss_that_ignores_the_params_has_zero_grads():
+    opt = funcamp.sgd(0.1)
+    state = funcamp.TrainState.create({"w": torch.ones(3)}, opt, "float32")
+    step = funcamp.make_train_step(lambda p, b, batch: batch.sum(), opt, "float32", compile=False)
+    new, metrics = step(state, torch.ones(2))
+    assert torch.equal(new.params["w"], state.params["w"]) and float(metrics["grad_norm"]) == 0.0
