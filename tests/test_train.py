@@ -405,11 +405,11 @@ def _own(state: funcamp.TrainState) -> funcamp.TrainState:
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
-def test_donated_step_matches_and_reuses_the_input_tensors(backend, request):
+def test_donated_step_matches_and_reuses_the_input_tensors(backend, inductor_step):
     kw = {"compile": False} if backend is None else {"backend": backend}
     policy = POLICY
     if backend == "inductor":  # against the module's float32 inductor step: one compile less
-        policy, plain = "float32", request.getfixturevalue("inductor_step")
+        policy, plain = "float32", inductor_step
     else:
         plain = funcamp.make_train_step(loss_fn, OPT, policy, **kw)
     donated = funcamp.make_train_step(loss_fn, OPT, policy, donate_state=True, **kw)
