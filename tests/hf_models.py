@@ -3,6 +3,8 @@
 Each builder returns ``(model, batch)``: a model in train mode with dropout off (compiled and
 eager dropout draw different random numbers) and a batch of keyword inputs with labels, so
 ``model(**batch).loss`` is the training loss. Sizes are the smallest that keep every block.
+``layers`` sets the depth (the number of stages for ResNet, of encoder and of decoder layers for
+T5); the default 2 also covers what passes from one layer to the next.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ def _tokens(g: torch.Generator, *shape: int, low: int = 0) -> torch.Tensor:
     return torch.randint(low, VOCAB, shape, generator=g)
 
 
-def gpt2(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
+def gpt2(g: torch.Generator, layers: int = 2) -> tuple[torch.nn.Module, dict[str, Any]]:
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+        n_layer=layers, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
@@ -33,9 +35,9 @@ def gpt2(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, {"input_ids": ids, "labels": ids}
 
 
-def llama(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
+def llama(g: torch.Generator, layers: int = 2) -> tuple[torch.nn.Module, dict[str, Any]]:
     config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=2,
         num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=32,
         bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
@@ -45,9 +47,9 @@ def llama(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, {"input_ids": ids, "labels": ids}
 
 
-def bert(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
+def bert(g: torch.Generator, layers: int = 2) -> tuple[torch.nn.Module, dict[str, Any]]:
     config = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=2,
         vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )  # fmt: skip
@@ -56,18 +58,18 @@ def bert(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, {"input_ids": ids, "labels": ids}
 
 
-def t5(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
+def t5(g: torch.Generator, layers: int = 2) -> tuple[torch.nn.Module, dict[str, Any]]:
     config = transformers.T5Config(
-        num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, d_kv=16, num_heads=2,
+        num_layers=layers, num_decoder_layers=layers, d_model=32, d_ff=64, d_kv=16, num_heads=2,
         vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
     )  # fmt: skip
     model = transformers.T5ForConditionalGeneration(config)
     return model, {"input_ids": _tokens(g, 2, 16, low=1), "labels": _tokens(g, 2, 8, low=1)}
 
 
-def vit(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
+def vit(g: torch.Generator, layers: int = 2) -> tuple[torch.nn.Module, dict[str, Any]]:
     config = transformers.ViTConfig(
-        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=layers,
         num_attention_heads=2, intermediate_size=64, num_labels=5, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )  # fmt: skip
@@ -76,16 +78,17 @@ def vit(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model, {"pixel_values": pixels, "labels": torch.randint(0, 5, (2,), generator=g)}
 
 
-def resnet(g: torch.Generator) -> tuple[torch.nn.Module, dict[str, Any]]:
+def resnet(g: torch.Generator, layers: int = 2) -> tuple[torch.nn.Module, dict[str, Any]]:
     config = transformers.ResNetConfig(
-        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=5,
+        embedding_size=8, hidden_sizes=[8, 16, 32][:layers], depths=[1] * layers,
+        layer_type="basic", num_labels=5,
     )  # fmt: skip
     model = transformers.ResNetForImageClassification(config)  # BatchNorm: buffers
     pixels = torch.randn(4, 3, 32, 32, generator=g)
     return model, {"pixel_values": pixels, "labels": torch.randint(0, 5, (4,), generator=g)}
 
 
-MODELS: dict[str, Callable[[torch.Generator], tuple[torch.nn.Module, dict[str, Any]]]] = {
+MODELS: dict[str, Callable[[torch.Generator, int], tuple[torch.nn.Module, dict[str, Any]]]] = {
     "gpt2": gpt2,
     "llama": llama,
     "bert": bert,
@@ -95,7 +98,7 @@ MODELS: dict[str, Callable[[torch.Generator], tuple[torch.nn.Module, dict[str, A
 }
 
 
-def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict[str, Any]]:
+def build(name: str, seed: int = 0, layers: int = 2) -> tuple[torch.nn.Module, dict[str, Any]]:
     torch.manual_seed(seed)
-    model, batch = MODELS[name](torch.Generator().manual_seed(seed))
+    model, batch = MODELS[name](torch.Generator().manual_seed(seed), layers)
     return model.train(), batch

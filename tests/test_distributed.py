@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -107,17 +106,21 @@ def _sr():
 # ---------------------------------------------------------------------------------- workers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(out_dir) -> str:
+    """A FileStore in this run's own temporary directory: no TCP port to pick (a free port
+    chosen here could be taken by a concurrent run -- another pytest-xdist worker -- before the
+    workers bind it), and a fresh file for every run."""
+    return Path(out_dir, "store").resolve().as_uri()
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, full: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=RUN_TIMEOUT_S)
+        "gloo",
+        init_method=_rendezvous(out_dir),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=RUN_TIMEOUT_S),
     )
     pg = dist.group.WORLD
     res: dict = {}
@@ -232,9 +235,8 @@ def _start(world: int, out_dir: Path, full: bool):
     # cost of "spawn" (each of which imports everything again).
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
-    port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, str(out_dir), full), daemon=True)
+        ctx.Process(target=_worker, args=(r, world, str(out_dir), full), daemon=True)
         for r in range(world)
     ]
     for p in procs:

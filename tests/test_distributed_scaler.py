@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +24,11 @@ BAD_STEP = 2  # rank 1 alone sees an inf at this step
 TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(out_dir) -> str:
+    """A FileStore in this run's own temporary directory: no TCP port to pick (a free port
+    chosen here could be taken by a concurrent run -- another pytest-xdist worker -- before the
+    workers bind it), and a fresh file for every run."""
+    return Path(out_dir, "store").resolve().as_uri()
 
 
 def _loss(params, x, y):
@@ -59,12 +60,14 @@ def _run(step, rank):
     return params, scaler, found
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=TIMEOUT_S)
+        "gloo",
+        init_method=_rendezvous(out_dir),
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=timedelta(seconds=TIMEOUT_S),
     )
     try:
         params, scaler, found = _run(_step, rank)
@@ -87,7 +90,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def test_two_ranks_skip_together_and_stay_identical(tmp_path):
     ctx = mp.start_processes(
         _worker,
-        args=(_free_port(), str(tmp_path)),
+        args=(str(tmp_path),),
         nprocs=WORLD_SIZE,
         join=False,
         start_method="spawn",

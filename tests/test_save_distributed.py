@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -66,17 +65,21 @@ def _init() -> funcamp.TrainState:
     return funcamp.TrainState.create(params, _opt(), POLICY, buffers=buffers, scaler=scaler)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(out_dir, phase: str) -> str:
+    """A FileStore in this run's own temporary directory: no TCP port to pick (a free port
+    chosen here could be taken by a concurrent run -- another pytest-xdist worker -- before the
+    workers bind it), and a fresh file for every run."""
+    return Path(out_dir, f"{phase}.store").resolve().as_uri()
 
 
-def _worker(rank: int, port: int, ckpt: str, out_dir: str, phase: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, ckpt: str, out_dir: str, phase: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S)
+        "gloo",
+        init_method=_rendezvous(out_dir, phase),
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=TIMEOUT_S),
     )
     pg = dist.group.WORLD
     step = funcamp.make_train_step(_loss_fn, _opt(), POLICY, group=pg, compile=False)
@@ -111,9 +114,8 @@ def _worker(rank: int, port: int, ckpt: str, out_dir: str, phase: str) -> None:
 def _spawn(ckpt: Path, out_dir: Path, phase: str) -> list[dict]:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "funcamp", __name__])
-    port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, port, str(ckpt), str(out_dir), phase), daemon=True)
+        ctx.Process(target=_worker, args=(r, str(ckpt), str(out_dir), phase), daemon=True)
         for r in range(WORLD)
     ]
     for p in procs:

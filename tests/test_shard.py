@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -120,10 +119,11 @@ def _train(step, state, batches, rank=0, world=1):
 # ---------------------------------------------------------------------------------- workers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(out_dir) -> str:
+    """A FileStore in this run's own temporary directory: no TCP port to pick (a free port
+    chosen here could be taken by a concurrent run -- another pytest-xdist worker -- before the
+    workers bind it), and a fresh file for every run."""
+    return Path(out_dir, "store").resolve().as_uri()
 
 
 def _counting_backend(counts: list[dict]):
@@ -144,13 +144,16 @@ def _counting_backend(counts: list[dict]):
     return backend
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, ckpt: str) -> None:
+def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S)
+        "gloo",
+        init_method=_rendezvous(out_dir),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT_S),
     )
     mesh = init_device_mesh("cpu", (world,))
     batches = _batches()
@@ -226,9 +229,8 @@ def _run(world: int, out_dir: Path, ckpt: Path) -> list[dict]:
     # A fork server imports torch, funcamp and this module once and forks the workers from it.
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "funcamp", __name__])
-    port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, str(out_dir), str(ckpt)), daemon=True)
+        ctx.Process(target=_worker, args=(r, world, str(out_dir), str(ckpt)), daemon=True)
         for r in range(world)
     ]
     for p in procs:
