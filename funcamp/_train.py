@@ -523,9 +523,7 @@ def _autograd_grad_and_value(
             out, aux = fn(*args)
         flat = [x for leaves, _ in specs for x in leaves]
         if out.requires_grad:
-            grads = list(
-                torch.autograd.grad(out, flat, allow_unused=True, materialize_grads=True)
-            )
+            grads = list(torch.autograd.grad(out, flat, allow_unused=True, materialize_grads=True))
         else:  # a loss that does not depend on the params: zero grads, as torch.func gives
             grads = [torch.zeros_like(x) for x in flat]
         trees = []
