@@ -10,7 +10,7 @@ For GPT-2, Llama, BERT, T5, ViT and ResNet:
 - ``make_train_step`` (compiled, default options) trains 20 steps as one graph with no break and
   no recompile and tracks torch.amp (autocast + GradScaler + AdamW) within 2 % per step.
 
-The two compiled tests build one layer where one layer has every block (COMPILED_LAYERS).
+The train step test builds one layer where one layer has every block (TRAIN_STEP_LAYERS).
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ STEPS = 20
 # BatchNorm without the intermediate bf16 rounding eager makes (measured 3.3e-4 apart; with
 # the option, bit for bit). torch.compile(model) under torch.autocast behaves the same.
 EMULATE_CASTS = {"resnet"}
-# The compiled tests build one layer where one layer still has every block: inductor's compile
-# time grows with depth (BERT's train step: 90 s with two layers, 52 s with one, on 2 cores) and
-# these tolerances do not depend on it. T5 keeps two (its layers after the first reuse the first
-# one's relative position bias), ResNet its two stages (the second one's projection shortcut).
-# The eager tests keep the default two layers.
-COMPILED_LAYERS = {"t5": 2, "resnet": 2}
+# The compiled train step builds one layer where one layer still has every block: inductor's
+# compile time of the whole step grows with depth (BERT's: 90 s with two layers, 52 s with one, on
+# 2 cores) and tracking torch.amp within 2 % does not depend on it. T5 would keep two (its layers
+# after the first reuse the first one's relative position bias), ResNet its two stages (the
+# second one's projection shortcut). The other tests keep the default two layers (one layer
+# saves compiled amp only a few seconds a model).
+TRAIN_STEP_LAYERS = {"t5": 2, "resnet": 2}
 # The compiled train step costs 1-6 minutes of inductor compile per model on 2 cores: CI runs
 # GPT-2 and BERT (the BERT loss-module regression); FUNCAMP_TEST_ALL_MODELS=1 runs all six.
 ALL_MODELS = os.environ.get("FUNCAMP_TEST_ALL_MODELS") == "1"
@@ -119,7 +120,7 @@ def test_eager_amp_equals_torch_autocast(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_compiled_amp_equals_eager_amp(name: str) -> None:
-    model, batch = build(name, layers=COMPILED_LAYERS.get(name, 1))
+    model, batch = build(name)
     params, buffers = funcamp.params_and_buffers(model)
     loss_fn = _loss_fn(model)
 
@@ -155,7 +156,7 @@ def _torch_amp_losses(model: torch.nn.Module, batch: dict[str, Any]) -> list[flo
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TRAIN_STEP_MODELS)
 def test_compiled_train_step_tracks_torch_amp(name: str) -> None:
-    model, batch = build(name, layers=COMPILED_LAYERS.get(name, 1))
+    model, batch = build(name, layers=TRAIN_STEP_LAYERS.get(name, 1))
     params, buffers = funcamp.params_and_buffers(model)
     reference = _torch_amp_losses(model, batch)
     opt = funcamp.adamw(1e-3, weight_decay=0.01)
