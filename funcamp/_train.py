@@ -695,7 +695,9 @@ def make_train_step(
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
 
     Inside: ``funcamp.amp(loss_fn, policy)``; ``torch.func.grad_and_value`` of the loss scaled by
-    ``state.scaler``; :func:`funcamp.unscale_and_step` (a step whose scaled gradients hold an
+    ``state.scaler`` (a plain eager step, ``compile=False`` outside any transform and without
+    delayed FP8, takes the same gradients, bit for bit, from ``torch.autograd`` on leaf copies,
+    which is faster in eager); :func:`funcamp.unscale_and_step` (a step whose scaled gradients hold an
     inf or nan is skipped: params and optimizer state come back bit-identical); and
     :func:`funcamp.update` of the scaler.
 
