@@ -102,9 +102,12 @@ class _Counts(NamedTuple):
     overflow: torch.Tensor
     amax: torch.Tensor  # of the scaled magnitudes
     amin: torch.Tensor  # smallest nonzero finite scaled magnitude (inf if none)
+    amax_unscaled: torch.Tensor  # of the unscaled magnitudes (not rounded at the scale)
 
 
-def _count(scaled: torch.Tensor, lim: _Limits) -> _Counts:
+def _count(scaled: torch.Tensor, lim: _Limits, unscaled_amax: torch.Tensor | None) -> _Counts:
+    """Counts of ``scaled``; ``unscaled_amax`` is the amax of the unscaled gradients when the
+    caller has them (else the scaled amax divided by the scale is used)."""
     a = scaled.abs()
     nonzero = a != 0  # nan counts as nonzero
     under = (nonzero & (a <= lim.flush)).sum()
@@ -112,10 +115,10 @@ def _count(scaled: torch.Tensor, lim: _Limits) -> _Counts:
     over = (~(a < lim.overflow)).sum()  # inf, nan, and what rounds to inf
     if a.numel() == 0:
         zero = a.new_zeros((), dtype=torch.float32)
-        return _Counts(under, sub, over, zero, zero + math.inf)
+        return _Counts(under, sub, over, zero, zero + math.inf, zero)
     amax = a.amax()
     amin = torch.where(nonzero & torch.isfinite(a), a, math.inf).amin()
-    return _Counts(under, sub, over, amax, amin)
+    return _Counts(under, sub, over, amax, amin, amax if unscaled_amax is None else unscaled_amax)
 
 
 def _result(
@@ -135,7 +138,7 @@ def _result(
         underflow=counts.underflow.to(torch.float32) / denom,
         subnormal=counts.subnormal.to(torch.float32) / denom,
         overflow=counts.overflow.to(torch.float32) / denom,
-        amax=amax_scaled / scale,
+        amax=counts.amax_unscaled,
         log2_scale_min=low,
         log2_scale_max=high,
         leaves=leaves,
@@ -166,16 +169,18 @@ def _headroom(
         if include is not None and not include(dotted_path(path)):
             continue
         x = g.to(torch.float32)
-        if not scaled:
-            x = x * scale
-        counts = _count(x, lim)
+        if scaled:
+            counts = _count(x, lim, None)
+            counts = counts._replace(amax_unscaled=counts.amax / scale)
+        else:  # the amax of the gradients as given (x * scale may lose subnormal bits)
+            counts = _count(x * scale, lim, x.abs().amax() if x.numel() else None)
         if leaves:
             per_leaf[dotted_path(path)] = _result(counts, x.numel(), scale, lim, {})
         all_counts.append(counts)
         total += x.numel()
     if not all_counts:
         zero = torch.zeros((), dtype=torch.float32, device=scale.device)
-        all_counts.append(_Counts(zero, zero, zero, zero, zero + math.inf))
+        all_counts.append(_Counts(zero, zero, zero, zero, zero + math.inf, zero))
     stacked = _Counts(*(torch.stack([getattr(c, f) for c in all_counts]) for f in _Counts._fields))
     overall = _Counts(
         stacked.underflow.sum(),
@@ -184,6 +189,7 @@ def _headroom(
         # nan-propagating max, as amax of one leaf is
         torch.where(stacked.amax.isnan().any(), math.nan, stacked.amax.amax()),
         stacked.amin.amin(),
+        torch.where(stacked.amax_unscaled.isnan().any(), math.nan, stacked.amax_unscaled.amax()),
     )
     return _result(overall, total, scale, lim, per_leaf)
 
