@@ -105,9 +105,12 @@ class _Counts(NamedTuple):
     amax_unscaled: torch.Tensor  # of the unscaled magnitudes (not rounded at the scale)
 
 
-def _count(scaled: torch.Tensor, lim: _Limits, unscaled_amax: torch.Tensor | None) -> _Counts:
-    """Counts of ``scaled``; ``unscaled_amax`` is the amax of the unscaled gradients when the
-    caller has them (else the scaled amax divided by the scale is used)."""
+def _count(
+    scaled: torch.Tensor, lim: _Limits, scale: torch.Tensor, unscaled: torch.Tensor | None
+) -> _Counts:
+    """Counts of ``scaled``; the unscaled amax from ``unscaled`` when the caller has the
+    gradients as given (``scaled`` may have lost their subnormal bits), else from ``scaled``
+    divided by ``scale``."""
     a = scaled.abs()
     nonzero = a != 0  # nan counts as nonzero
     under = (nonzero & (a <= lim.flush)).sum()
@@ -118,7 +121,8 @@ def _count(scaled: torch.Tensor, lim: _Limits, unscaled_amax: torch.Tensor | Non
         return _Counts(under, sub, over, zero, zero + math.inf, zero)
     amax = a.amax()
     amin = torch.where(nonzero & torch.isfinite(a), a, math.inf).amin()
-    return _Counts(under, sub, over, amax, amin, amax if unscaled_amax is None else unscaled_amax)
+    amax_unscaled = amax / scale if unscaled is None else unscaled.abs().amax()
+    return _Counts(under, sub, over, amax, amin, amax_unscaled)
 
 
 def _result(
@@ -169,11 +173,7 @@ def _headroom(
         if include is not None and not include(dotted_path(path)):
             continue
         x = g.to(torch.float32)
-        if scaled:
-            counts = _count(x, lim, None)
-            counts = counts._replace(amax_unscaled=counts.amax / scale)
-        else:  # the amax of the gradients as given (x * scale may lose subnormal bits)
-            counts = _count(x * scale, lim, x.abs().amax() if x.numel() else None)
+        counts = _count(x, lim, scale, None) if scaled else _count(x * scale, lim, scale, x)
         if leaves:
             per_leaf[dotted_path(path)] = _result(counts, x.numel(), scale, lim, {})
         all_counts.append(counts)
