@@ -29,7 +29,7 @@ from typing import Any
 import optree
 import torch
 
-from funcamp._tree import NAMESPACE, describe, leaf_path, path_str
+from funcamp._tree import NAMESPACE, describe, flatten, leaf_path, path_str
 
 PyTree = Any
 
@@ -186,13 +186,13 @@ def check_type(api: str, name: str, value: Any, cls: type, hint: str) -> None:
 
 def flatten_params(api: str, params: PyTree) -> tuple[list[torch.Tensor], Any]:
     """The leaves of ``params`` (each a floating tensor) and its treespec."""
-    leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
+    leaves, spec = flatten(params)
     _check_floating(api, "params", params, leaves)
     return leaves, spec
 
 
 def _check_floating(api: str, name: str, tree: PyTree, leaves: list[Any]) -> None:
-    for i, leaf in enumerate(leaves):
+    for i, leaf in zip(range(len(leaves)), leaves):  # dynamo traces enumerate in Python
         if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
             raise TypeError(
                 f"funcamp.{api}: `{name}` leaf {leaf_path(tree, i)} must be a floating tensor, "
@@ -203,9 +203,9 @@ def _check_floating(api: str, name: str, tree: PyTree, leaves: list[Any]) -> Non
 def check_grads_match(api: str, grads: PyTree, params: PyTree) -> None:
     """``grads`` must have the tree structure of ``params`` and, where a param is a tensor, a
     tensor of its shape. Names the first leaf that differs."""
-    gleaves, gspec = optree.tree_flatten(grads, namespace=NAMESPACE)
+    gleaves, gspec = flatten(grads)
     if _matching_params(gleaves, gspec, params) is None:
-        pleaves, pspec = optree.tree_flatten(params, namespace=NAMESPACE)
+        pleaves, pspec = flatten(params)
         _check_match(api, grads, gleaves, gspec, params, pleaves, pspec)
 
 
@@ -252,7 +252,7 @@ def _check_match(
         else:
             detail = f"the containers differ: {gspec} vs {pspec}"
         raise ValueError(f"funcamp.{api}: `grads` must have the structure of `params`; {detail}")
-    for i, (g, p) in enumerate(zip(gleaves, pleaves)):
+    for i, g, p in zip(range(len(gleaves)), gleaves, pleaves):
         if isinstance(p, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
             raise ValueError(
                 f"funcamp.{api}: `grads` leaf {leaf_path(grads, i)} must be a tensor of shape "
@@ -265,7 +265,7 @@ def flatten_grads(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, Any]:
     """Flatten ``grads`` (and ``params`` when given; they must match leaf by leaf): floating
     tensors. ``(grad leaves, param leaves or None, treespec)``."""
-    gleaves, gspec = optree.tree_flatten(grads, namespace=NAMESPACE)
+    gleaves, gspec = flatten(grads)
     _check_floating(api, "grads", grads, gleaves)
     if params is None:
         if need_params:
@@ -276,7 +276,7 @@ def flatten_grads(
         return gleaves, None, gspec
     pleaves = _matching_params(gleaves, gspec, params)
     if pleaves is None:
-        pleaves, pspec = optree.tree_flatten(params, namespace=NAMESPACE)
+        pleaves, pspec = flatten(params)
         _check_match(api, grads, gleaves, gspec, params, pleaves, pspec)
     _check_floating(api, "params", params, pleaves)
     return gleaves, pleaves, gspec
@@ -322,7 +322,7 @@ def check_state_like(
     """Each of ``leaves`` (the optimizer state's ``name`` tree, flattened like the grads) must be
     a tensor of its ``refs``' shape and of ``dtypes[i]`` (an empty tensor where ``empty[i]``).
     Metadata only."""
-    for i, (x, ref, dtype) in enumerate(zip(leaves, refs, dtypes)):
+    for i, x, ref, dtype in zip(range(len(leaves)), leaves, refs, dtypes):
         shape = (0,) if empty is not None and empty[i] else tuple(ref.shape)
         if (
             isinstance(x, torch.Tensor)

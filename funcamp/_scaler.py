@@ -29,7 +29,9 @@ from funcamp._tree import (
     _sharing_memory,
     _storage_key,
     describe,
+    flatten,
     tree_select,
+    unflatten,
 )
 from funcamp.optim._base import (
     Optimizer,
@@ -38,7 +40,7 @@ from funcamp.optim._base import (
     exclusive,
     update_tensors,
 )
-from funcamp.optim._numerics import hoist_scalar, math_dtype
+from funcamp.optim._numerics import hoist_scalar, math_dtype, spread
 from funcamp.optim._paths import eager_path
 
 __all__ = ["ScalerState", "StepInfo", "scale", "unscale", "unscale_and_step", "update"]
@@ -606,8 +608,12 @@ def _fused_unscale(leaves: list[torch.Tensor]) -> bool:
 
 def _floating(grads: PyTree) -> tuple[list[Any], Any, list[int]]:
     """``(leaves, treespec, indices of the floating tensor leaves)`` of ``grads``."""
-    leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    leaves, spec = flatten(grads)
+    idx = [
+        i
+        for i, x in zip(range(len(leaves)), leaves)  # dynamo traces enumerate in Python
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+    ]
     return leaves, spec, idx
 
 
@@ -647,7 +653,10 @@ def _unscale_leaves(
         return out, found_inf
     finite = [torch.isfinite(x).all().to(scale_tensor.device) for x in leaves]
     found_inf = ~torch.stack(finite).all()
-    out = [x.to(math_dtype(x.dtype)) * inv_scale.to(x.device) for x in leaves]
+    out = [
+        x.to(math_dtype(x.dtype)) * inv.to(x.device)
+        for x, inv in zip(leaves, spread(inv_scale, len(leaves)))
+    ]
     return out, found_inf
 
 
@@ -694,7 +703,7 @@ def unscale(
     fused = _fused_unscale(floating)
     donate = donate_grads and fused and _disjoint(floating, set())
     out, found_inf = _unscale_leaves(floating, state.scale, fused, donate=donate)
-    return optree.tree_unflatten(spec, _refill(leaves, idx, out)), found_inf
+    return unflatten(spec, _refill(leaves, idx, out)), found_inf
 
 
 # ---------------------------------------------------------------------- update
@@ -963,7 +972,7 @@ def unscale_and_step(
         if not donate:
             taken.update(_storage_key(x) for x in floating)
     out, found_inf = _unscale_leaves(floating, state.scale, eager, donate=donate)
-    unscaled = optree.tree_unflatten(spec, _refill(leaves, idx, out))
+    unscaled = unflatten(spec, _refill(leaves, idx, out))
     if group is not None:
         from funcamp.distributed import any_across
 

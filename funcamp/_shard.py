@@ -33,7 +33,7 @@ import optree
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from funcamp._tree import NAMESPACE, describe, path_str
+from funcamp._tree import NAMESPACE, describe, path_str, unflatten
 
 PyTree = Any
 
@@ -148,7 +148,7 @@ def _shard_tree(api: str, tree: PyTree, mesh: Any, dim: int, name: str) -> PyTre
             out.append(distribute_tensor(x.detach(), mesh, _placements(_rule(x, dim, world))))
         else:
             out.append(x)
-    return optree.tree_unflatten(spec, out)
+    return unflatten(spec, out)
 
 
 # ------------------------------------------------------------------ layout at the boundary
@@ -200,7 +200,7 @@ def _unwrap(api: str, tree: PyTree, mesh: Any, name: str, required: bool) -> tup
         else:
             layouts.append(None)
             local.append(x)
-    return optree.tree_unflatten(spec, local), tuple(layouts)
+    return unflatten(spec, local), tuple(layouts)
 
 
 def _rewrap(
@@ -213,7 +213,7 @@ def _rewrap(
     out = [
         x if lay is None else _as_dtensor(x, lay, mesh, specs) for x, lay in zip(leaves, layouts)
     ]
-    return optree.tree_unflatten(tree_spec, out)
+    return unflatten(tree_spec, out)
 
 
 def _as_dtensor(x: torch.Tensor, lay: _Leaf, mesh: Any, specs: dict[Any, Any]) -> torch.Tensor:
@@ -392,7 +392,7 @@ def make_sharded_step(
 
         def gather(local: PyTree) -> PyTree:
             leaves, spec = optree.tree_flatten(local, namespace=NAMESPACE)
-            return optree.tree_unflatten(spec, _gather(leaves, layouts, pg, world))
+            return unflatten(spec, _gather(leaves, layouts, pg, world))
 
         grads, loss, aux, new_buffers, _ = _forward_backward(
             run_loss,
@@ -432,9 +432,7 @@ def make_sharded_step(
             total = total + torch.stack([g.to(torch.float32).square().sum() for g in rep]).sum()
         grad_norm = total.sqrt()
         it_mine, it_rep = iter(mine), iter(rep)
-        unscaled = optree.tree_unflatten(
-            spec, [next(it_mine) if s else next(it_rep) for s in sharded]
-        )
+        unscaled = unflatten(spec, [next(it_mine) if s else next(it_rep) for s in sharded])
         check = optimizer.capabilities.preflight
         bad_lr = None if check is None else check(unscaled, state.opt_state, state.params)
         if bad_lr is not None:  # a NaN/inf/negative tensor learning rate skips the step

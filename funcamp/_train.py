@@ -62,6 +62,7 @@ from funcamp._tree import (
     describe,
     path_str,
     tree_select,
+    unflatten,
 )
 from funcamp.distributed import _reduce_step
 from funcamp.optim._base import Optimizer
@@ -320,7 +321,7 @@ def _restore_buffers(new: PyTree, old: PyTree, returned: bool = True) -> PyTree:
                 )
             n = n.to(o.dtype)
         out.append(n)
-    return optree.tree_unflatten(spec, out)
+    return unflatten(spec, out)
 
 
 def _check_train_state(state: TrainState, optimizer: Optimizer) -> None:
@@ -518,7 +519,7 @@ def _autograd_grad_and_value(
             leaves, spec = optree.tree_flatten(args[i], namespace=NAMESPACE)
             leaves = [x.detach().requires_grad_(True) for x in leaves]
             specs.append((leaves, spec))
-            args[i] = optree.tree_unflatten(spec, leaves)
+            args[i] = unflatten(spec, leaves)
         with torch.enable_grad():
             out, aux = fn(*args)
         flat = [x for leaves, _ in specs for x in leaves]
@@ -528,7 +529,7 @@ def _autograd_grad_and_value(
             grads = [torch.zeros_like(x) for x in flat]
         trees = []
         for leaves, spec in specs:
-            trees.append(optree.tree_unflatten(spec, grads[: len(leaves)]))
+            trees.append(unflatten(spec, grads[: len(leaves)]))
             grads = grads[len(leaves) :]
         result = tuple(trees) if isinstance(argnums, tuple) else trees[0]
         aux = optree.tree_map(

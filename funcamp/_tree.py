@@ -26,6 +26,85 @@ NAMESPACE = "funcamp"
 PyTree = Any
 
 
+class DictSpec:
+    """The treespec of a plain ``dict`` of tensors with ``str`` keys (a model's params, their
+    grads, an optimizer buffer), made without optree under ``torch.compile``.
+
+    Dynamo traces optree's flattening in Python, about 350 bytecode instructions a leaf, and a
+    train step flattens such dicts a dozen times; this spec is built from the sorted keys in a
+    few instructions a leaf. It orders, compares and rebuilds exactly as optree's treespec of
+    the same dict does: leaves in sorted key order, equal to a spec of the same keys in any
+    order, rebuilt in the flattened dict's key order. :func:`flatten` makes it only while
+    compiling; eager code keeps optree's C++ treespec."""
+
+    __slots__ = ("keys", "order")
+
+    def __init__(self, keys: tuple[str, ...], order: tuple[str, ...]) -> None:
+        self.keys = keys  # sorted: the leaf order
+        self.order = order  # the dict's own key order: the order of the rebuilt dict
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.keys)
+
+    def flatten_up_to(self, tree: PyTree) -> list[Any]:
+        """The values of ``tree`` (a dict, ``OrderedDict`` or ``defaultdict`` with these keys,
+        as optree's ``flatten_up_to`` takes) in leaf order; ValueError otherwise."""
+        if not isinstance(tree, dict) or len(tree) != len(self.keys):
+            raise ValueError(f"expected a dict with keys {list(self.keys)}, got {describe(tree)}")
+        try:
+            return [tree[k] for k in self.keys]
+        except KeyError as e:
+            raise ValueError(f"expected a dict with keys {list(self.keys)}; {e} is missing") from e
+
+    def unflatten(self, leaves: Any) -> dict[str, Any]:
+        leaves = list(leaves)
+        if len(leaves) != len(self.keys):
+            raise ValueError(f"expected {len(self.keys)} leaves, got {len(leaves)}")
+        by_key = {k: v for k, v in zip(self.keys, leaves)}  # not dict(zip()): traced in Python
+        return by_key if self.order == self.keys else {k: by_key[k] for k in self.order}
+
+    def treespec(self) -> Any:
+        """optree's treespec of the same dict (for messages and comparisons with one)."""
+        return optree.tree_structure(dict.fromkeys(self.order, 0), namespace=NAMESPACE)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DictSpec):
+            return self.keys == other.keys
+        return self.treespec() == other
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.keys)
+
+    def __repr__(self) -> str:
+        return repr(self.treespec())
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], Any]:
+    """``optree.tree_flatten(tree, namespace=NAMESPACE)``; under ``torch.compile`` a plain dict of
+    tensors with str keys gets a :class:`DictSpec` instead (same leaves, same order). Rebuild
+    with :func:`unflatten`; both specs have ``flatten_up_to`` and compare like treespecs."""
+    if type(tree) is dict and torch.compiler.is_compiling():
+        for k, v in tree.items():  # a loop, not all(): dynamo traces all() in Python
+            if type(k) is not str or not isinstance(v, torch.Tensor):
+                break
+        else:
+            order = tuple(tree)
+            keys = tuple(sorted(order))
+            return [tree[k] for k in keys], DictSpec(keys, order)
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
+
+
+def unflatten(spec: Any, leaves: Any) -> PyTree:
+    """The tree of ``spec`` (from :func:`flatten`) with these leaves."""
+    if isinstance(spec, DictSpec):
+        return spec.unflatten(leaves)
+    return optree.tree_unflatten(spec, leaves)
+
+
 def _donatable(new: Any, old: Any) -> bool:
     return (
         isinstance(new, torch.Tensor)
@@ -51,7 +130,7 @@ def _plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
     function does the writes (plain copies between matched tensors) and returns the tree."""
     if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
         return lambda: new
-    old_leaves, spec = optree.tree_flatten(old, namespace=NAMESPACE)
+    old_leaves, spec = flatten(old)
     try:
         new_leaves = spec.flatten_up_to(new)  # the optimizer keeps its state's structure
     except (ValueError, TypeError):
@@ -67,7 +146,7 @@ def _plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
                 o.copy_(n)
                 n = o
             out.append(n)
-        return optree.tree_unflatten(spec, out)
+        return unflatten(spec, out)
 
     return commit
 
@@ -205,27 +284,35 @@ def tree_select(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree
     return _select(pred, on_true, on_false, None)
 
 
-def _select_same_layout(
-    pred: torch.Tensor, true_leaves: list[Any], spec: Any, on_false: PyTree
-) -> PyTree | None:
-    """:func:`tree_select` when ``on_false`` flattens by ``on_true``'s treespec into tensors of
-    the same shapes and dtypes; None otherwise (the full path then checks and names what
-    differs). Used under ``torch.compile``, where flattening up to a known treespec is traced in
-    a fifth of the instructions of a second flatten; it takes a dict, ``OrderedDict`` or
-    ``defaultdict`` with the same keys as one another (optree's ``flatten_up_to``), which the
-    eager check refuses."""
+def _select_same_layout(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree | None:
+    """:func:`tree_select` when the two trees have one structure and tensors of the same shapes
+    and dtypes (non-tensor leaves equal); None otherwise (the full path then checks and names
+    what differs). Used under ``torch.compile``: dynamo maps dicts, lists, tuples and
+    NamedTuples with ``optree.tree_map`` itself instead of tracing optree's flattening (a few
+    instructions against some 350 a leaf). Like optree's ``flatten_up_to`` it takes a dict,
+    ``OrderedDict`` or ``defaultdict`` with the same keys as one another, which the eager check
+    refuses."""
+    from funcamp.optim._numerics import spread  # here: funcamp.optim imports this module
+
+    leaves: list[Any] = []
+    optree.tree_map(leaves.append, on_true, namespace=NAMESPACE)  # a count, mapped natively
+    preds = iter(spread(pred, len(leaves)))  # a copy of the flag for every few leaves
+    same = [True]
+
+    def pick(a: Any, b: Any) -> Any:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape == b.shape and a.dtype == b.dtype:
+                return torch.where(next(preds), a, b)
+        elif not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b:
+            return a
+        same[0] = False
+        return a
+
     try:
-        false_leaves = spec.flatten_up_to(on_false)
+        out = optree.tree_map(pick, on_true, on_false, namespace=NAMESPACE)
     except (ValueError, TypeError):
         return None
-    out = []
-    for a, b in zip(true_leaves, false_leaves):
-        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-            return None
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return None
-        out.append(torch.where(pred, a, b))
-    return optree.tree_unflatten(spec, out)
+    return out if same[0] else None
 
 
 def _select(
@@ -244,19 +331,19 @@ def _select(
         raise TypeError(
             f"funcamp.tree_select: `pred` must be a 0-d bool tensor, got {describe(pred)}"
         )
-    true_leaves, spec = optree.tree_flatten(on_true, namespace=NAMESPACE)
-    if writable is None and torch.compiler.is_compiling():  # without a second full flatten
-        fast = _select_same_layout(pred, true_leaves, spec, on_false)
+    if writable is None and torch.compiler.is_compiling():  # without flattening either tree
+        fast = _select_same_layout(pred, on_true, on_false)
         if fast is not None:
             return fast
-    false_leaves, false_spec = optree.tree_flatten(on_false, namespace=NAMESPACE)
+    true_leaves, spec = flatten(on_true)
+    false_leaves, false_spec = flatten(on_false)
     if spec != false_spec:
         raise ValueError(
             "funcamp.tree_select: `on_true` and `on_false` must have the same structure, got "
             f"{spec} and {false_spec}"
         )
     out = []
-    for i, (a, b) in enumerate(zip(true_leaves, false_leaves)):
+    for i, a, b in zip(range(len(true_leaves)), true_leaves, false_leaves):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ValueError(
@@ -284,7 +371,7 @@ def _select(
                     f"{a!r} vs {b!r}"
                 )
             out.append(a)
-    return optree.tree_unflatten(spec, out)
+    return unflatten(spec, out)
 
 
 def describe(x: Any) -> str:

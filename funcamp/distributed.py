@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from funcamp._shard import shard
-from funcamp._tree import NAMESPACE, describe
+from funcamp._tree import NAMESPACE, describe, unflatten
 
 __all__ = ["all_reduce_grads", "any_across", "shard"]
 
@@ -195,8 +195,8 @@ def _reduce_step(
                 pos += size
     # (Only rebuild what changed: under dynamo, unflattening an empty dict fails to trace.)
     return _Reduced(
-        optree.tree_unflatten(spec, out) if any(buckets.values()) else grads,
+        unflatten(spec, out) if any(buckets.values()) else grads,
         mean_loss,
         nonfinite,
-        optree.tree_unflatten(buf_spec, out_buf) if buf_idx else buffers,
+        unflatten(buf_spec, out_buf) if buf_idx else buffers,
     )

@@ -11,7 +11,7 @@ import torch
 
 from funcamp._checks import any_flag
 from funcamp._lowp import round_nearest
-from funcamp._tree import NAMESPACE, _storage_key, describe, leaf_path
+from funcamp._tree import NAMESPACE, _storage_key, describe, flatten, leaf_path, unflatten
 from funcamp.optim._numerics import is_half
 
 __all__ = [
@@ -177,7 +177,7 @@ def apply_updates_owned(
     Returns the new params, the ids of the new leaves that are fresh tensors nobody else holds,
     and the ids of those that ``skip_mask`` already handled.
     """
-    leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
+    leaves, spec = flatten(params)
     try:
         ups = spec.flatten_up_to(updates)
     except (ValueError, TypeError) as e:
@@ -186,7 +186,7 @@ def apply_updates_owned(
             f"{spec}, got {optree.tree_structure(updates, namespace=NAMESPACE)}"
         ) from e
     out, fresh, done = [], set(), set()
-    for i, (p, u) in enumerate(zip(leaves, ups)):
+    for i, p, u in zip(range(len(leaves)), leaves, ups):  # not enumerate: see _paths
         if (
             owned is not None
             and isinstance(p, torch.Tensor)
@@ -208,7 +208,7 @@ def apply_updates_owned(
             not isinstance(u, SetParam) or (owned is not None and owned(v))
         ):
             fresh.add(id(v))
-    return optree.tree_unflatten(spec, out), fresh, done
+    return unflatten(spec, out), fresh, done
 
 
 def _check_update_target(params: PyTree, i: int, p: torch.Tensor, u: Any) -> None:

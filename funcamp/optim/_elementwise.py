@@ -24,7 +24,7 @@ from funcamp._checks import (
     learning_rate_fn,
     state_leaves,
 )
-from funcamp._tree import describe
+from funcamp._tree import describe, unflatten
 from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._numerics import math_dtype
@@ -160,7 +160,7 @@ def build(
         device = leaves[0].device if leaves else torch.device("cpu")
         state = {f: () for f in fields}
         for b in names:
-            state[b] = optree.tree_unflatten(
+            state[b] = unflatten(
                 spec, [torch.zeros_like(p, dtype=math_dtype(p.dtype)) for p in leaves]
             )
         state["count"] = torch.zeros((), dtype=torch.int32, device=device)
@@ -195,7 +195,7 @@ def build(
         gs, ps, spec = checked(grads, state, params)
         count = state.count
         if not gs:
-            return optree.tree_unflatten(spec, []), state._replace(count=count + 1)
+            return unflatten(spec, []), state._replace(count=count + 1)
         lr = lr_fn(count)[0]
         bufs = {b: state_leaves(api, b, getattr(state, b), spec) for b in names}
         low_leaves = optree.tree_leaves(state.low)
@@ -208,7 +208,7 @@ def build(
         pm = math_params(api, mode, state.low, ps, spec) if ps is not None else None
         deltas, new_bufs = step(ops, g, pm, bufs, lr, count)
         updates, low = to_updates(api, mode, state.low, count, deltas, ps, spec)
-        new_state = {b: optree.tree_unflatten(spec, new_bufs[b]) for b in names}
+        new_state = {b: unflatten(spec, new_bufs[b]) for b in names}
         return updates, state._replace(count=count + 1, low=low, **new_state)
 
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:

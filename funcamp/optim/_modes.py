@@ -24,7 +24,7 @@ import torch
 
 from funcamp._checks import check_count, check_state_like, state_leaves
 from funcamp._lowp import random_bits, round_nearest, round_stochastic
-from funcamp._tree import NAMESPACE, describe
+from funcamp._tree import NAMESPACE, describe, unflatten
 from funcamp.optim._base import Optimizer, SetParam
 from funcamp.optim._numerics import is_half
 
@@ -158,10 +158,10 @@ def init_mode(mode: str | None, leaves: list[torch.Tensor], spec: Any, seed: int
         return ()
     if mode == "master_weights":
         master = [_master_of(p) if is_half(p) else _empty(p) for p in leaves]
-        return MasterWeightsState(optree.tree_unflatten(spec, master))
+        return MasterWeightsState(unflatten(spec, master))
     if mode == "kahan":
         comp = [torch.zeros_like(p) if is_half(p) else _empty(p) for p in leaves]
-        return KahanState(optree.tree_unflatten(spec, comp))
+        return KahanState(unflatten(spec, comp))
     device = leaves[0].device if leaves else torch.device("cpu")
     return StochasticRoundingState(torch.tensor(seed, dtype=torch.int64, device=device))
 
@@ -215,7 +215,7 @@ def to_updates(
     """Turn float32 deltas into update leaves (plain deltas, or :class:`SetParam` for half
     params in a mode) and the mode's new state."""
     if mode is None or params is None:
-        return optree.tree_unflatten(spec, deltas), low
+        return unflatten(spec, deltas), low
     updates: list[Any] = []
     if mode == "master_weights":
         master = state_leaves(api, "low.master", low.master, spec)
@@ -227,9 +227,7 @@ def to_updates(
             else:
                 updates.append(d)
             new_master.append(m)
-        return optree.tree_unflatten(spec, updates), MasterWeightsState(
-            optree.tree_unflatten(spec, new_master)
-        )
+        return unflatten(spec, updates), MasterWeightsState(unflatten(spec, new_master))
     if mode == "kahan":
         comp = state_leaves(api, "low.compensation", low.compensation, spec)
         new_comp = []
@@ -243,15 +241,13 @@ def to_updates(
             else:
                 updates.append(d)
             new_comp.append(c)
-        return optree.tree_unflatten(spec, updates), KahanState(
-            optree.tree_unflatten(spec, new_comp)
-        )
+        return unflatten(spec, updates), KahanState(unflatten(spec, new_comp))
     seed = low.seed
-    for i, (d, p) in enumerate(zip(deltas, params)):
+    for i, d, p in zip(range(len(deltas)), deltas, params):
         if is_half(p):
             noise = random_bits(seed, count, i, p.shape)
             new_p = round_stochastic(p.to(torch.float32) + d, p.dtype, noise)
             updates.append(SetParam(new_p.to(p.dtype)))
         else:
             updates.append(d)
-    return optree.tree_unflatten(spec, updates), low
+    return unflatten(spec, updates), low

@@ -32,7 +32,15 @@ from typing import Any
 
 import torch
 
-from funcamp.optim._numerics import EXACT_SQRT, FUSED_FMA, exact_sqrt, f32, hoist_scalar, math_dtype
+from funcamp.optim._numerics import (
+    EXACT_SQRT,
+    FUSED_FMA,
+    exact_sqrt,
+    f32,
+    hoist_scalar,
+    math_dtype,
+    spread,
+)
 
 __all__ = ["EagerOps", "Ops", "TracedOps", "choose_ops", "eager_path", "tracks_grad"]
 
@@ -46,7 +54,10 @@ def tracks_grad(xs: Iterable[Any]) -> bool:
     """Whether autograd (or ``torch.func.grad``) differentiates through any of these tensors."""
     if not torch.is_grad_enabled():
         return False
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+    for x in xs:  # noqa: SIM110 -- a loop, not any(): dynamo traces any() in Python
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            return True
+    return False
 
 
 def eager_path(xs: Sequence[Any]) -> bool:
@@ -73,6 +84,13 @@ def _scalar(y: Scalar) -> Scalar:
 
 def _pick(y: Scalar, i: int) -> Scalar:
     return y[i] if isinstance(y, (list, tuple)) else y
+
+
+def _each(y: Scalar, n: int) -> Sequence[Scalar]:
+    """``y`` leaf by leaf: its own list, or the one scalar for each of ``n`` leaves
+    (:func:`~funcamp.optim._numerics.spread`). Zipped with the leaves: dynamo traces
+    ``enumerate`` in Python, ``zip`` and ``range`` natively."""
+    return y if isinstance(y, (list, tuple)) else spread(y, n)
 
 
 class Ops:
@@ -145,7 +163,7 @@ class Ops:
 
     def where(self, cond: torch.Tensor, xs: Tensors, ys: Tensors) -> Tensors:
         """``torch.where(cond, x, y)`` leaf by leaf (``cond`` a 0-d bool tensor)."""
-        return [torch.where(cond, x, y) for x, y in zip(xs, ys)]
+        return [torch.where(c, x, y) for c, x, y in zip(spread(cond, len(xs)), xs, ys)]
 
     def _binary(self, op: str, xs: Tensors, y: Scalar, into: Tensors | None) -> Tensors:
         raise NotImplementedError
@@ -241,7 +259,7 @@ class TracedOps(Ops):
     def _binary(self, op: str, xs: Tensors, y: Scalar, into: Tensors | None) -> Tensors:
         y = _scalar(y)
         fn = getattr(torch, op)
-        return [fn(x, _pick(y, i)) for i, x in enumerate(xs)]
+        return [fn(x, yi) for x, yi in zip(xs, _each(y, len(xs)))]
 
     def sign(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         return [torch.sign(x) for x in xs]
@@ -256,8 +274,7 @@ class TracedOps(Ops):
         ys = y if isinstance(y, (list, tuple)) else [y]
         fused = self.fused and FUSED_FMA is not None and not tracks_grad([*xs, *zs, *ys])
         results = []
-        for i, (x, z) in enumerate(zip(xs, zs)):
-            yi = _pick(y, i)
+        for x, yi, z in zip(xs, _each(y, len(xs)), zs):
             if fused:
                 if not isinstance(yi, torch.Tensor):
                     yi = torch.full((), yi, dtype=x.dtype, device=x.device)

@@ -19,7 +19,7 @@ from funcamp._checks import (
     flatten_params,
     state_leaves,
 )
-from funcamp._tree import NAMESPACE, describe, dotted_path, path_str, tree_select
+from funcamp._tree import NAMESPACE, describe, dotted_path, path_str, tree_select, unflatten
 from funcamp.optim._base import (
     Capabilities,
     Optimizer,
@@ -134,7 +134,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         if _shard.NORM_HOOKS:  # a sharded step: these are local shards, the norm is global
             total = _shard.NORM_HOOKS[-1](norms)
         coef = hoist_scalar(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        return optree.tree_unflatten(spec, ops.mul(g, coef, into=g)), state
+        return unflatten(spec, ops.mul(g, coef, into=g)), state
 
     def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, Any]:
         return run(grads, state, params, ())
@@ -195,7 +195,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
         return AccumulateState(
             count,
             torch.full_like(count, every == 1, dtype=torch.bool),
-            optree.tree_unflatten(spec, sums),
+            unflatten(spec, sums),
             optimizer.init(params),
         )
 
@@ -240,7 +240,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
         new_sums = [torch.where(apply, torch.zeros_like(s), s) for s in sums]
         avg = ops.div(sums, float(every)) if every > 1 else sums
         del sums
-        avg_tree = optree.tree_unflatten(spec, avg)
+        avg_tree = unflatten(spec, avg)
         if owned and inner_caps.update_owned is not None:  # avg: this update's temporaries
             inner_updates, inner = inner_caps.update_owned(avg_tree, state.inner, params, avg)
         else:
@@ -258,8 +258,8 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
                 out.append(SetParam(torch.where(apply, u.value, p)))
             else:
                 out.append(torch.where(apply, u, torch.zeros_like(u)))
-        return optree.tree_unflatten(uspec, out), AccumulateState(
-            micro, micro == every - 1, optree.tree_unflatten(spec, new_sums), inner
+        return unflatten(uspec, out), AccumulateState(
+            micro, micro == every - 1, unflatten(spec, new_sums), inner
         )
 
     def update(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
@@ -387,7 +387,7 @@ def _param_groups(
         for i, g in enumerate(gs):
             if owner[i] is None:
                 out[i] = torch.zeros_like(g, dtype=math_dtype(g.dtype))
-        return optree.tree_unflatten(spec, out), wrap(new_inner)
+        return unflatten(spec, out), wrap(new_inner)
 
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         return run(grads, state, params, ())
