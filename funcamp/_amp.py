@@ -325,7 +325,20 @@ class _AmpMode(TorchFunctionMode):
             if composite is not None:
                 with self:
                     return composite(*args, **kwargs)
-            out = func(*args, **kwargs)
+            if (
+                name is not None
+                and getattr(func, "__module__", None) == "torch._tensor"
+                and torch.compiler.is_compiling()
+                and args
+                and type(args[0]) is torch.Tensor
+                and getattr(torch.Tensor, name, None) is func
+            ):
+                # A Tensor method written in Python (split, norm, ...), called as the method:
+                # called as the function, dynamo would put `torch._tensor.<name>` in the graph,
+                # which AOTAutograd's cache refuses (a warm start would re-trace the whole step).
+                out = getattr(args[0], name)(*args[1:], **kwargs)
+            else:
+                out = func(*args, **kwargs)
             if self.recorder is not None:
                 self.recorder.record(func, None, ctx, args, kwargs, out, self)
             return out

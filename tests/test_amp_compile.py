@@ -236,3 +236,25 @@ def test_without_an_active_mode_dynamo_keeps_its_fast_path(ce_inputs: Any) -> No
     assert torch.equal(compiled(*ce_inputs), _ce_in_forward(*ce_inputs))
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert F.cross_entropy in targets  # dynamo's own node, untouched outside amp
+
+
+def test_python_tensor_methods_stay_methods_in_the_graph() -> None:
+    """A Tensor method written in Python (``split``, ``norm``) that amp passes through is traced
+    as the method, as without amp: called as the function, dynamo puts ``torch._tensor.split``
+    in the graph and AOTAutograd's cache refuses the graph, so every new process re-traced the
+    whole step (a GPT's ``qkv.split`` did). Same values as eager."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ x.T).split(2, dim=-1)
+        return (q * k + v).norm(dim=-1)
+
+    run = funcamp.amp(fn, CPU_AUTOCAST)
+    compiled, graphs = compile_counting(run)
+    x = torch.randn(6, 6)
+    torch.testing.assert_close(compiled(x), run(x))
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if getattr(t, "__module__", None) == "torch._tensor"], targets
+    from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+
+    check_cacheable(graphs[0])  # raises BypassAOTAutogradCache for an uncacheable graph
