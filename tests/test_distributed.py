@@ -8,7 +8,6 @@ and compare them with single-process references computed here.
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import time
 from datetime import timedelta
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import optree
 import pytest
+import ranks
 import torch
 import torch.distributed as dist
 
@@ -106,22 +106,8 @@ def _sr():
 # ---------------------------------------------------------------------------------- workers
 
 
-def _rendezvous(out_dir) -> str:
-    """A FileStore in this run's own temporary directory: no TCP port to pick (a free port
-    chosen here could be taken by a concurrent run -- another pytest-xdist worker -- before the
-    workers bind it), and a fresh file for every run."""
-    return Path(out_dir, "store").resolve().as_uri()
-
-
 def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=_rendezvous(out_dir),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=RUN_TIMEOUT_S),
-    )
+    ranks.init_rank(rank, world, out_dir, RUN_TIMEOUT_S)
     pg = dist.group.WORLD
     res: dict = {}
     batches = _batches()
@@ -130,7 +116,9 @@ def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
 
     def make(opt, policy=POLICY, name=None, **kw):
         if name is not None:  # compiled: aot_eager, counting the graphs and their all-reduces
-            kw["backend"] = _counting_backend(res["all_reduces"].setdefault(name, []))
+            kw["backend"] = ranks.counting_backend(
+                _all_reduces, res["all_reduces"].setdefault(name, [])
+            )
         return funcamp.make_train_step(_loss_fn, opt, policy, group=pg, **kw)
 
     # Eager and compiled (aot_eager) runs with an overflow on the last rank.
@@ -159,7 +147,7 @@ def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
         # A rank that raises: the others must fail within the group's timeout, not hang.
         short = dist.new_group(timeout=timedelta(seconds=HANG_TIMEOUT_S))
         res["hang"] = _hang(rank, short, out_dir)
-    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    ranks.save_results(res, out_dir, rank)
     if full and rank != 0:
         # Stay alive (a stuck peer, the worst case) until rank 0 has reported.
         deadline = time.monotonic() + 4 * HANG_TIMEOUT_S + 30
@@ -168,7 +156,7 @@ def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
                 break
             time.sleep(0.1)
     # After a collective timed out the group cannot be torn down cleanly: leave at once.
-    os._exit(0)
+    ranks.leave(barrier=False)
 
 
 def _fp8_problem():
@@ -202,16 +190,8 @@ def _fp8_runs(pg, batches, rank: int, world: int) -> dict:
     return out
 
 
-def _counting_backend(counts: list[int]):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    aot_eager = lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):
-        counts.append(sum("all_reduce" in str(node.target) for node in gm.graph.nodes))
-        return aot_eager(gm, example_inputs)
-
-    return backend
+def _all_reduces(gm) -> int:
+    return sum("all_reduce" in str(node.target) for node in gm.graph.nodes)
 
 
 def _hang(rank: int, group, out_dir: str) -> dict:
@@ -229,31 +209,9 @@ def _hang(rank: int, group, out_dir: str) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def _start(world: int, out_dir: Path, full: bool):
-    # A fork server imports torch, funcamp and this module once, single-threaded, and forks the
-    # workers from there: clean processes (unlike a fork of pytest) at a fraction of the start-up
-    # cost of "spawn" (each of which imports everything again).
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, str(out_dir), full), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    return procs, out_dir, time.monotonic() + RUN_TIMEOUT_S
-
-
-def _finish(run) -> list[dict]:
-    procs, out_dir, deadline = run
-    for p in procs:
-        p.join(timeout=max(0.1, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"distributed workers did not finish in {RUN_TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0] * len(procs), [p.exitcode for p in procs]
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(len(procs))]
+def _start(world: int, out_dir: Path, full: bool) -> ranks.Run:
+    args = [(r, world, str(out_dir), full) for r in range(world)]
+    return ranks.start(_worker, args, out_dir, preload=[__name__], timeout_s=RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +230,7 @@ class _Lazy:
 
     def get(self) -> list[dict]:
         if self.results is None:
-            self.results = _finish(self.run)
+            self.results = self.run.results()
         return self.results
 
 

@@ -8,14 +8,12 @@ same bits on every rank.
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import optree
 import pytest
+import ranks
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint  # preloaded by the fork server
@@ -65,22 +63,8 @@ def _init() -> funcamp.TrainState:
     return funcamp.TrainState.create(params, _opt(), POLICY, buffers=buffers, scaler=scaler)
 
 
-def _rendezvous(out_dir, phase: str) -> str:
-    """A FileStore in this run's own temporary directory: no TCP port to pick (a free port
-    chosen here could be taken by a concurrent run -- another pytest-xdist worker -- before the
-    workers bind it), and a fresh file for every run."""
-    return Path(out_dir, f"{phase}.store").resolve().as_uri()
-
-
 def _worker(rank: int, ckpt: str, out_dir: str, phase: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=_rendezvous(out_dir, phase),
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
+    ranks.init_rank(rank, WORLD, out_dir, TIMEOUT_S, tag=phase)
     pg = dist.group.WORLD
     step = funcamp.make_train_step(_loss_fn, _opt(), POLICY, group=pg, compile=False)
     res: dict = {}
@@ -105,29 +89,15 @@ def _worker(rank: int, ckpt: str, out_dir: str, phase: str) -> None:
     for i in range(start, SAVED_AT + MORE):
         state, _ = step(state, _batch(i, rank))
     res["final"] = funcamp.state_dict(state)
-    torch.save(res, os.path.join(out_dir, f"{phase}{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # skip the interpreter's teardown (slow after torch.distributed)
+    ranks.save_results(res, out_dir, rank, tag=phase)
+    ranks.leave()
 
 
 def _spawn(ckpt: Path, out_dir: Path, phase: str) -> list[dict]:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "funcamp", __name__])
-    procs = [
-        ctx.Process(target=_worker, args=(r, str(ckpt), str(out_dir), phase), daemon=True)
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-        p.join(timeout=max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * WORLD, [p.exitcode for p in procs]
-    return [torch.load(out_dir / f"{phase}{r}.pt", weights_only=True) for r in range(WORLD)]
+    args = [(r, str(ckpt), str(out_dir), phase) for r in range(WORLD)]
+    preload = ["torch", "torch.distributed.checkpoint", "funcamp", __name__]
+    run = ranks.start(_worker, args, out_dir, preload=preload, timeout_s=TIMEOUT_S, tag=phase)
+    return run.results()
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,12 @@ single process on the same global batch.
 from __future__ import annotations
 
 import math
-import multiprocessing
-import os
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import optree
 import pytest
+import ranks
 import torch
 import torch.distributed as dist
 
@@ -119,42 +117,18 @@ def _train(step, state, batches, rank=0, world=1):
 # ---------------------------------------------------------------------------------- workers
 
 
-def _rendezvous(out_dir) -> str:
-    """A FileStore in this run's own temporary directory: no TCP port to pick (a free port
-    chosen here could be taken by a concurrent run -- another pytest-xdist worker -- before the
-    workers bind it), and a fresh file for every run."""
-    return Path(out_dir, "store").resolve().as_uri()
-
-
-def _counting_backend(counts: list[dict]):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    aot_eager = lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):
-        names = [str(n.target) for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes]
-        counts.append(
-            {
-                kind: sum(kind in n for n in names)
-                for kind in ("all_gather", "reduce_scatter", "all_reduce")
-            }
-        )
-        return aot_eager(gm, example_inputs)
-
-    return backend
+def _collectives(gm) -> dict:
+    names = ranks.node_targets(gm)
+    return {
+        kind: sum(kind in n for n in names)
+        for kind in ("all_gather", "reduce_scatter", "all_reduce")
+    }
 
 
 def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=_rendezvous(out_dir),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
+    ranks.init_rank(rank, world, out_dir, TIMEOUT_S)
     mesh = init_device_mesh("cpu", (world,))
     batches = _batches()
     res: dict = {"seconds": {}}
@@ -195,7 +169,7 @@ def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
     if world == 2:  # compiled (aot_eager, counting graphs and collectives); 2 ranks only
         counts: list[dict] = []
         res["graphs"] = counts
-        step = sharded(_adamw(), backend=_counting_backend(counts))
+        step = sharded(_adamw(), backend=ranks.counting_backend(_collectives, counts))
         kstate, res["compiled_metrics"] = _train(
             step, fd.shard(_init(_adamw()), mesh), batches[:COMPILED_STEPS], rank, world
         )
@@ -219,31 +193,14 @@ def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
         more, _ = _train(sharded(_adamw(), compile=False), loaded, _batches(2, 9), rank, world)
         res["resumed"] = funcamp.state_dict(_full(more))
     lap("rest")
-    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # skip the interpreter's teardown (slow after torch.distributed)
+    ranks.save_results(res, out_dir, rank)
+    ranks.leave()
 
 
 def _run(world: int, out_dir: Path, ckpt: Path) -> list[dict]:
-    # A fork server imports torch, funcamp and this module once and forks the workers from it.
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "funcamp", __name__])
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, str(out_dir), str(ckpt)), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-        p.join(timeout=max(0.1, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"sharded workers did not finish in {TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    args = [(r, world, str(out_dir), str(ckpt)) for r in range(world)]
+    preload = ["torch", "torch.distributed.checkpoint", "funcamp", __name__]
+    return ranks.start(_worker, args, out_dir, preload=preload, timeout_s=TIMEOUT_S).results()
 
 
 @pytest.fixture(scope="module")
