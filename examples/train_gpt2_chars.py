@@ -27,6 +27,7 @@ import math
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.func import functional_call
@@ -45,6 +46,52 @@ def load_text(max_chars: int) -> str:
         if total >= max_chars:
             break
     return "".join(parts)[:max_chars]
+
+
+def char_data(max_chars: int) -> tuple[list[str], dict[str, int], torch.Tensor]:
+    """The text as character ids: ``(vocab, char -> id, ids)``."""
+    text = load_text(max_chars)
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    return vocab, index, torch.tensor([index[c] for c in text], dtype=torch.long)
+
+
+def gpt2(vocab_size: int, context: int, width: int, layers: int) -> tuple[Any, Any]:
+    """``(model, loss_fn)``: a ``GPT2LMHeadModel`` built from a config (no weights fetched,
+    dropout off, train mode) and ``loss_fn(params, buffers, batch)``, its loss through
+    ``functional_call`` with ``batch`` its keyword arguments (``input_ids``, ``labels``)."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=context,
+        n_embd=width,
+        n_layer=layers,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config).train()
+    model.loss_type = "ForCausalLM"  # unset, transformers warns inside forward: a graph break
+
+    def loss_fn(params, buffers, batch):
+        return functional_call(model, (params, buffers), args=(), kwargs=batch).loss
+
+    return model, loss_fn
+
+
+def adamw_warmup_cosine(lr: float, steps: int) -> funcamp.Optimizer:
+    """Global-norm clipping at 1, then AdamW (weight decay 0.01) with a linear warmup over the
+    first tenth of ``steps`` and a cosine decay."""
+    return funcamp.chain(
+        funcamp.clip_by_global_norm(1.0),
+        funcamp.adamw(
+            funcamp.linear_warmup_cosine_decay(lr, max(1, steps // 10), steps), weight_decay=0.01
+        ),
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,44 +130,17 @@ def fp8_policy(policy: funcamp.Policy, fp8: str, history: int = 16) -> funcamp.P
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Train; return the first and last train loss, the held-out loss and the FP8 site count."""
-    import transformers
     from tqdm import tqdm
 
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    text = load_text(args.chars)
-    vocab = sorted(set(text))
-    index = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([index[c] for c in text], dtype=torch.long)
+    vocab, index, data = char_data(args.chars)
     split = int(0.9 * len(data))
     train, held_out = data[:split], data[split:]
 
-    config = transformers.GPT2Config(
-        vocab_size=len(vocab),
-        n_positions=args.context,
-        n_embd=args.width,
-        n_layer=args.layers,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = transformers.GPT2LMHeadModel(config).train()
-    model.loss_type = "ForCausalLM"  # unset, transformers warns inside forward: a graph break
+    model, loss_fn = gpt2(len(vocab), args.context, args.width, args.layers)
     params, buffers = funcamp.params_and_buffers(model)
-
-    def loss_fn(params, buffers, batch):
-        return functional_call(model, (params, buffers), args=(), kwargs=batch).loss
-
-    opt = funcamp.chain(
-        funcamp.clip_by_global_norm(1.0),
-        funcamp.adamw(
-            funcamp.linear_warmup_cosine_decay(args.lr, max(1, args.steps // 10), args.steps),
-            weight_decay=0.01,
-        ),
-    )
+    opt = adamw_warmup_cosine(args.lr, args.steps)
     policy = fp8_policy(funcamp.get_policy(args.policy), args.fp8, args.fp8_history)
     # model= builds the delayed-FP8 state (state.fp8, one entry per FP8 layer); else ignored.
     state = funcamp.TrainState.create(params, opt, policy, buffers=buffers, model=model)

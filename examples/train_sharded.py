@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sysconfig
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.func import functional_call
 
 import funcamp
 import funcamp.distributed as fd
+
+# The model, data and optimizer of train_gpt2_chars.py, beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_gpt2_chars import adamw_warmup_cosine, char_data, gpt2
 
 
 def _init_distributed() -> tuple[int, int, str]:
@@ -42,19 +45,6 @@ def _init_distributed() -> tuple[int, int, str]:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return dist.get_rank(), dist.get_world_size(), "cuda" if cuda else "cpu"
-
-
-def load_text(max_chars: int) -> str:
-    """The standard library's ``.py`` files, concatenated in a fixed order (as in
-    ``train_gpt2_chars.py``)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        parts.append(path.read_text(encoding="utf-8", errors="replace"))
-        total += len(parts[-1])
-        if total >= max_chars:
-            break
-    return "".join(parts)[:max_chars]
 
 
 def local_bytes(tree) -> int:
@@ -72,7 +62,6 @@ def local_bytes(tree) -> int:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Train; return the first and last global train loss."""
-    import transformers
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--policy", default="bf16-mixed")
@@ -93,38 +82,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise SystemExit(f"--batch {args.batch} must be divisible by the {world} ranks")
     try:
         mesh = init_device_mesh(device, (world,))
-        text = load_text(args.chars)
-        vocab = sorted(set(text))
-        index = {c: i for i, c in enumerate(vocab)}
-        data = torch.tensor([index[c] for c in text], dtype=torch.long)
-
+        vocab, _, data = char_data(args.chars)
         torch.manual_seed(0)
-        config = transformers.GPT2Config(
-            vocab_size=len(vocab),
-            n_positions=args.context,
-            n_embd=args.width,
-            n_layer=args.layers,
-            n_head=4,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        model = transformers.GPT2LMHeadModel(config).to(device).train()
-        model.loss_type = "ForCausalLM"  # unset, transformers warns inside forward: a graph break
+        model, loss_fn = gpt2(len(vocab), args.context, args.width, args.layers)
+        model.to(device)
         params, buffers = funcamp.params_and_buffers(model)
-
-        def loss_fn(params, buffers, batch):
-            return functional_call(model, (params, buffers), args=(), kwargs=batch).loss
-
-        opt = funcamp.chain(
-            funcamp.clip_by_global_norm(1.0),
-            funcamp.adamw(
-                funcamp.linear_warmup_cosine_decay(args.lr, max(1, args.steps // 10), args.steps),
-                weight_decay=0.01,
-            ),
-        )
+        opt = adamw_warmup_cosine(args.lr, args.steps)
         policy = funcamp.get_policy(args.policy)
         full = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
         full_bytes = local_bytes((full.params, full.opt_state))
