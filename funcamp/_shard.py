@@ -332,17 +332,10 @@ def make_sharded_step(
     optimizer: Any,
     pol: Any,
     mesh: Any,
-    *,
-    has_aux: bool,
-    returns_buffers: bool,
-    compile: bool,
-    group: Any,
-    donate_state: bool,
-    headroom: Any,
-    compile_options: dict[str, Any],
-    grad_norm: bool = True,
+    opts: Any,
 ) -> Callable[..., Any]:
-    """``make_train_step(..., mesh=mesh)``: see its docstring and the sharded-training guide."""
+    """``make_train_step(..., mesh=mesh)``: see its docstring and the sharded-training guide.
+    ``opts`` is its checked :class:`funcamp._train.StepOptions`."""
     from funcamp._amp import amp
     from funcamp._fp8 import needs_state, with_fp8_state
     from funcamp._progress import announce_first_call
@@ -361,7 +354,16 @@ def make_sharded_step(
     from funcamp.optim._base import apply_updates
 
     api = "make_train_step"
-    report_norm = grad_norm
+    (
+        has_aux,
+        returns_buffers,
+        compile,
+        group,
+        donate_state,
+        headroom,
+        report_norm,
+        compile_options,
+    ) = opts
     _check_mesh(api, mesh)
     if group is not None:
         raise ValueError(

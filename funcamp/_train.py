@@ -562,22 +562,28 @@ def _data_parallel(group: Any) -> tuple[Any, int, int] | None:
     return group, dist.get_world_size(group), rank
 
 
+class StepOptions(NamedTuple):
+    """:func:`make_train_step`'s keyword options, as given: checked by
+    :func:`_validate_step_args`, read by the plain and the sharded step builders."""
+
+    has_aux: Any
+    returns_buffers: Any
+    compile: Any
+    group: Any
+    donate_state: Any
+    headroom: Any
+    grad_norm: Any
+    compile_options: dict[str, Any]
+
+
 def _validate_step_args(
-    loss_fn: Any,
-    optimizer: Any,
-    policy: Any,
-    *,
-    has_aux: Any,
-    returns_buffers: Any,
-    compile: Any,
-    donate_state: Any,
-    headroom: Any,
-    group: Any,
-    compile_options: dict[str, Any],
-    grad_norm: Any = True,
+    loss_fn: Any, optimizer: Any, policy: Any, opts: StepOptions
 ) -> tuple[Policy, Any, Any, Any]:
     """:func:`make_train_step`'s argument checks; returns ``(policy, headroom dtype or None,
     headroom leaf predicate or None, data-parallel setup or None)``."""
+    has_aux, returns_buffers, compile, group, donate_state, headroom, grad_norm, compile_options = (
+        opts
+    )
     if not callable(loss_fn):
         raise TypeError(f"funcamp.{_API}: `loss_fn` must be callable, got {describe(loss_fn)}")
     if not isinstance(optimizer, Optimizer):
@@ -816,36 +822,16 @@ def make_train_step(
         >>> float(state.scaler.scale)
         512.0
     """
+    opts = StepOptions(
+        has_aux, returns_buffers, compile, group, donate_state, headroom, grad_norm, compile_options
+    )
     pol, headroom_dtype, headroom_include, data_parallel = _validate_step_args(
-        loss_fn,
-        optimizer,
-        policy,
-        has_aux=has_aux,
-        returns_buffers=returns_buffers,
-        compile=compile,
-        donate_state=donate_state,
-        headroom=headroom,
-        group=group,
-        compile_options=compile_options,
-        grad_norm=grad_norm,
+        loss_fn, optimizer, policy, opts
     )
     if mesh is not None:  # sharded params and optimizer state: funcamp/_shard.py
         from funcamp._shard import make_sharded_step
 
-        return make_sharded_step(
-            loss_fn,
-            optimizer,
-            pol,
-            mesh,
-            has_aux=has_aux,
-            returns_buffers=returns_buffers,
-            compile=compile,
-            group=group,
-            donate_state=donate_state,
-            headroom=headroom,
-            compile_options=compile_options,
-            grad_norm=grad_norm,
-        )
+        return make_sharded_step(loss_fn, optimizer, pol, mesh, opts)
     run_loss = with_fp8_state(amp(loss_fn, pol))
     # dynamo cannot resume a frame inside torch.func.grad after a graph break (the resumed
     # frame's inputs are functorch-wrapped tensors it fails to fake), so a step compiled in
