@@ -29,7 +29,7 @@ from typing import Any
 import optree
 import torch
 
-from funcamp._tree import NAMESPACE, describe, flatten, leaf_path, path_str
+from funcamp._tree import NAMESPACE, describe, flatten, leaf_path, path_str, spec_text
 
 PyTree = Any
 
@@ -250,7 +250,7 @@ def _check_match(
         elif extra:
             detail = f"leaf {extra[0]} is in `grads` but not in `params`"
         else:
-            detail = f"the containers differ: {gspec} vs {pspec}"
+            detail = f"the containers differ: {spec_text(gspec)} vs {spec_text(pspec)}"
         raise ValueError(f"funcamp.{api}: `grads` must have the structure of `params`; {detail}")
     for i, g, p in zip(range(len(gleaves)), gleaves, pleaves):
         if isinstance(p, torch.Tensor) and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
@@ -288,8 +288,9 @@ def state_leaves(api: str, name: str, tree: PyTree, spec: Any) -> list[torch.Ten
         return spec.flatten_up_to(tree)
     except (ValueError, TypeError) as e:
         raise ValueError(
-            f"funcamp.{api}: `state.{name}` must have the tree structure of the grads {spec}, "
-            f"got {optree.tree_structure(tree, namespace=NAMESPACE)}"
+            f"funcamp.{api}: `state.{name}` must have the tree structure of the grads "
+            f"{spec_text(spec)}, "
+            f"got {spec_text(flatten(tree)[1])}"
         ) from e
 
 

@@ -50,12 +50,18 @@ class DictSpec:
     def flatten_up_to(self, tree: PyTree) -> list[Any]:
         """The values of ``tree`` (a dict, ``OrderedDict`` or ``defaultdict`` with these keys,
         as optree's ``flatten_up_to`` takes) in leaf order; ValueError otherwise."""
-        if not isinstance(tree, dict) or len(tree) != len(self.keys):
-            raise ValueError(f"expected a dict with keys {list(self.keys)}, got {describe(tree)}")
-        try:
-            return [tree[k] for k in self.keys]
-        except KeyError as e:
-            raise ValueError(f"expected a dict with keys {list(self.keys)}; {e} is missing") from e
+        # Checked before any lookup, and the message names no value: raised while dynamo
+        # traces, a KeyError or a tensor's repr would end the trace instead of being caught.
+        if isinstance(tree, dict) and len(tree) == len(self.keys):
+            for k in self.keys:
+                if k not in tree:
+                    break
+            else:
+                return [tree[k] for k in self.keys]
+        raise ValueError(
+            f"expected a dict with the keys {list(self.keys)}, got a {type(tree).__name__} with "
+            "other keys"
+        )
 
     def unflatten(self, leaves: Any) -> dict[str, Any]:
         leaves = list(leaves)
@@ -80,7 +86,13 @@ class DictSpec:
         return hash(self.keys)
 
     def __repr__(self) -> str:
-        return repr(self.treespec())
+        return "PyTreeSpec({" + ", ".join(f"{k!r}: *" for k in self.keys) + "})"
+
+
+def spec_text(spec: Any) -> str:
+    """A treespec as optree prints it, for error messages. While dynamo traces, formatting a
+    :class:`DictSpec` itself would print dynamo's own name for the object."""
+    return DictSpec.__repr__(spec) if isinstance(spec, DictSpec) else str(spec)
 
 
 def flatten(tree: PyTree) -> tuple[list[Any], Any]:
@@ -136,7 +148,7 @@ def _plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
     except (ValueError, TypeError):
         raise ValueError(
             "funcamp: a donated state must keep its structure to be written into; expected "
-            f"{spec}, got {optree.tree_structure(new, namespace=NAMESPACE)}"
+            f"{spec_text(spec)}, got {spec_text(flatten(new)[1])}"
         ) from None
 
     def commit() -> PyTree:
@@ -340,7 +352,7 @@ def _select(
     if spec != false_spec:
         raise ValueError(
             "funcamp.tree_select: `on_true` and `on_false` must have the same structure, got "
-            f"{spec} and {false_spec}"
+            f"{spec_text(spec)} and {spec_text(false_spec)}"
         )
     out = []
     for i, a, b in zip(range(len(true_leaves)), true_leaves, false_leaves):

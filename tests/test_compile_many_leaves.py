@@ -172,3 +172,31 @@ def test_compiled_tree_select_keeps_each_dicts_order() -> None:
         want = funcamp.tree_select(torch.tensor(pred), new, old)
         assert list(got) == list(want) == ["b", "a", "c"]
         _assert_same(got, want)
+
+
+def test_compiled_structure_errors_say_what_eager_says() -> None:
+    """A tree that does not match, under compile, gives eager's message (dynamo wraps it): the
+    dict treespec made without optree raises before any lookup and prints as optree's."""
+    opt = funcamp.adam(0.1)
+    params = {"b": torch.ones(3), "a": torch.ones(2)}
+
+    def update(grads, state, params):
+        updates, state = opt.update(grads, state, params)
+        return funcamp.apply_updates(params, updates), state
+
+    def apply(params, updates):
+        return funcamp.apply_updates(params, updates)
+
+    cases = [
+        (update, ({"b": torch.ones(3)}, opt.init(params), params)),  # a grad missing
+        (update, ({**params, "c": torch.ones(1)}, opt.init(params), params)),  # one too many
+        (update, (dict(params), opt.init({"b": torch.ones(3)}), params)),  # another state
+        (apply, (params, {"b": torch.ones(3)})),  # updates missing a leaf
+    ]
+    for fn, args in cases:
+        with pytest.raises(ValueError) as eager:
+            fn(*args)
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as compiled:
+            torch.compile(fn, backend="eager", fullgraph=True)(*args)
+        assert str(eager.value) in str(compiled.value).replace("\\'", "'")

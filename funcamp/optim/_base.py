@@ -11,7 +11,15 @@ import torch
 
 from funcamp._checks import any_flag
 from funcamp._lowp import round_nearest
-from funcamp._tree import NAMESPACE, _storage_key, describe, flatten, leaf_path, unflatten
+from funcamp._tree import (
+    NAMESPACE,
+    _storage_key,
+    describe,
+    flatten,
+    leaf_path,
+    spec_text,
+    unflatten,
+)
 from funcamp.optim._numerics import is_half
 
 __all__ = [
@@ -183,7 +191,7 @@ def apply_updates_owned(
     except (ValueError, TypeError) as e:
         raise ValueError(
             "funcamp.apply_updates: `updates` must have the tree structure of `params` "
-            f"{spec}, got {optree.tree_structure(updates, namespace=NAMESPACE)}"
+            f"{spec_text(spec)}, got {spec_text(flatten(updates)[1])}"
         ) from e
     out, fresh, done = [], set(), set()
     for i, p, u in zip(range(len(leaves)), leaves, ups):  # not enumerate: see _paths
