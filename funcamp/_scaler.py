@@ -746,6 +746,14 @@ def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
             state.scale, state.growth_tracker, state.hysteresis_tracker, skipped
         )
 
+    if (
+        state.hysteresis == 1
+        and state.min_scale is None
+        and state.max_scale is None
+        and _fused_update(state, found_inf)
+    ):
+        return _update_fused(state, found_inf, skipped)
+
     current = state.scale
     as_f64 = current.double()
     backed_off = (as_f64 * state.backoff_factor).float()
@@ -782,6 +790,40 @@ def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
         torch.where(found_inf, overflow_hysteresis, clean_hysteresis),
         skipped,
     )
+
+
+def _fused_update(state: ScalerState, found_inf: torch.Tensor) -> bool:
+    """Whether :func:`update` runs torch's own kernel: on the eager path (see
+    :func:`funcamp.optim._paths.eager_path`) with a float32 scale and an int32 tracker, which
+    ``torch._amp_update_scale_`` requires."""
+    return (
+        hasattr(torch, "_amp_update_scale_")
+        and state.scale.dtype == torch.float32
+        and state.growth_tracker.dtype == torch.int32
+        and eager_path([state.scale, state.growth_tracker, state.hysteresis_tracker, found_inf])
+    )
+
+
+def _update_fused(
+    state: ScalerState, found_inf: torch.Tensor, skipped: torch.Tensor
+) -> ScalerState:
+    """:func:`update` of a dynamic scaler without min/max scale or hysteresis, eagerly: torch's
+    ``_amp_update_scale_`` (the rule GradScaler runs, which the traced path reproduces bit for
+    bit) on copies, in one kernel instead of some twenty small ops."""
+    scale, tracker = state.scale.clone(), state.growth_tracker.clone()
+    torch._amp_update_scale_(
+        scale,
+        tracker,
+        found_inf.to(torch.float32),
+        state.growth_factor,
+        state.backoff_factor,
+        state.growth_interval,
+    )
+    # The hysteresis tracker's bookkeeping for h=1 (as the traced path): 0 after an overflow,
+    # 1 again at each growth step. The growth tracker is 0 after exactly those two events.
+    hysteresis = state.hysteresis_tracker
+    hysteresis = torch.where(tracker == 0, (~found_inf).to(hysteresis.dtype), hysteresis)
+    return state._with_leaves(scale, tracker, hysteresis, skipped)
 
 
 # ---------------------------------------------------------------------- unscale_and_step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import funcamp
+
+#: The optree namespace funcamp documents for its state types (docs/concepts.md).
+NAMESPACE = "funcamp"
 
 LR = 0.05
 F32_MAX = torch.finfo(torch.float32).max
@@ -223,10 +227,24 @@ def test_update_matches_notes_reference_trace():
     flags=st.lists(st.booleans(), min_size=1, max_size=30),
 )
 def test_update_bit_identical_to_kernel(init, growth, backoff, interval, flags):
+    """Eagerly update runs torch's kernel itself (on copies); under a transform (here vmap over
+    a batch of one flag, as under torch.compile) it runs pure ops: both follow the kernel bit for
+    bit, and the hysteresis tracker keeps its bookkeeping (0 after an overflow, 1 again when the
+    scale grows)."""
     state = funcamp.ScalerState.dynamic(init, growth, backoff, interval)
+    traced = state
+    vupdate = torch.func.vmap(funcamp.update, in_dims=(None, 0))
     s, t = state.scale.clone(), state.growth_tracker.clone()
+    h = 1
     for flag in flags:
+        grew = not flag and int(t) + 1 == interval
         torch._amp_update_scale_(s, t, torch.tensor(float(flag)), growth, backoff, interval)
+        h = 0 if flag else (1 if grew else h)
         state = funcamp.update(state, torch.tensor(flag))
-        assert _bits_equal(state.scale, s)
-        assert _bits_equal(state.growth_tracker, t)
+        traced = optree.tree_map(
+            lambda x: x[0], vupdate(traced, torch.tensor([flag])), namespace=NAMESPACE
+        )
+        for got in (state, traced):
+            assert _bits_equal(got.scale, s)
+            assert _bits_equal(got.growth_tracker, t)
+            assert int(got.hysteresis_tracker) == h
