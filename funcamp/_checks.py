@@ -204,9 +204,20 @@ def check_grads_match(api: str, grads: PyTree, params: PyTree) -> None:
     """``grads`` must have the tree structure of ``params`` and, where a param is a tensor, a
     tensor of its shape. Names the first leaf that differs."""
     gleaves, gspec = flatten(grads)
-    if _matching_params(gleaves, gspec, params) is None:
+    _params_like_grads(api, grads, gleaves, gspec, params)
+
+
+def _params_like_grads(
+    api: str, grads: PyTree, gleaves: list[Any], gspec: Any, params: PyTree
+) -> list[Any]:
+    """The leaves of ``params``, which must match the flattened ``grads``: by the grads'
+    treespec under compile when that matches (:func:`_matching_params`), else flattened and
+    checked in full (:func:`_check_match`, which names what differs)."""
+    pleaves = _matching_params(gleaves, gspec, params)
+    if pleaves is None:
         pleaves, pspec = flatten(params)
         _check_match(api, grads, gleaves, gspec, params, pleaves, pspec)
+    return pleaves
 
 
 def _matching_params(gleaves: list[Any], gspec: Any, params: PyTree) -> list[Any] | None:
@@ -274,10 +285,7 @@ def flatten_grads(
                 "low-precision mode needs them), got None"
             )
         return gleaves, None, gspec
-    pleaves = _matching_params(gleaves, gspec, params)
-    if pleaves is None:
-        pleaves, pspec = flatten(params)
-        _check_match(api, grads, gleaves, gspec, params, pleaves, pspec)
+    pleaves = _params_like_grads(api, grads, gleaves, gspec, params)
     _check_floating(api, "params", params, pleaves)
     return gleaves, pleaves, gspec
 
