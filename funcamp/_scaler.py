@@ -746,13 +746,8 @@ def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
             state.scale, state.growth_tracker, state.hysteresis_tracker, skipped
         )
 
-    if (
-        state.hysteresis == 1
-        and state.min_scale is None
-        and state.max_scale is None
-        and _fused_update(state, found_inf)
-    ):
-        return _update_fused(state, found_inf, skipped)
+    if _kernel_updates(state, found_inf):
+        return _update_with_kernel(state, found_inf, skipped)
 
     current = state.scale
     as_f64 = current.double()
@@ -792,22 +787,26 @@ def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
     )
 
 
-def _fused_update(state: ScalerState, found_inf: torch.Tensor) -> bool:
-    """Whether :func:`update` runs torch's own kernel: on the eager path (see
-    :func:`funcamp.optim._paths.eager_path`) with a float32 scale and an int32 tracker, which
+def _kernel_updates(state: ScalerState, found_inf: torch.Tensor) -> bool:
+    """Whether :func:`update` of this dynamic scaler runs torch's own kernel: torch's rule (no
+    hysteresis, no min/max scale), on the eager path (see
+    :func:`funcamp.optim._paths.eager_path`), with a float32 scale and an int32 tracker, which
     ``torch._amp_update_scale_`` requires."""
     return (
-        hasattr(torch, "_amp_update_scale_")
+        state.hysteresis == 1
+        and state.min_scale is None
+        and state.max_scale is None
+        and hasattr(torch, "_amp_update_scale_")
         and state.scale.dtype == torch.float32
         and state.growth_tracker.dtype == torch.int32
         and eager_path([state.scale, state.growth_tracker, state.hysteresis_tracker, found_inf])
     )
 
 
-def _update_fused(
+def _update_with_kernel(
     state: ScalerState, found_inf: torch.Tensor, skipped: torch.Tensor
 ) -> ScalerState:
-    """:func:`update` of a dynamic scaler without min/max scale or hysteresis, eagerly: torch's
+    """:func:`update` where :func:`_kernel_updates` holds: torch's
     ``_amp_update_scale_`` (the rule GradScaler runs, which the traced path reproduces bit for
     bit) on copies, in one kernel instead of some twenty small ops."""
     scale, tracker = state.scale.clone(), state.growth_tracker.clone()

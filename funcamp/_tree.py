@@ -43,10 +43,6 @@ class DictSpec:
         self.keys = keys  # sorted: the leaf order
         self.order = order  # the dict's own key order: the order of the rebuilt dict
 
-    @property
-    def num_leaves(self) -> int:
-        return len(self.keys)
-
     def flatten_up_to(self, tree: PyTree) -> list[Any]:
         """The values of ``tree`` (a dict, ``OrderedDict`` or ``defaultdict`` with these keys,
         as optree's ``flatten_up_to`` takes) in leaf order; ValueError otherwise."""
