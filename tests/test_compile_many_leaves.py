@@ -14,14 +14,11 @@ skipped step, and vmap.
 
 from __future__ import annotations
 
-import optree
 import pytest
 import torch
+from bitwise import assert_bitwise
 
 import funcamp
-
-#: The optree namespace funcamp documents for its state types (docs/concepts.md).
-NAMESPACE = "funcamp"
 
 #: 13 leaves of assorted shapes, keys deliberately out of sorted order.
 SHAPES = {
@@ -53,23 +50,6 @@ def _grads(params: dict[str, torch.Tensor], step: int, scale: float) -> dict[str
         out["k"] = out["k"].clone()
         out["k"][3] = float("inf")
     return dict(reversed(list(out.items())))  # grads in another key order than the params
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int32) if x.dtype == torch.float32 else x
-
-
-def _assert_same(a, b) -> None:
-    assert optree.tree_structure(a, namespace=NAMESPACE) == optree.tree_structure(
-        b, namespace=NAMESPACE
-    )
-    for x, y in zip(
-        optree.tree_leaves(a, namespace=NAMESPACE), optree.tree_leaves(b, namespace=NAMESPACE)
-    ):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y))
-        else:
-            assert x == y
 
 
 def _step(opt):
@@ -110,7 +90,7 @@ def test_inductor_step_over_many_leaves_is_eagers_bit_for_bit(make) -> None:
     compiled = _run(torch.compile(step, fullgraph=True), opt)
     assert [bool(e[3]) for e in eager] == [False, False, True, False]
     for e, c in zip(eager, compiled):
-        _assert_same(e, c)
+        assert_bitwise(e, c)
         assert list(c[0]) == list(SHAPES)  # params keep their own key order
 
 
@@ -129,7 +109,7 @@ def test_compiled_step_spreads_its_scalars_over_the_leaves() -> None:
     torch._dynamo.reset()
     compiled = _run(torch.compile(step, backend=backend, fullgraph=True), opt, steps=3)
     for e, c in zip(eager, compiled):
-        _assert_same(e, c)
+        assert_bitwise(e, c)
     copies = [
         n
         for gm in graphs
@@ -158,7 +138,7 @@ def test_compiled_vmapped_update_over_many_leaves_matches_eager() -> None:
         g = {k: v * (i + 1) - params[k] for k, v in grads.items()}
         eager, e_state = update(g, e_state, params)
         out, c_state = compiled(g, c_state, params)
-        _assert_same((eager, e_state), (out, c_state))
+        assert_bitwise((eager, e_state), (out, c_state))
 
 
 def test_compiled_tree_select_keeps_each_dicts_order() -> None:
@@ -171,7 +151,7 @@ def test_compiled_tree_select_keeps_each_dicts_order() -> None:
         got = select(torch.tensor(pred), new, old)
         want = funcamp.tree_select(torch.tensor(pred), new, old)
         assert list(got) == list(want) == ["b", "a", "c"]
-        _assert_same(got, want)
+        assert_bitwise(got, want)
 
 
 def test_compiled_structure_errors_say_what_eager_says() -> None:

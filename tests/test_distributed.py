@@ -13,11 +13,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import optree
 import pytest
 import ranks
 import torch
 import torch.distributed as dist
+from bitwise import assert_bitwise
 
 import funcamp
 from funcamp.testing import assert_trees_close, assert_trees_equal
@@ -257,20 +257,10 @@ def reference():
 # ------------------------------------------------------------------------------------ tests
 
 
-def _assert_bitwise(a, b) -> None:
-    """Same structure and the same bits in every tensor (``-0.0 != 0.0``, nan payloads too)."""
-    assert_trees_equal(a, b)
-    paths, leaves, _ = optree.tree_flatten_with_path(a)
-    for path, x, y in zip(paths, leaves, optree.tree_leaves(b)):
-        if isinstance(x, torch.Tensor):
-            bits = (x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-            assert torch.equal(*bits), f"leaf {path} differs in its bits"
-
-
 def _same_on_every_rank(results: list[dict], key: str) -> None:
     """params, opt_state, scaler and buffers: bit-identical on every rank."""
     for res in results[1:]:
-        _assert_bitwise(results[0][key], res[key])
+        assert_bitwise(results[0][key], res[key])
 
 
 def _check_against_reference(results, ref_state, ref_metrics, key, world):
@@ -328,7 +318,7 @@ def test_checkpoint_of_rank_0_resumes_in_one_process(two_ranks):
     _same_on_every_rank(two_ranks, "continued")
     template = _init(_adam())
     state = funcamp.load_state_dict(template, two_ranks[0]["compiled"])
-    _assert_bitwise(funcamp.state_dict(state), two_ranks[1]["compiled"])
+    assert_bitwise(funcamp.state_dict(state), two_ranks[1]["compiled"])
     step = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False)
     state, _ = _train(step, state, _batches(CONT, seed=5))
     got, want = funcamp.state_dict(state), two_ranks[0]["continued"]
@@ -343,7 +333,7 @@ def test_delayed_fp8_amaxes_are_max_reduced_across_ranks(two_ranks):
     # and the scales follow from them; the whole state stays bit-identical across ranks over
     # STEPS steps.
     for res in two_ranks[1:]:
-        _assert_bitwise(two_ranks[0]["fp8_first_dp"], res["fp8_first_dp"])
+        assert_bitwise(two_ranks[0]["fp8_first_dp"], res["fp8_first_dp"])
     _same_on_every_rank(two_ranks, "fp8")
     dp = two_ranks[0]["fp8_first_dp"]
     assert sorted(dp["scale"]) == ["0", "2"]

@@ -11,12 +11,12 @@ import math
 import time
 from pathlib import Path
 
-import optree
 import pytest
 import ranks
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint  # preloaded by the fork server
+from bitwise import assert_bitwise
 
 import funcamp
 import funcamp.testing
@@ -112,19 +112,12 @@ def runs(tmp_path_factory):
     return {"ckpt": ckpt, "trained": trained, "resumed": resumed}
 
 
-def _assert_bitwise(a, b) -> None:
-    funcamp.testing.assert_trees_equal(a, b)
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        if isinstance(x, torch.Tensor):
-            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-
-
 def test_resumed_on_two_ranks_bit_for_bit(runs):
     trained, resumed = runs["trained"], runs["resumed"]
     for rank in range(WORLD):
-        _assert_bitwise(resumed[rank]["loaded"], trained[rank]["saved"])
-        _assert_bitwise(resumed[rank]["final"], trained[rank]["final"])
-    _assert_bitwise(trained[0]["final"], trained[1]["final"])  # data parallel: one state
+        assert_bitwise(resumed[rank]["loaded"], trained[rank]["saved"])
+        assert_bitwise(resumed[rank]["final"], trained[rank]["final"])
+    assert_bitwise(trained[0]["final"], trained[1]["final"])  # data parallel: one state
     assert int(trained[0]["final"]["scaler"]["skipped"]) == 1  # the overflow at step 1
     assert int(trained[0]["final"]["buffers"]["seen"]) == (SAVED_AT + MORE) * BATCH // WORLD
 
@@ -149,7 +142,7 @@ def test_a_different_policy_is_refused_on_every_rank(runs):
 
 def test_loads_into_one_process_without_a_group(runs):
     state = funcamp.load(runs["ckpt"], _init(), policy=POLICY)
-    _assert_bitwise(funcamp.state_dict(state), runs["trained"][0]["saved"])
+    assert_bitwise(funcamp.state_dict(state), runs["trained"][0]["saved"])
 
 
 def test_group_is_checked(single_rank_group, tmp_path):

@@ -16,6 +16,7 @@ import pytest
 import ranks
 import torch
 import torch.distributed as dist
+from bitwise import assert_bitwise
 
 import funcamp
 import funcamp.distributed as fd
@@ -234,13 +235,6 @@ def reference():
 # ------------------------------------------------------------------------------------ tests
 
 
-def _assert_bitwise(a, b) -> None:
-    assert_trees_equal(a, b)
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        if isinstance(x, torch.Tensor):
-            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-
-
 def _check(got: dict, got_metrics, want: dict, want_metrics, world: int, steps: int) -> None:
     assert_trees_close(got["params"], want["params"], atol=ATOL, rtol=RTOL)
     assert_trees_close(got["opt_state"], want["opt_state"], atol=ATOL, rtol=RTOL)
@@ -283,7 +277,7 @@ def test_sharded_step_matches_one_process(runs, reference, world, key):
             steps,
         )
     for res in runs[world][1:]:  # every rank gathers the same full state
-        _assert_bitwise(res[key], runs[world][0][key])
+        assert_bitwise(res[key], runs[world][0][key])
 
 
 def test_two_sharded_ranks_are_bitwise_data_parallel(runs):
@@ -292,7 +286,7 @@ def test_two_sharded_ranks_are_bitwise_data_parallel(runs):
     for res in runs[2]:
         got, want = res["eager"], res["dp"]
         for part in ("params", "opt_state", "scaler"):
-            _assert_bitwise(got[part], want[part])
+            assert_bitwise(got[part], want[part])
 
 
 def test_the_state_stays_sharded_and_the_rule_holds(runs):
@@ -327,7 +321,7 @@ def test_checkpoint_saved_on_two_ranks_loads_on_four_and_on_one(runs):
     for res in runs[4]:
         assert res["loaded_type"] == "DTensor"
         assert res["loaded_placements"] == "(Shard(dim=0),)"
-        _assert_bitwise(res["loaded"], saved)
+        assert_bitwise(res["loaded"], saved)
     # resumed on 4 ranks: the same as one process resuming from the same state
     state = funcamp.load_state_dict(_init(_adamw()), saved)
     step = funcamp.make_train_step(_loss_fn, _adamw(), POLICY, compile=False)
@@ -336,7 +330,7 @@ def test_checkpoint_saved_on_two_ranks_loads_on_four_and_on_one(runs):
     assert_trees_close(runs[4][0]["resumed"]["params"], want["params"], atol=ATOL, rtol=RTOL)
     # on one process, without a group: the full tensors
     one = funcamp.load(runs["ckpt"], _init(_adamw()), policy=POLICY)
-    _assert_bitwise(funcamp.state_dict(one), saved)
+    assert_bitwise(funcamp.state_dict(one), saved)
     assert funcamp.checkpoint_info(runs["ckpt"]).world_size == 2
 
 
@@ -384,7 +378,7 @@ def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh, make, policy):
     if make is _clipped:
         assert_trees_close(b, a, atol=ATOL, rtol=RTOL)
     else:
-        _assert_bitwise(a, b)
+        assert_bitwise(a, b)
     if policy == POLICY:
         assert [bool(m["found_inf"]) for m in mb] == [i == BAD_STEP for i in range(8)]
     quiet = funcamp.make_train_step(
