@@ -200,11 +200,13 @@ def _check_floating(api: str, name: str, tree: PyTree, leaves: list[Any]) -> Non
             )
 
 
-def check_grads_match(api: str, grads: PyTree, params: PyTree) -> None:
+def check_grads_match(api: str, grads: PyTree, params: PyTree) -> tuple[list[Any], Any]:
     """``grads`` must have the tree structure of ``params`` and, where a param is a tensor, a
-    tensor of its shape. Names the first leaf that differs."""
+    tensor of its shape. Names the first leaf that differs. Returns the grads' leaves and
+    treespec (:func:`funcamp._tree.flatten`), for the caller to reuse."""
     gleaves, gspec = flatten(grads)
     _params_like_grads(api, grads, gleaves, gspec, params)
+    return gleaves, gspec
 
 
 def _params_like_grads(

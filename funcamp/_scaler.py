@@ -23,7 +23,6 @@ import torch.utils._pytree as torch_pytree
 from funcamp._checks import check_flag, check_grads_match, check_int, check_scaler_leaves
 from funcamp._tree import (
     NAMESPACE,
-    _named_leaves,
     _plan_write,
     _select,
     _sharing_memory,
@@ -606,9 +605,12 @@ def _fused_unscale(leaves: list[torch.Tensor]) -> bool:
     return hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_") and eager_path(leaves)
 
 
-def _floating(grads: PyTree) -> tuple[list[Any], Any, list[int]]:
-    """``(leaves, treespec, indices of the floating tensor leaves)`` of ``grads``."""
-    leaves, spec = flatten(grads)
+def _floating(
+    grads: PyTree, flat: tuple[list[Any], Any] | None = None
+) -> tuple[list[Any], Any, list[int]]:
+    """``(leaves, treespec, indices of the floating tensor leaves)`` of ``grads`` (``flat``:
+    its leaves and treespec, when the caller has them)."""
+    leaves, spec = flatten(grads) if flat is None else flat
     idx = [
         i
         for i, x in zip(range(len(leaves)), leaves)  # dynamo traces enumerate in Python
@@ -641,11 +643,12 @@ def _unscale_leaves(
             x.to(math_dtype(x.dtype), copy=True)
             for x in leaves
         ]  # fmt: skip
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for x in out:
-            groups.setdefault((x.device, x.dtype), []).append(x)
+        groups: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        for x in out:  # get_device (-1 on the CPU): reading x.device costs more, per leaf
+            groups.setdefault((x.get_device(), x.dtype), []).append(x)
         flags = []
-        for (device, _), group in groups.items():
+        for group in groups.values():
+            device = group[0].device
             found = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale.to(device))
             flags.append(found.to(scale_tensor.device))
@@ -828,6 +831,11 @@ def _update_with_kernel(
 # ---------------------------------------------------------------------- unscale_and_step
 
 
+def _tensor_leaves(tree: PyTree) -> list[torch.Tensor]:
+    """The tensor leaves of ``tree`` (params, an optimizer or scaler state: no SetParam)."""
+    return [x for x in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(x, torch.Tensor)]
+
+
 def _disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
     """Whether no two of ``leaves`` share memory and none shares memory with ``taken``."""
     seen: set[int | None] = set()
@@ -978,21 +986,21 @@ def unscale_and_step(
         tensor([0., 1.])
     """
     api = "unscale_and_step"
-    caps = _check_step_args(api, state, optimizer, grads, params, donate_grads, donate_state)
+    caps, flat = _check_step_args(api, state, optimizer, grads, params, donate_grads, donate_state)
     check_flag(api, "grad_norm", grad_norm)
     # Everything that can refuse these inputs runs before the grads are touched (donated grads
     # are unscaled in place) and before anything is written (donate_state): the optimizer state
     # is checked against the params, and the learning rate evaluated, here.
     bad_lr = None if caps.preflight is None else caps.preflight(grads, opt_state, params)
     if donate_state and not torch.compiler.is_compiling():
-        shared = _sharing_memory(_named_leaves({"params": params, "opt_state": opt_state}))
+        shared = _sharing_memory({"params": params, "opt_state": opt_state})
         if shared is not None:
             raise ValueError(
                 f"funcamp.{api}: with donate_state=True the new values are written into the "
                 f"tensors of `params` and `opt_state`, but {shared[0]} and {shared[1]} share "
                 "memory; give each its own tensor (clone) or pass donate_state=False"
             )
-    leaves, spec, idx = _floating(grads)
+    leaves, spec, idx = _floating(grads, flat)
     floating = [leaves[i] for i in idx]
     # The execution path, chosen once: eager (torch's fused unscale kernel, in-place reuse of
     # this step's temporaries, the optimizer's fused kernel on a donated state) or traced (pure
@@ -1002,7 +1010,7 @@ def unscale_and_step(
     inputs = (
         []
         if compiling
-        else update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
+        else _tensor_leaves(params) + _tensor_leaves(opt_state) + _tensor_leaves(state)
     )
     eager = not compiling and _fused_unscale(floating + inputs)
     taken: set[int | None] = set()
@@ -1049,8 +1057,9 @@ def _check_step_args(
     params: PyTree,
     donate_grads: Any,
     donate_state: Any,
-) -> Any:
-    """Validate :func:`unscale_and_step`'s arguments; returns the optimizer's capabilities."""
+) -> tuple[Any, tuple[list[Any], Any]]:
+    """Validate :func:`unscale_and_step`'s arguments; returns the optimizer's capabilities and
+    the grads flattened (leaves, treespec)."""
     _check_scaler(api, state)
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
@@ -1058,8 +1067,7 @@ def _check_step_args(
         )
     check_flag(api, "donate_grads", donate_grads)
     check_flag(api, "donate_state", donate_state)
-    check_grads_match(api, grads, params)
-    return optimizer.capabilities
+    return optimizer.capabilities, check_grads_match(api, grads, params)
 
 
 def _step_traced(

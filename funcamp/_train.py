@@ -56,7 +56,7 @@ from funcamp._progress import announce_first_call
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
 from funcamp._tree import (
     NAMESPACE,
-    _named_leaves,
+    _first_leaf,
     _plan_write,
     _sharing_memory,
     describe,
@@ -374,20 +374,18 @@ def _clone_buffers(buffers: PyTree) -> PyTree:
 def _check_donation(state: TrainState) -> None:
     """With ``donate_state=True``: no two state tensors may share memory (one write would
     clobber the other), and none may need grad."""
-    named = _named_leaves(
-        {
-            "state.params": state.params,
-            "state.buffers": state.buffers,
-            "state.opt_state": state.opt_state,
-        }
-    )
-    for name, x in named:
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            raise ValueError(
-                f"funcamp.{_API}: with donate_state=True the state's tensors are written in "
-                f"place, but {name} requires grad; detach it (params_and_buffers does)"
-            )
-    shared = _sharing_memory(named)
+    trees = {
+        "state.params": state.params,
+        "state.buffers": state.buffers,
+        "state.opt_state": state.opt_state,
+    }
+    grad_leaf = _first_leaf(trees, lambda x: isinstance(x, torch.Tensor) and x.requires_grad)
+    if grad_leaf is not None:
+        raise ValueError(
+            f"funcamp.{_API}: with donate_state=True the state's tensors are written in "
+            f"place, but {grad_leaf} requires grad; detach it (params_and_buffers does)"
+        )
+    shared = _sharing_memory(trees)
     if shared is not None:
         raise ValueError(
             f"funcamp.{_API}: with donate_state=True the state's tensors are written in "

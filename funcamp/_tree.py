@@ -166,25 +166,34 @@ def _storage_key(x: torch.Tensor) -> int | None:
     return x.untyped_storage().data_ptr()
 
 
-def _named_leaves(trees: dict[str, PyTree]) -> list[tuple[str, Any]]:
-    """``(name + leaf path, leaf)`` for every leaf of each named tree, in order."""
-    out = []
+def _leaf_name(name: str, tree: PyTree, index: int) -> str:
+    """``name`` plus the path of leaf ``index`` of ``tree`` (just ``name`` for a bare tensor)."""
+    path = leaf_path(tree, index)
+    return name + ("" if path == "<root>" else path)
+
+
+def _first_leaf(trees: dict[str, PyTree], bad: Callable[[Any], bool]) -> str | None:
+    """The name (tree name + leaf path) of the first leaf of ``trees`` for which ``bad`` holds,
+    or None. Paths are made only for the answer: this runs on every eager step."""
     for name, tree in trees.items():
-        paths, leaves, _ = _flatten_with_path(tree)
-        out += [(name + ("" if path == "<root>" else path), x) for path, x in zip(paths, leaves)]
-    return out
+        for i, x in enumerate(optree.tree_leaves(tree, namespace=NAMESPACE)):
+            if bad(x):
+                return _leaf_name(name, tree, i)
+    return None
 
 
-def _sharing_memory(named: list[tuple[str, Any]]) -> tuple[str, str] | None:
-    """The names of the first two tensors of ``named`` that share memory, or None."""
-    seen: dict[int, str] = {}
-    for name, x in named:
-        key = _storage_key(x) if isinstance(x, torch.Tensor) else None
-        if key is None:
-            continue
-        if key in seen:
-            return seen[key], name
-        seen[key] = name
+def _sharing_memory(trees: dict[str, PyTree]) -> tuple[str, str] | None:
+    """The names (tree name + leaf path) of the first two tensor leaves of ``trees`` that share
+    memory, or None. Paths are made only for the answer: this runs on every eager step."""
+    seen: dict[int, tuple[str, PyTree, int]] = {}
+    for name, tree in trees.items():
+        for i, x in enumerate(optree.tree_leaves(tree, namespace=NAMESPACE)):
+            key = _storage_key(x) if isinstance(x, torch.Tensor) else None
+            if key is None:
+                continue
+            if key in seen:
+                return _leaf_name(*seen[key]), _leaf_name(name, tree, i)
+            seen[key] = (name, tree, i)
     return None
 
 

@@ -1113,12 +1113,30 @@ def test_donate_state_refuses_shared_memory():
     opt = funcamp.sgd(0.1)
     w = torch.zeros(4)
     params = {"a": w, "b": w[:2]}
-    with pytest.raises(ValueError, match=r"donate_state=True .* share memory"):
+    with pytest.raises(
+        ValueError, match=r"donate_state=True .* params\['a'\] and params\['b'\] share memory"
+    ):
         funcamp.unscale_and_step(
             funcamp.ScalerState.static(1.0),
             opt,
             {"a": torch.ones(4), "b": torch.ones(2)},
             opt.init(params),
+            params,
+            donate_state=True,
+        )
+    # Across the trees, named down to the leaf (paths are made only for the message).
+    heavy = funcamp.sgd(0.1, momentum=0.9)
+    params = {"a": torch.zeros(4), "b": torch.zeros(2)}
+    opt_state = heavy.init(params)
+    opt_state = opt_state._replace(momentum={**opt_state.momentum, "b": params["b"]})
+    with pytest.raises(
+        ValueError, match=r"params\['b'\] and opt_state\[1\]\['b'\] share memory"
+    ):
+        funcamp.unscale_and_step(
+            funcamp.ScalerState.static(1.0),
+            heavy,
+            {"a": torch.ones(4), "b": torch.ones(2)},
+            opt_state,
             params,
             donate_state=True,
         )

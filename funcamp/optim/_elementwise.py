@@ -24,7 +24,7 @@ from funcamp._checks import (
     learning_rate_fn,
     state_leaves,
 )
-from funcamp._tree import describe, unflatten
+from funcamp._tree import describe, flatten, unflatten
 from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._numerics import math_dtype
@@ -176,7 +176,7 @@ def build(
             )
         gs, ps, spec = flatten_grads(api, grads, params, need_params=need_params)
         check_count(api, "count", state.count)
-        if gs:
+        if gs and names:
             dtypes = [math_dtype(r.dtype) for r in (ps if ps is not None else gs)]
             for b in names:
                 leaves = state_leaves(api, b, getattr(state, b), spec)
@@ -219,12 +219,14 @@ def build(
         kernel = fused_kernel
 
         def fused_step(grads: Tensors, state: Any, params: PyTree, found_inf: torch.Tensor) -> Any:
-            ps = flatten_params(api, params)[0]
+            # After the caller's checks (per step, so cheap): float32 tensors on one device.
+            ps = flatten(params)[0]
             if not ps or len(grads) != len(ps):
                 return None
-            if not all(x.dtype == torch.float32 for x in ps + grads):
-                return None
-            if len({p.device for p in ps}) != 1:
+            for x in ps + grads:  # a float32 tensor is a floating one
+                if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+                    return None
+            if len({p.get_device() for p in ps}) != 1:  # x.device costs more, per leaf
                 return None
             return kernel(ps, grads, state, lr_fn(state.count)[0], found_inf)
 

@@ -71,7 +71,8 @@ def eager_path(xs: Sequence[Any]) -> bool:
     for x in xs:
         if not isinstance(x, torch.Tensor):
             continue
-        if type(x) is not torch.Tensor or x.device.type not in ("cpu", "cuda"):
+        # is_cpu/is_cuda: reading x.device.type costs ~8x as much, and this runs per tensor
+        if type(x) is not torch.Tensor or not (x.is_cpu or x.is_cuda):
             return False
         if grad_on and x.requires_grad:
             return False
