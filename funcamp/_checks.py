@@ -333,15 +333,17 @@ def check_state_like(
     """Each of ``leaves`` (the optimizer state's ``name`` tree, flattened like the grads) must be
     a tensor of its ``refs``' shape and of ``dtypes[i]`` (an empty tensor where ``empty[i]``).
     Metadata only."""
+    # Runs on every step, traced by dynamo under compile: shapes compare as torch.Size, the
+    # expected shape is spelled out only for the message.
     for i, x, ref, dtype in zip(range(len(leaves)), leaves, refs, dtypes):
-        shape = (0,) if empty is not None and empty[i] else tuple(ref.shape)
         if (
             isinstance(x, torch.Tensor)
             and x.dtype == dtype
-            and tuple(x.shape) == shape
             and x.device == ref.device
+            and x.shape == ((0,) if empty is not None and empty[i] else ref.shape)
         ):
             continue
+        shape = (0,) if empty is not None and empty[i] else tuple(ref.shape)
         path = _leaf_paths(grads)[i]
         got = describe(x) + (f" on {x.device}" if isinstance(x, torch.Tensor) else "")
         raise ValueError(

@@ -871,58 +871,63 @@ def make_train_step(
             gradients(),
             fp8_reduce,
         )
-        # Always checked (in-place updates too: a rebound or added key would change the state's
-        # structure), and before anything is written into a donated state.
-        new_buffers = _restore_buffers(new_buffers, state.buffers, returns_buffers)
-        nonfinite = None
-        if data_parallel is not None:
-            # One all-reduce per gradient dtype (one in all for float32 grads): the mean of the
-            # scaled grads, the mean loss, the non-finite consensus and rank 0's buffers.
-            pg, world_size, rank = data_parallel
-            grads, loss, nonfinite, new_buffers = _reduce_step(
-                grads, loss, new_buffers, pg, world_size, rank == 0
-            )
-        # Donated state, all or nothing: every check and every computation that can fail runs
-        # before the first write. The buffers are matched now; unscale_and_step checks the
-        # optimizer state and the learning rate before it touches anything and writes params
-        # and optimizer state last; the buffers are written after it, by plain copies.
-        write_buffers = _plan_write(new_buffers, state.buffers) if donate_state else None
-        # Measured on the scaled grads, before unscale_and_step may unscale them in place.
-        room = None
-        if headroom_dtype is not None:
-            room = _headroom(
+        # The update needs no autograd: under no_grad nothing it makes carries a graph (params
+        # that require grad included), and the traced optimizer asks no tensor whether it does.
+        with torch.no_grad():
+            # Always checked (in-place updates too: a rebound or added key would change the state's
+            # structure), and before anything is written into a donated state.
+            new_buffers = _restore_buffers(new_buffers, state.buffers, returns_buffers)
+            nonfinite = None
+            if data_parallel is not None:
+                # One all-reduce per gradient dtype (one in all for float32 grads): the mean of the
+                # scaled grads, the mean loss, the non-finite consensus and rank 0's buffers.
+                pg, world_size, rank = data_parallel
+                grads, loss, nonfinite, new_buffers = _reduce_step(
+                    grads, loss, new_buffers, pg, world_size, rank == 0
+                )
+            # Donated state, all or nothing: every check and every computation that can fail runs
+            # before the first write. The buffers are matched now; unscale_and_step checks the
+            # optimizer state and the learning rate before it touches anything and writes params
+            # and optimizer state last; the buffers are written after it, by plain copies.
+            write_buffers = _plan_write(new_buffers, state.buffers) if donate_state else None
+            # Measured on the scaled grads, before unscale_and_step may unscale them in place.
+            room = None
+            if headroom_dtype is not None:
+                room = _headroom(
+                    grads,
+                    scaler.scale,
+                    headroom_dtype,
+                    scaled=True,
+                    leaves=False,
+                    include=headroom_include,
+                )
+            # The grads are this step's own (made by grad_and_value above): donating them lets the
+            # eager path unscale in place and reuse their memory (ignored under compile).
+            params, opt_state, info = unscale_and_step(
+                scaler,
+                optimizer,
                 grads,
-                scaler.scale,
-                headroom_dtype,
-                scaled=True,
-                leaves=False,
-                include=headroom_include,
+                state.opt_state,
+                state.params,
+                donate_grads=True,
+                donate_state=donate_state,
+                grad_norm=grad_norm,
             )
-        # The grads are this step's own (made by grad_and_value above): donating them lets the
-        # eager path unscale in place and reuse their memory (ignored under compile).
-        params, opt_state, info = unscale_and_step(
-            scaler,
-            optimizer,
-            grads,
-            state.opt_state,
-            state.params,
-            donate_grads=True,
-            donate_state=donate_state,
-            grad_norm=grad_norm,
-        )
-        found_inf = info.found_inf
-        if nonfinite is not None:
-            # A rank's inf/nan gradient makes the summed gradient inf/nan on every rank, so
-            # unscale_and_step already skipped wherever `nonfinite` is set; OR-ing keeps the
-            # reported flag and the scaler update tied to the consensus all the same.
-            found_inf = found_inf | nonfinite
-        new_scaler = update(scaler, found_inf)
-        if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
-            new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
-        if write_buffers is not None:
-            new_buffers = write_buffers()
-        metrics = _metrics(loss, info.grad_norm, scaler, found_inf, new_scaler, aux, has_aux, room)
-        return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
+            found_inf = info.found_inf
+            if nonfinite is not None:
+                # A rank's inf/nan gradient makes the summed gradient inf/nan on every rank, so
+                # unscale_and_step already skipped wherever `nonfinite` is set; OR-ing keeps the
+                # reported flag and the scaler update tied to the consensus all the same.
+                found_inf = found_inf | nonfinite
+            new_scaler = update(scaler, found_inf)
+            if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
+                new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
+            if write_buffers is not None:
+                new_buffers = write_buffers()
+            metrics = _metrics(
+                loss, info.grad_norm, scaler, found_inf, new_scaler, aux, has_aux, room
+            )
+            return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
 
     # Dynamo caches compiled code per code object, and the default guard filter drops the
     # guards on closures: a code object of its own keeps each step's graph to that step.
