@@ -1129,9 +1129,7 @@ def test_donate_state_refuses_shared_memory():
     params = {"a": torch.zeros(4), "b": torch.zeros(2)}
     opt_state = heavy.init(params)
     opt_state = opt_state._replace(momentum={**opt_state.momentum, "b": params["b"]})
-    with pytest.raises(
-        ValueError, match=r"params\['b'\] and opt_state\[1\]\['b'\] share memory"
-    ):
+    with pytest.raises(ValueError, match=r"params\['b'\] and opt_state\[1\]\['b'\] share memory"):
         funcamp.unscale_and_step(
             funcamp.ScalerState.static(1.0),
             heavy,
