@@ -13,22 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from bitwise import assert_bitwise
 
 import funcamp
 import funcamp._save
-from funcamp.testing import assert_trees_equal
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bits_equal(a, b) -> None:
-    """Same structure, same bits in every tensor."""
-    assert_trees_equal(a, b)
-    import optree
-
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        if isinstance(x, torch.Tensor):
-            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
 
 
 def _state(policy="mixed_float16", scaler=None, seed=0, opt=None):
@@ -71,7 +61,7 @@ def test_round_trip_is_bit_identical_and_records_what_produced_it(tmp_path):
     path = tmp_path / "ckpt.pt"
     funcamp.save(path, state, policy="mixed_float16", epoch=3, history=[0.5, 0.25], note="x")
     loaded = funcamp.load(path, _state(), policy="mixed_float16")
-    _bits_equal(loaded, state)
+    assert_bitwise(loaded, state)
     assert isinstance(loaded, funcamp.TrainState)
 
     info = funcamp.checkpoint_info(path)
@@ -93,14 +83,14 @@ def test_load_does_not_modify_the_template(tmp_path):
         lambda x: x.clone() if torch.is_tensor(x) else x, funcamp.state_dict(template)
     )
     loaded = funcamp.load(tmp_path / "c.pt", template, policy="mixed_float16")
-    _bits_equal(funcamp.state_dict(template), before)
+    assert_bitwise(funcamp.state_dict(template), before)
     assert not torch.equal(loaded.params["w"], template.params["w"])
 
 
 def test_policy_none_skips_the_policy_check(tmp_path):
     funcamp.save(tmp_path / "c.pt", _state(), policy="mixed_float16")
     loaded = funcamp.load(tmp_path / "c.pt", _state())
-    _bits_equal(loaded, _state())
+    assert_bitwise(loaded, _state())
 
 
 def test_any_pytree_and_several_scalers(tmp_path):
@@ -109,7 +99,7 @@ def test_any_pytree_and_several_scalers(tmp_path):
     info = funcamp.checkpoint_info(tmp_path / "c.pt")
     assert info.scalers == {"a/scaler": "dynamic", "b/0": "static"}
     assert info.scaler_kind is None
-    _bits_equal(funcamp.load(tmp_path / "c.pt", tree, policy="bf16-mixed"), tree)
+    assert_bitwise(funcamp.load(tmp_path / "c.pt", tree, policy="bf16-mixed"), tree)
 
 
 # --------------------------------------------------------------------------- policy checks
@@ -166,7 +156,7 @@ def test_convert_keeps_a_scaler_of_the_same_kind(tmp_path):
     funcamp.save(tmp_path / "c.pt", state, policy="mixed_float16")
     new = funcamp.get_policy("mixed_float16").with_op_rules({"softmax": funcamp.OpRule.COMPUTE})
     out = funcamp.load(tmp_path / "c.pt", _state(new), policy=new, convert=True)
-    _bits_equal(out, state)  # same dtypes, same scaler kind: nothing to change
+    assert_bitwise(out, state)  # same dtypes, same scaler kind: nothing to change
 
 
 def test_convert_needs_a_policy(tmp_path):
@@ -299,7 +289,7 @@ def test_an_exception_in_the_middle_of_a_save_keeps_the_previous_checkpoint(save
     assert saved.read_bytes() == good
     assert sorted(p.name for p in saved.parent.iterdir()) == ["c.pt"]  # no temporary file left
     loaded = funcamp.load(saved, _state(), policy="mixed_float16")
-    _bits_equal(loaded, _trained())
+    assert_bitwise(loaded, _trained())
     assert funcamp.checkpoint_info(saved).metadata == {"epoch": 1}
 
 
@@ -387,6 +377,6 @@ def test_sigkill_mid_run_then_resume_is_bit_identical_to_an_uninterrupted_run(tm
     assert resumed.stdout.startswith(f"resumed {killed_at}\n")
     got = torch.load(out, weights_only=True)
     want = torch.load(ref, weights_only=True)
-    _bits_equal(got, want)
+    assert_bitwise(got, want)
     assert int(want["scaler"]["skipped"]) >= 1  # the overflowing step is in the run
     assert int(want["opt_state"]["count"]) + int(want["scaler"]["skipped"]) == steps

@@ -9,6 +9,7 @@ import optree
 import pytest
 import torch
 import torch.utils._pytree as torch_pytree
+from bitwise import same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,14 +31,10 @@ CONFIG_FIELDS = (
 LEAF_FIELDS = ("scale", "growth_tracker", "hysteresis_tracker", "skipped")
 
 
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
-
 def assert_states_equal(a: funcamp.ScalerState, b: funcamp.ScalerState) -> None:
     assert type(a) is type(b) is funcamp.ScalerState
     for name in LEAF_FIELDS:
-        assert bits_equal(getattr(a, name), getattr(b, name)), name
+        assert same_bits(getattr(a, name), getattr(b, name)), name
     for name in CONFIG_FIELDS:
         assert getattr(a, name) == getattr(b, name), name
 
@@ -246,7 +243,7 @@ def test_unscale_of_scale_is_exact_for_powers_of_two(k, values):
     x = torch.tensor(values, dtype=torch.float32)
     grads, found_inf = funcamp.unscale(s, funcamp.scale(s, {"g": x}))
     assert not found_inf
-    assert bits_equal(grads["g"], x)
+    assert same_bits(grads["g"], x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -255,7 +252,7 @@ def test_unscale_half_grads_in_float32(dtype):
     g = torch.tensor([1024.0, 2048.0, 3.0], dtype=dtype)
     grads, found_inf = funcamp.unscale(s, {"g": g})
     assert grads["g"].dtype == torch.float32
-    assert bits_equal(grads["g"], g.float() * (1 / 1024.0))
+    assert same_bits(grads["g"], g.float() * (1 / 1024.0))
     assert not found_inf
     # GradScaler refuses float16 grads outright; funcamp unscales them.
     if dtype == torch.float16:
@@ -275,7 +272,7 @@ def test_unscale_never_mutates_inputs():
     grads, found_inf = funcamp.unscale(s, g)
     assert bool(found_inf)
     for k in g:
-        assert bits_equal(g[k], before[k])
+        assert same_bits(g[k], before[k])
         assert grads[k].data_ptr() != g[k].data_ptr()
 
 
@@ -288,7 +285,7 @@ def test_found_inf_is_judged_on_scaled_grads():
     found = torch.zeros(())
     t = torch.tensor([F32.max])
     torch._amp_foreach_non_finite_check_and_unscale_([t], found, torch.tensor(2.0**10))
-    assert found.item() == 0.0 and bits_equal(t, grads["g"])
+    assert found.item() == 0.0 and same_bits(t, grads["g"])
 
 
 def _random_grads(seed: int) -> list[torch.Tensor]:
@@ -330,7 +327,7 @@ def test_unscale_uses_grad_scalers_reciprocal():
     g = torch.tensor([1.0, 7.0, 3.0e-3])
     grads, _ = funcamp.unscale(s, {"g": g})
     inv = torch.tensor(3.0, dtype=torch.float64).reciprocal().float()
-    assert bits_equal(grads["g"], g * inv)
+    assert same_bits(grads["g"], g * inv)
 
 
 def test_empty_trees():
@@ -427,7 +424,7 @@ def test_hysteresis_one_is_torch_rule(init, growth, backoff, interval, flags):
         torch._amp_update_scale_(
             ref_scale, ref_tracker, torch.tensor(float(flag)), growth, backoff, interval
         )
-        assert bits_equal(s.scale, ref_scale) and bits_equal(s.growth_tracker, ref_tracker)
+        assert same_bits(s.scale, ref_scale) and same_bits(s.growth_tracker, ref_tracker)
 
 
 @settings(max_examples=40, deadline=None)
@@ -486,7 +483,7 @@ def test_unbounded_backoff_matches_torch_even_to_zero():
     for _ in range(12):
         s = funcamp.update(s, torch.tensor(True))
         torch._amp_update_scale_(ref_s, ref_t, torch.tensor(1.0), 2.0, 0.01, 2000)
-        assert bits_equal(s.scale, ref_s)
+        assert same_bits(s.scale, ref_s)
     assert s.scale.item() == 0.0
 
 
@@ -503,7 +500,7 @@ def test_static_and_noop_never_change_scale_but_count_skips(kind):
     flags = [True, False, False, True, True, False]
     for flag in flags:
         s = funcamp.update(s, torch.tensor(flag))
-        assert bits_equal(s.scale, scale) and s.kind == kind
+        assert same_bits(s.scale, scale) and s.kind == kind
     assert int(s.skipped) == sum(flags)
 
 
@@ -513,7 +510,7 @@ def test_noop_still_skips_non_finite_steps():
     opt = funcamp.sgd(0.5)
     grads = {"w": torch.tensor([math.nan, 1.0], dtype=torch.bfloat16)}
     new, _, info = funcamp.unscale_and_step(s, opt, grads, opt.init(params), params)
-    assert bool(info.found_inf) and bits_equal(new["w"], params["w"])
+    assert bool(info.found_inf) and same_bits(new["w"], params["w"])
     assert int(funcamp.update(s, info.found_inf).skipped) == 1
 
 
@@ -557,7 +554,7 @@ def test_skipped_step_leaves_params_and_opt_state_bit_identical(shapes, seed, po
         optree.tree_leaves((new_params, new_state), namespace=NAMESPACE),
         optree.tree_leaves((params, opt_state), namespace=NAMESPACE),
     ):
-        assert bits_equal(a, b)
+        assert same_bits(a, b)
     # A clean step does move them.
     moved, moved_state, info = funcamp.unscale_and_step(s, opt, grads(), opt_state, params)
     assert not bool(info.found_inf)
@@ -726,7 +723,7 @@ def test_compiled_step_no_breaks_no_recompiles(compiled_step):
                 optree.tree_leaves(compiled[:2], namespace=NAMESPACE),
                 optree.tree_leaves(eager[:2], namespace=NAMESPACE),
             ):
-                assert bits_equal(a, b)
+                assert same_bits(a, b)
             scales.add(compiled[2].scale.item())
     assert len(scales) > 3
     assert int(compiled[2].skipped) == 3
@@ -805,9 +802,9 @@ def test_grad_scaler_loaded_from_ours_continues_bit_identically():
         flag = bool(torch.rand((), generator=gen) < 0.3)
         _drive_grad_scaler(gs, [flag])
         s = funcamp.update(s, torch.tensor(flag))
-        assert bits_equal(s.scale, gs._scale) and bits_equal(s.growth_tracker, gs._growth_tracker)
+        assert same_bits(s.scale, gs._scale) and same_bits(s.growth_tracker, gs._growth_tracker)
     back = funcamp.ScalerState.from_grad_scaler(gs)
-    assert bits_equal(back.scale, s.scale) and bits_equal(back.growth_tracker, s.growth_tracker)
+    assert same_bits(back.scale, s.scale) and same_bits(back.growth_tracker, s.growth_tracker)
 
 
 def test_grad_scaler_interop_errors():
@@ -829,14 +826,10 @@ def test_grad_scaler_interop_errors():
 # ------------------------------------------------- fast eager path: in-place reuse, donate_grads
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}
-    return t.view(ints[t.element_size()]).clone() if t.is_floating_point() else t.clone()
-
-
 def _tree_bits(tree) -> list[torch.Tensor]:
+    """Copies of the tensor leaves (kept apart from later in-place writes)."""
     return [
-        _bits(x)
+        x.detach().clone()
         for x in optree.tree_leaves(tree, namespace=NAMESPACE)
         if isinstance(x, torch.Tensor)
     ]
@@ -844,7 +837,7 @@ def _tree_bits(tree) -> list[torch.Tensor]:
 
 def _same_bits(a, b) -> bool:
     la, lb = _tree_bits(a), _tree_bits(b)
-    return len(la) == len(lb) and all(bits_equal(x, y) for x, y in zip(la, lb))
+    return len(la) == len(lb) and all(same_bits(x, y) for x, y in zip(la, lb))
 
 
 def _reference_step(state, optimizer, grads, opt_state, params):
@@ -913,14 +906,14 @@ def test_fast_step_matches_reference_and_never_mutates_inputs(name, mixed, init_
         ref = _reference_step(s, opt, grads, opt_state, params)
         out = funcamp.unscale_and_step(s, opt, grads, opt_state, params)
         assert all(
-            bits_equal(a, b) for a, b in zip(before, _tree_bits((grads, opt_state, params, s)))
+            same_bits(a, b) for a, b in zip(before, _tree_bits((grads, opt_state, params, s)))
         )
         donated = {k: v.clone() for k, v in grads.items()}
         out_donated = funcamp.unscale_and_step(
             s, opt, donated, opt_state, params, donate_grads=True
         )
         assert all(
-            bits_equal(a, b)
+            same_bits(a, b)
             for a, b in zip(before[len(grads) :], _tree_bits((opt_state, params, s)))
         )
         assert _same_bits(out, ref) and _same_bits(out_donated, ref)
@@ -944,7 +937,7 @@ def test_donated_grads_are_reused_and_aliased_grads_are_not():
         s, opt, {"a": shared, "b": shared}, opt.init(params), params, donate_grads=True
     )
     assert new["a"].tolist() == new["b"].tolist() == [-0.5, -1.0]
-    assert bits_equal(info.grad_norm, torch.tensor(10.0).sqrt())
+    assert same_bits(info.grad_norm, torch.tensor(10.0).sqrt())
     # Grads that alias the params are copied, so the params are untouched.
     p = torch.tensor([4.0, 8.0])
     new, _, _ = funcamp.unscale_and_step(
@@ -1007,7 +1000,7 @@ def test_skipped_step_is_exact_while_subnormals_are_flushed():
             new, _, info = funcamp.unscale_and_step(
                 s, opt, grads, opt.init(params), params, donate_grads=donate
             )
-            assert bool(info.found_inf) and bits_equal(_bits(new["w"]), _bits(params["w"]))
+            assert bool(info.found_inf) and same_bits(new["w"], params["w"])
     finally:
         torch.set_flush_denormal(False)
 

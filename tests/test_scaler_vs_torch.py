@@ -8,6 +8,7 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
+from bitwise import same_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -19,10 +20,6 @@ NAMESPACE = "funcamp"
 
 LR = 0.05
 F32_MAX = torch.finfo(torch.float32).max
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -107,7 +104,7 @@ class GradScalerMachine(RuleBasedStateMachine):
         assert out.dtype == torch.float16
         scaled = self.gs.scale(loss)
         ours_scaled = funcamp.scale(self.state, loss.detach())
-        assert _bits_equal(scaled.detach(), ours_scaled)
+        assert same_bits(scaled.detach(), ours_scaled)
         scaled.backward()
         grads = dict(self.model.named_parameters())
         if inject is not None:
@@ -135,8 +132,8 @@ class GradScalerMachine(RuleBasedStateMachine):
     def scaler_matches(self):
         if not hasattr(self, "gs") or self.gs._scale is None:
             return
-        assert _bits_equal(self.state.scale, self.gs._scale)
-        assert _bits_equal(self.state.growth_tracker, self.gs._growth_tracker)
+        assert same_bits(self.state.scale, self.gs._scale)
+        assert same_bits(self.state.growth_tracker, self.gs._growth_tracker)
         assert int(self.state.skipped) == self.skipped
         for k, p in self.model.named_parameters():
             torch.testing.assert_close(self.params[k], p.detach(), rtol=1e-5, atol=1e-7)
@@ -189,8 +186,8 @@ def test_own_grads_through_func_grad_match_torch():
         params, opt_state, info = funcamp.unscale_and_step(state, sgd, grads, opt_state, params)
         state = funcamp.update(state, info.found_inf)
         assert bool(info.found_inf) == (i in (2, 6))
-        assert _bits_equal(state.scale, gs._scale)
-        assert _bits_equal(state.growth_tracker, gs._growth_tracker)
+        assert same_bits(state.scale, gs._scale)
+        assert same_bits(state.growth_tracker, gs._growth_tracker)
         for k, p in model.named_parameters():
             torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-7)
     assert int(state.skipped) == 2
@@ -245,6 +242,6 @@ def test_update_bit_identical_to_kernel(init, growth, backoff, interval, flags):
             lambda x: x[0], vupdate(traced, torch.tensor([flag])), namespace=NAMESPACE
         )
         for got in (state, traced):
-            assert _bits_equal(got.scale, s)
-            assert _bits_equal(got.growth_tracker, t)
+            assert same_bits(got.scale, s)
+            assert same_bits(got.growth_tracker, t)
             assert int(got.hysteresis_tracker) == h
