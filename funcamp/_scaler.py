@@ -831,11 +831,6 @@ def _update_with_kernel(
 # ---------------------------------------------------------------------- unscale_and_step
 
 
-def _tensor_leaves(tree: PyTree) -> list[torch.Tensor]:
-    """The tensor leaves of ``tree`` (params, an optimizer or scaler state: no SetParam)."""
-    return [x for x in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(x, torch.Tensor)]
-
-
 def _disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
     """Whether no two of ``leaves`` share memory and none shares memory with ``taken``."""
     seen: set[int | None] = set()
@@ -1010,7 +1005,7 @@ def unscale_and_step(
     inputs = (
         []
         if compiling
-        else _tensor_leaves(params) + _tensor_leaves(opt_state) + _tensor_leaves(state)
+        else update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
     )
     eager = not compiling and _fused_unscale(floating + inputs)
     taken: set[int | None] = set()

@@ -121,13 +121,10 @@ def is_set_param(x: Any) -> bool:
 
 
 def update_tensors(tree: PyTree) -> list[torch.Tensor]:
-    """The tensors of an updates or state tree (a :class:`SetParam`'s value included)."""
-    out = []
-    for x in optree.tree_leaves(tree, is_leaf=is_set_param, namespace=NAMESPACE):
-        x = x.value if isinstance(x, SetParam) else x
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-    return out
+    """The tensors of an updates or state tree (a :class:`SetParam`'s value included: a
+    NamedTuple, it flattens to its value). Runs on every eager step: no per-node ``is_leaf``
+    callback, which doubles optree's cost."""
+    return [x for x in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(x, torch.Tensor)]
 
 
 def exclusive(candidates: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> list[bool]:
