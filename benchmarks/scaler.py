@@ -7,6 +7,10 @@ Both sides run the same work on one grad tree (10M float32 elements on CPU, 100M
 * funcamp: ``funcamp.unscale_and_step`` with ``funcamp.sgd`` -- unscale, finite check, SGD,
   select of the old/new params, grad norm; no host sync, inputs never modified.
 
+``--optimizer adam`` runs ``torch.optim.Adam(foreach=True)`` (train_step.py's variant (b))
+against ``funcamp.adam`` instead: the optimizer half of the eager train step, whose
+``donate_grads`` row is what ``make_train_step(compile=False)`` runs.
+
 Two splits of the same element count (``--split``, default both):
 
 * ``original``: the first benchmark's split, 4 big matrices (16/10/8/4 MB) and 4 vectors.
@@ -123,7 +127,7 @@ def _funcamp_rows(
 ) -> list[Any]:
     """funcamp's rows, for the module ``fc`` (this tree's funcamp, or another revision's)."""
     state = fc.ScalerState.dynamic(scale, device=device)
-    sgd = fc.sgd(LR)
+    sgd = fc.adam(LR) if args.optimizer == "adam" else fc.sgd(LR)  # `sgd`: the optimizer
     opt_state = sgd.init(params)
 
     def ours_step_fn(state, grads, opt_state, params):
@@ -226,7 +230,10 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
     module_params = [torch.nn.Parameter(p.clone()) for p in params.values()]
     for p, g in zip(module_params, grads.values()):
         p.grad = g.clone()
-    opt = torch.optim.SGD(module_params, lr=LR)
+    if args.optimizer == "adam":  # as variant (b) of train_step.py
+        opt: torch.optim.Optimizer = torch.optim.Adam(module_params, lr=LR, foreach=True)
+    else:
+        opt = torch.optim.SGD(module_params, lr=LR)
     gs = torch.amp.GradScaler(device.type, init_scale=scale)
     gs.scale(torch.ones((), device=device))  # initialise its scale tensor
 
@@ -255,7 +262,7 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
 
     biggest = max(math.prod(s) for s in shapes) * 4 / 2**20
     print(
-        f"split={split} device={device} numel={sum(math.prod(s) for s in shapes):,} "
+        f"optimizer={args.optimizer} split={split} device={device} numel={sum(math.prod(s) for s in shapes):,} "
         f"leaves={len(shapes)} biggest={biggest:.1f} MB runs={args.runs} "
         f"threads={torch.get_num_threads()} torch={torch.__version__}"
     )
@@ -307,6 +314,10 @@ def main() -> None:
     )
     parser.add_argument("--require-quiet", action="store_true", help="stop on a busy machine")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled row")
+    parser.add_argument(
+        "--optimizer", choices=["sgd", "adam"], default="sgd",
+        help="sgd (default) or adam: torch.optim.Adam(foreach=True) against funcamp.adam",
+    )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: less noise)"
     )

@@ -161,7 +161,7 @@ def test_adam_is_torch_bit_for_bit_but_for_the_square_root(
 
     calls = []
 
-    def torch_sqrt(self, xs):
+    def torch_sqrt(self, xs, into=None):
         calls.append(len(xs))
         return self._fresh([torch.sqrt(x) for x in xs])
 
@@ -173,6 +173,91 @@ def test_adam_is_torch_bit_for_bit_but_for_the_square_root(
     assert len(calls) == STEPS  # the eager path ran, with torch's square root
     for k in got:
         assert same_bits(got[k], expected[k]), k
+
+
+_F32 = st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    xs=st.lists(_F32, min_size=1, max_size=40),
+    ys=st.lists(_F32, min_size=1, max_size=40),
+    zs=st.lists(_F32, min_size=1, max_size=40),
+    weight=st.floats(-1.5, 1.5, width=32) | st.sampled_from([0.1, 0.5, -0.5, 0.9, 0.999]),
+)
+def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight):
+    """Ops.lerp and Ops.addcmul run torch's one-pass kernels on the eager path and the
+    difference + fused multiply-add (the product, then one multiply-add) on the traced path
+    (here with funcamp::fma, one rounding, as compiled): the same bits, whichever list the
+    eager result is written into."""
+    from funcamp.optim._paths import EagerOps, TracedOps
+
+    n = min(len(xs), len(ys), len(zs))
+    x, y, z = (torch.tensor(v[:n]) for v in (xs, ys, zs))
+    traced = TracedOps(torch.device("cpu"), fused=True)
+    want_lerp = traced.lerp([x], [y], weight)[0]
+    want_addcmul = traced.addcmul([z], [x], [y], weight)[0]
+    for into in ("fresh", "xs", "other"):
+        xo, yo, zo, other = x.clone(), y.clone(), z.clone(), torch.empty_like(x)
+        owned = {"fresh": [], "xs": [xo, zo], "other": [other]}[into]
+        ops = EagerOps(torch.device("cpu"), owned)
+        target = {"fresh": None, "xs": [xo], "other": [other]}[into]
+        got = ops.lerp([xo], [yo], weight, into=target)[0]
+        assert same_bits(got, want_lerp), into
+        if into != "fresh":
+            assert got is target[0]
+        target = {"fresh": None, "xs": [zo], "other": [other]}[into]
+        got = ops.addcmul([zo], [x], [y], weight, into=target)[0]
+        assert same_bits(got, want_addcmul), into
+        if into != "fresh":
+            assert got is target[0]
+    # not owned: never written
+    xo = x.clone()
+    got = EagerOps(torch.device("cpu")).lerp([xo], [y], weight, into=[xo])[0]
+    assert got is not xo and same_bits(xo, x) and same_bits(got, want_lerp)
+
+
+def _hard_square_roots() -> torch.Tensor:
+    """float32 values whose square roots lie closest to a float32 rounding boundary: the
+    float32 neighbours (+-2 ulps) of m*m for midpoints m between two float32 values, across
+    the exponent range (subnormal squares included), plus zeros, infinities and the extremes."""
+    g = torch.Generator().manual_seed(11)
+    k = torch.randint(2**23, 2**24, (20_000,), generator=g, dtype=torch.int64) * 2 + 1  # odd
+    e = torch.randint(-100, 63, (20_000,), generator=g, dtype=torch.int64)
+    m = k.to(torch.float64) * torch.pow(2.0, (e - 24).to(torch.float64))  # a 25-bit midpoint
+    near = (m * m).to(torch.float32)  # m*m is exact in float64 (50 bits)
+    bits = near.view(torch.int32)
+    out = [(bits + d).view(torch.float32) for d in range(-2, 3)]
+    tiny = torch.arange(0, 5000, dtype=torch.int32).view(torch.float32)  # subnormals and zero
+    edges = torch.tensor([0.0, -0.0, math.inf, 3.4028235e38, 1.0, 2.0, 4.0, 0.25])
+    return torch.cat([*out, tiny, edges]).abs()
+
+
+def test_exact_sqrt_is_the_correctly_rounded_root():
+    """funcamp's eager square root (float64 rsqrt then reciprocal on CPU, ~1.5x faster there
+    than torch's float64 sqrt) is the correctly rounded float32 root: the root taken in float64
+    and rounded once (exact: 53 >= 2 * 24 + 2), and Python's own sqrt, on the values whose roots
+    lie closest to a rounding boundary and on 2**20 random bit patterns of every class."""
+    from funcamp.optim._numerics import exact_sqrt
+
+    hard = _hard_square_roots()
+    expected = torch.tensor([math.sqrt(v) for v in hard.tolist()], dtype=torch.float64)
+    assert same_bits(exact_sqrt(hard), expected.to(torch.float32))
+    g = torch.Generator().manual_seed(12)
+    bits = torch.randint(-(2**31), 2**31 - 1, (2**20,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    got, ref = exact_sqrt(x), torch.sqrt(x.to(torch.float64)).to(torch.float32)
+    nan = ref.isnan()  # negative inputs and NaNs: NaN (its sign bit is the kernel's)
+    assert torch.equal(got.isnan(), nan)
+    assert same_bits(got[~nan], ref[~nan])
+    out = torch.empty_like(hard)
+    assert exact_sqrt(hard, out=out) is out and same_bits(out, expected.to(torch.float32))
+    # A root autograd differentiates takes torch's sqrt (and its derivative).
+    w = hard[:100].clone().add_(1.0).requires_grad_()
+    exact_sqrt(w).sum().backward()
+    v = w.detach().clone().requires_grad_()
+    torch.sqrt(v.to(torch.float64)).to(torch.float32).sum().backward()
+    assert same_bits(w.grad, v.grad)
 
 
 def _run_steps(step, params, state, steps=6):

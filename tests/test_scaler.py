@@ -946,6 +946,62 @@ def test_donated_grads_are_reused_and_aliased_grads_are_not():
     assert p.tolist() == [4.0, 8.0] and new["p"].tolist() == [3.5, 7.0]
 
 
+class _FreshTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that return a fresh tensor of at least ``n`` elements (not in place,
+    not into ``out=``, not a view)."""
+
+    VIEWS = frozenset({"aten::view", "aten::detach", "aten::alias", "aten::_unsafe_view"})
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.ops = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if not (func._schema.is_mutable or "out" in kwargs or name in self.VIEWS):
+            for o in out if isinstance(out, (list, tuple)) else [out]:
+                if isinstance(o, torch.Tensor) and o.numel() >= self.n:
+                    self.ops.append(name)
+        return out
+
+
+@pytest.mark.parametrize(
+    ("name", "fresh"),
+    [
+        # the new exp_avg_sq, the denominator, the new params, and the float64 copy the exact
+        # square root is taken in; the new exp_avg goes into the donated grads
+        ("adam", 4),
+        ("adamw", 4),
+        ("sgd_momentum", 1),  # the new momentum; the new params go into the grads
+        ("lion", 2),  # the new momentum and the update direction (then the new params)
+    ],
+)
+def test_eager_step_allocates_little_more_than_it_returns(name: str, fresh: int) -> None:
+    """The eager loss-scaled step with donated grads (the train step's) puts its results and
+    temporaries into memory it owns: each fresh tensor page-faults on CPU. Counted per leaf, for
+    leaves large enough that nothing else is that size; the results equal the undonated step's."""
+    opt = {
+        "adam": funcamp.adam(1e-3),
+        "adamw": funcamp.adamw(1e-3, weight_decay=0.1),
+        "sgd_momentum": funcamp.sgd(1e-3, momentum=0.9),
+        "lion": funcamp.lion(1e-4),
+    }[name]
+    g = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(64, 64, generator=g), "v": torch.randn(64, 64, generator=g)}
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    state, s = opt.init(params), funcamp.ScalerState.dynamic(init_scale=2.0)
+    state = opt.update(grads, state, params)[1]  # a state that is not all zeros
+    expected = funcamp.unscale_and_step(s, opt, grads, state, params)
+    donated = {k: v.clone() for k, v in grads.items()}
+    with _FreshTensors(64 * 64) as mode:
+        got = funcamp.unscale_and_step(s, opt, donated, state, params, donate_grads=True)
+    assert len(mode.ops) == fresh * len(params), mode.ops
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        assert same_bits(a, b)
+
+
 def test_unscale_donate_grads():
     s = funcamp.ScalerState.dynamic(init_scale=4.0)
     grads = {"w": torch.tensor([8.0, math.inf]), "h": torch.tensor([2.0], dtype=torch.float16)}

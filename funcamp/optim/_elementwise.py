@@ -63,10 +63,11 @@ def elementwise(
     list; ``lr``, a float or a 0-d tensor (0 where a tensor value was unusable: the step is then
     skipped); ``count``, the 0-d int32 number of updates applied before this one. It returns the
     deltas to add to the params and the new buffers. All arithmetic goes through ``ops``
-    (:class:`~funcamp.optim.Ops`: ``add``, ``sub``, ``mul``, ``div``, ``fma``, ``sqrt``,
-    ``sign``, ``where``, ``scalar``), which runs it on the eager or the traced path; a Python
-    scalar is rounded to float32 as torch's kernels round it. ``ops.kept(xs)`` marks a list that
-    goes into the new state, and ``into=xs`` lets an op reuse a dead list's memory.
+    (:class:`~funcamp.optim.Ops`: ``add``, ``sub``, ``mul``, ``div``, ``fma``, ``lerp``,
+    ``addcmul``, ``sqrt``, ``sign``, ``where``, ``scalar``), which runs it on the eager or the
+    traced path; a Python scalar is rounded to float32 as torch's kernels round it.
+    ``ops.kept(xs)`` marks a list that goes into the new state, and ``into=xs`` lets an op
+    reuse a dead list's memory.
 
     Args:
         name: the optimizer's name in error messages (``funcamp.<name>: ...``).

@@ -165,12 +165,30 @@ def _sqrt_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
     return grad / (2 * out)
 
 
-def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded square root of ``x``: for float32, ``sqrt`` in float64 rounded once
-    (exact: 53 >= 2 * 24 + 2 bits); other dtypes use torch's ``sqrt``."""
+def exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The correctly rounded square root of ``x``: for float32, the root in float64 rounded once;
+    other dtypes use torch's ``sqrt``. ``out``: a tensor of ``x``'s dtype and shape to write the
+    result into (eager only).
+
+    Why float64 is enough: a float32 rounding boundary (the midpoint of two float32 neighbours)
+    is at least ``2**-51`` of ``sqrt(x)`` away from it (``x - m*m`` is a nonzero multiple of
+    ``m``'s half-ulp squared), and a float64 root within that rounds like the exact one.
+    On CPU torch's float64 ``sqrt`` kernel is slow (~2.2 ns an element on an AMD EPYC, where
+    ``rsqrt`` takes ~1.3); ``1 / (1 / sqrt(x))`` -- ``rsqrt`` then ``reciprocal``, three float64
+    roundings, within ``3 * 2**-53`` -- rounds the same and is ~1.6x faster (checked on all
+    2**32 float32 bit patterns). A tensor autograd differentiates takes ``sqrt`` (its
+    derivative); CUDA tensors take ``sqrt`` too.
+    """
     if x.dtype != torch.float32:
-        return torch.sqrt(x)
-    return torch.sqrt(x.to(torch.float64)).to(torch.float32)
+        return torch.sqrt(x) if out is None else torch.sqrt(x, out=out)
+    wide = x.to(torch.float64)
+    if not x.is_cpu or (x.requires_grad and torch.is_grad_enabled()):
+        root = torch.sqrt(wide)
+        return root.to(torch.float32) if out is None else out.copy_(root)
+    wide.rsqrt_()  # in place: `wide` is a fresh float64 copy of ours
+    if out is None:
+        return torch.reciprocal(wide).to(torch.float32)
+    return torch.reciprocal(wide, out=out)  # taken in float64, rounded once into float32
 
 
 def _define_sqrt() -> Any:

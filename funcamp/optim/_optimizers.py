@@ -17,7 +17,6 @@ import torch
 from funcamp._checks import check_number
 from funcamp.optim._base import Optimizer
 from funcamp.optim._elementwise import build
-from funcamp.optim._numerics import f32
 from funcamp.optim._paths import Ops
 
 __all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]
@@ -93,18 +92,22 @@ def _sgd_step(momentum: float, dampening: float, nesterov: bool, weight_decay: f
         d, new = grads, {}
         if weight_decay > 0:
             d = ops.fma(params, weight_decay, d, into=d)
+        free = d  # dead once the step is known: the result may go into it
         if momentum > 0:
             buf = ops.mul(buffers["momentum"], momentum)
             if dampening:
                 buf = ops.where(count == 0, d, ops.fma(d, 1.0 - dampening, buf))
             else:
-                buf = ops.add(buf, d)
+                buf = ops.add(buf, d, into=buf)
             new["momentum"] = ops.kept(buf)
-            d = ops.fma(buf, momentum, d, into=d) if nesterov else buf
+            if nesterov:
+                d = free = ops.fma(buf, momentum, d, into=d)
+            else:  # the step is the kept buffer; the result goes into the dead grads
+                d = buf
         neg_lr = ops.scalar(-lr)
         if params is None:  # no params to add to: the rounded step itself
-            return ops.mul(d, neg_lr, into=d), new
-        new_p = ops.fma(d, neg_lr, params, into=d)
+            return ops.mul(d, neg_lr, into=free), new
+        new_p = ops.fma(d, neg_lr, params, into=free)
         return ops.sub(new_p, params, into=new_p), new
 
     return step
@@ -225,11 +228,11 @@ def _adam_step(b1: float, b2: float, eps: float, weight_decay: float, decoupled:
         if weight_decay > 0 and not decoupled:
             g = ops.fma(p, weight_decay, g, into=g)
         m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
-        w = f32(1.0 - b1)
-        diff = ops.sub(g, m)  # lerp works from the nearer end: m + w (g - m) or g + (w - 1)(g - m)
-        m = ops.kept(ops.fma(diff, w, m) if w < 0.5 else ops.fma(diff, w - 1.0, g))
-        del diff
-        v = ops.kept(ops.fma(ops.mul(g, 1.0 - b2), g, ops.mul(v, b2)))
+        # v first: the new m then goes into the grads (when the eager path owns them)
+        vb = ops.mul(v, b2)
+        v = ops.kept(ops.addcmul(vb, g, g, 1.0 - b2, into=vb))
+        m = ops.kept(ops.lerp(m, g, 1.0 - b1, into=g))
+        del vb
         # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
         t = (count + 1).to(torch.float64)
         lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
@@ -240,9 +243,8 @@ def _adam_step(b1: float, b2: float, eps: float, weight_decay: float, decoupled:
         denom = ops.add(denom, eps, into=denom)
         deltas = ops.mul(m, neg_step)
         deltas = ops.div(deltas, denom, into=deltas)
-        del denom
         if weight_decay > 0 and decoupled:  # p * (1 - lr * wd) + step, as the difference to p
-            new_p = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+            new_p = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay), into=denom)
             new_p = ops.add(new_p, deltas, into=new_p)
             deltas = ops.sub(new_p, p, into=new_p)
         return deltas, {"exp_avg": m, "exp_avg_sq": v}
@@ -378,14 +380,16 @@ def _lion_step(b1: float, b2: float, weight_decay: float) -> Any:
         # p.mul_(1 - lr * wd); p.add_(sign(b1 * m + (1 - b1) * g), alpha=-lr);
         # m = b2 * m + (1 - b2) * g. Each `mul(b) + x * (1 - b)` is one fused multiply-add.
         m = buffers["exp_avg"]
-        direction = ops.fma(g, 1.0 - b1, ops.mul(m, b1))
+        direction = ops.mul(m, b1)
+        direction = ops.fma(g, 1.0 - b1, direction, into=direction)
         direction = ops.sign(direction, into=direction)
-        new_m = ops.kept(ops.fma(g, 1.0 - b2, ops.mul(m, b2)))
+        new_m = ops.mul(m, b2)
+        new_m = ops.kept(ops.fma(g, 1.0 - b2, new_m, into=new_m))
         neg_lr = ops.scalar(-lr)
         if weight_decay == 0:  # -lr * (+-1 or 0) is exact: apply_updates adds it as torch does
             return ops.mul(direction, neg_lr, into=direction), {"exp_avg": new_m}
         lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
-        new_p = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+        new_p = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay), into=g)  # g is dead
         new_p = ops.fma(direction, neg_lr, new_p, into=new_p)
         return ops.sub(new_p, p, into=new_p), {"exp_avg": new_m}
 

@@ -153,7 +153,7 @@ class Ops:
     def sign(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         raise NotImplementedError
 
-    def sqrt(self, xs: Tensors) -> Tensors:
+    def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         """Correctly rounded square roots (torch's eager float32 ``sqrt`` is not always)."""
         raise NotImplementedError
 
@@ -161,6 +161,26 @@ class Ops:
         """``x * y + z`` leaf by leaf, rounded once like torch's CPU ``add(alpha=)``, ``lerp``
         and ``addcmul``; non-float32 leaves (float64) multiply and add in their own dtype."""
         raise NotImplementedError
+
+    def lerp(self, xs: Tensors, ys: Tensors, weight: float, into: Tensors | None = None) -> Tensors:
+        """``torch.lerp(x, y, weight)`` leaf by leaf (``weight`` a Python float, rounded to
+        float32), rounded as torch's CPU kernel: the difference ``y - x`` rounded, then one
+        multiply-add from the nearer end, ``x + w (y - x)`` for ``|w| < 0.5``, else
+        ``y + (w - 1)(y - x)``. (torch.optim.Adam's ``exp_avg.lerp_(grad, 1 - b1)``.)"""
+        w = f32(float(weight))
+        diff = self.sub(ys, xs)
+        if abs(w) < 0.5:
+            return self.fma(diff, w, xs, into=diff)
+        return self.fma(diff, w - 1.0, ys, into=diff)
+
+    def addcmul(
+        self, zs: Tensors, xs: Tensors, ys: Tensors, value: float, into: Tensors | None = None
+    ) -> Tensors:
+        """``torch.addcmul(z, x, y, value=value)`` leaf by leaf (``value`` a Python float,
+        rounded to float32), rounded as torch's CPU kernel: ``value * x`` rounded, then one
+        multiply-add, ``z + (value * x) * y``. (torch.optim.Adam's
+        ``exp_avg_sq.addcmul_(grad, grad, value=1 - b2)``.)"""
+        return self.fma(self.mul(xs, float(value)), ys, zs, into=into)
 
     def where(self, cond: torch.Tensor, xs: Tensors, ys: Tensors) -> Tensors:
         """``torch.where(cond, x, y)`` leaf by leaf (``cond`` a 0-d bool tensor)."""
@@ -211,9 +231,12 @@ class EagerOps(Ops):
 
     def _binary(self, op: str, xs: Tensors, y: Scalar, into: Tensors | None) -> Tensors:
         y = _scalar(y)
-        if into is xs and self._owns(xs):
-            getattr(torch, f"_foreach_{op}_")(xs, y)
-            return xs
+        if into is not None and self._owns(into):
+            if into is xs:
+                getattr(torch, f"_foreach_{op}_")(xs, y)
+                return xs
+            fn = getattr(torch, op)  # into another dead list of ours: same kernel, no allocation
+            return [fn(x, yi, out=o) for x, yi, o in zip(xs, _each(y, len(xs)), into)]
         return self._fresh(list(getattr(torch, f"_foreach_{op}")(xs, y)))
 
     def sign(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
@@ -222,8 +245,11 @@ class EagerOps(Ops):
             return xs
         return self._fresh(list(torch._foreach_sign(xs)))
 
-    def sqrt(self, xs: Tensors) -> Tensors:
-        return self._fresh([exact_sqrt(x) for x in xs])
+    def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
+        outs = into if into is not None and self._owns(into) else None
+        if outs is None:  # a float32 result written by the root's last kernel: one pass less
+            return self._fresh([exact_sqrt(x, out=torch.empty_like(x)) for x in xs])
+        return [exact_sqrt(x, out=o) for x, o in zip(xs, outs)]
 
     def fma(self, xs: Tensors, y: Scalar, zs: Tensors, into: Tensors | None = None) -> Tensors:
         y = _scalar(y)
@@ -237,6 +263,26 @@ class EagerOps(Ops):
                 r = torch.add(z, x, alpha=yi) if o is None else torch.add(z, x, alpha=yi, out=o)
             results.append(r)
         return results if outs is not None else self._fresh(results)
+
+    def lerp(self, xs: Tensors, ys: Tensors, weight: float, into: Tensors | None = None) -> Tensors:
+        w = f32(float(weight))  # torch's kernel, one pass: the same roundings as Ops.lerp
+        if into is not None and self._owns(into):
+            if into is xs:
+                torch._foreach_lerp_(xs, ys, w)
+                return xs
+            return [torch.lerp(x, y, w, out=o) for x, y, o in zip(xs, ys, into)]
+        return self._fresh(list(torch._foreach_lerp(xs, ys, w)))
+
+    def addcmul(
+        self, zs: Tensors, xs: Tensors, ys: Tensors, value: float, into: Tensors | None = None
+    ) -> Tensors:
+        v = f32(float(value))  # torch's kernel, one pass: the same roundings as Ops.addcmul
+        if into is not None and self._owns(into):
+            if into is zs:
+                torch._foreach_addcmul_(zs, xs, ys, v)
+                return zs
+            return [torch.addcmul(z, x, y, value=v, out=o) for z, x, y, o in zip(zs, xs, ys, into)]
+        return self._fresh(list(torch._foreach_addcmul(zs, xs, ys, v)))
 
     def where(self, cond: torch.Tensor, xs: Tensors, ys: Tensors) -> Tensors:
         return self._fresh(super().where(cond, xs, ys))
@@ -265,7 +311,7 @@ class TracedOps(Ops):
     def sign(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         return [torch.sign(x) for x in xs]
 
-    def sqrt(self, xs: Tensors) -> Tensors:
+    def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         if self.fused and EXACT_SQRT is not None and not tracks_grad(xs):
             return [EXACT_SQRT(x) for x in xs]
         return [exact_sqrt(x) for x in xs]
