@@ -217,6 +217,20 @@ def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight
     assert got is not xo and same_bits(xo, x) and same_bits(got, want_lerp)
 
 
+def test_lerp_and_addcmul_refuse_a_tensor_factor():
+    """A tensor weight/value would be read on the host (a sync; a graph break compiled):
+    refused on both paths, naming the argument."""
+    from funcamp.optim._paths import EagerOps, TracedOps
+
+    x = [torch.ones(3)]
+    for ops in (EagerOps(torch.device("cpu")), TracedOps(torch.device("cpu"), fused=False)):
+        with pytest.raises(TypeError, match=r"Ops.lerp: `weight` must be a Python float"):
+            ops.lerp(x, x, torch.tensor(0.1))
+        with pytest.raises(TypeError, match=r"Ops.addcmul: `value` must be a Python float"):
+            ops.addcmul(x, x, x, torch.tensor(0.5))
+        assert same_bits(ops.lerp(x, [torch.full((3,), 3.0)], 0.5)[0], torch.full((3,), 2.0))
+
+
 def _hard_square_roots() -> torch.Tensor:
     """float32 values whose square roots lie closest to a float32 rounding boundary: the
     float32 neighbours (+-2 ulps) of m*m for midpoints m between two float32 values, across

@@ -83,6 +83,17 @@ def _scalar(y: Scalar) -> Scalar:
     return f32(y) if isinstance(y, float) else y
 
 
+def _python_float(op: str, name: str, value: Any) -> float:
+    """``value`` as a Python float rounded to float32; a tensor is refused (reading it would be
+    a host sync, and under compile a graph break)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"funcamp.optim.Ops.{op}: `{name}` must be a Python float, got "
+            f"{type(value).__name__}; for a tensor factor use ops.fma / ops.mul"
+        )
+    return f32(float(value))
+
+
 def _pick(y: Scalar, i: int) -> Scalar:
     return y[i] if isinstance(y, (list, tuple)) else y
 
@@ -167,7 +178,7 @@ class Ops:
         float32), rounded as torch's CPU kernel: the difference ``y - x`` rounded, then one
         multiply-add from the nearer end, ``x + w (y - x)`` for ``|w| < 0.5``, else
         ``y + (w - 1)(y - x)``. (torch.optim.Adam's ``exp_avg.lerp_(grad, 1 - b1)``.)"""
-        w = f32(float(weight))
+        w = _python_float("lerp", "weight", weight)
         diff = self.sub(ys, xs)
         if abs(w) < 0.5:
             return self.fma(diff, w, xs, into=diff)
@@ -180,7 +191,8 @@ class Ops:
         rounded to float32), rounded as torch's CPU kernel: ``value * x`` rounded, then one
         multiply-add, ``z + (value * x) * y``. (torch.optim.Adam's
         ``exp_avg_sq.addcmul_(grad, grad, value=1 - b2)``.)"""
-        return self.fma(self.mul(xs, float(value)), ys, zs, into=into)
+        v = _python_float("addcmul", "value", value)
+        return self.fma(self.mul(xs, v), ys, zs, into=into)
 
     def where(self, cond: torch.Tensor, xs: Tensors, ys: Tensors) -> Tensors:
         """``torch.where(cond, x, y)`` leaf by leaf (``cond`` a 0-d bool tensor)."""
@@ -265,7 +277,7 @@ class EagerOps(Ops):
         return results if outs is not None else self._fresh(results)
 
     def lerp(self, xs: Tensors, ys: Tensors, weight: float, into: Tensors | None = None) -> Tensors:
-        w = f32(float(weight))  # torch's kernel, one pass: the same roundings as Ops.lerp
+        w = _python_float("lerp", "weight", weight)  # torch's kernel: Ops.lerp's roundings
         if into is not None and self._owns(into):
             if into is xs:
                 torch._foreach_lerp_(xs, ys, w)
@@ -276,7 +288,7 @@ class EagerOps(Ops):
     def addcmul(
         self, zs: Tensors, xs: Tensors, ys: Tensors, value: float, into: Tensors | None = None
     ) -> Tensors:
-        v = f32(float(value))  # torch's kernel, one pass: the same roundings as Ops.addcmul
+        v = _python_float("addcmul", "value", value)  # torch's kernel: Ops.addcmul's roundings
         if into is not None and self._owns(into):
             if into is zs:
                 torch._foreach_addcmul_(zs, xs, ys, v)
