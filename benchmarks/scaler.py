@@ -40,6 +40,10 @@ Rows (ratio = funcamp / torch, lower is better):
 next order of the sides); the ``vs @REV`` column is the median of the per-round ratios this/REV. Run it
 against ``HEAD`` for the noise floor (an A/A comparison of identical code).
 
+``faults/call`` is the median number of minor page faults of one call (funcamp/torch): fresh
+memory is mapped in page by page on first touch, which on a VM can cost more than the
+arithmetic; it says how much of a row's time is the allocator's.
+
 Runs are interleaved in one process (alternating which side goes first) and the median of
 ``--runs`` runs is reported. Allocation of fresh 4-40 MB tensors (page faults) is a large part of
 the cost on CPU; the library never tunes the allocator, and neither does this script.
@@ -64,6 +68,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+try:
+    import resource  # Unix: page faults per call
+except ImportError:  # pragma: no cover - Windows
+    resource = None  # type: ignore[assignment]
 
 import funcamp
 
@@ -102,16 +111,24 @@ def _model_shapes(numel: int) -> list[tuple[int, ...]]:
     return [(vocab, d)] + block * blocks
 
 
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
+def _minor_faults() -> int:
+    """This process's minor page faults so far (0 where ``resource`` is missing)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, int]:
+    """Seconds and minor page faults of one call."""
     _sync(device)
+    faults = _minor_faults()
     start = time.perf_counter()
     out = fn()
     _sync(device)
     took = time.perf_counter() - start
+    faults = _minor_faults() - faults
     # Freed after the clock stops: torch's side frees nothing, and returning 40-80 MB to the OS
     # inside the timed region cost funcamp's rows up to 2x on this VM.
     del out
-    return took
+    return took, faults
 
 
 def _funcamp_rows(
@@ -266,7 +283,7 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
         f"leaves={len(shapes)} biggest={biggest:.1f} MB runs={args.runs} "
         f"threads={torch.get_num_threads()} torch={torch.__version__}"
     )
-    head = f"{'':50s} {'funcamp ms':>11s} {'torch ms':>9s} {'ratio':>6s}"
+    head = f"{'':50s} {'funcamp ms':>11s} {'torch ms':>9s} {'ratio':>6s} {'faults/call':>13s}"
     print(head + (f" {'vs' + tag:>12s}" if args.against else ""))
     for name, ours, torch_fn, setup in rows:
         sides = [(ours, setup), (torch_fn, None)]
@@ -274,6 +291,7 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
         if other is not None:
             sides.append((other[1], other[3]))
         times: list[list[float]] = [[] for _ in sides]
+        faults: list[list[int]] = [[] for _ in sides]
         for i in range(args.runs + 2):  # two warm-up runs
             reset_torch()
             for _, side_setup in sides:
@@ -283,22 +301,28 @@ def _bench(args: argparse.Namespace, device: torch.device, split: str) -> None:
             # every order of the sides in turn: no side always runs first or after the same one
             orders = list(itertools.permutations(range(len(sides))))
             order = orders[i % len(orders)]
-            took = [0.0] * len(sides)
+            took = [(0.0, 0)] * len(sides)
             for k in order:
                 took[k] = _timed(sides[k][0], device)
             gs.update()
             if i >= 2:
-                for k, t in enumerate(took):
+                for k, (t, f) in enumerate(took):
                     times[k].append(t)
+                    faults[k].append(f)
         med = [statistics.median(t) * 1e3 for t in times]
+        flt = [round(statistics.median(f)) for f in faults]
         line = f"{name:50s} {med[0]:11.2f} {med[1]:9.2f} {med[0] / med[1]:6.2f}"
+        line += f" {f'{flt[0]}/{flt[1]}':>13s}"
         if other is not None:
             # per-round ratio this/other: both sides timed within one round
             paired = statistics.median(a / b for a, b in zip(times[0], times[2]))
             line += f" {paired:12.3f}"
         print(line)
         if other is not None:
-            print(f"{other[0]:50s} {med[2]:11.2f} {med[1]:9.2f} {med[2] / med[1]:6.2f}")
+            print(
+                f"{other[0]:50s} {med[2]:11.2f} {med[1]:9.2f} {med[2] / med[1]:6.2f} "
+                f"{f'{flt[2]}/{flt[1]}':>13s}"
+            )
     for row in by_name.values():  # rows only the other revision has
         print(f"{row[0]:50s} (only at {args.against}; not timed)")
 
