@@ -251,14 +251,15 @@ def test_exact_sqrt_is_the_correctly_rounded_root():
     """funcamp's eager square root (float64 rsqrt then reciprocal on CPU, ~1.5x faster there
     than torch's float64 sqrt) is the correctly rounded float32 root: the root taken in float64
     and rounded once (exact: 53 >= 2 * 24 + 2), and Python's own sqrt, on the values whose roots
-    lie closest to a rounding boundary and on 2**20 random bit patterns of every class."""
+    lie closest to a rounding boundary and on 2**21 random bit patterns of every class."""
     from funcamp.optim._numerics import exact_sqrt
 
     hard = _hard_square_roots()
     expected = torch.tensor([math.sqrt(v) for v in hard.tolist()], dtype=torch.float64)
     assert same_bits(exact_sqrt(hard), expected.to(torch.float32))
     g = torch.Generator().manual_seed(12)
-    bits = torch.randint(-(2**31), 2**31 - 1, (2**20,), generator=g, dtype=torch.int64)
+    # more than 2**20 elements: the root is taken in chunks (and a tail) through one scratch
+    bits = torch.randint(-(2**31), 2**31 - 1, (2**21 + 4094,), generator=g, dtype=torch.int64)
     x = bits.to(torch.int32).view(torch.float32)
     got, ref = exact_sqrt(x), torch.sqrt(x.to(torch.float64)).to(torch.float32)
     nan = ref.isnan()  # negative inputs and NaNs: NaN (its sign bit is the kernel's)
@@ -266,6 +267,12 @@ def test_exact_sqrt_is_the_correctly_rounded_root():
     assert same_bits(got[~nan], ref[~nan])
     out = torch.empty_like(hard)
     assert exact_sqrt(hard, out=out) is out and same_bits(out, expected.to(torch.float32))
+    out = torch.empty_like(x)
+    assert exact_sqrt(x, out=out) is out and same_bits(out[~nan], ref[~nan])
+    wide = x.view(-1, 7).t()  # not contiguous: taken whole
+    assert same_bits(
+        exact_sqrt(wide)[~nan.view(-1, 7).t()], ref.view(-1, 7).t()[~nan.view(-1, 7).t()]
+    )
     # A root autograd differentiates takes torch's sqrt (and its derivative).
     w = hard[:100].clone().add_(1.0).requires_grad_()
     exact_sqrt(w).sum().backward()
