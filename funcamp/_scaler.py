@@ -25,6 +25,7 @@ from funcamp._tree import (
     NAMESPACE,
     _plan_write,
     _select,
+    _self_overlapping,
     _sharing_memory,
     _storage_key,
     describe,
@@ -832,11 +833,12 @@ def _update_with_kernel(
 
 
 def _disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
-    """Whether no two of ``leaves`` share memory and none shares memory with ``taken``."""
+    """Whether no two of ``leaves`` share memory, none shares memory with ``taken``, and none
+    with itself (an expanded grad)."""
     seen: set[int | None] = set()
     for x in leaves:
         key = _storage_key(x)
-        if key is not None and (key in seen or key in taken):
+        if key is not None and (key in seen or key in taken or _self_overlapping(x)):
             return False
         seen.add(key)
     return True

@@ -166,6 +166,14 @@ def _storage_key(x: torch.Tensor) -> int | None:
     return x.untyped_storage().data_ptr()
 
 
+def _self_overlapping(x: torch.Tensor) -> bool:
+    """Whether elements of ``x`` share memory -- an expanded tensor, such as the grad of
+    ``w.sum()`` from ``torch.func.grad`` (all strides 0): torch refuses to write into it in
+    place, so it is never donated or owned. (torch's own test; "too hard to tell" is not
+    refused by torch's in-place ops, nor here.)"""
+    return torch._debug_has_internal_overlap(x) == 1
+
+
 def _leaf_name(name: str, tree: PyTree, index: int) -> str:
     """``name`` plus the path of leaf ``index`` of ``tree`` (just ``name`` for a bare tensor)."""
     path = leaf_path(tree, index)

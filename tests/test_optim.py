@@ -183,9 +183,10 @@ _F32 = st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=True)
     xs=st.lists(_F32, min_size=1, max_size=40),
     ys=st.lists(_F32, min_size=1, max_size=40),
     zs=st.lists(_F32, min_size=1, max_size=40),
-    weight=st.floats(-1.5, 1.5, width=32) | st.sampled_from([0.1, 0.5, -0.5, 0.9, 0.999]),
+    weight=st.floats(-1.5, 1.5, width=32) | st.sampled_from([0.1, 0.5, -0.5, -0.7, 0.9, 0.999]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
 )
-def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight):
+def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight, dtype):
     """Ops.lerp and Ops.addcmul run torch's one-pass kernels on the eager path and the
     difference + fused multiply-add (the product, then one multiply-add) on the traced path
     (here with funcamp::fma, one rounding, as compiled): the same bits, whichever list the
@@ -193,21 +194,25 @@ def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight
     from funcamp.optim._paths import EagerOps, TracedOps
 
     n = min(len(xs), len(ys), len(zs))
-    x, y, z = (torch.tensor(v[:n]) for v in (xs, ys, zs))
+    x, y, z = (torch.tensor(v[:n], dtype=dtype) for v in (xs, ys, zs))
     traced = TracedOps(torch.device("cpu"), fused=True)
     want_lerp = traced.lerp([x], [y], weight)[0]
     want_addcmul = traced.addcmul([z], [x], [y], weight)[0]
-    for into in ("fresh", "xs", "other"):
+    # "ys": Adam's lerp(m, g, into=g), the result written over an input it reads
+    for into in ("fresh", "xs", "ys", "other"):
         xo, yo, zo, other = x.clone(), y.clone(), z.clone(), torch.empty_like(x)
-        owned = {"fresh": [], "xs": [xo, zo], "other": [other]}[into]
-        ops = EagerOps(torch.device("cpu"), owned)
-        target = {"fresh": None, "xs": [xo], "other": [other]}[into]
+        ops = EagerOps(torch.device("cpu"), [xo, yo, zo, other])
+        target = {"fresh": None, "xs": [xo], "ys": [yo], "other": [other]}[into]
         got = ops.lerp([xo], [yo], weight, into=target)[0]
         assert same_bits(got, want_lerp), into
-        if into != "fresh":
-            assert got is target[0]
-        target = {"fresh": None, "xs": [zo], "other": [other]}[into]
-        got = ops.addcmul([zo], [x], [y], weight, into=target)[0]
+        # float64 runs the decomposition (torch's kernel keeps w - 1 in float64): fresh
+        assert (target is not None and got is target[0]) == (
+            into != "fresh" and dtype == torch.float32
+        )
+        xo, yo, zo = x.clone(), y.clone(), z.clone()
+        ops = EagerOps(torch.device("cpu"), [xo, yo, zo, other])
+        target = {"fresh": None, "xs": [zo], "ys": [yo], "other": [other]}[into]
+        got = ops.addcmul([zo], [xo], [yo], weight, into=target)[0]
         assert same_bits(got, want_addcmul), into
         if into != "fresh":
             assert got is target[0]
@@ -231,13 +236,42 @@ def test_lerp_and_addcmul_refuse_a_tensor_factor():
         assert same_bits(ops.lerp(x, [torch.full((3,), 3.0)], 0.5)[0], torch.full((3,), 2.0))
 
 
+def test_exact_sqrt_under_transforms_is_sqrt():
+    """Under vmap, forward-mode AD (jvp, dual tensors) and reverse-mode autograd the root is
+    torch's float64 sqrt -- its batching rule and derivative -- also for a leaf above the
+    chunk size; and funcamp::sqrt's schema is one tensor in, one out."""
+    from funcamp.optim._numerics import _SQRT_CHUNK, exact_sqrt
+
+    assert len(torch.ops.funcamp.sqrt.default._schema.arguments) == 1
+    g = torch.Generator().manual_seed(13)
+    for n in (10, _SQRT_CHUNK + 3):
+        x, t = torch.rand(n, generator=g) + 0.5, torch.rand(n, generator=g)
+
+        def ref(v):
+            return torch.sqrt(v.to(torch.float64)).to(torch.float32)
+
+        y, dy = torch.func.jvp(exact_sqrt, (x,), (t,))
+        y_ref, dy_ref = torch.func.jvp(ref, (x,), (t,))
+        assert same_bits(y, y_ref) and same_bits(dy, dy_ref)
+        batched = torch.stack([x, x.flip(0)])
+        assert same_bits(torch.func.vmap(exact_sqrt)(batched), ref(batched))
+    opt = funcamp.adam(1e-3)  # vmap over an ensemble whose leaf is above the chunk size
+    params = {"w": torch.rand(2, _SQRT_CHUNK + 3, generator=g)}
+    grads = {"w": torch.rand(2, _SQRT_CHUNK + 3, generator=g)}
+    updates, _ = torch.func.vmap(opt.update)(grads, torch.func.vmap(opt.init)(params), params)
+    for i in range(2):
+        one = {"w": params["w"][i]}
+        want, _ = opt.update({"w": grads["w"][i]}, opt.init(one), one)
+        assert same_bits(updates["w"][i], want["w"])
+
+
 def _hard_square_roots() -> torch.Tensor:
     """float32 values whose square roots lie closest to a float32 rounding boundary: the
-    float32 neighbours (+-2 ulps) of m*m for midpoints m between two float32 values, across
-    the exponent range (subnormal squares included), plus zeros, infinities and the extremes."""
+    float32 neighbours (+-2 ulps) of m*m for midpoints m between two float32 values, with m*m
+    across the normal range; plus the smallest subnormals, zeros, infinities and extremes."""
     g = torch.Generator().manual_seed(11)
     k = torch.randint(2**23, 2**24, (20_000,), generator=g, dtype=torch.int64) * 2 + 1  # odd
-    e = torch.randint(-100, 63, (20_000,), generator=g, dtype=torch.int64)
+    e = torch.randint(-62, 63, (20_000,), generator=g, dtype=torch.int64)  # m*m stays normal
     m = k.to(torch.float64) * torch.pow(2.0, (e - 24).to(torch.float64))  # a 25-bit midpoint
     near = (m * m).to(torch.float32)  # m*m is exact in float64 (50 bits)
     bits = near.view(torch.int32)

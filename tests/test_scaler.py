@@ -1002,6 +1002,61 @@ def test_eager_step_allocates_little_more_than_it_returns(name: str, fresh: int)
         assert same_bits(a, b)
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd_momentum", "lion"])
+@pytest.mark.parametrize(("param_dtype", "grad_dtype"), [(torch.float64, torch.float32)])
+def test_owned_step_with_mixed_dtypes_matches_the_plain_update(name, param_dtype, grad_dtype):
+    """float64 params with float32 grads: the state and the updates are float64. The eager
+    step that owns its grads must not write a float64 result into a float32 grad (out= would
+    cast it down) nor run a kernel that does not promote: the same bits as the plain update."""
+    opt = {
+        "adam": funcamp.adam(1e-3),
+        "adamw": funcamp.adamw(1e-3, weight_decay=0.1),
+        "sgd_momentum": funcamp.sgd(0.1, momentum=0.9),
+        "lion": funcamp.lion(1e-3, weight_decay=0.1),
+    }[name]
+    g = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(300, generator=g, dtype=param_dtype)}
+    grads = {"w": torch.randn(300, generator=g, dtype=grad_dtype)}
+    state = opt.update(grads, opt.init(params), params)[1]
+    updates, new_state = opt.update(grads, state, params)
+    owned = {"w": grads["w"].clone()}
+    got, got_state = opt.capabilities.update_owned(owned, state, params, [owned["w"]])
+    for a, b in zip(optree.tree_leaves((got, got_state)), optree.tree_leaves((updates, new_state))):
+        assert same_bits(a, b)
+    assert got["w"].dtype == param_dtype
+
+
+def test_expanded_grads_are_copied_not_written_in_place():
+    """torch.func.grad of ``w.sum()`` is an expanded tensor (strides 0), which torch refuses to
+    write in place: a donated step copies it instead (the eager train step donates its grads),
+    with the undonated step's results."""
+    w = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+    g = torch.func.grad(lambda w: w.sum())(w)
+    assert g.stride() == (0, 0)
+    for opt in (funcamp.adam(1e-3), funcamp.lion(1e-3, weight_decay=0.1), funcamp.sgd(0.1, 0.9)):
+        s, state = funcamp.ScalerState.dynamic(2.0), opt.init({"w": w})
+        want = funcamp.unscale_and_step(s, opt, {"w": g.contiguous()}, state, {"w": w})
+        got = funcamp.unscale_and_step(s, opt, {"w": g}, state, {"w": w}, donate_grads=True)
+        for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+            assert same_bits(a, b)
+        owned = opt.capabilities.update_owned({"w": g}, state, {"w": w}, [g])
+        for a, b in zip(
+            optree.tree_leaves(owned), optree.tree_leaves(opt.update({"w": g}, state, {"w": w}))
+        ):
+            assert same_bits(a, b)
+
+    def loss_fn(params, buffers, batch):  # b's grad is expanded
+        return (batch @ params["w"]).square().mean() + params["b"].sum()
+
+    opt = funcamp.adam(1e-2)
+    state = funcamp.TrainState.create({"w": w, "b": torch.zeros(3)}, opt, "float32")
+    step = funcamp.make_train_step(loss_fn, opt, "float32", compile=False)
+    state, metrics = step(state, torch.ones(2, 4))
+    # Adam's first step is -lr * sign(g) (to rounding): g = 1 for every element of b
+    assert torch.isfinite(metrics["loss"])
+    assert torch.allclose(state.params["b"], torch.full((3,), -0.01))
+
+
 def test_unscale_donate_grads():
     s = funcamp.ScalerState.dynamic(init_scale=4.0)
     grads = {"w": torch.tensor([8.0, math.inf]), "h": torch.tensor([2.0], dtype=torch.float16)}

@@ -13,6 +13,7 @@ from funcamp._checks import any_flag
 from funcamp._lowp import round_nearest
 from funcamp._tree import (
     NAMESPACE,
+    _self_overlapping,
     _storage_key,
     describe,
     flatten,
@@ -128,14 +129,17 @@ def update_tensors(tree: PyTree) -> list[torch.Tensor]:
 
 
 def exclusive(candidates: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> list[bool]:
-    """For each candidate: whether its memory is shared with no other candidate and none of
-    ``others``."""
+    """For each candidate: whether its memory is shared with no other candidate, none of
+    ``others``, and not between its own elements."""
     taken = {_storage_key(x) for x in others}
     keys = [_storage_key(x) for x in candidates]
     counts: dict[int | None, int] = {}
     for k in keys:
         counts[k] = counts.get(k, 0) + 1
-    return [k is not None and k not in taken and counts[k] == 1 for k in keys]
+    return [
+        k is not None and k not in taken and counts[k] == 1 and not _self_overlapping(x)
+        for k, x in zip(keys, candidates)
+    ]
 
 
 # --------------------------------------------------------------------------------------------

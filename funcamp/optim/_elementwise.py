@@ -24,7 +24,7 @@ from funcamp._checks import (
     learning_rate_fn,
     state_leaves,
 )
-from funcamp._tree import describe, flatten, unflatten
+from funcamp._tree import _self_overlapping, describe, flatten, unflatten
 from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._numerics import math_dtype
@@ -247,8 +247,8 @@ def build(
 
 
 def _owned_grads(gs: Tensors, owned: Sequence[torch.Tensor]) -> Tensors:
-    """The grad leaves the caller owns (may be overwritten in place)."""
+    """The grad leaves the caller owns (may be overwritten in place; an expanded one cannot)."""
     if not owned:
         return []
     ids = {id(o) for o in owned}
-    return [g for g in gs if id(g) in ids]
+    return [g for g in gs if id(g) in ids and not _self_overlapping(g)]

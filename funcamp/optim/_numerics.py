@@ -169,6 +169,19 @@ def _sqrt_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 _SQRT_CHUNK = 1 << 20
 
 
+def _plain_cpu(x: torch.Tensor) -> bool:
+    """A plain eager CPU tensor nothing differentiates or transforms: in-place float64 work
+    on a copy of it (rsqrt, reciprocal into ``out=``) is then invisible to everything."""
+    return (
+        type(x) is torch.Tensor
+        and x.is_cpu
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and torch._C._functorch.maybe_current_level() is None
+        and getattr(torch.autograd.forward_ad, "_current_level", -1) < 0  # no dual tensors
+        and not torch.compiler.is_compiling()
+    )
+
+
 def exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The correctly rounded square root of ``x``: for float32, the root in float64 rounded once;
     other dtypes use torch's ``sqrt``. ``out``: a tensor of ``x``'s dtype and shape to write the
@@ -180,14 +193,16 @@ def exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     On CPU torch's float64 ``sqrt`` kernel is slow (~2.2 ns an element on an AMD EPYC, where
     ``rsqrt`` takes ~1.3); ``1 / (1 / sqrt(x))`` -- ``rsqrt`` then ``reciprocal``, three float64
     roundings, within ``3 * 2**-53`` -- rounds the same and is ~1.6x faster (checked on all
-    2**32 float32 bit patterns). A contiguous CPU tensor of more than ``2**20`` elements goes
-    through one 8 MB float64 scratch in chunks, so the root never holds a float64 copy of a
-    whole large leaf. A tensor autograd differentiates takes ``sqrt`` (its derivative); CUDA
-    tensors take ``sqrt`` too.
+    2**32 float32 bit patterns; the NaN of a negative input then has its sign bit set, as the
+    hardware square root inductor uses gives it). A contiguous CPU tensor of more than ``2**20``
+    elements goes through one 8 MB float64 scratch in chunks, so the root never holds a float64
+    copy of a whole large leaf. Anything but a plain eager CPU tensor -- one autograd
+    differentiates (forward or reverse), under ``torch.func`` transforms or ``torch.compile``,
+    on CUDA -- takes torch's float64 ``sqrt``, whose derivative and batching rules are sqrt's.
     """
     if x.dtype != torch.float32:
         return torch.sqrt(x) if out is None else torch.sqrt(x, out=out)
-    if not x.is_cpu or (x.requires_grad and torch.is_grad_enabled()):
+    if not _plain_cpu(x):
         root = torch.sqrt(x.to(torch.float64))
         return root.to(torch.float32) if out is None else out.copy_(root)
     n = x.numel()
@@ -209,12 +224,16 @@ def exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     return torch.reciprocal(wide, out=out)  # taken in float64, rounded once into float32
 
 
+def _sqrt_kernel(x: torch.Tensor) -> torch.Tensor:
+    return exact_sqrt(x)  # the op's schema: one tensor in, a new one out
+
+
 def _define_sqrt() -> Any:
     """``funcamp::sqrt(x)``: :func:`exact_sqrt` as a kernel; inductor's decomposition table maps
     it to its own, already exact, ``sqrt``."""
     return _define_op(
         "sqrt",
-        exact_sqrt,
+        _sqrt_kernel,
         torch.empty_like,
         _sqrt_setup,
         _sqrt_backward,

@@ -21,7 +21,8 @@ the whole update, from all of its input tensors:
     which differs from one rounding only when the float64 result is a float32 tie, about one case
     in 2**29) and the square root is taken in float64 and rounded once.
 
-Both paths give the same bits (tested under inductor and aot_eager for every optimizer).
+Both paths give the same bits for float32 math (tested under inductor and aot_eager for every
+optimizer); float64 leaves on the unfused traced path multiply and add with two roundings.
 """
 
 from __future__ import annotations
@@ -92,6 +93,30 @@ def _python_float(op: str, name: str, value: Any) -> float:
             f"{type(value).__name__}; for a tensor factor use ops.fma / ops.mul"
         )
     return f32(float(value))
+
+
+def _fits(o: torch.Tensor, operands: Sequence[Any]) -> bool:
+    """Whether ``o`` can receive the elementwise result of ``operands`` (tensors or Python
+    scalars) with nothing cast or broadcast into it: each tensor has ``o``'s dtype and shape, or
+    is a 0-d floating tensor (a step scalar, which does not promote a dimensioned result)."""
+    if not o.is_floating_point():
+        return False
+    for t in operands:
+        if not isinstance(t, torch.Tensor) or (t.dtype == o.dtype and t.shape == o.shape):
+            continue
+        if not (t.dim() == 0 and o.dim() > 0 and t.is_floating_point()):
+            return False
+    return True
+
+
+def _all_float32(*lists: Tensors) -> bool:
+    """Every tensor of these same-length lists float32, leaf by leaf of one shape."""
+    for leaves in zip(*lists):
+        first = leaves[0]
+        for t in leaves:
+            if t.dtype != torch.float32 or t.shape != first.shape:
+                return False
+    return True
 
 
 def _pick(y: Scalar, i: int) -> Scalar:
@@ -241,14 +266,27 @@ class EagerOps(Ops):
             self._owned.pop(id(x), None)
         return xs
 
+    def _into(self, into: Tensors | None, *operands: Any) -> Tensors | None:
+        """``into`` if this update owns it and each of its tensors can take its leaf's result
+        with nothing cast (:func:`_fits`); else None: the result is a fresh tensor."""
+        if into is None or not self._owns(into):
+            return None
+        n = len(into)
+        lists = [op if isinstance(op, (list, tuple)) else [op] * n for op in operands]
+        for i in range(n):
+            if not _fits(into[i], [operand[i] for operand in lists]):
+                return None
+        return into
+
     def _binary(self, op: str, xs: Tensors, y: Scalar, into: Tensors | None) -> Tensors:
         y = _scalar(y)
-        if into is not None and self._owns(into):
-            if into is xs:
-                getattr(torch, f"_foreach_{op}_")(xs, y)
-                return xs
-            fn = getattr(torch, op)  # into another dead list of ours: same kernel, no allocation
-            return [fn(x, yi, out=o) for x, yi, o in zip(xs, _each(y, len(xs)), into)]
+        outs = self._into(into, xs, y)
+        if outs is xs:
+            getattr(torch, f"_foreach_{op}_")(xs, y)
+            return xs
+        if outs is not None:  # another dead list of ours: the same kernel, no allocation
+            fn = getattr(torch, op)
+            return [fn(x, yi, out=o) for x, yi, o in zip(xs, _each(y, len(xs)), outs)]
         return self._fresh(list(getattr(torch, f"_foreach_{op}")(xs, y)))
 
     def sign(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
@@ -258,14 +296,14 @@ class EagerOps(Ops):
         return self._fresh(list(torch._foreach_sign(xs)))
 
     def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
-        outs = into if into is not None and self._owns(into) else None
+        outs = self._into(into, xs)
         if outs is None:  # a float32 result written by the root's last kernel: one pass less
             return self._fresh([exact_sqrt(x, out=torch.empty_like(x)) for x in xs])
         return [exact_sqrt(x, out=o) for x, o in zip(xs, outs)]
 
     def fma(self, xs: Tensors, y: Scalar, zs: Tensors, into: Tensors | None = None) -> Tensors:
         y = _scalar(y)
-        outs = into if self._owns(into) else None
+        outs = self._into(into, xs, y, zs)
         results = []
         for i, (x, z) in enumerate(zip(xs, zs)):
             yi, o = _pick(y, i), (None if outs is None else outs[i])
@@ -277,23 +315,31 @@ class EagerOps(Ops):
         return results if outs is not None else self._fresh(results)
 
     def lerp(self, xs: Tensors, ys: Tensors, weight: float, into: Tensors | None = None) -> Tensors:
-        w = _python_float("lerp", "weight", weight)  # torch's kernel: Ops.lerp's roundings
-        if into is not None and self._owns(into):
-            if into is xs:
-                torch._foreach_lerp_(xs, ys, w)
-                return xs
-            return [torch.lerp(x, y, w, out=o) for x, y, o in zip(xs, ys, into)]
+        # torch's kernel rounds like Ops.lerp for float32 leaves (for float64 it keeps w - 1 in
+        # float64, and it does not promote mixed dtypes): otherwise the decomposition runs
+        if not _all_float32(xs, ys):
+            return super().lerp(xs, ys, weight, into=into)
+        w = _python_float("lerp", "weight", weight)
+        outs = self._into(into, xs, ys)
+        if outs is xs:
+            torch._foreach_lerp_(xs, ys, w)
+            return xs
+        if outs is not None:
+            return [torch.lerp(x, y, w, out=o) for x, y, o in zip(xs, ys, outs)]
         return self._fresh(list(torch._foreach_lerp(xs, ys, w)))
 
     def addcmul(
         self, zs: Tensors, xs: Tensors, ys: Tensors, value: float, into: Tensors | None = None
     ) -> Tensors:
-        v = _python_float("addcmul", "value", value)  # torch's kernel: Ops.addcmul's roundings
-        if into is not None and self._owns(into):
-            if into is zs:
-                torch._foreach_addcmul_(zs, xs, ys, v)
-                return zs
-            return [torch.addcmul(z, x, y, value=v, out=o) for z, x, y, o in zip(zs, xs, ys, into)]
+        if not _all_float32(zs, xs, ys):  # as for lerp: torch's kernel for float32 leaves
+            return super().addcmul(zs, xs, ys, value, into=into)
+        v = _python_float("addcmul", "value", value)
+        outs = self._into(into, zs, xs, ys)
+        if outs is zs:
+            torch._foreach_addcmul_(zs, xs, ys, v)
+            return zs
+        if outs is not None:
+            return [torch.addcmul(z, x, y, value=v, out=o) for z, x, y, o in zip(zs, xs, ys, outs)]
         return self._fresh(list(torch._foreach_addcmul(zs, xs, ys, v)))
 
     def where(self, cond: torch.Tensor, xs: Tensors, ys: Tensors) -> Tensors:
