@@ -940,7 +940,8 @@ def unscale_and_step(
             grads are then unscaled in place and their memory may be reused for the results
             (the updates, even the returned params), saving fresh allocations; the results are
             identical. Donated grads must not be used after the call. Grads that share memory
-            with each other, ``params``, ``opt_state`` or ``state`` are copied instead.
+            with each other, ``params``, ``opt_state`` or ``state``, or between their own
+            elements (an expanded tensor), are copied instead.
             Default False: no argument is ever modified.
         donate_state: opt-in, for callers that keep only the returned params and optimizer
             state (``params, opt_state, info = unscale_and_step(...)``): the new values are
