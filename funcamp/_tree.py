@@ -169,9 +169,10 @@ def _storage_key(x: torch.Tensor) -> int | None:
 def _self_overlapping(x: torch.Tensor) -> bool:
     """Whether elements of ``x`` share memory -- an expanded tensor, such as the grad of
     ``w.sum()`` from ``torch.func.grad`` (all strides 0): torch refuses to write into it in
-    place, so it is never donated or owned. (torch's own test; "too hard to tell" is not
-    refused by torch's in-place ops, nor here.)"""
-    return torch._debug_has_internal_overlap(x) == 1
+    place, so it is never donated or owned. torch's own test; "too hard to tell" (a sliding
+    window view, but also a step slice such as ``x[::2]``) counts as overlapping: such a tensor
+    is copied, not written."""
+    return not x.is_contiguous() and torch._debug_has_internal_overlap(x) != 0
 
 
 def _leaf_name(name: str, tree: PyTree, index: int) -> str:

@@ -205,10 +205,9 @@ def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight
         target = {"fresh": None, "xs": [xo], "ys": [yo], "other": [other]}[into]
         got = ops.lerp([xo], [yo], weight, into=target)[0]
         assert same_bits(got, want_lerp), into
-        # float64 runs the decomposition (torch's kernel keeps w - 1 in float64): fresh
-        assert (target is not None and got is target[0]) == (
-            into != "fresh" and dtype == torch.float32
-        )
+        if into != "fresh" and dtype == torch.float32:  # torch's kernel, into the target
+            assert got is target[0]
+        # (float64 runs the decomposition: torch's kernel keeps w - 1 in float64)
         xo, yo, zo = x.clone(), y.clone(), z.clone()
         ops = EagerOps(torch.device("cpu"), [xo, yo, zo, other])
         target = {"fresh": None, "xs": [zo], "ys": [yo], "other": [other]}[into]
@@ -220,6 +219,23 @@ def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight
     xo = x.clone()
     got = EagerOps(torch.device("cpu")).lerp([xo], [y], weight, into=[xo])[0]
     assert got is not xo and same_bits(xo, x) and same_bits(got, want_lerp)
+
+
+def test_eager_ops_write_into_a_list_only_what_fits_it():
+    """`into=` is honoured only where the result has the target's dtype and shape: a 0-d
+    float64 result is not cast into a float32 vector (a fresh tensor is made)."""
+    from funcamp.optim._paths import EagerOps
+
+    o = torch.zeros(3)
+    x = torch.tensor(1 + 2**-40, dtype=torch.float64)
+    got = EagerOps(torch.device("cpu"), [o]).mul([x], 1.0, into=[o])[0]
+    assert got is not o and got.dtype == torch.float64 and got.shape == ()
+    assert o.tolist() == [0.0, 0.0, 0.0]
+    got = EagerOps(torch.device("cpu"), [o]).fma([x], 2.0, [x], into=[o])[0]
+    assert got is not o and got.dtype == torch.float64
+    v = torch.ones(3)  # the common case: same dtype and shape, a 0-d float32 step scalar
+    got = EagerOps(torch.device("cpu"), [o]).fma([v], torch.tensor(2.0), [v], into=[o])[0]
+    assert got is o and o.tolist() == [3.0, 3.0, 3.0]
 
 
 def test_lerp_and_addcmul_refuse_a_tensor_factor():

@@ -1002,6 +1002,28 @@ def test_eager_step_allocates_little_more_than_it_returns(name: str, fresh: int)
         assert same_bits(a, b)
 
 
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lion"])
+def test_grads_wider_than_their_params_are_refused(name):
+    """float64 grads for float32 params would widen the state and the updates (and the next
+    step would refuse that state): refused up front, naming the leaf and the fix."""
+    opt = {
+        "adam": funcamp.adam(1e-3),
+        "sgd_momentum": funcamp.sgd(0.1, momentum=0.9),
+        "lion": funcamp.lion(1e-3),
+    }[name]
+    params = {"w": torch.ones(3)}
+    grads = {"w": torch.ones(3, dtype=torch.float64)}
+    match = rf"funcamp.{name.split('_')[0]}: `grads` leaf \['w'\] is torch.float64 but its param"
+    with pytest.raises(TypeError, match=match):
+        opt.update(grads, opt.init(params), params)
+    with pytest.raises(TypeError, match=match):  # before anything is unscaled or written
+        funcamp.unscale_and_step(
+            funcamp.ScalerState.dynamic(2.0), opt, grads, opt.init(params), params,
+            donate_grads=True,
+        )  # fmt: skip
+    assert grads["w"].tolist() == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("name", ["adam", "adamw", "sgd_momentum", "lion"])
 @pytest.mark.parametrize(("param_dtype", "grad_dtype"), [(torch.float64, torch.float32)])
 def test_owned_step_with_mixed_dtypes_matches_the_plain_update(name, param_dtype, grad_dtype):
@@ -1033,17 +1055,22 @@ def test_expanded_grads_are_copied_not_written_in_place():
     w = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
     g = torch.func.grad(lambda w: w.sum())(w)
     assert g.stride() == (0, 0)
+    base = torch.randn(8, generator=torch.Generator().manual_seed(3))
     for opt in (funcamp.adam(1e-3), funcamp.lion(1e-3, weight_decay=0.1), funcamp.sgd(0.1, 0.9)):
         s, state = funcamp.ScalerState.dynamic(2.0), opt.init({"w": w})
-        want = funcamp.unscale_and_step(s, opt, {"w": g.contiguous()}, state, {"w": w})
-        got = funcamp.unscale_and_step(s, opt, {"w": g}, state, {"w": w}, donate_grads=True)
-        for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
-            assert same_bits(a, b)
-        owned = opt.capabilities.update_owned({"w": g}, state, {"w": w}, [g])
-        for a, b in zip(
-            optree.tree_leaves(owned), optree.tree_leaves(opt.update({"w": g}, state, {"w": w}))
-        ):
-            assert same_bits(a, b)
+        # expanded, and a sliding window (elements share memory: torch cannot tell cheaply)
+        for make in (lambda: g, lambda: base.clone().as_strided((4, 3), (1, 1))):
+            want = funcamp.unscale_and_step(s, opt, {"w": make().contiguous()}, state, {"w": w})
+            got = funcamp.unscale_and_step(
+                s, opt, {"w": make()}, state, {"w": w}, donate_grads=True
+            )
+            for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+                assert same_bits(a, b)
+            grad = make()
+            owned = opt.capabilities.update_owned({"w": grad}, state, {"w": w}, [grad])
+            plain = opt.update({"w": make().contiguous()}, state, {"w": w})
+            for a, b in zip(optree.tree_leaves(owned), optree.tree_leaves(plain)):
+                assert same_bits(a, b)
 
     def loss_fn(params, buffers, batch):  # b's grad is expanded
         return (batch @ params["w"]).square().mean() + params["b"].sum()

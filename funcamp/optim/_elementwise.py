@@ -24,7 +24,7 @@ from funcamp._checks import (
     learning_rate_fn,
     state_leaves,
 )
-from funcamp._tree import _self_overlapping, describe, flatten, unflatten
+from funcamp._tree import _self_overlapping, describe, flatten, leaf_path, unflatten
 from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._numerics import math_dtype
@@ -179,6 +179,8 @@ def build(
         """Flatten the inputs, checking the state against them (metadata only)."""
         _check_state_type(state)
         gs, ps, spec = flatten_grads(api, grads, params, need_params=need_params)
+        if ps is not None:
+            _check_grads_not_wider(api, gs, ps, grads)
         check_count(api, "count", state.count)
         if gs and names:
             dtypes = [math_dtype(r.dtype) for r in (ps if ps is not None else gs)]
@@ -244,6 +246,21 @@ def build(
         update,
         Capabilities(preflight=preflight, fresh=True, update_owned=run, fused_step=fused_step),
     )
+
+
+def _check_grads_not_wider(api: str, gs: Tensors, ps: Tensors, grads: PyTree) -> None:
+    """A grad wider than its param's math dtype (float64 grads for float32 params) would make
+    the new state and updates wider than the state: refused, naming the leaf."""
+    for i, g, p in zip(range(len(gs)), gs, ps):
+        if g.dtype == p.dtype:  # the common case, without the lookups below
+            continue
+        md = math_dtype(p.dtype)
+        if torch.promote_types(g.dtype, md) != md:
+            raise TypeError(
+                f"funcamp.{api}: `grads` leaf {leaf_path(grads, i)} is {g.dtype} but its param "
+                f"is {p.dtype} (the optimizer's math and state are {md}); cast the grads to "
+                f"{md}, or give the param a {g.dtype} dtype"
+            )
 
 
 def _owned_grads(gs: Tensors, owned: Sequence[torch.Tensor]) -> Tensors:

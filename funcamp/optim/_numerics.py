@@ -28,6 +28,7 @@ __all__ = [
     "hoist_scalar",
     "is_half",
     "math_dtype",
+    "plain_exact_sqrt",
     "spread",
 ]
 
@@ -205,6 +206,12 @@ def exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     if not _plain_cpu(x):
         root = torch.sqrt(x.to(torch.float64))
         return root.to(torch.float32) if out is None else out.copy_(root)
+    return plain_exact_sqrt(x, out)
+
+
+def plain_exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`exact_sqrt` of a float32 tensor the caller knows is a plain eager CPU tensor
+    (the eager optimizer path checks that once for all its leaves)."""
     n = x.numel()
     if n > _SQRT_CHUNK and x.is_contiguous() and (out is None or out.is_contiguous()):
         # in chunks through one float64 scratch: a float64 copy of a large leaf would double

@@ -40,6 +40,7 @@ from funcamp.optim._numerics import (
     f32,
     hoist_scalar,
     math_dtype,
+    plain_exact_sqrt,
     spread,
 )
 
@@ -101,22 +102,38 @@ def _fits(o: torch.Tensor, operands: Sequence[Any]) -> bool:
     is a 0-d floating tensor (a step scalar, which does not promote a dimensioned result)."""
     if not o.is_floating_point():
         return False
+    anchored = False  # an operand of o's own dtype and shape: the result's
     for t in operands:
-        if not isinstance(t, torch.Tensor) or (t.dtype == o.dtype and t.shape == o.shape):
+        if not isinstance(t, torch.Tensor):
+            if isinstance(t, complex):
+                return False
             continue
-        if not (t.dim() == 0 and o.dim() > 0 and t.is_floating_point()):
+        if t.dtype == o.dtype and t.shape == o.shape:
+            anchored = True
+        elif not (t.dim() == 0 and o.dim() > 0 and t.is_floating_point()):
             return False
-    return True
+    return anchored
+
+
+def _shares_a_tensor(a: Tensors | None, b: Tensors) -> bool:
+    """Whether lists ``a`` and ``b`` hold the same tensor at some leaf."""
+    return a is not None and any(x is y for x, y in zip(a, b))
+
+
+def _step_scalar(y: Any) -> bool:
+    """A Python real number, or a 0-d floating tensor: beside a dimensioned leaf neither
+    changes the result's dtype or shape."""
+    if isinstance(y, torch.Tensor):
+        return y.dim() == 0 and y.is_floating_point()
+    return isinstance(y, (int, float))
 
 
 def _all_float32(*lists: Tensors) -> bool:
     """Every tensor of these same-length lists float32, leaf by leaf of one shape."""
-    for leaves in zip(*lists):
-        first = leaves[0]
-        for t in leaves:
-            if t.dtype != torch.float32 or t.shape != first.shape:
-                return False
-    return True
+    if {t.dtype for leaves in lists for t in leaves} != {torch.float32}:
+        return False
+    shapes = [t.shape for t in lists[0]]
+    return all([t.shape for t in leaves] == shapes for leaves in lists[1:])
 
 
 def _pick(y: Scalar, i: int) -> Scalar:
@@ -204,7 +221,10 @@ class Ops:
         multiply-add from the nearer end, ``x + w (y - x)`` for ``|w| < 0.5``, else
         ``y + (w - 1)(y - x)``. (torch.optim.Adam's ``exp_avg.lerp_(grad, 1 - b1)``.)"""
         w = _python_float("lerp", "weight", weight)
-        diff = self.sub(ys, xs)
+        # the difference may go into `into` unless an input still needed lives there
+        keep = _shares_a_tensor(into, xs) or (abs(w) >= 0.5 and _shares_a_tensor(into, ys))
+        free = None if into is None or keep else into
+        diff = self.sub(ys, xs, into=free)
         if abs(w) < 0.5:
             return self.fma(diff, w, xs, into=diff)
         return self.fma(diff, w - 1.0, ys, into=diff)
@@ -271,10 +291,21 @@ class EagerOps(Ops):
         with nothing cast (:func:`_fits`); else None: the result is a fresh tensor."""
         if into is None or not self._owns(into):
             return None
+        # the common case in one comparison per list: lists of into's dtypes and shapes, and
+        # Python numbers (a 0-d tensor scalar, a complex number: the leaf-by-leaf test)
+        layout = [(o.dtype, o.shape) for o in into]
+        lists = [op for op in operands if isinstance(op, (list, tuple))]
+        if (
+            lists
+            and all(d.is_floating_point and shape for d, shape in layout)  # no 0-d leaf
+            and all(isinstance(op, (list, tuple)) or _step_scalar(op) for op in operands)
+            and all([(t.dtype, t.shape) for t in op] == layout for op in lists)
+        ):
+            return into
         n = len(into)
-        lists = [op if isinstance(op, (list, tuple)) else [op] * n for op in operands]
+        each = [op if isinstance(op, (list, tuple)) else [op] * n for op in operands]
         for i in range(n):
-            if not _fits(into[i], [operand[i] for operand in lists]):
+            if not _fits(into[i], [operand[i] for operand in each]):
                 return None
         return into
 
@@ -297,9 +328,16 @@ class EagerOps(Ops):
 
     def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         outs = self._into(into, xs)
-        if outs is None:  # a float32 result written by the root's last kernel: one pass less
-            return self._fresh([exact_sqrt(x, out=torch.empty_like(x)) for x in xs])
-        return [exact_sqrt(x, out=o) for x, o in zip(xs, outs)]
+        fresh = outs is None  # a float32 result written by the root's last kernel: a pass less
+        outs = [torch.empty_like(x) for x in xs] if fresh else outs
+        # the eager path's tensors are plain (eager_path); only dual tensors are left to rule out
+        plain = getattr(torch.autograd.forward_ad, "_current_level", -1) < 0
+        roots = [
+            plain_exact_sqrt(x, o) if plain and x.dtype == torch.float32 and x.is_cpu
+            else exact_sqrt(x, o)
+            for x, o in zip(xs, outs)
+        ]  # fmt: skip
+        return self._fresh(roots) if fresh else roots
 
     def fma(self, xs: Tensors, y: Scalar, zs: Tensors, into: Tensors | None = None) -> Tensors:
         y = _scalar(y)
