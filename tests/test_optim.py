@@ -259,6 +259,8 @@ def test_exact_sqrt_under_transforms_is_sqrt():
     from funcamp.optim._numerics import _SQRT_CHUNK, exact_sqrt
 
     assert len(torch.ops.funcamp.sqrt.default._schema.arguments) == 1
+    sparse = torch.tensor([[0.0, 4.0], [9.0, 0.0]]).to_sparse()  # no in-place rsqrt kernel
+    assert exact_sqrt(sparse).to_dense().tolist() == [[0.0, 2.0], [3.0, 0.0]]
     g = torch.Generator().manual_seed(13)
     for n in (10, _SQRT_CHUNK + 3):
         x, t = torch.rand(n, generator=g) + 0.5, torch.rand(n, generator=g)

@@ -176,6 +176,8 @@ def _plain_cpu(x: torch.Tensor) -> bool:
     return (
         type(x) is torch.Tensor
         and x.is_cpu
+        and x.layout == torch.strided  # not sparse (rsqrt_ has no sparse kernel)
+        and not x.is_nested
         and not (x.requires_grad and torch.is_grad_enabled())
         and torch._C._functorch.maybe_current_level() is None
         and getattr(torch.autograd.forward_ad, "_current_level", -1) < 0  # no dual tensors
@@ -197,9 +199,10 @@ def exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     2**32 float32 bit patterns; the NaN of a negative input then has its sign bit set, as the
     hardware square root inductor uses gives it). A contiguous CPU tensor of more than ``2**20``
     elements goes through one 8 MB float64 scratch in chunks, so the root never holds a float64
-    copy of a whole large leaf. Anything but a plain eager CPU tensor -- one autograd
+    copy of a whole large leaf. Anything but a plain eager dense CPU tensor -- one autograd
     differentiates (forward or reverse), under ``torch.func`` transforms or ``torch.compile``,
-    on CUDA -- takes torch's float64 ``sqrt``, whose derivative and batching rules are sqrt's.
+    sparse or nested, on CUDA -- takes torch's float64 ``sqrt`` (its derivative, batching rule
+    and layouts are sqrt's).
     """
     if x.dtype != torch.float32:
         return torch.sqrt(x) if out is None else torch.sqrt(x, out=out)

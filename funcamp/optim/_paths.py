@@ -333,7 +333,8 @@ class EagerOps(Ops):
         # the eager path's tensors are plain (eager_path); only dual tensors are left to rule out
         plain = getattr(torch.autograd.forward_ad, "_current_level", -1) < 0
         roots = [
-            plain_exact_sqrt(x, o) if plain and x.dtype == torch.float32 and x.is_cpu
+            plain_exact_sqrt(x, o)
+            if plain and x.dtype == torch.float32 and x.is_cpu and x.layout == torch.strided
             else exact_sqrt(x, o)
             for x, o in zip(xs, outs)
         ]  # fmt: skip
