@@ -22,6 +22,7 @@ import torch.utils._pytree as torch_pytree
 
 from funcamp._checks import check_flag, check_grads_match, check_int, check_scaler_leaves
 from funcamp._tree import (
+    _BITS,
     NAMESPACE,
     _plan_write,
     _select,
@@ -844,9 +845,6 @@ def _disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
     return True
 
 
-_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
-
-
 _TINY = float.fromhex("0x1p-1074")  # the smallest float64 subnormal
 _NEGATIVE_ZERO = -0.0
 
@@ -874,7 +872,7 @@ def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
     cpu_exact: list[bool] = []
 
     def mask(delta: torch.Tensor) -> bool:
-        int_dtype = _INT_VIEW.get(delta.dtype)
+        int_dtype = _BITS.get(delta.dtype)  # deltas owned here are float32/float64
         if int_dtype is None:
             return False
         if delta.device.type == "cpu":

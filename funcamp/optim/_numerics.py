@@ -23,6 +23,7 @@ from funcamp._lowp import HALF_DTYPES
 __all__ = [
     "EXACT_SQRT",
     "FUSED_FMA",
+    "dual_level_active",
     "exact_sqrt",
     "f32",
     "hoist_scalar",
@@ -170,18 +171,23 @@ def _sqrt_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 _SQRT_CHUNK = 1 << 20
 
 
+def dual_level_active() -> bool:
+    """Whether forward-mode AD (``torch.autograd.forward_ad.dual_level``) is on: tensors may
+    carry tangents that in-place float64 work would not propagate as sqrt's."""
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
 def _plain_cpu(x: torch.Tensor) -> bool:
-    """A plain eager CPU tensor nothing differentiates or transforms: in-place float64 work
-    on a copy of it (rsqrt, reciprocal into ``out=``) is then invisible to everything."""
+    """A plain eager dense CPU tensor nothing differentiates or transforms: in-place float64
+    work on a copy of it (rsqrt, reciprocal into ``out=``) is then invisible to everything."""
+    from funcamp.optim._paths import eager_path  # here: _paths imports this module
+
     return (
-        type(x) is torch.Tensor
+        eager_path([x])
         and x.is_cpu
         and x.layout == torch.strided  # not sparse (rsqrt_ has no sparse kernel)
         and not x.is_nested
-        and not (x.requires_grad and torch.is_grad_enabled())
-        and torch._C._functorch.maybe_current_level() is None
-        and getattr(torch.autograd.forward_ad, "_current_level", -1) < 0  # no dual tensors
-        and not torch.compiler.is_compiling()
+        and not dual_level_active()
     )
 
 

@@ -28,7 +28,7 @@ optimizer); float64 leaves on the unfused traced path multiply and add with two 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ import torch
 from funcamp.optim._numerics import (
     EXACT_SQRT,
     FUSED_FMA,
+    dual_level_active,
     exact_sqrt,
     f32,
     hoist_scalar,
@@ -126,6 +127,10 @@ def _step_scalar(y: Any) -> bool:
     if isinstance(y, torch.Tensor):
         return y.dim() == 0 and y.is_floating_point()
     return isinstance(y, (int, float))
+
+
+def _addcmul(z: torch.Tensor, x: torch.Tensor, y: torch.Tensor, value: float, out: Any) -> Any:
+    return torch.addcmul(z, x, y, value=value, out=out)  # value is keyword-only
 
 
 def _all_float32(*lists: Tensors) -> bool:
@@ -309,16 +314,28 @@ class EagerOps(Ops):
                 return None
         return into
 
+    def _foreach(
+        self,
+        op: str,
+        lists: list[Tensors],
+        scalar: Scalar,
+        into: Tensors | None,
+        one: Callable[..., torch.Tensor],
+    ) -> Tensors:
+        """torch's ``_foreach_<op>`` over ``lists`` and ``scalar``: in place when ``into`` is
+        the first list and ours, leaf by leaf (``one(*leaves, scalar, out=o)``: the same
+        kernel, no allocation) into another dead list of ours, else fresh."""
+        outs = self._into(into, *lists, scalar)
+        if outs is lists[0]:
+            getattr(torch, f"_foreach_{op}_")(*lists, scalar)
+            return outs
+        if outs is not None:
+            scalars = _each(scalar, len(outs))
+            return [one(*leaves, y, out=o) for *leaves, y, o in zip(*lists, scalars, outs)]
+        return self._fresh(list(getattr(torch, f"_foreach_{op}")(*lists, scalar)))
+
     def _binary(self, op: str, xs: Tensors, y: Scalar, into: Tensors | None) -> Tensors:
-        y = _scalar(y)
-        outs = self._into(into, xs, y)
-        if outs is xs:
-            getattr(torch, f"_foreach_{op}_")(xs, y)
-            return xs
-        if outs is not None:  # another dead list of ours: the same kernel, no allocation
-            fn = getattr(torch, op)
-            return [fn(x, yi, out=o) for x, yi, o in zip(xs, _each(y, len(xs)), outs)]
-        return self._fresh(list(getattr(torch, f"_foreach_{op}")(xs, y)))
+        return self._foreach(op, [xs], _scalar(y), into, getattr(torch, op))
 
     def sign(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         if into is xs and self._owns(xs):
@@ -331,7 +348,7 @@ class EagerOps(Ops):
         fresh = outs is None  # a float32 result written by the root's last kernel: a pass less
         outs = [torch.empty_like(x) for x in xs] if fresh else outs
         # the eager path's tensors are plain (eager_path); only dual tensors are left to rule out
-        plain = getattr(torch.autograd.forward_ad, "_current_level", -1) < 0
+        plain = not dual_level_active()
         roots = [
             plain_exact_sqrt(x, o)
             if plain and x.dtype == torch.float32 and x.is_cpu and x.layout == torch.strided
@@ -359,13 +376,7 @@ class EagerOps(Ops):
         if not _all_float32(xs, ys):
             return super().lerp(xs, ys, weight, into=into)
         w = _python_float("lerp", "weight", weight)
-        outs = self._into(into, xs, ys)
-        if outs is xs:
-            torch._foreach_lerp_(xs, ys, w)
-            return xs
-        if outs is not None:
-            return [torch.lerp(x, y, w, out=o) for x, y, o in zip(xs, ys, outs)]
-        return self._fresh(list(torch._foreach_lerp(xs, ys, w)))
+        return self._foreach("lerp", [xs, ys], w, into, torch.lerp)
 
     def addcmul(
         self, zs: Tensors, xs: Tensors, ys: Tensors, value: float, into: Tensors | None = None
@@ -373,13 +384,7 @@ class EagerOps(Ops):
         if not _all_float32(zs, xs, ys):  # as for lerp: torch's kernel for float32 leaves
             return super().addcmul(zs, xs, ys, value, into=into)
         v = _python_float("addcmul", "value", value)
-        outs = self._into(into, zs, xs, ys)
-        if outs is zs:
-            torch._foreach_addcmul_(zs, xs, ys, v)
-            return zs
-        if outs is not None:
-            return [torch.addcmul(z, x, y, value=v, out=o) for z, x, y, o in zip(zs, xs, ys, outs)]
-        return self._fresh(list(torch._foreach_addcmul(zs, xs, ys, v)))
+        return self._foreach("addcmul", [zs, xs, ys], v, into, _addcmul)
 
     def where(self, cond: torch.Tensor, xs: Tensors, ys: Tensors) -> Tensors:
         return self._fresh(super().where(cond, xs, ys))
