@@ -1,0 +1,843 @@
+"""A compiled train step kept on disk: ``make_train_step(..., cache_dir=...)``.
+
+torch's compile caches (inductor's FX graph cache, AOTAutograd's cache) make a second process
+skip code generation, but dynamo still traces the whole step again in every new process: about
+10 s of a GPT step's 13 s warm start here. This module saves what dynamo produced too (torch's
+AOT precompile: ``torch.compile(fn).aot_compile`` and ``torch.compiler.load_compiled_function``),
+so a later process loads the step in a couple of seconds without tracing anything.
+
+A saved step must never run where it no longer fits. dynamo specialises the graph on what the
+step reads besides its inputs (the model's attributes, closure constants, globals, the code
+itself); a funcamp step, like ``jax.jit``, does not re-check those on every call, and neither
+does the loaded one. So each entry carries:
+
+- a *key*: funcamp, torch and Python versions, the machine, the compile options and the torch
+  compiler configs, the step's options, the loss function's code, and the inputs' structure,
+  shapes, strides, dtypes and devices (one file per key: new input shapes add an entry);
+- torch's record of every function the trace inlined, with a checksum of its source lines,
+  compared with the files as they are now;
+- *specialisation checks*: every guard dynamo made on something other than the inputs'
+  tensors (which the step checks on every call), re-read from the new process's objects and
+  compared with what dynamo saw, the way the guard compares it (a type guard by type, a value
+  guard by value: constants by value, tensors by metadata, functions by their code, classes,
+  modules and torch ops by name, containers element by element); a value guard on an object
+  known only by its type, or on torch state funcamp does not model, refuses the save.
+
+Anything that does not match, or any error while loading, compiles the step afresh (and
+replaces the entry). See docs/internals.md for the details. Entries are pickles, as torch's own
+artifacts are: load only cache directories you trust.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import enum
+import functools
+import hashlib
+import importlib
+import inspect
+import io
+import math
+import os
+import pickle
+import platform
+import re
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from funcamp._progress import COMPILING, logger
+from funcamp._tree import NAMESPACE
+
+__all__ = ["cache_support", "CachedStep"]
+
+_FORMAT = 1
+_SUFFIX = ".funcamp-step"
+
+
+def cache_support() -> str | None:
+    """``None`` when this torch can save and load compiled steps, else why not."""
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return (
+            f"torch {torch.__version__} has no torch.compiler.load_compiled_function "
+            "(AOT precompile)"
+        )
+    try:
+        from torch._dynamo import aot_compile  # noqa: F401
+    except ImportError:  # pragma: no cover - torch without AOT precompile
+        return f"torch {torch.__version__} has no torch._dynamo.aot_compile"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Describing values, so that two processes can tell whether they hold "the same" thing.
+
+
+def _code_digest(code: types.CodeType, h: Any, depth: int = 0) -> None:
+    h.update(code.co_code)
+    h.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            if depth < 8:
+                _code_digest(const, h, depth + 1)
+        else:  # a frozenset constant (`x in {"a", "b"}`) reprs in a per-process order
+            h.update(_stable_repr(const).encode())
+
+
+def _function_digest(fn: Any) -> str:
+    h = hashlib.sha256()
+    code = getattr(fn, "__code__", None)
+    if code is None and not isinstance(fn, type):  # a callable object: its class's __call__
+        code = getattr(type(fn).__call__, "__code__", None)
+    if isinstance(code, types.CodeType):
+        _code_digest(code, h)
+    return h.hexdigest()[:32]
+
+
+def _where(obj: Any) -> tuple[str, str]:
+    return (
+        str(getattr(obj, "__module__", None)),
+        str(getattr(obj, "__qualname__", getattr(obj, "__name__", None))),
+    )
+
+
+_PLAIN = (type(None), bool, int, str, bytes)
+_DEPTH = 6  # how deep containers are described; deeper is opaque
+_TORCH_PLAIN = (torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def describe_value(value: Any, depth: int = 0) -> tuple[Any, ...]:
+    """A picklable description of ``value`` that another process can reproduce from its own
+    object: plain constants by value (floats by their bits), tensors by type, shape, strides,
+    dtype, device, layout and requires_grad, functions by name and code, classes, modules and
+    torch ops by name, sequences, sets and dicts element by element. Anything else is
+    *opaque* (``("o", module, class)``): only its type can be compared across processes, which
+    is enough for a guard on its type and never enough for a guard on its value."""
+    if isinstance(value, _PLAIN):
+        return ("v", type(value).__name__, value)
+    if isinstance(value, float):
+        return ("f", type(value).__name__, "nan" if math.isnan(value) else value.hex())
+    if isinstance(value, complex):
+        return ("c", repr(value))
+    if isinstance(value, _TORCH_PLAIN):
+        return ("t", type(value).__name__, str(value))
+    if isinstance(value, enum.Enum):
+        return ("e", *_where(type(value)), value.name)
+    if isinstance(value, torch.Tensor):
+        try:
+            stride: Any = tuple(value.stride())
+        except RuntimeError:  # sparse and other layouts without strides
+            stride = None
+        return (
+            "T",
+            *_where(type(value)),
+            tuple(value.shape),
+            stride,
+            str(value.dtype),
+            str(value.device),
+            str(value.layout),
+            bool(value.requires_grad),
+        )
+    if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return ("op", type(value).__name__, str(value))
+    if isinstance(value, types.FunctionType):
+        return ("fn", *_where(value), _function_digest(value))
+    if isinstance(value, types.CodeType):
+        h = hashlib.sha256()
+        _code_digest(value, h)
+        return ("code", getattr(value, "co_qualname", value.co_name), h.hexdigest()[:32])
+    if isinstance(value, types.MethodType):
+        return ("m", describe_value(value.__func__, depth), *_where(type(value.__self__)))
+    if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        owner = getattr(value, "__self__", None)
+        kind = _where(owner) if isinstance(owner, (type, types.ModuleType)) else _where(type(owner))
+        return ("b", str(getattr(value, "__name__", None)), *kind)
+    if isinstance(value, type):
+        return ("cls", *_where(value))
+    if isinstance(value, types.ModuleType):
+        return ("mod", value.__name__)
+    if depth >= _DEPTH:
+        return ("o", *_where(type(value)))
+    if isinstance(value, functools.partial):
+        parts = (value.func, value.args, value.keywords)
+        return ("p", *(describe_value(x, depth + 1) for x in parts))
+    if isinstance(value, (tuple, list)):
+        return ("s", *_where(type(value)), tuple(describe_value(v, depth + 1) for v in value))
+    if isinstance(value, (set, frozenset)):
+        items = sorted((describe_value(v, depth + 1) for v in value), key=repr)
+        return ("u", *_where(type(value)), tuple(items))
+    if isinstance(value, dict):  # by key, sorted: a dict built by iterating a set is ordered
+        # differently in each process (string hashing is salted per process)
+        items = sorted(
+            (
+                (describe_value(k, depth + 1), describe_value(v, depth + 1))
+                for k, v in value.items()
+            ),
+            key=lambda kv: repr(kv[0]),
+        )
+        return ("d", *_where(type(value)), tuple(items))
+    return ("o", *_where(type(value)))
+
+
+def _opaque(desc: Any) -> bool:
+    """Whether a description holds an object known only by its type."""
+    if not isinstance(desc, tuple) or not desc:
+        return False
+    return desc[0] == "o" or any(_opaque(x) for x in desc if isinstance(x, tuple))
+
+
+def _short(desc: Any, limit: int = 160) -> str:
+    text = repr(desc)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_SAME = ("same object",)
+
+
+def _same_object(a: str, b: str, scope: dict[str, Any]) -> bool:
+    helpers = {"__load_module": importlib.import_module}
+    try:
+        return eval(a, scope, helpers) is eval(b, scope, helpers)
+    except Exception:
+        return False
+
+
+def _failure(error: BaseException) -> tuple[str, str]:
+    return ("error", type(error).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# The key.
+
+
+def _leaf_signature(x: Any) -> tuple[Any, ...]:
+    if isinstance(x, torch.Tensor):
+        return describe_value(x)
+    if isinstance(x, (*_PLAIN, float, complex, *_TORCH_PLAIN)):
+        return describe_value(x)
+    return ("o", *_where(type(x)))
+
+
+def _stable_repr(value: Any) -> str:
+    """``repr`` with sets and dicts in a fixed order (their order varies between processes)."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ",".join(sorted(_stable_repr(v) for v in value)) + "}"
+    if isinstance(value, dict):
+        items = sorted((_stable_repr(k), _stable_repr(v)) for k, v in value.items())
+        return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__ + "(" + ",".join(_stable_repr(v) for v in value) + ")"
+    return repr(value)
+
+
+def _config_text(module_name: str) -> str:
+    try:
+        module = importlib.import_module(module_name)
+        portable = module.save_config_portable()  # type: ignore[attr-defined]
+        return repr(sorted((k, _stable_repr(v)) for k, v in portable.items()))
+    except Exception:  # pragma: no cover - a torch without save_config_portable
+        return "?"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _machine(leaves: list[Any]) -> tuple[Any, ...]:
+    """The hardware compiled code is made for: inductor builds its C++ for this CPU's vector
+    ISA (``-march=native``) and its CUDA kernels for this GPU."""
+    devices = sorted({str(x.device) for x in leaves if isinstance(x, torch.Tensor)})
+    cuda: Any = None
+    if any(d.startswith("cuda") for d in devices) and torch.cuda.is_available():
+        cuda = (
+            torch.version.cuda,
+            torch.cuda.get_device_name(),
+            torch.cuda.get_device_capability(),
+        )
+    cpu = (_cpu_name(), torch.backends.cpu.get_cpu_capability())
+    return (platform.machine(), platform.system(), cpu, tuple(devices), cuda)
+
+
+def _options_text(options: dict[str, Any]) -> str:
+    def text(v: Any) -> str:
+        if callable(v):
+            module, name = _where(v)
+            return f"{module}.{name}:{_function_digest(v)}"
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{k!r}:{text(x)}" for k, x in sorted(v.items())) + "}"
+        return repr(v)
+
+    return text(options)
+
+
+def step_key(
+    loss_fn: Callable[..., Any],
+    settings: str,
+    options: dict[str, Any],
+    state: Any,
+    batch: Any,
+) -> tuple[Any, ...]:
+    """Everything an entry is filed under (see the module docstring)."""
+    import funcamp
+
+    leaves, spec = optree.tree_flatten((state, batch), namespace=NAMESPACE)
+    return (
+        _FORMAT,
+        funcamp.__version__,
+        torch.__version__,
+        str(getattr(torch.version, "git_version", "")),
+        sys.version,
+        _machine(leaves),
+        _options_text(options),
+        _config_text("torch._inductor.config"),
+        _config_text("torch._functorch.config"),
+        _config_text("torch._dynamo.config"),
+        settings,
+        (*_where(loss_fn), _function_digest(loss_fn)),
+        str(spec),
+        tuple(_leaf_signature(x) for x in leaves),
+        _structure(state, batch)[1:],  # constants, tensors passed twice, torch's context
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and loading.
+
+
+_INPUTS = ("state", "batch")
+# What torch.compiler.keep_portable_guards_unsafe keeps: with only these, torch's saved guard
+# state holds no reference to the closure (its dict-key-order and global scopes are pruned), so
+# another process can rebuild it.
+_PORTABLE = ("TENSOR_MATCH", "GLOBAL_STATE", "SHAPE_ENV")
+_GLOBAL_STATE = ("GlobalStateSource", "ShapeEnvSource")
+
+
+def _on_inputs(source: Any) -> bool:
+    """A guard source rooted in the step's inputs or in torch's global state: what the saved
+    step checks on every call. Guards rooted elsewhere (closures, globals) cannot be rebuilt
+    in another process from torch's saved guard state; they become load-time checks."""
+    while getattr(source, "base", None) is not None:
+        source = source.base
+    kind = type(source).__name__
+    if kind == "LocalSource":
+        return source.local_name in _INPUTS
+    return kind in _GLOBAL_STATE
+
+
+def _structure(state: Any, batch: Any) -> tuple[Any, ...] | None:
+    """What the saved step's tensor guards do not see, compared on every call: the inputs'
+    treespec, their non-tensor leaves (by value), which tensor leaves are the same tensor
+    (dynamo's duplicate-input guard), and the torch state a trace depends on (function modes,
+    the default device, a functorch transform, saved-tensor hooks). None when a leaf is an
+    object only known by its type (the step then runs uncached)."""
+    leaves, spec = optree.tree_flatten((state, batch), namespace=NAMESPACE)
+    constants = []
+    ids: dict[int, int] = {}
+    same = []
+    for i, x in zip(range(len(leaves)), leaves):
+        if isinstance(x, torch.Tensor):
+            first = ids.setdefault(id(x), i)
+            if first != i:
+                same.append((i, first))
+        else:
+            desc = describe_value(x)
+            if _opaque(desc):
+                return None
+            constants.append((i, desc))
+    return spec, tuple(constants), tuple(same), _context()
+
+
+def _context() -> tuple[Any, ...]:
+    from torch._functorch._aot_autograd.utils import top_saved_tensors_hooks
+
+    hooks = top_saved_tensors_hooks()
+    return (
+        tuple(_where(type(m)) for m in torch.overrides._get_current_function_mode_stack()),
+        torch._C._is_torch_function_enabled(),
+        str(getattr(torch.utils._device, "CURRENT_DEVICE", None)),
+        torch._C._functorch.maybe_current_level(),
+        None if hooks is None else tuple(describe_value(h) for h in hooks),
+    )
+
+
+# Guards on torch's global state that _context() stands for, or that the kept GLOBAL_STATE
+# guard checks (grad mode, deterministic algorithms, FSDP's training state: no-ops of their
+# own in dynamo); any other guard with no source (dynamo may add kinds) makes an entry
+# unsaveable.
+_CONTEXT_GUARDS = frozenset(
+    (
+        "TORCH_FUNCTION_STATE",
+        "DEFAULT_DEVICE",
+        "FUNCTORCH_STACK_MATCH",
+        "AUTOGRAD_SAVED_TENSORS_HOOKS",
+        "GRAD_MODE",
+        "DETERMINISTIC_ALGORITHMS",
+        "FSDP_TRAINING_STATE",
+    )
+)
+_TYPE_KINDS = frozenset(
+    ("TYPE_MATCH", "FAKE_SCRIPT_TYPE_MATCH", "WEAKREF_ALIVE", "DUPLICATE_INPUT")
+)
+_LEN_KINDS = frozenset(
+    (
+        "LENGTH_CHECK",
+        "SEQUENCE_LENGTH",
+        "DICT_LENGTH",
+        "TUPLE_ITERATOR_LEN",
+        "EMPTY_NN_MODULE_HOOKS_DICT",
+    )
+)
+_KEYS_KINDS = frozenset(("DICT_KEYS_MATCH", "MAPPING_KEYS_CHECK"))
+_CONTAINS_KINDS = frozenset(
+    ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS")
+)
+# Value guards may see an object known only by its type where the value is a dict that
+# dynamo watches for mutation (DICT_VERSION): compared by content, values by type.
+_OPAQUE_OK = frozenset(("DICT_VERSION",))
+
+
+def _view(kind: str, param: Any, value: Any) -> tuple[Any, ...]:
+    """What the guard ``kind`` (with its parameter: an attribute or a key) looks at in
+    ``value``, as a description another process can compare: the type for a type guard, the
+    length for a length guard, the keys for a keys guard, a membership for a contains guard,
+    and the whole value (:func:`describe_value`) for a value guard (ID_MATCH, CONSTANT_MATCH,
+    FUNCTION_MATCH, TENSOR_MATCH, ... and any kind not named here)."""
+    if kind in _TYPE_KINDS:
+        return ("type", *_where(type(value)))
+    if kind in ("NONE_MATCH", "NOT_NONE_MATCH"):
+        return ("none", value is None)
+    if kind == "HASATTR" and isinstance(param, str):
+        return ("hasattr", param, hasattr(value, param))
+    if kind == "NOT_PRESENT_IN_GENERIC_DICT" and isinstance(param, str):
+        return ("in __dict__", param, param in getattr(value, "__dict__", {}))
+    if kind in _LEN_KINDS:
+        return ("len", len(value))
+    if kind in _KEYS_KINDS:
+        return ("keys", tuple(describe_value(k, _DEPTH - 1) for k in value))
+    if kind in _CONTAINS_KINDS and param is not _NO_PARAM:
+        return ("contains", describe_value(param), param in value)
+    return describe_value(value)
+
+
+_NO_PARAM = object()
+
+
+def _views(kinds: dict[str, Any], value: Any) -> tuple[Any, ...]:
+    out = []
+    for kind, param in sorted(kinds.items()):
+        try:
+            out.append((kind, _view(kind, param, value)))
+        except Exception as e:
+            out.append((kind, _failure(e)))
+    return tuple(out)
+
+
+def _read(name: str, scope: dict[str, Any]) -> tuple[bool, Any]:
+    """``(True, value)`` of a guard source in ``scope``, or ``(False, the exception)``."""
+    try:
+        from torch._dynamo.guards import _get_closure_vars
+
+        helpers = dict(_get_closure_vars())
+    except (ImportError, AttributeError):  # pragma: no cover - other torch versions
+        helpers = {}
+    helpers["__load_module"] = importlib.import_module
+    try:
+        return True, eval(name, scope, helpers)
+    except Exception as e:
+        return False, e
+
+
+def _check(name: str, kinds: dict[str, Any], scope: dict[str, Any]) -> tuple[Any, ...]:
+    ok, value = _read(name, scope)
+    return _views(kinds, value) if ok else ("error", type(value).__name__)
+
+
+class _Recorder:
+    """The saved step's guard filter: it keeps what the step can check on every call in
+    another process (torch's portable guards -- tensor metadata, global state, shapes -- on
+    the inputs) and records every other guard, by source, as a check for load time."""
+
+    def __init__(self) -> None:
+        # source name -> ({guard kind: its attribute or key}, the value dynamo saw or _NO_PARAM)
+        self.dropped: dict[str, tuple[dict[str, Any], Any]] = {}
+        self.same: list[tuple[str, str | None]] = []  # DUPLICATE_INPUT: two sources, one object
+
+    def __call__(self, entries: list[Any]) -> list[bool]:
+        out = []
+        for entry in entries:
+            ok = (
+                entry.guard_type in _PORTABLE
+                and not entry.is_global
+                and _on_inputs(entry.orig_guard.originating_source)
+            )
+            if not ok:
+                name = entry.orig_guard.originating_source.name
+                seen = entry.value if entry.has_value else _NO_PARAM
+                kinds, _ = self.dropped.setdefault(name, ({}, seen))
+                keywords = getattr(entry.orig_guard.create_fn, "keywords", None) or {}
+                param = keywords.get("attr", keywords.get("key", _NO_PARAM))
+                kinds[entry.guard_type] = param
+                if entry.guard_type == "DUPLICATE_INPUT":
+                    other = keywords.get("source_b")
+                    self.same.append((name, getattr(other, "name", None)))
+            out.append(ok)
+        return out
+
+
+def _scope(compiled: Any, fn: Callable[..., Any], state: Any, batch: Any) -> dict[str, Any]:
+    """What dynamo's guard sources read: ``L`` the step's inputs and closure, ``G`` its globals
+    (the module's and those the compiled bytecode uses)."""
+    return {
+        "L": compiled.prepare_f_locals(state, batch),
+        "G": {**fn.__globals__, **compiled.fn.__globals__},
+        "__builtins__": builtins.__dict__,
+    }
+
+
+_GLOBAL_ROOT = re.compile(r"G\['([^']+)'\]")
+
+
+def _portable(name: str, globals_: dict[str, Any]) -> str | None:
+    """``name`` with each global that dynamo installed while tracing (named by an id or a
+    counter in this process: an imported module, the builtins dict) spelt so another process
+    can read it; None for a namespace of code a class made with exec (a NamedTuple's
+    ``__new__``): named by its id here, fixed by the class definition, so not checked."""
+    if "G['___unnamed_scope_" in name:
+        return None
+
+    def spell(match: re.Match[str]) -> str:
+        value = globals_.get(match.group(1))
+        if isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is value:
+            return f"__load_module({value.__name__!r})"
+        if value is builtins.__dict__:
+            return "__builtins__"
+        return match.group(0)
+
+    return _GLOBAL_ROOT.sub(spell, name)
+
+
+def _source_changes(compiled: Any) -> str | None:
+    """The first inlined function whose source lines changed since the entry was made."""
+    try:
+        from torch._dynamo.package import _hash_sourcelines
+    except ImportError:  # pragma: no cover - other torch versions
+        return "this torch cannot check the entry's sources"
+    import linecache
+
+    for source in sorted(
+        compiled.source_info().inlined_sources, key=lambda s: (s.module, s.firstlineno)
+    ):
+        module = sys.modules.get(source.module)
+        try:
+            if module is None:
+                module = importlib.import_module(source.module)
+            linecache.checkcache(getattr(module, "__file__", None) or "")
+            same = _hash_sourcelines(module, source.firstlineno, source.lastlineno)
+        except Exception as e:
+            return f"{source.module} cannot be read ({type(e).__name__})"
+        if same != source.checksum:
+            return f"{source.module} changed (lines {source.firstlineno}-{source.lastlineno})"
+    return None
+
+
+@contextlib.contextmanager
+def _guard_loading() -> Any:
+    """Unpickling a guard on an imported module's global installs a guard on the module, which
+    needs a tracing context; it is thrown away."""
+    from torch._guards import TracingContext, tracing
+
+    with tracing(TracingContext(None)):
+        yield
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a cache is shared as usual
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class CachedStep:
+    """``train_step`` compiled once per input signature and kept in ``directory``: a matching,
+    still valid entry is loaded (no trace), anything else is compiled with torch's AOT
+    precompile and saved. Dispatch between entries is by the inputs' structure and their
+    tensor guards; past torch's recompile limit, and for inputs holding objects known only by
+    their type, ``fallback`` (the step compiled as usual) takes over."""
+
+    def __init__(
+        self,
+        train_step: Callable[..., Any],
+        compile_with: Callable[[Callable[[list[Any]], list[bool]]], Any],
+        fallback: Callable[..., Any],
+        directory: str,
+        loss_fn: Callable[..., Any],
+        settings: str,
+        options: dict[str, Any],
+    ) -> None:
+        self.train_step = train_step
+        self.compile_with = compile_with  # guard filter -> torch.compile(train_step, ...)
+        self.fallback = fallback
+        self.directory = directory
+        self.loss_fn = loss_fn
+        self.settings = settings
+        self.options = options
+        # [structure, compiled, proven]: the saved guards check the input tensors (shape,
+        # strides, dtype, device) in C++; the structure is compared here. A loaded entry is
+        # proven by its first call.
+        self.entries: list[list[Any]] = []
+        self.broken = False
+        self.said_uncached = False
+
+    def _external(self) -> dict[str, Any]:
+        code = self.train_step.__code__
+        cells = self.train_step.__closure__ or ()
+        return {f"closure:{n}": c.cell_contents for n, c in zip(code.co_freevars, cells)}
+
+    def __call__(self, state: Any, batch: Any) -> Any:
+        structure = _structure(state, batch)
+        if structure is None:
+            if not self.said_uncached:
+                self.said_uncached = True
+                logger.warning(
+                    "funcamp: cache_dir: the state or batch holds an object other than tensors "
+                    "and plain constants; a saved step could only compare its type, so this "
+                    "step compiles as usual (unsaved) for such inputs"
+                )
+            return self.fallback(state, batch)
+        for entry in self.entries:
+            if entry[0] == structure and entry[1].guard_check(state, batch):
+                return self._run(entry, state, batch)
+        if self.broken or len(self.entries) >= torch._dynamo.config.recompile_limit:
+            return self.fallback(state, batch)
+        compiled, loaded = self._load_or_compile(state, batch)
+        if compiled is None:
+            self.broken = True
+            return self.fallback(state, batch)
+        entry = [structure, compiled, not loaded]
+        self.entries.append(entry)
+        return self._run(entry, state, batch)
+
+    def _run(self, entry: list[Any], state: Any, batch: Any) -> Any:
+        if entry[2]:
+            return entry[1].fn(state, batch)
+        try:  # a loaded entry's first call: if it cannot run here, compile instead
+            out = entry[1].fn(state, batch)
+        except Exception as e:
+            self.entries.remove(entry)
+            logger.warning(
+                "funcamp: the loaded train step failed on its first call (%s: %s); compiling",
+                type(e).__name__,
+                e,
+            )
+            compiled = self._compile(*self._key_and_path(state, batch), state, batch)
+            if compiled is None:
+                self.broken = True
+                return self.fallback(state, batch)
+            entry = [entry[0], compiled, True]
+            self.entries.append(entry)
+            return compiled.fn(state, batch)
+        entry[2] = True
+        return out
+
+    def _key_and_path(self, state: Any, batch: Any) -> tuple[Any, str]:
+        key = step_key(self.loss_fn, self.settings, self.options, state, batch)
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:40]
+        name = "".join(c if c.isalnum() else "_" for c in _where(self.loss_fn)[1])[:40]
+        return key, os.path.join(self.directory, f"{name}-{digest}{_SUFFIX}")
+
+    def _load_or_compile(self, state: Any, batch: Any) -> tuple[Any, bool]:
+        key, path = self._key_and_path(state, batch)
+        if os.path.exists(path):
+            start = time.perf_counter()
+            compiled, why = self._load(path, key, state, batch)
+            if compiled is not None:
+                logger.info(
+                    "funcamp: loaded the compiled train step from %s in %.1f s (no trace)",
+                    path,
+                    time.perf_counter() - start,
+                )
+                return compiled, True
+            logger.info("funcamp: not using the cached train step %s: %s; compiling", path, why)
+        return self._compile(key, path, state, batch), False
+
+    def _load(self, path: str, key: Any, state: Any, batch: Any) -> tuple[Any, str]:
+        try:
+            with open(path, "rb") as f:
+                record = pickle.load(f)
+            if not isinstance(record, dict) or record.get("format") != _FORMAT:
+                return None, "written by another funcamp version"
+            if record["key"] != key:
+                return None, "its key differs (a hash collision or an edited file)"
+            with _guard_loading():
+                compiled = torch.compiler.load_compiled_function(
+                    io.BytesIO(record["artifact"]),
+                    f_globals=self.train_step.__globals__,
+                    external_data=self._external(),
+                )
+        except Exception as e:
+            return None, f"it cannot be read ({type(e).__name__}: {e})"
+        changed = _source_changes(compiled)
+        if changed is not None:
+            return None, changed
+        scope = _scope(compiled, self.train_step, state, batch)
+        for name, kinds, expected in record["checks"]:
+            if expected == _SAME:
+                if not _same_object(*name, scope):
+                    return None, f"{name[0]} is no longer {name[1]}"
+                continue
+            now = _check(name, kinds, scope)
+            if now != expected:
+                return None, f"{name} is {_short(now)}, was {_short(expected)}"
+        if not compiled.guard_check(state, batch):
+            return None, "its guards reject this state and batch"
+        return compiled, ""
+
+    def _compile(self, key: Any, path: str, state: Any, batch: Any) -> Any:
+        logger.info(COMPILING)
+        start = time.perf_counter()
+        recorder = _Recorder()
+        try:
+            with _without_source() as unchecked:
+                compiled = self.compile_with(recorder).aot_compile(((state, batch), {}))
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError):
+            raise  # the step's own handler explains these
+        except Exception as e:
+            logger.warning(
+                "funcamp: cache_dir: torch could not precompile this step (%s: %s); it is "
+                "compiled as usual and not saved",
+                type(e).__name__,
+                e,
+            )
+            return None
+        elapsed = time.perf_counter() - start
+        try:
+            if unchecked:
+                raise RuntimeError(
+                    f"the step runs code with no source file to check it against later "
+                    f"({unchecked[0]}: made by exec, typed in a notebook, or from a module "
+                    "not in sys.modules)"
+                )
+            self._save(compiled, recorder, key, path, state, batch)
+        except Exception as e:
+            logger.warning(
+                "funcamp: compiled the train step in %.1f s but did not save it to %s (%s)",
+                elapsed,
+                path,
+                e,
+            )
+            return compiled
+        logger.info("funcamp: compiled the train step in %.1f s and saved it to %s", elapsed, path)
+        return compiled
+
+    def _save(
+        self, compiled: Any, recorder: _Recorder, key: Any, path: str, state: Any, batch: Any
+    ) -> None:
+        scope = _scope(compiled, self.train_step, state, batch)
+        checks = []
+        for traced, (kinds, seen) in sorted(recorder.dropped.items()):
+            if not traced:  # torch's global state: the key and every call compare _context()
+                unknown = sorted(set(kinds) - _CONTEXT_GUARDS)
+                if unknown:
+                    raise RuntimeError(
+                        f"the step depends on torch state funcamp cannot compare ({unknown[0]})"
+                    )
+                continue
+            name = _portable(traced, scope["G"])
+            if name is None:
+                continue
+            params = [p for p in kinds.values() if p is not _NO_PARAM]
+            if any(_opaque(describe_value(p)) for p in params):
+                raise RuntimeError(f"a guard on {name} tests an object funcamp cannot save")
+            now = _check(name, kinds, scope)
+            if seen is not _NO_PARAM and now != _views(kinds, seen):
+                raise RuntimeError(
+                    f"the guard source {name} cannot be re-read ({_short(now)}, dynamo saw "
+                    f"{_short(_views(kinds, seen))}), so a later process could not check it"
+                )
+            for kind, view in now if now[0] != "error" else ():
+                if _opaque(view) and kind not in _OPAQUE_OK:
+                    raise RuntimeError(
+                        f"the step is specialised on {name} ({kind}), which holds an object "
+                        "another process can only compare by its type"
+                    )
+            checks.append((name, kinds, now))
+        for a, b in recorder.same:
+            names = (_portable(a, scope["G"]), _portable(b, scope["G"]) if b else None)
+            if None in names or not _same_object(*names, scope):
+                raise RuntimeError(
+                    f"the step is specialised on {a} being {b}, which cannot be re-read"
+                )
+            checks.append((names, None, _SAME))
+        buf = io.BytesIO()
+        artifact = type(compiled).serialize(compiled, self._external()).serialized_data
+        pickle.dump(
+            {"format": _FORMAT, "key": key, "checks": checks, "artifact": artifact},
+            buf,
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        os.makedirs(self.directory, exist_ok=True)
+        _atomic_write(path, buf.getvalue())
+
+
+def _generated(code: types.CodeType) -> bool:
+    """Code of the standard library: frozen modules (``collections.abc``: their source is
+    the Python build, which is in the key) and the methods it writes with exec for a class (a
+    NamedTuple's ``__new__``, a dataclass's ``__init__``/``__eq__``/...: written from the
+    class's field definitions; the class is checked by name)."""
+    if code.co_filename.startswith("<frozen "):  # the standard library, part of the key
+        return True
+    if code.co_filename != "<string>":
+        return False
+    if code.co_name == "<lambda>" and code.co_varnames[:1] == ("_cls",):
+        return "_tuple_new" in code.co_names  # collections.namedtuple
+    return getattr(code, "co_qualname", "").startswith("__create_fn__.<locals>.")
+
+
+@contextlib.contextmanager
+def _without_source() -> Any:
+    """Collect the traced code torch's source record skips (code whose module it cannot find:
+    exec, notebook cells, a module not in sys.modules): such code cannot be checked later."""
+    missing: list[str] = []
+    try:
+        from torch._dynamo.package import SourceInfo
+    except ImportError:  # pragma: no cover - other torch versions
+        missing.append("this torch keeps no source record")
+        yield missing
+        return
+    original = SourceInfo.add_code
+
+    def add_code(self: Any, code: types.CodeType) -> None:
+        if inspect.getmodule(code) is None and not _generated(code):
+            missing.append(f"{code.co_qualname} in {code.co_filename}")
+        original(self, code)
+
+    SourceInfo.add_code = add_code  # type: ignore[method-assign]
+    try:
+        yield missing
+    finally:
+        SourceInfo.add_code = original  # type: ignore[method-assign]

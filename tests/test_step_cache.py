@@ -1,0 +1,420 @@
+"""make_train_step(..., cache_dir=...): a compiled step saved to disk and loaded by a later
+process without dynamo's trace -- and never loaded where it no longer fits."""
+
+import importlib
+import logging
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import funcamp
+from funcamp._step_cache import cache_support
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import cache_model as cm  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    cache_support() is not None, reason=f"no AOT precompile in this torch: {cache_support()}"
+)
+
+POLICY = "mixed_bfloat16"
+
+
+def _train(step, model, batch=None, n=3, opt=None):
+    opt = opt or funcamp.adam(1e-3)
+    params, buffers = funcamp.params_and_buffers(model)
+    state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers)
+    for _ in range(n):
+        state, metrics = step(state, batch if batch is not None else cm.make_batch())
+    return state, metrics
+
+
+def _step(model, cache_dir, loss_fn=None, **kw):
+    kw.setdefault("backend", "aot_eager")
+    opt = kw.pop("optimizer", None) or funcamp.adam(1e-3)
+    return funcamp.make_train_step(
+        loss_fn or cm.make_loss(model), opt, POLICY, cache_dir=cache_dir, **kw
+    )
+
+
+def _eager(model, loss_fn=None, **kw):
+    opt = kw.pop("optimizer", None) or funcamp.adam(1e-3)
+    return funcamp.make_train_step(loss_fn or cm.make_loss(model), opt, POLICY, compile=False, **kw)
+
+
+def _same(a, b):
+    la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        x.dtype == y.dtype
+        and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+        for x, y in zip(la, lb)
+    )
+
+
+def _entries(path):
+    return sorted(f for f in os.listdir(path) if f.endswith(".funcamp-step"))
+
+
+def _messages(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "funcamp"]
+
+
+GUIDE = pathlib.Path(HERE).parent / "docs" / "guides" / "warm-starts.md"
+_DUMP = """
+from torch._dynamo.utils import counters
+torch.save({"params": state.params, "loss": metrics["loss"],
+            "captured": sum(counters["stats"].values())}, "out.pt")
+"""
+
+
+def _guide_script() -> str:
+    (block,) = re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(), re.MULTILINE | re.DOTALL)
+    call = 'cache_dir="compiled-steps")'
+    assert call in block
+    # aot_eager: the trace and the save/load path are the same; inductor's codegen is skipped
+    return block.replace(call, 'cache_dir="compiled-steps", backend="aot_eager")') + _DUMP
+
+
+def test_the_guide_run_twice_loads_the_step_without_tracing(tmp_path):
+    """The guide's script, run as a file in two processes: the first compiles and saves, the
+    second loads the step, traces nothing, and trains to the same bits (as eager does)."""
+    script = tmp_path / "train.py"
+    script.write_text(_guide_script())
+    runs = []
+    for seed in ("1", "2"):  # string hashing salted differently, as in any two processes
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONHASHSEED": seed},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append((done.stderr, torch.load(tmp_path / "out.pt")))
+    (log1, first), (log2, second) = runs
+    assert "saved it to compiled-steps/loss_fn-" in log1, log1[-2000:]
+    assert "loaded the compiled train step from compiled-steps/loss_fn-" in log2, log2[-2000:]
+    assert first["captured"] > 0 and second["captured"] == 0  # no trace in the second process
+    assert _same(first["params"], second["params"])
+    assert torch.equal(first["loss"], second["loss"])
+    assert len(_entries(tmp_path / "compiled-steps")) == 1
+    # and the bits are the eager step's
+    namespace: dict = {}
+    exec(
+        compile(
+            _guide_script()
+            .replace('cache_dir="compiled-steps", backend="aot_eager"', "compile=False")
+            .replace(_DUMP, ""),
+            "guide",
+            "exec",
+        ),
+        namespace,
+    )
+    assert _same(namespace["state"].params, first["params"])
+
+
+def test_a_changed_constant_is_not_loaded(tmp_path, caplog, monkeypatch):
+    cache = str(tmp_path)
+    model = cm.make_model()
+    _train(_step(model, cache), model)
+    monkeypatch.setattr(cm, "SCALE", 3.0)
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        state, _ = _train(_step(model, cache), model)
+    stale = [m for m in _messages(caplog) if "not using the cached train step" in m]
+    assert stale and "SCALE" in stale[0], _messages(caplog)
+    eager_state, _ = _train(_eager(model), model)
+    assert _same(state.params, eager_state.params)  # trained with SCALE = 3, not 1
+    monkeypatch.setattr(cm, "SCALE", 1.0)
+    reference, _ = _train(_eager(model), model)
+    assert not _same(state.params, reference.params)
+
+
+def test_a_changed_model_attribute_or_optimizer_is_not_loaded(tmp_path, caplog):
+    cache = str(tmp_path)
+    model = cm.make_model()
+    _train(_step(model, cache), model)
+    model[1].approximate = "tanh"  # GELU's constant: same params, another graph
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        state, _ = _train(_step(model, cache), model)
+    assert any("approximate" in m for m in _messages(caplog)), _messages(caplog)
+    assert _same(state.params, _train(_eager(model), model)[0].params)
+    caplog.clear()
+    opt = funcamp.adam(3e-3)  # another learning rate, baked into the graph
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        state, _ = _train(_step(model, cache, optimizer=opt), model, opt=opt)
+    assert not any("loaded the compiled" in m for m in _messages(caplog)), _messages(caplog)
+    eager_state, _ = _train(_eager(model, optimizer=opt), model, opt=opt)
+    assert _same(state.params, eager_state.params)
+
+
+def test_changed_source_is_not_loaded(tmp_path, caplog, monkeypatch):
+    """The model's forward is edited on disk between runs: the entry made from the old
+    source is not loaded into the new one (the loss function itself is unchanged)."""
+    source = """
+        import torch
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(16, 4)
+            def forward(self, x):
+                return self.lin(x) {op}
+    """
+    path = tmp_path / "edited_net.py"
+    path.write_text(textwrap.dedent(source.format(op="* 2.0")))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cache = str(tmp_path / "steps")
+    module = importlib.import_module("edited_net")
+    torch.manual_seed(0)
+    model = module.Net()
+    _train(_step(model, cache), model)
+    path.write_text(textwrap.dedent(source.format(op="+ 1.0")))
+    module = importlib.reload(module)
+    torch.manual_seed(0)
+    model = module.Net()
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        state, _ = _train(_step(model, cache), model)
+    stale = [m for m in _messages(caplog) if "not using the cached train step" in m]
+    assert stale and "edited_net changed" in stale[0], _messages(caplog)
+    assert _same(state.params, _train(_eager(model), model)[0].params)
+    sys.modules.pop("edited_net", None)
+
+
+def test_new_shapes_add_an_entry_and_both_are_reused(tmp_path, caplog):
+    cache = str(tmp_path)
+    model = cm.make_model()
+    step = _step(model, cache)
+    _train(step, model, cm.make_batch(8), n=1)
+    _train(step, model, cm.make_batch(6), n=1)
+    assert len(_entries(cache)) == 2
+    before = sum(counters["stats"].values())
+    _train(step, model, cm.make_batch(8), n=2)  # the first entry again: no trace
+    assert sum(counters["stats"].values()) == before
+    fresh = _step(model, cache)
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        small, _ = _train(fresh, model, cm.make_batch(6))
+        big, _ = _train(fresh, model, cm.make_batch(8))
+    # the batch-6 entry was compiled second, with the batch dimension dynamic (dynamo's
+    # automatic dynamic shapes): it serves both sizes, as it did in the process that made it
+    assert any("loaded the compiled" in m for m in _messages(caplog)), _messages(caplog)
+    assert len(_entries(cache)) == 2
+    assert sum(counters["stats"].values()) == before
+    assert _same(small.params, _train(_eager(model), model, cm.make_batch(6))[0].params)
+    assert _same(big.params, _train(_eager(model), model, cm.make_batch(8))[0].params)
+
+
+def test_a_corrupt_entry_is_compiled_again_and_replaced(tmp_path, caplog):
+    cache = str(tmp_path)
+    model = cm.make_model()
+    reference, _ = _train(_step(model, cache), model)
+    (name,) = _entries(cache)
+    with open(os.path.join(cache, name), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00" * 64)
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        state, _ = _train(_step(model, cache), model)
+    assert any("cannot be read" in m for m in _messages(caplog)), _messages(caplog)
+    assert _same(state.params, reference.params)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        state, _ = _train(_step(model, cache), model)
+    assert any("loaded the compiled" in m for m in _messages(caplog)), _messages(caplog)
+    assert _same(state.params, reference.params)
+
+
+def test_donated_state_through_the_cache(tmp_path):
+    cache = str(tmp_path)
+    model = cm.make_model()
+    _train(_step(model, cache, donate_state=True), model)
+    loaded, _ = _train(_step(model, cache, donate_state=True), model)
+    eager, _ = _train(_eager(model, donate_state=True), model)
+    assert _same(loaded.params, eager.params)
+    assert len(_entries(cache)) == 1  # donated and not donated file apart
+    _train(_step(model, cache), model)
+    assert len(_entries(cache)) == 2
+
+
+def test_inductor_entry_gives_the_compiled_bits(tmp_path, caplog):
+    cache = str(tmp_path)
+    model = cm.make_model()
+    first, m1 = _train(_step(model, cache, backend="inductor"), model)
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        loaded, m2 = _train(_step(model, cache, backend="inductor"), model)
+    assert any("loaded the compiled" in m for m in _messages(caplog)), _messages(caplog)
+    assert _same(loaded.params, first.params) and torch.equal(m1["loss"], m2["loss"])
+
+
+def test_bad_cache_dir(tmp_path, single_rank_group):
+    model = cm.make_model()
+    loss, opt = cm.make_loss(model), funcamp.sgd(0.1)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="`cache_dir` must be a directory"):
+        funcamp.make_train_step(loss, opt, POLICY, cache_dir=str(a_file))
+    with pytest.raises(TypeError, match="`cache_dir` must be a directory path"):
+        funcamp.make_train_step(loss, opt, POLICY, cache_dir=3)
+    with pytest.raises(ValueError, match="compile=False"):
+        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, compile=False)
+    with pytest.raises(ValueError, match="fullgraph=False"):
+        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, fullgraph=False)
+    with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
+        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, guard_filter_fn=None)
+    with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
+        funcamp.make_train_step(
+            loss, opt, POLICY, cache_dir=tmp_path, options={"guard_filter_fn": lambda e: e}
+        )
+    with pytest.raises(ValueError, match="backend by name"):
+        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, backend=lambda gm, x: gm)
+    with pytest.raises(ValueError, match="data-parallel or sharded"):
+        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, group=single_rank_group)
+
+
+def test_a_torch_without_precompile_warns_and_compiles(tmp_path, monkeypatch):
+    import funcamp._train as train
+
+    monkeypatch.setattr(train, "cache_support", lambda: "torch 0.0 has none")
+    model = cm.make_model()
+    with pytest.warns(RuntimeWarning, match="`cache_dir` is ignored: torch 0.0 has none"):
+        step = _step(model, str(tmp_path))
+    state, _ = _train(step, model, n=1)
+    assert _entries(tmp_path) == []
+    assert _same(state.params, _train(_eager(model), model, n=1)[0].params)
+
+
+KEY_CHILD = """
+import hashlib, sys, torch, funcamp
+from funcamp._step_cache import step_key
+sys.path.insert(0, {here!r})
+import cache_model as cm
+
+def loss_fn(params, buffers, batch):
+    x, y = batch
+    mode = "sum" if "a" in {{"a", "b", "c", "d"}} else "mean"  # a frozenset constant
+    return torch.nn.functional.mse_loss(x @ params["w"], y, reduction=mode)
+
+opt = funcamp.adam(1e-3)
+state = funcamp.TrainState.create({{"w": torch.zeros(16, 4)}}, opt, {policy!r})
+key = step_key(loss_fn, "settings", {{"backend": "inductor"}}, state, cm.make_batch())
+print(hashlib.sha256(repr(key).encode()).hexdigest())
+"""
+
+
+def test_the_key_is_the_same_in_every_process():
+    """Sets (in torch's configs, in a function's constants) iterate in a per-process order
+    (string hashing is salted per process): the key must not depend on it."""
+    script = KEY_CHILD.format(here=HERE, policy=POLICY)
+    keys = set()
+    for seed in ("1", "2", "3"):
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        keys.add(done.stdout.strip())
+    assert len(keys) == 1, keys
+
+
+def test_descriptions_compare_values_not_only_types():
+    from funcamp._step_cache import _opaque, describe_value
+
+    d = describe_value
+    assert d({"half", "x"}) != d({"double", "x"})
+    assert d(frozenset({1, 2})) == d(frozenset({2, 1}))
+    assert d((*tuple(range(70)), 2)) != d((*tuple(range(70)), 5))
+    assert d(torch.ops.aten.relu.default) != d(torch.ops.aten.sigmoid.default)
+    assert d(0.1) != d(0.1 + 2**-55) and d(float("nan")) == d(float("nan"))
+    assert d(torch.zeros(2, 3)) != d(torch.zeros(3, 2)) != d(torch.zeros(3, 2).t())
+    assert d(torch.nn.functional.gelu) == d(torch.nn.functional.gelu)
+    assert not _opaque(d({"a": [1, (2.0, "x")], "b": torch.float32}))
+    assert _opaque(d([1, object()])) and _opaque(d(torch.nn.Linear(1, 1)))
+
+
+def test_tensors_passed_twice_are_part_of_the_key(tmp_path):
+    """A state with two params that are one tensor (tied weights) compiles to a graph that
+    reads it once; an untied state of the same shapes must not reuse it."""
+    cache = str(tmp_path)
+    w = torch.ones(16, 4)
+
+    def loss_fn(params, buffers, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(x @ params["a"] + 2 * (x @ params["b"]), y)
+
+    opt = funcamp.adam(1e-2)
+    step = funcamp.make_train_step(loss_fn, opt, POLICY, cache_dir=cache, backend="aot_eager")
+    eager = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False)
+    for params in ({"a": w, "b": w}, {"a": w.clone(), "b": w.clone()}):
+        s1 = s2 = funcamp.TrainState.create(params, opt, POLICY)
+        for _ in range(2):  # the tied state unties after its first step
+            s1, _ = step(s1, cm.make_batch())
+            s2, _ = eager(s2, cm.make_batch())
+        assert _same(s1.params, s2.params)
+    assert len(_entries(cache)) == 2
+
+
+def test_object_leaves_run_uncached(tmp_path, caplog):
+    class Scale:
+        def __init__(self, k):
+            self.k = k
+
+    def loss_fn(params, buffers, batch):
+        x, y, scale = batch
+        return scale.k * torch.nn.functional.mse_loss(x @ params["w"], y)
+
+    opt = funcamp.sgd(0.1)
+    step = funcamp.make_train_step(loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager")
+    eager = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False)
+    s1 = s2 = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        for k in (1.0, 5.0):
+            batch = (*cm.make_batch(), Scale(k))
+            s1, _ = step(s1, batch)
+            s2, _ = eager(s2, batch)
+    assert _same(s1.params, s2.params)
+    assert any("compiles as usual (unsaved)" in m for m in _messages(caplog))
+    assert _entries(tmp_path) == []
+
+
+def test_code_without_a_source_file_is_not_saved(tmp_path, caplog):
+    namespace = {"torch": torch, "F": torch.nn.functional}
+    exec(  # as a notebook cell would define it: no file to check an entry against later
+        "def loss_fn(params, buffers, batch):\n"
+        "    x, y = batch\n"
+        "    return F.mse_loss(x @ params['w'], y)\n",
+        namespace,
+    )
+    opt = funcamp.sgd(0.1)
+    step = funcamp.make_train_step(
+        namespace["loss_fn"], opt, POLICY, cache_dir=tmp_path, backend="aot_eager"
+    )
+    state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        state, _ = step(state, cm.make_batch())
+        state, _ = step(state, cm.make_batch())
+    assert any("no source file" in m for m in _messages(caplog)), _messages(caplog)
+    assert _entries(tmp_path) == []
+
+
+def test_a_function_mode_is_part_of_the_key(tmp_path):
+    model = cm.make_model()
+    step = _step(model, str(tmp_path))
+    eager = _eager(model)
+    plain, _ = _train(step, model, n=1)
+    with cm.Doubled():
+        doubled, _ = _train(step, model, n=1)
+        reference, _ = _train(eager, model, n=1)
+    assert _same(doubled.params, reference.params)
+    assert not _same(doubled.params, plain.params)
+    assert len(_entries(tmp_path)) == 2
+    again, _ = _train(step, model, n=1)  # the mode is gone: the first entry again
+    assert _same(again.params, plain.params)
