@@ -436,13 +436,14 @@ def _view(kind: str, param: Any, value: Any) -> tuple[Any, ...]:
 _NO_PARAM = object()
 
 
-def _views(kinds: dict[str, Any], value: Any) -> tuple[Any, ...]:
+def _views(kinds: dict[str, list[Any]], value: Any) -> tuple[Any, ...]:
     out = []
-    for kind, param in sorted(kinds.items()):
-        try:
-            out.append((kind, _view(kind, param, value)))
-        except Exception as e:
-            out.append((kind, _failure(e)))
+    for kind, params in sorted(kinds.items()):
+        for param in params:
+            try:
+                out.append((kind, _view(kind, param, value)))
+            except Exception as e:
+                out.append((kind, _failure(e)))
     return tuple(out)
 
 
@@ -466,14 +467,24 @@ def _check(name: str, kinds: dict[str, Any], scope: dict[str, Any]) -> tuple[Any
     return _views(kinds, value) if ok else ("error", type(value).__name__)
 
 
+def _same_param(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a tensor key, say
+        return False
+
+
 class _Recorder:
     """The saved step's guard filter: it keeps what the step can check on every call in
     another process (torch's portable guards -- tensor metadata, global state, shapes -- on
     the inputs) and records every other guard, by source, as a check for load time."""
 
     def __init__(self) -> None:
-        # source name -> ({guard kind: its attribute or key}, the value dynamo saw or _NO_PARAM)
-        self.dropped: dict[str, tuple[dict[str, Any], Any]] = {}
+        # source name -> ({guard kind: [its attributes or keys]}, the value dynamo saw or
+        # _NO_PARAM): one dict may be guarded to contain several keys
+        self.dropped: dict[str, tuple[dict[str, list[Any]], Any]] = {}
         self.same: list[tuple[str, str | None]] = []  # DUPLICATE_INPUT: two sources, one object
 
     def __call__(self, entries: list[Any]) -> list[bool]:
@@ -490,7 +501,9 @@ class _Recorder:
                 kinds, _ = self.dropped.setdefault(name, ({}, seen))
                 keywords = getattr(entry.orig_guard.create_fn, "keywords", None) or {}
                 param = keywords.get("attr", keywords.get("key", _NO_PARAM))
-                kinds[entry.guard_type] = param
+                params = kinds.setdefault(entry.guard_type, [])
+                if not any(_same_param(p, param) for p in params):
+                    params.append(param)
                 if entry.guard_type == "DUPLICATE_INPUT":
                     other = keywords.get("source_b")
                     self.same.append((name, getattr(other, "name", None)))
@@ -770,7 +783,7 @@ class CachedStep:
             name = _portable(traced, scope["G"])
             if name is None:
                 continue
-            params = [p for p in kinds.values() if p is not _NO_PARAM]
+            params = [p for ps in kinds.values() for p in ps if p is not _NO_PARAM]
             if any(_opaque(describe_value(p)) for p in params):
                 raise RuntimeError(f"a guard on {name} tests an object funcamp cannot save")
             now = _check(name, kinds, scope)

@@ -338,6 +338,23 @@ def test_descriptions_compare_values_not_only_types():
     assert _opaque(d([1, object()])) and _opaque(d(torch.nn.Linear(1, 1)))
 
 
+def test_checks_look_at_what_each_guard_looks_at():
+    from funcamp._step_cache import _NO_PARAM, _views
+
+    env = {"A": "1", "B": "2", "PATH": "/bin"}
+    contains = {"DICT_CONTAINS": ["A", "B"]}  # two keys guarded on one dict: both compared
+    assert _views(contains, env) == _views(contains, {**env, "PATH": "/usr/bin"})
+    assert _views(contains, env) != _views(contains, {"A": "1", "PATH": "/bin"})
+    type_only = {"TYPE_MATCH": [_NO_PARAM]}  # a type guard: the contents do not matter
+    assert _views(type_only, env) == _views(type_only, {"X": 3})
+    assert _views(type_only, env) != _views(type_only, [1])
+    value = {"CONSTANT_MATCH": [_NO_PARAM]}
+    assert _views(value, (1, 2.5)) != _views(value, (1, 2.25))
+    keys = {"DICT_KEYS_MATCH": [_NO_PARAM]}
+    assert _views(keys, {"a": 1, "b": 2}) == _views(keys, {"a": 5, "b": 6})
+    assert _views(keys, {"a": 1, "b": 2}) != _views(keys, {"b": 2, "a": 1})
+
+
 def test_tensors_passed_twice_are_part_of_the_key(tmp_path):
     """A state with two params that are one tensor (tied weights) compiles to a graph that
     reads it once; an untied state of the same shapes must not reuse it."""
