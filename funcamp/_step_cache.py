@@ -311,6 +311,30 @@ def step_key(
         str(spec),
         tuple(_leaf_signature(x) for x in leaves),
         _structure(state, batch)[1:],  # constants, tensors passed twice, torch's context
+        _folded(),
+    )
+
+
+def _folded() -> tuple[Any, ...]:
+    """What dynamo folds into a graph as a constant *without a guard* (its
+    ``constant_fold_functions``): read here so that a process where they differ (another rank
+    or world size, autocast dtypes, a GPU that is or is not there) gets another key."""
+    dist = torch.distributed
+    ranks: Any = None
+    if dist.is_available() and dist.is_initialized():
+        ranks = (dist.get_rank(), dist.get_world_size())
+    accelerator = getattr(torch, "accelerator", None)
+    return (
+        torch._C._get_cublas_allow_tf32(),
+        torch._C._is_any_autocast_enabled(),
+        torch.is_autocast_cache_enabled(),
+        tuple(str(torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
+        str(torch.get_default_dtype()),
+        torch.cuda.is_available(),
+        bool(accelerator.is_available()) if accelerator is not None else None,
+        dist.is_available(),
+        dist.is_available() and dist.is_initialized(),
+        ranks,
     )
 
 
@@ -706,6 +730,9 @@ class CachedStep:
                 return None, "written by another funcamp version"
             if record["key"] != key:
                 return None, "its key differs (a hash collision or an edited file)"
+            changed = _changed_file(record["files"])
+            if changed is not None:
+                return None, changed
             with _guard_loading():
                 compiled = torch.compiler.load_compiled_function(
                     io.BytesIO(record["artifact"]),
@@ -735,7 +762,7 @@ class CachedStep:
         start = time.perf_counter()
         recorder = _Recorder()
         try:
-            with _without_source() as unchecked:
+            with _without_source() as unchecked, _constant_results() as folded:
                 compiled = self.compile_with(recorder).aot_compile(((state, batch), {}))
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError):
             raise  # the step's own handler explains these
@@ -749,6 +776,11 @@ class CachedStep:
             return None
         elapsed = time.perf_counter() - start
         try:
+            if folded:
+                raise RuntimeError(
+                    f"the step folded the result of {folded[0]} (torch._dynamo."
+                    "assume_constant_result) into its graph, which a later process cannot check"
+                )
             if unchecked:
                 raise RuntimeError(
                     f"the step runs code with no source file to check it against later "
@@ -806,10 +838,11 @@ class CachedStep:
                     f"the step is specialised on {a} being {b}, which cannot be re-read"
                 )
             checks.append((names, None, _SAME))
+        files = [(name, path, _file_digest(path)) for name, path in _module_files()]
         buf = io.BytesIO()
         artifact = type(compiled).serialize(compiled, self._external()).serialized_data
         pickle.dump(
-            {"format": _FORMAT, "key": key, "checks": checks, "artifact": artifact},
+            {"format": _FORMAT, "key": key, "checks": checks, "files": files, "artifact": artifact},
             buf,
             protocol=pickle.HIGHEST_PROTOCOL,
         )
@@ -829,6 +862,72 @@ def _generated(code: types.CodeType) -> bool:
     if code.co_name == "<lambda>" and code.co_varnames[:1] == ("_cls",):
         return "_tuple_new" in code.co_names  # collections.namedtuple
     return getattr(code, "co_qualname", "").startswith("__create_fn__.<locals>.")
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
+_SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def _module_files() -> list[tuple[str, str]]:
+    """The source files of the Python modules loaded now, except the standard library, torch
+    (both pinned by version in the key) and ``__main__`` (checked line by line where the step
+    traced it): code that runs while compiling without being traced (a kernel written in
+    Python, a ``nonstrict_trace`` helper, a tensor subclass) is in one of them."""
+    out = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name == "__main__" or not isinstance(path, str) or not path.endswith(".py"):
+            continue
+        path = os.path.abspath(path)
+        if path.startswith(_TORCH_DIR + os.sep):
+            continue
+        if path.startswith(_STDLIB_DIR + os.sep) and not any(
+            part in path[len(_STDLIB_DIR) :] for part in _SITE
+        ):
+            continue
+        out.append((name, path))
+    return sorted(out)
+
+
+def _file_digest(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def _changed_file(files: list[tuple[str, str, str | None]]) -> str | None:
+    for name, path, digest in files:
+        if _file_digest(path) != digest:
+            return f"{name} ({path}) changed"
+    return None
+
+
+@contextlib.contextmanager
+def _constant_results() -> Any:
+    """Collect the functions marked ``torch._dynamo.assume_constant_result`` that the trace
+    called: their results are folded into the graph and never checked again."""
+    from torch._dynamo.variables import builtin, functions, nn_module
+
+    called: list[str] = []
+    original = functions.invoke_and_store_as_constant
+
+    def record(tx: Any, fn: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        called.append(str(name))
+        return original(tx, fn, name, *args, **kwargs)
+
+    modules = [
+        m for m in (functions, builtin, nn_module) if hasattr(m, "invoke_and_store_as_constant")
+    ]
+    for m in modules:
+        m.invoke_and_store_as_constant = record  # type: ignore[attr-defined]
+    try:
+        yield called
+    finally:
+        for m in modules:
+            m.invoke_and_store_as_constant = original  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
