@@ -91,14 +91,18 @@ def _code_digest(code: types.CodeType, h: Any, depth: int = 0) -> None:
             h.update(_stable_repr(const).encode())
 
 
-def _function_digest(fn: Any) -> str:
+def _code_hex(code: types.CodeType | None) -> str:
     h = hashlib.sha256()
+    if code is not None:
+        _code_digest(code, h)
+    return h.hexdigest()[:32]
+
+
+def _function_digest(fn: Any) -> str:
     code = getattr(fn, "__code__", None)
     if code is None and not isinstance(fn, type):  # a callable object: its class's __call__
         code = getattr(type(fn).__call__, "__code__", None)
-    if isinstance(code, types.CodeType):
-        _code_digest(code, h)
-    return h.hexdigest()[:32]
+    return _code_hex(code if isinstance(code, types.CodeType) else None)
 
 
 def _where(obj: Any) -> tuple[str, str]:
@@ -150,9 +154,7 @@ def describe_value(value: Any, depth: int = 0) -> tuple[Any, ...]:
     if isinstance(value, types.FunctionType):
         return ("fn", *_where(value), _function_digest(value))
     if isinstance(value, types.CodeType):
-        h = hashlib.sha256()
-        _code_digest(value, h)
-        return ("code", getattr(value, "co_qualname", value.co_name), h.hexdigest()[:32])
+        return ("code", getattr(value, "co_qualname", value.co_name), _code_hex(value))
     if isinstance(value, types.MethodType):
         return ("m", describe_value(value.__func__, depth), *_where(type(value.__self__)))
     if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
@@ -202,11 +204,8 @@ _SAME = ("same object",)
 
 
 def _same_object(a: str, b: str, scope: dict[str, Any]) -> bool:
-    helpers = {"__load_module": importlib.import_module}
-    try:
-        return eval(a, scope, helpers) is eval(b, scope, helpers)
-    except Exception:
-        return False
+    (ok_a, value_a), (ok_b, value_b) = _read(a, scope), _read(b, scope)
+    return ok_a and ok_b and value_a is value_b
 
 
 def _failure(error: BaseException) -> tuple[str, str]:
@@ -215,14 +214,6 @@ def _failure(error: BaseException) -> tuple[str, str]:
 
 # ---------------------------------------------------------------------------------------------
 # The key.
-
-
-def _leaf_signature(x: Any) -> tuple[Any, ...]:
-    if isinstance(x, torch.Tensor):
-        return describe_value(x)
-    if isinstance(x, (*_PLAIN, float, complex, *_TORCH_PLAIN)):
-        return describe_value(x)
-    return ("o", *_where(type(x)))
 
 
 def _stable_repr(value: Any) -> str:
@@ -295,6 +286,9 @@ def step_key(
     import funcamp
 
     leaves, spec = optree.tree_flatten((state, batch), namespace=NAMESPACE)
+    signature = _signature(leaves, spec)
+    if signature is None:  # CachedStep runs such inputs uncached, never asking for a key
+        raise ValueError("inputs holding objects known only by their type have no key")
     return (
         _FORMAT,
         funcamp.__version__,
@@ -309,8 +303,8 @@ def step_key(
         settings,
         (*_where(loss_fn), _function_digest(loss_fn)),
         str(spec),
-        tuple(_leaf_signature(x) for x in leaves),
-        _structure(state, batch)[1:],  # constants, tensors passed twice, torch's context
+        tuple(describe_value(x) for x in leaves if isinstance(x, torch.Tensor)),
+        signature[1:],  # constants, tensors passed twice, torch's context
         _folded(),
     )
 
@@ -342,24 +336,35 @@ def _folded() -> tuple[Any, ...]:
 # Saving and loading.
 
 
-_INPUTS = ("state", "batch")
+#: The step's arguments; guards rooted in them (or in torch's global state) are the ones a
+#: step checks on every call -- here and in funcamp._train's default guard filter.
+STEP_INPUTS = ("state", "batch")
+GLOBAL_STATE_SOURCES = ("GlobalStateSource", "ShapeEnvSource")
+
+
+def source_root(source: Any) -> Any:
+    """The source a dynamo guard source is read from (``L['state']`` for
+    ``L['state'].params['w']``)."""
+    while getattr(source, "base", None) is not None:
+        source = source.base
+    return source
+
+
 # What torch.compiler.keep_portable_guards_unsafe keeps: with only these, torch's saved guard
 # state holds no reference to the closure (its dict-key-order and global scopes are pruned), so
 # another process can rebuild it.
 _PORTABLE = ("TENSOR_MATCH", "GLOBAL_STATE", "SHAPE_ENV")
-_GLOBAL_STATE = ("GlobalStateSource", "ShapeEnvSource")
 
 
 def _on_inputs(source: Any) -> bool:
     """A guard source rooted in the step's inputs or in torch's global state: what the saved
     step checks on every call. Guards rooted elsewhere (closures, globals) cannot be rebuilt
     in another process from torch's saved guard state; they become load-time checks."""
-    while getattr(source, "base", None) is not None:
-        source = source.base
-    kind = type(source).__name__
+    root = source_root(source)
+    kind = type(root).__name__
     if kind == "LocalSource":
-        return source.local_name in _INPUTS
-    return kind in _GLOBAL_STATE
+        return root.local_name in STEP_INPUTS
+    return kind in GLOBAL_STATE_SOURCES
 
 
 def _structure(state: Any, batch: Any) -> tuple[Any, ...] | None:
@@ -368,7 +373,10 @@ def _structure(state: Any, batch: Any) -> tuple[Any, ...] | None:
     (dynamo's duplicate-input guard), and the torch state a trace depends on (function modes,
     the default device, a functorch transform, saved-tensor hooks). None when a leaf is an
     object only known by its type (the step then runs uncached)."""
-    leaves, spec = optree.tree_flatten((state, batch), namespace=NAMESPACE)
+    return _signature(*optree.tree_flatten((state, batch), namespace=NAMESPACE))
+
+
+def _signature(leaves: list[Any], spec: Any) -> tuple[Any, ...] | None:
     constants = []
     ids: dict[int, int] = {}
     same = []

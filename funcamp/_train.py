@@ -56,7 +56,14 @@ from funcamp._hints import optimizer_type_error
 from funcamp._policy import Policy
 from funcamp._progress import announce_first_call
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
-from funcamp._step_cache import CachedStep, cache_support, describe_value
+from funcamp._step_cache import (
+    GLOBAL_STATE_SOURCES,
+    STEP_INPUTS,
+    CachedStep,
+    cache_support,
+    describe_value,
+    source_root,
+)
 from funcamp._tree import (
     NAMESPACE,
     _first_leaf,
@@ -460,17 +467,6 @@ def _check_cache_dir(cache_dir: Any, opts: StepOptions, mesh: Any) -> str | None
     return path
 
 
-_STEP_INPUTS = ("state", "batch")
-_GLOBAL_STATE = ("GlobalStateSource", "ShapeEnvSource")
-
-
-def _guard_root(entry: Any) -> Any:
-    source = entry.orig_guard.originating_source
-    while getattr(source, "base", None) is not None:
-        source = source.base
-    return source
-
-
 def _input_guards_only(entries: list[Any]) -> list[bool]:
     """Default guard filter: keep the guards on the step's inputs (``state``, ``batch``), on
     tensors anywhere, and on global torch state (grad mode, default device, ...); drop those on
@@ -479,12 +475,12 @@ def _input_guards_only(entries: list[Any]) -> list[bool]:
     keep = []
     for entry in entries:
         try:
-            root = _guard_root(entry)
+            root = source_root(entry.orig_guard.originating_source)
             kind = type(root).__name__
             if kind == "LocalSource":
-                keep.append(root.local_name in _STEP_INPUTS)
+                keep.append(root.local_name in STEP_INPUTS)
             else:
-                keep.append(entry.guard_type == "TENSOR_MATCH" or kind in _GLOBAL_STATE)
+                keep.append(entry.guard_type == "TENSOR_MATCH" or kind in GLOBAL_STATE_SOURCES)
         except AttributeError:
             keep.append(True)
     return keep
