@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HALF_DTYPES", "random_bits", "round_nearest", "round_stochastic"]
+__all__ = [
+    "HALF_DTYPES",
+    "bits_from_key",
+    "leaf_keys",
+    "random_bits",
+    "round_nearest",
+    "round_stochastic",
+]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -35,6 +42,21 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def leaf_keys(seed: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
+    """Return the int64 keys of leaves ``0 .. n-1`` for step ``count`` (shape ``(n,)``): the
+    key :func:`random_bits` hashes with the element index, computed for every leaf at once."""
+    key = _hash32((seed.to(torch.int64) & _MASK32) ^ 0x5BD1E995)
+    key = _hash32(key ^ (count.to(torch.int64) & _MASK32))
+    return _hash32(key ^ torch.arange(n, dtype=torch.int64, device=seed.device))
+
+
+def bits_from_key(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Return int64 random bits in [0, 2**31) of ``shape`` from a leaf's 0-d ``key``
+    (see :func:`leaf_keys`)."""
+    idx = torch.arange(shape.numel(), dtype=torch.int64, device=key.device).reshape(shape)
+    return _hash32(key ^ (idx & _MASK32)) >> 1
+
+
 def random_bits(
     seed: torch.Tensor, count: torch.Tensor, leaf: int, shape: torch.Size
 ) -> torch.Tensor:
@@ -43,8 +65,7 @@ def random_bits(
     key = _hash32((seed.to(torch.int64) & _MASK32) ^ 0x5BD1E995)
     key = _hash32(key ^ (count.to(torch.int64) & _MASK32))
     key = _hash32(key ^ (leaf & _MASK32))
-    idx = torch.arange(shape.numel(), dtype=torch.int64, device=seed.device).reshape(shape)
-    return _hash32(key ^ (idx & _MASK32)) >> 1
+    return bits_from_key(key, shape)
 
 
 def _round_bits(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor | None) -> torch.Tensor:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcamp
-from funcamp._lowp import random_bits, round_nearest, round_stochastic
+from funcamp._lowp import bits_from_key, leaf_keys, random_bits, round_nearest, round_stochastic
 from funcamp.optim import MasterWeightsState, SetParam
 
 #: The optree namespace funcamp documents for its state types (docs/concepts.md).
@@ -86,6 +86,62 @@ def test_random_bits_are_deterministic_and_keyed():
         assert (a != other).float().mean() > 0.99
     assert a.min() >= 0 and a.max() < 2**31
     assert abs(a.double().mean().item() / 2**31 - 0.5) < 0.05
+
+
+@pytest.mark.parametrize("seed, count", [(0, 0), (7, 3), (2**40 + 5, 2**33 - 1), (-3, 9)])
+def test_leaf_keys_give_each_leafs_random_bits(seed, count):
+    """The stochastic-rounding step hashes every leaf's key at once (leaf_keys) and each leaf's
+    elements from its key: the same bits as random_bits for that leaf."""
+    seed_t, count_t = (
+        torch.tensor(seed),
+        torch.tensor(count, dtype=torch.int32 if count < 2**31 else torch.int64),
+    )
+    keys = leaf_keys(seed_t, count_t, 5)
+    assert keys.shape == (5,) and keys.dtype == torch.int64
+    for i, shape in enumerate([(3,), (4, 5), (), (2, 3, 4), (1,)]):
+        want = random_bits(seed_t, count_t, i, torch.Size(shape))
+        got = bits_from_key(keys[i], torch.Size(shape))
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
+def _xor_nodes_of_compiled_sr_update(n_leaves):
+    """The number of xor nodes in the graph dynamo captures for a stochastic-rounding update
+    over ``n_leaves`` bfloat16 leaves, and the shapes of the int64 tensors it gives
+    funcamp::copies (the leaves' keys)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    opt = funcamp.adam(1e-2, stochastic_rounding=True, seed=3)
+    params = {f"w{i}": torch.ones(4, 3, dtype=torch.bfloat16) for i in range(n_leaves)}
+    grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+    state = opt.init(params)
+    torch._dynamo.reset()
+    torch.compile(opt.update, backend=backend, fullgraph=True)(grads, state, params)
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    xors = sum("xor" in str(n.target) for n in calls)
+    key_copies = [
+        n.args[0].meta["example_value"].shape
+        for n in calls
+        if "funcamp.copies" in str(n.target)
+        and n.args[0].meta["example_value"].dtype == torch.int64
+    ]
+    return xors, key_copies
+
+
+def test_stochastic_rounding_hashes_the_key_chain_once_per_step_not_per_leaf():
+    """Compile time: each hash step reads its input twice, and inductor inlines a pointwise
+    chain into every element that reads it, so a key chain hashed per leaf (3 hashes) grew the
+    kernels' bodies as a power of two: 8 bf16 leaves took minutes to compile. The keys of all
+    leaves are hashed together, into a buffer of their own (one funcamp::copies); each extra
+    leaf adds only its elements' hash (1 + 3 xors)."""
+    xors_2, keys_2 = _xor_nodes_of_compiled_sr_update(2)
+    xors_6, keys_6 = _xor_nodes_of_compiled_sr_update(6)
+    assert (xors_6 - xors_2) / 4 == 4  # per leaf: key ^ index, then the hash's three
+    assert keys_2 == [(2,)] and keys_6 == [(6,)]  # the keys' own buffer, once per step
 
 
 # ---------------------------------------------------------------------------------------------

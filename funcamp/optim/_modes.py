@@ -23,10 +23,10 @@ import optree
 import torch
 
 from funcamp._checks import check_count, check_state_like, state_leaves
-from funcamp._lowp import random_bits, round_nearest, round_stochastic
+from funcamp._lowp import bits_from_key, leaf_keys, round_nearest, round_stochastic
 from funcamp._tree import NAMESPACE, describe, unflatten
 from funcamp.optim._base import Optimizer, SetParam
-from funcamp.optim._numerics import is_half
+from funcamp.optim._numerics import is_half, materialized
 
 __all__ = [
     "KahanState",
@@ -242,10 +242,12 @@ def to_updates(
                 updates.append(d)
             new_comp.append(c)
         return unflatten(spec, updates), KahanState(unflatten(spec, new_comp))
-    seed = low.seed
+    # Every leaf's key at once, in a buffer of its own under compile (see materialized): the
+    # same bits as funcamp._lowp.random_bits(low.seed, count, i, shape) for leaf i.
+    keys = materialized(leaf_keys(low.seed, count, len(deltas)))
     for i, d, p in zip(range(len(deltas)), deltas, params):
         if is_half(p):
-            noise = random_bits(seed, count, i, p.shape)
+            noise = bits_from_key(keys[i], p.shape)
             new_p = round_stochastic(p.to(torch.float32) + d, p.dtype, noise)
             updates.append(SetParam(new_p.to(p.dtype)))
         else:
