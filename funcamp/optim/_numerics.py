@@ -305,7 +305,7 @@ def materialized(x: torch.Tensor) -> torch.Tensor:
 
     Why: inductor inlines a pointwise result into each of its readers and gives up only past
     some fan-out or op count. A chain of steps that each read their input twice (the
-    stochastic-rounding hash: ``x ^ (x >> 16)``, five times per hash, three hashes per key)
+    stochastic-rounding hash: ``x ^ (x >> 16)``, three such steps per hash, three hashes per key)
     grows as a power of two per step, and inlining it into every element of every leaf made a
     stochastic-rounding step of 8 small leaves take minutes of codegen. A few keys computed
     once per step cost one small copy. Values are unchanged."""
