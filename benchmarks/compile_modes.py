@@ -2,14 +2,16 @@
 
     python benchmarks/compile_modes.py                      # 4-layer MLP (8 leaves), 2 rounds
     python benchmarks/compile_modes.py --against HEAD~1 --rounds 3
+    python benchmarks/compile_modes.py --policy 16-true --modes plain,kahan   # float16 params
 
 Each (mode, revision) compiles in a fresh process (this script with ``--child``) on an empty
 ``TORCHINDUCTOR_CACHE_DIR`` of its own: the first call of ``funcamp.make_train_step(loss, opt,
-"bf16-true")`` with AdamW in bfloat16 params, where ``opt`` is plain, ``master_weights=True``,
-``kahan=True`` or ``stochastic_rounding=True``. The processes are interleaved (every mode of
-every revision, then the next round); the table gives the median first call, where it went
-(torch's compile timers) and its ratio to the plain mode of the same revision. ``--against REV``
-also compiles funcamp as it is at git revision ``REV`` (see ``_revision.py``).
+"bf16-true")`` with AdamW in bfloat16 params (``--policy 16-true``: float16 params), where
+``opt`` is plain, ``master_weights=True``, ``kahan=True`` or ``stochastic_rounding=True``. The
+processes are interleaved (every mode of every revision, then the next round); the table gives
+the median first call, where it went (torch's compile timers) and its ratio to the plain mode of
+the same revision. ``--against REV`` also compiles funcamp as it is at git revision ``REV``
+(see ``_revision.py``).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def child(args: argparse.Namespace) -> None:
         out = torch.func.functional_call(model, (p, b), (x,))
         return torch.nn.functional.mse_loss(out.float(), y)
 
-    step = fc.make_train_step(loss_fn, opt, "bf16-true")
-    state = fc.TrainState.create(params, opt, "bf16-true", buffers=buffers)
+    step = fc.make_train_step(loss_fn, opt, args.policy)
+    state = fc.TrainState.create(params, opt, args.policy, buffers=buffers)
     batch = (torch.randn(32, args.width), torch.randn(32, args.width))
     before = ts._phase_totals()
     t0 = time.perf_counter()
@@ -73,7 +75,7 @@ def child(args: argparse.Namespace) -> None:
 def run_child(mode: str, rev: str | None, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="compile_modes_") as d:
         cmd = [sys.executable, __file__, "--child", "--mode", mode, "--dir", d]
-        cmd += ["--layers", str(args.layers), "--width", str(args.width)]
+        cmd += ["--layers", str(args.layers), "--width", str(args.width), "--policy", args.policy]
         if rev:
             cmd += ["--rev", rev]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--layers", type=int, default=4, help="Linear layers (2 leaves each)")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--policy", default="bf16-true", help="bf16-true or 16-true (float16 params)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--against", default=None, help="also compile funcamp at this git revision")
     p.add_argument("--require-quiet", action="store_true")
@@ -111,7 +114,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 res = run_child(mode, rev, args)
                 runs.setdefault(key, []).append(res)
                 print(f"round {r + 1}: {key}: first call {res['first_s']:.1f} s", flush=True)
-    print(f"\n{args.layers}-layer MLP, width {args.width}, bf16-true AdamW, cold inductor cache")
+    print(
+        f"\n{args.layers}-layer MLP, width {args.width}, {args.policy} AdamW, cold inductor cache"
+    )
     print(f"{'variant':40s} {'first s':>8s} {'/plain':>7s} {'dynamo':>7s} {'codegen':>8s}")
     table = {}
     for key, rs in runs.items():
