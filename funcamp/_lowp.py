@@ -42,12 +42,17 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def _step_key(seed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The 0-d int64 key of step ``count`` under ``seed``, before the leaf index is mixed in."""
+    key = _hash32((seed.to(torch.int64) & _MASK32) ^ 0x5BD1E995)
+    return _hash32(key ^ (count.to(torch.int64) & _MASK32))
+
+
 def leaf_keys(seed: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
     """Return the int64 keys of leaves ``0 .. n-1`` for step ``count`` (shape ``(n,)``): the
     key :func:`random_bits` hashes with the element index, computed for every leaf at once."""
-    key = _hash32((seed.to(torch.int64) & _MASK32) ^ 0x5BD1E995)
-    key = _hash32(key ^ (count.to(torch.int64) & _MASK32))
-    return _hash32(key ^ torch.arange(n, dtype=torch.int64, device=seed.device))
+    leaves = torch.arange(n, dtype=torch.int64, device=seed.device)
+    return _hash32(_step_key(seed, count) ^ leaves)
 
 
 def bits_from_key(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -62,10 +67,7 @@ def random_bits(
 ) -> torch.Tensor:
     """Return int64 random bits in [0, 2**31) of ``shape``, a pure function of
     (seed, count, leaf index, element index) — never the global RNG."""
-    key = _hash32((seed.to(torch.int64) & _MASK32) ^ 0x5BD1E995)
-    key = _hash32(key ^ (count.to(torch.int64) & _MASK32))
-    key = _hash32(key ^ (leaf & _MASK32))
-    return bits_from_key(key, shape)
+    return bits_from_key(_hash32(_step_key(seed, count) ^ (leaf & _MASK32)), shape)
 
 
 def _computed_once(x: torch.Tensor) -> torch.Tensor:
