@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "HALF_DTYPES",
     "bits_from_key",
+    "computed_once",
     "leaf_keys",
     "random_bits",
     "round_nearest",
@@ -70,15 +71,18 @@ def random_bits(
     return bits_from_key(_hash32(_step_key(seed, count) ^ (leaf & _MASK32)), shape)
 
 
-def _computed_once(x: torch.Tensor) -> torch.Tensor:
+def computed_once(x: torch.Tensor) -> torch.Tensor:
     """``x``; while compiling, a view of it (``as_strided`` onto its own size and strides) that
     makes inductor compute ``x`` into a buffer once instead of inlining its expression into each
-    of its readers below (the bit pattern is read up to six times, and ``x`` is usually a whole
-    optimizer update). Fused into the same kernel, that buffer stays a local value: the same
-    kernels and memory traffic, a fraction of the codegen (float16 params with Kahan summation,
-    8 leaves: 66 s of compile -> 44 s). Left alone where autograd or a functorch transform
-    (vmap, grad) would see the view, and for a non-contiguous ``x`` (whose strides inductor's
-    buffer need not share)."""
+    of its readers. Inductor gives up inlining only past some fan-out or op count, and the
+    integer work here reads its values several times: each hash step reads its input twice
+    (``x ^ (x >> 16)``, three steps a hash), so an inlined chain of hashes grows as a power of two
+    (the stochastic-rounding keys: 8 small leaves took minutes to compile), and the rounding
+    reads the bit pattern of a whole optimizer update up to six times (float16 params with Kahan
+    summation, 8 leaves: 66 s of compile -> 44 s). Fused into the same kernel, the buffer stays a
+    local value: the same kernels and memory traffic. Left alone where autograd or a functorch
+    transform (vmap, grad) would see the view, and for a non-contiguous ``x`` (whose strides
+    inductor's buffer need not share)."""
     if (
         not torch.compiler.is_compiling()
         or not x.is_contiguous()
@@ -92,7 +96,7 @@ def _computed_once(x: torch.Tensor) -> torch.Tensor:
 def _round_bits(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor | None) -> torch.Tensor:
     """Round float32 ``x`` into ``dtype``'s grid: to nearest-even when ``noise`` is None, else
     stochastically with ``noise`` (int64 uniform in [0, 2**31)). Returns float32."""
-    bits = _computed_once(x).view(torch.int32)
+    bits = computed_once(x).view(torch.int32)
     sign = bits & _INT32_MIN
     mag = bits & 0x7FFFFFFF
     finite = mag < _F32_INF_BITS

@@ -106,8 +106,8 @@ def test_leaf_keys_give_each_leafs_random_bits(seed, count):
 
 def _xor_nodes_of_compiled_sr_update(n_leaves):
     """The number of xor nodes in the graph dynamo captures for a stochastic-rounding update
-    over ``n_leaves`` bfloat16 leaves, and the shapes of the int64 tensors it gives
-    funcamp::copies (the leaves' keys)."""
+    over ``n_leaves`` bfloat16 leaves, and the shapes of the int64 tensors it puts in a buffer
+    of their own (``as_strided``: the leaves' keys)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -123,20 +123,19 @@ def _xor_nodes_of_compiled_sr_update(n_leaves):
     (gm,) = graphs
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     xors = sum("xor" in str(n.target) for n in calls)
-    key_copies = [
+    key_buffers = [
         n.args[0].meta["example_value"].shape
         for n in calls
-        if "funcamp.copies" in str(n.target)
-        and n.args[0].meta["example_value"].dtype == torch.int64
+        if "as_strided" in str(n.target) and n.args[0].meta["example_value"].dtype == torch.int64
     ]
-    return xors, key_copies
+    return xors, key_buffers
 
 
 def test_stochastic_rounding_hashes_the_key_chain_once_per_step_not_per_leaf():
     """Compile time: each hash step reads its input twice, and inductor inlines a pointwise
     chain into every element that reads it, so a key chain hashed per leaf (3 hashes) grew the
     kernels' bodies as a power of two: 8 bf16 leaves took minutes to compile. The keys of all
-    leaves are hashed together, into a buffer of their own (one funcamp::copies); each extra
+    leaves are hashed together, into a buffer of their own (computed_once); each extra
     leaf adds only its elements' hash (1 + 3 xors)."""
     xors_2, keys_2 = _xor_nodes_of_compiled_sr_update(2)
     xors_6, keys_6 = _xor_nodes_of_compiled_sr_update(6)

@@ -23,10 +23,16 @@ import optree
 import torch
 
 from funcamp._checks import check_count, check_state_like, state_leaves
-from funcamp._lowp import bits_from_key, leaf_keys, round_nearest, round_stochastic
+from funcamp._lowp import (
+    bits_from_key,
+    computed_once,
+    leaf_keys,
+    round_nearest,
+    round_stochastic,
+)
 from funcamp._tree import NAMESPACE, describe, unflatten
 from funcamp.optim._base import Optimizer, SetParam
-from funcamp.optim._numerics import is_half, materialized
+from funcamp.optim._numerics import is_half
 
 __all__ = [
     "KahanState",
@@ -242,9 +248,9 @@ def to_updates(
                 updates.append(d)
             new_comp.append(c)
         return unflatten(spec, updates), KahanState(unflatten(spec, new_comp))
-    # Every leaf's key at once, in a buffer of its own under compile (see materialized): the
+    # Every leaf's key at once, in a buffer of its own under compile (see computed_once): the
     # same bits as funcamp._lowp.random_bits(low.seed, count, i, shape) for leaf i.
-    keys = materialized(leaf_keys(low.seed, count, len(deltas)))
+    keys = computed_once(leaf_keys(low.seed, count, len(deltas)))
     for i, d, p in zip(range(len(deltas)), deltas, params):
         if is_half(p):
             noise = bits_from_key(keys[i], p.shape)

@@ -299,21 +299,6 @@ _COPIES = _define_copies()
 LEAVES_PER_COPY = 4
 
 
-def materialized(x: torch.Tensor) -> torch.Tensor:
-    """``x``, computed into a buffer of its own while compiling (one ``funcamp::copies`` call,
-    which inductor cannot see into); ``x`` itself otherwise, and for a tensor autograd tracks.
-
-    Why: inductor inlines a pointwise result into each of its readers and gives up only past
-    some fan-out or op count. A chain of steps that each read their input twice (the
-    stochastic-rounding hash: ``x ^ (x >> 16)``, three such steps per hash, three hashes per key)
-    grows as a power of two per step, and inlining it into every element of every leaf made a
-    stochastic-rounding step of 8 small leaves take minutes of codegen. A few keys computed
-    once per step cost one small copy. Values are unchanged."""
-    if not torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
-        return x
-    return _COPIES(x, 1)[0]
-
-
 def spread(x: Any, n: int) -> list[Any]:
     """``x`` for each of ``n`` leaves, in a list: ``[x] * n``, except for a 0-d CPU tensor (a
     step scalar: the unscale factor, the skip flag, a learning rate) while compiling, which is
