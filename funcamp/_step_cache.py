@@ -34,6 +34,7 @@ import builtins
 import contextlib
 import enum
 import functools
+import glob
 import hashlib
 import importlib
 import inspect
@@ -58,7 +59,7 @@ from funcamp._tree import NAMESPACE
 
 __all__ = ["cache_support", "CachedStep"]
 
-_FORMAT = 1
+_FORMAT = 2  # 2: entries record the training flags they follow
 _SUFFIX = ".funcamp-step"
 
 
@@ -350,6 +351,12 @@ def source_root(source: Any) -> Any:
     return source
 
 
+def is_mode_flag(source: Any) -> bool:
+    """Whether a guard source reads a module's ``training`` flag (``....training``): the flag
+    ``model.train()`` / ``model.eval()`` sets, which a compiled step must follow."""
+    return type(source).__name__ == "AttrSource" and getattr(source, "member", None) == "training"
+
+
 # What torch.compiler.keep_portable_guards_unsafe keeps: with only these, torch's saved guard
 # state holds no reference to the closure (its dict-key-order and global scopes are pruned), so
 # another process can rebuild it.
@@ -518,6 +525,7 @@ class _Recorder:
         # _NO_PARAM): one dict may be guarded to contain several keys
         self.dropped: dict[str, tuple[dict[str, list[Any]], Any]] = {}
         self.same: list[tuple[str, str | None]] = []  # DUPLICATE_INPUT: two sources, one object
+        self.modes: dict[str, bool] = {}  # source of a module's `training` flag -> its value
 
     def __call__(self, entries: list[Any]) -> list[bool]:
         out = []
@@ -530,6 +538,8 @@ class _Recorder:
             if not ok:
                 name = entry.orig_guard.originating_source.name
                 seen = entry.value if entry.has_value else _NO_PARAM
+                if is_mode_flag(entry.orig_guard.originating_source) and isinstance(seen, bool):
+                    self.modes[name] = seen
                 kinds, _ = self.dropped.setdefault(name, ({}, seen))
                 keywords = getattr(entry.orig_guard.create_fn, "keywords", None) or {}
                 param = keywords.get("attr", keywords.get("key", _NO_PARAM))
@@ -675,15 +685,19 @@ class CachedStep:
                 )
             return self.fallback(state, batch)
         for entry in self.entries:
-            if entry[0] == structure and entry[1].guard_check(state, batch):
+            if (
+                entry[0] == structure
+                and all(m.training is flag for m, flag in entry[3])
+                and entry[1].guard_check(state, batch)
+            ):
                 return self._run(entry, state, batch)
         if self.broken or len(self.entries) >= torch._dynamo.config.recompile_limit:
             return self.fallback(state, batch)
-        compiled, loaded = self._load_or_compile(state, batch)
+        compiled, modes, loaded = self._load_or_compile(state, batch)
         if compiled is None:
             self.broken = True
             return self.fallback(state, batch)
-        entry = [structure, compiled, not loaded]
+        entry = [structure, compiled, not loaded, modes]
         self.entries.append(entry)
         return self._run(entry, state, batch)
 
@@ -699,48 +713,54 @@ class CachedStep:
                 type(e).__name__,
                 e,
             )
-            compiled = self._compile(*self._key_and_path(state, batch), state, batch)
+            compiled, modes = self._compile(*self._key_and_stem(state, batch), state, batch)
             if compiled is None:
                 self.broken = True
                 return self.fallback(state, batch)
-            entry = [entry[0], compiled, True]
+            entry = [entry[0], compiled, True, modes]
             self.entries.append(entry)
             return compiled.fn(state, batch)
         entry[2] = True
         return out
 
-    def _key_and_path(self, state: Any, batch: Any) -> tuple[Any, str]:
+    def _key_and_stem(self, state: Any, batch: Any) -> tuple[Any, str]:
+        """The entry's key and its files' common path: one file per set of modules' training
+        flags the step was specialised on (``model.train()`` / ``model.eval()``), which only
+        the trace tells, so the flags' digest ends the file name."""
         key = step_key(self.loss_fn, self.settings, self.options, state, batch)
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:40]
         name = "".join(c if c.isalnum() else "_" for c in _where(self.loss_fn)[1])[:40]
-        return key, os.path.join(self.directory, f"{name}-{digest}{_SUFFIX}")
+        return key, os.path.join(self.directory, f"{name}-{digest}")
 
-    def _load_or_compile(self, state: Any, batch: Any) -> tuple[Any, bool]:
-        key, path = self._key_and_path(state, batch)
-        if os.path.exists(path):
+    def _load_or_compile(self, state: Any, batch: Any) -> tuple[Any, Any, bool]:
+        key, stem = self._key_and_stem(state, batch)
+        paths = glob.glob(glob.escape(stem) + "*" + _SUFFIX)
+        for path in sorted(paths, key=_modified, reverse=True):
             start = time.perf_counter()
-            compiled, why = self._load(path, key, state, batch)
+            compiled, modes, why = self._load(path, key, state, batch)
             if compiled is not None:
                 logger.info(
                     "funcamp: loaded the compiled train step from %s in %.1f s (no trace)",
                     path,
                     time.perf_counter() - start,
                 )
-                return compiled, True
-            logger.info("funcamp: not using the cached train step %s: %s; compiling", path, why)
-        return self._compile(key, path, state, batch), False
+                return compiled, modes, True
+            logger.info("funcamp: not using the cached train step %s: %s", path, why)
+        return (*self._compile(key, stem, state, batch), False)
 
-    def _load(self, path: str, key: Any, state: Any, batch: Any) -> tuple[Any, str]:
+    def _load(self, path: str, key: Any, state: Any, batch: Any) -> tuple[Any, Any, str]:
+        """``(compiled, its mode flags, "")`` of a saved entry that still fits, else
+        ``(None, (), why not)``."""
         try:
             with open(path, "rb") as f:
                 record = pickle.load(f)
             if not isinstance(record, dict) or record.get("format") != _FORMAT:
-                return None, "written by another funcamp version"
+                return None, (), "written by another funcamp version"
             if record["key"] != key:
-                return None, "its key differs (a hash collision or an edited file)"
+                return None, (), "its key differs (a hash collision or an edited file)"
             changed = _changed_file(record["files"])
             if changed is not None:
-                return None, changed
+                return None, (), changed
             with _guard_loading():
                 compiled = torch.compiler.load_compiled_function(
                     io.BytesIO(record["artifact"]),
@@ -748,24 +768,29 @@ class CachedStep:
                     external_data=self._external(),
                 )
         except Exception as e:
-            return None, f"it cannot be read ({type(e).__name__}: {e})"
+            return None, (), f"it cannot be read ({type(e).__name__}: {e})"
         changed = _source_changes(compiled)
         if changed is not None:
-            return None, changed
+            return None, (), changed
         scope = _scope(compiled, self.train_step, state, batch)
         for name, kinds, expected in record["checks"]:
             if expected == _SAME:
                 if not _same_object(*name, scope):
-                    return None, f"{name[0]} is no longer {name[1]}"
+                    return None, (), f"{name[0]} is no longer {name[1]}"
                 continue
             now = _check(name, kinds, scope)
             if now != expected:
-                return None, f"{name} is {_short(now)}, was {_short(expected)}"
+                return None, (), f"{name} is {_short(now)}, was {_short(expected)}"
         if not compiled.guard_check(state, batch):
-            return None, "its guards reject this state and batch"
-        return compiled, ""
+            return None, (), "its guards reject this state and batch"
+        modes = _mode_flags(record["modes"], scope)
+        if modes is None:
+            return None, (), "a module whose training flag it follows cannot be read"
+        return compiled, modes, ""
 
-    def _compile(self, key: Any, path: str, state: Any, batch: Any) -> Any:
+    def _compile(self, key: Any, stem: str, state: Any, batch: Any) -> tuple[Any, Any]:
+        """``(compiled, its mode flags)``, saved under ``stem`` when it can be; ``(None, ())``
+        when torch cannot precompile the step."""
         logger.info(COMPILING)
         start = time.perf_counter()
         recorder = _Recorder()
@@ -781,8 +806,19 @@ class CachedStep:
                 type(e).__name__,
                 e,
             )
-            return None
+            return None, ()
         elapsed = time.perf_counter() - start
+        scope = _scope(compiled, self.train_step, state, batch)
+        flags = sorted((_portable(n, scope["G"]), v) for n, v in recorder.modes.items())
+        modes = _mode_flags(flags, scope)
+        if modes is None:
+            logger.warning(
+                "funcamp: cache_dir: the step follows a module's training flag that cannot be "
+                "read back (%s); it is compiled as usual and not saved",
+                next((n for n, _ in flags if n is not None), "a module"),
+            )
+            return None, ()
+        path = stem + _modes_tag(flags) + _SUFFIX
         try:
             if folded:
                 raise RuntimeError(
@@ -795,7 +831,7 @@ class CachedStep:
                     f"({unchecked[0]}: made by exec, typed in a notebook, or from a module "
                     "not in sys.modules)"
                 )
-            self._save(compiled, recorder, key, path, state, batch)
+            self._save(compiled, recorder, key, path, scope, flags)
         except Exception as e:
             logger.warning(
                 "funcamp: compiled the train step in %.1f s but did not save it to %s (%s)",
@@ -803,14 +839,19 @@ class CachedStep:
                 path,
                 e,
             )
-            return compiled
+            return compiled, modes
         logger.info("funcamp: compiled the train step in %.1f s and saved it to %s", elapsed, path)
-        return compiled
+        return compiled, modes
 
     def _save(
-        self, compiled: Any, recorder: _Recorder, key: Any, path: str, state: Any, batch: Any
+        self,
+        compiled: Any,
+        recorder: _Recorder,
+        key: Any,
+        path: str,
+        scope: dict[str, Any],
+        modes: list[tuple[str, bool]],
     ) -> None:
-        scope = _scope(compiled, self.train_step, state, batch)
         checks = []
         for traced, (kinds, seen) in sorted(recorder.dropped.items()):
             if not traced:  # torch's global state: the key and every call compare _context()
@@ -850,12 +891,50 @@ class CachedStep:
         buf = io.BytesIO()
         artifact = type(compiled).serialize(compiled, self._external()).serialized_data
         pickle.dump(
-            {"format": _FORMAT, "key": key, "checks": checks, "files": files, "artifact": artifact},
+            {
+                "format": _FORMAT,
+                "key": key,
+                "checks": checks,
+                "modes": modes,
+                "files": files,
+                "artifact": artifact,
+            },
             buf,
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         os.makedirs(self.directory, exist_ok=True)
         _atomic_write(path, buf.getvalue())
+
+
+def _modified(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0.0
+
+
+def _modes_tag(flags: list[tuple[str, bool]]) -> str:
+    """The part of an entry's file name that tells its modules' training flags apart."""
+    if not flags:
+        return ""
+    return "-" + hashlib.sha256(repr(flags).encode()).hexdigest()[:12]
+
+
+def _mode_flags(
+    flags: list[tuple[str | None, bool]], scope: dict[str, Any]
+) -> tuple[tuple[Any, bool], ...] | None:
+    """``(module, training flag)`` for each guard source ``<module>.training`` the step was
+    specialised on, read in ``scope`` (checked on every call, as dynamo's guard would be), or
+    None when one cannot be read."""
+    out = []
+    for name, flag in flags:
+        if name is None or not name.endswith(".training"):
+            return None
+        ok, module = _read(name[: -len(".training")], scope)
+        if not ok or not isinstance(getattr(module, "training", None), bool):
+            return None
+        out.append((module, flag))
+    return tuple(out)
 
 
 def _generated(code: types.CodeType) -> bool:

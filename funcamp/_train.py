@@ -23,9 +23,11 @@ Guards and recompiles
 Like ``jax.jit``, a compiled step is specialised on everything ``loss_fn`` closes over: the
 module's structure and attributes, Python hyperparameters, the policy and the optimizer are read
 once, when the step is traced. By default only the guards on the step's *inputs* (the state's
-and the batch's tensors: shapes, dtypes, devices, strides) are kept, because dynamo's guards on a
-captured ``nn.Module`` cost about as much as the optimizer itself on a small model. Build a new
-step after changing the module (``model.eval()``, a new hook, ...), or pass your own
+and the batch's tensors: shapes, dtypes, devices, strides) and on the modules' ``training`` flags
+are kept, because dynamo's guards on a captured ``nn.Module`` cost about as much as the optimizer
+itself on a small model. So the step follows ``model.train()`` / ``model.eval()`` as the eager
+step does (the first call in a new mode compiles a graph for it; later switches reuse it); build
+a new step after any other change to the module (a new hook, an attribute, ...), or pass your own
 ``options={"guard_filter_fn": ...}`` (or ``guard_filter_fn=None`` to keep every guard).
 
 A batch whose *structure* (containers, keys, number of leaves) differs from the first batch's
@@ -62,6 +64,7 @@ from funcamp._step_cache import (
     CachedStep,
     cache_support,
     describe_value,
+    is_mode_flag,
     source_root,
 )
 from funcamp._tree import (
@@ -469,13 +472,18 @@ def _check_cache_dir(cache_dir: Any, opts: StepOptions, mesh: Any) -> str | None
 
 def _input_guards_only(entries: list[Any]) -> list[bool]:
     """Default guard filter: keep the guards on the step's inputs (``state``, ``batch``), on
-    tensors anywhere, and on global torch state (grad mode, default device, ...); drop those on
-    closures, globals and captured modules, which the step is specialised on (as with
-    ``jax.jit``). A guard whose origin cannot be read is kept."""
+    tensors anywhere, on global torch state (grad mode, default device, ...) and on modules'
+    ``training`` flags (so the step follows ``train()``/``eval()``); drop those on closures,
+    globals and captured modules, which the step is specialised on (as with ``jax.jit``). A
+    guard whose origin cannot be read is kept."""
     keep = []
     for entry in entries:
         try:
-            root = source_root(entry.orig_guard.originating_source)
+            source = entry.orig_guard.originating_source
+            if is_mode_flag(source):
+                keep.append(True)
+                continue
+            root = source_root(source)
             kind = type(root).__name__
             if kind == "LocalSource":
                 keep.append(root.local_name in STEP_INPUTS)
