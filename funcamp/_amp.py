@@ -492,7 +492,10 @@ def amp(fn: F, policy: Policy | str) -> F:
 
     Inside the call each torch op is cast by its :class:`OpRule` (matmuls and convolutions to
     the compute dtype, reductions, norms and losses to float32 with the default table); the
-    floating outputs of ``fn`` are cast to ``policy.output_dtype``. Inputs and params are not
+    floating outputs of ``fn`` are cast to ``policy.output_dtype`` -- every floating tensor in
+    what it returns: in tuples, lists, dicts and other mappings, NamedTuples, dataclasses and
+    types registered with torch's pytree (Hugging Face's ``ModelOutput``); other objects (a KV
+    cache) pass through as they are. Inputs and params are not
     cast at entry (autocast semantics), so gradients come back in the params' dtype. Works
     eagerly, under ``torch.func.grad/vjp/jvp/vmap/functional_call`` and inside
     ``torch.compile(fullgraph=True)``; nothing stays active after the call returns or raises.

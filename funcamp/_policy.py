@@ -6,11 +6,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import optree
 import torch
 
 from funcamp._ops import OpKey, OpPolicy, OpRule
-from funcamp._tree import NAMESPACE, tree_cast
+from funcamp._tree import map_tensors, tree_cast
 
 __all__ = ["ModuleKey", "Policy", "get_policy", "parse_dtype"]
 
@@ -93,17 +92,12 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     if dtype == torch.float64:
         return tree_cast(tree, dtype)
 
-    def cast(x: Any) -> Any:
-        if (
-            isinstance(x, torch.Tensor)
-            and x.is_floating_point()
-            and x.dtype != dtype
-            and x.dtype != torch.float64
-        ):
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point() and x.dtype != dtype and x.dtype != torch.float64:
             return x.to(dtype)
         return x
 
-    return optree.tree_map(cast, tree, namespace=NAMESPACE)
+    return map_tensors(cast, tree)
 
 
 @dataclasses.dataclass(frozen=True)

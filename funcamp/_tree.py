@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+import dataclasses
+import types
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import optree
 import torch
+import torch.utils._pytree as torch_pytree
 
 __all__ = [
     "NAMESPACE",
@@ -15,6 +19,7 @@ __all__ = [
     "dotted_path",
     "leaf_path",
     "leaf_paths",
+    "map_tensors",
     "path_str",
     "tree_cast",
     "tree_select",
@@ -235,6 +240,52 @@ def leaf_paths(tree: PyTree) -> list[str]:
     return _flatten_with_path(tree)[0]
 
 
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to every tensor in it, looking into every common container:
+    optree's pytrees (dicts, lists, tuples, NamedTuples, funcamp's states), types registered
+    with torch's pytree (Hugging Face's ``ModelOutput``), dataclasses and other mappings (a
+    container in which nothing changed is returned as it is). What a function or a module
+    returns is cast through this, so an output cast misses no tensor a user can see."""
+    leaves, spec = flatten(tree)
+    new = [_map_leaf(fn, x) for x in leaves]
+    for a, b in zip(new, leaves):  # a loop, not all(): dynamo traces all() in Python
+        if a is not b:
+            return unflatten(spec, new)
+    return tree
+
+
+def _map_leaf(fn: Callable[[torch.Tensor], Any], x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if type(x) in torch_pytree.SUPPORTED_NODES:  # ModelOutput: an OrderedDict dataclass
+        return torch_pytree.tree_map(lambda y: _map_leaf(fn, y), x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        changed = {}
+        for field in dataclasses.fields(x):
+            if field.init:
+                value = getattr(x, field.name)
+                new = map_tensors(fn, value)
+                if new is not value:
+                    changed[field.name] = new
+        return dataclasses.replace(x, **changed) if changed else x
+    if isinstance(x, Mapping):
+        items = {k: map_tensors(fn, v) for k, v in x.items()}
+        if all(items[k] is v for k, v in x.items()):
+            return x
+        if isinstance(x, MutableMapping):
+            new = copy.copy(x)
+            for k, v in items.items():
+                new[k] = v
+            return new
+        if type(x) is types.MappingProxyType:
+            return types.MappingProxyType(items)
+        raise TypeError(
+            f"funcamp: cannot rebuild a {type(x).__qualname__} (a read-only mapping) with its "
+            "tensors cast; return a dict, a dataclass or a NamedTuple instead"
+        )
+    return x
+
+
 def tree_cast(tree: PyTree, dtype: torch.dtype, *, only_floating: bool = True) -> PyTree:
     """Cast the tensor leaves of a pytree to ``dtype``.
 
@@ -245,7 +296,8 @@ def tree_cast(tree: PyTree, dtype: torch.dtype, *, only_floating: bool = True) -
             bool and complex tensors pass through. When False every tensor leaf is cast.
 
     Non-tensor leaves always pass through untouched; leaves already in ``dtype`` are returned
-    as they are (no copy).
+    as they are (no copy). Besides optree's pytrees, the tensors inside dataclasses, mappings and
+    types registered with torch's pytree (Hugging Face's ``ModelOutput``) are cast too.
 
     Example:
         >>> import torch, funcamp
@@ -257,14 +309,12 @@ def tree_cast(tree: PyTree, dtype: torch.dtype, *, only_floating: bool = True) -
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"funcamp.tree_cast: `dtype` must be a torch.dtype, got {dtype!r}")
 
-    def cast(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dtype == dtype:
-            return x
-        if only_floating and not x.is_floating_point():
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == dtype or (only_floating and not x.is_floating_point()):
             return x
         return x.to(dtype)
 
-    return optree.tree_map(cast, tree, namespace=NAMESPACE)
+    return map_tensors(cast, tree)
 
 
 def all_finite(tree: PyTree) -> torch.Tensor:

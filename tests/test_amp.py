@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+import collections.abc
+import dataclasses
+import types
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -347,3 +351,72 @@ def test_non_callable_fn_is_rejected() -> None:
         funcamp.full_precision("f")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"funcamp.amp: `policy` must be a funcamp.Policy"):
         funcamp.amp(torch.sin, torch.bfloat16)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    extra: dict
+    step: int = 0
+
+
+class _Pair(NamedTuple):
+    first: torch.Tensor
+    second: list
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    h: torch.Tensor
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_output_cast_reaches_every_common_container(compiled):
+    """Dataclasses (frozen too), NamedTuples, mappings of any kind and what they nest: every
+    floating leaf in the output dtype, integer leaves and non-tensors untouched."""
+
+    def f(x, w):
+        h = x @ w  # bfloat16 under the policy
+        counts = torch.ones(2, dtype=torch.int64)
+        return (
+            _Out(h, {"h": h, "n": counts}, step=3),
+            _Pair(h, [h, "tag"]),
+            collections.OrderedDict(a=h),
+            collections.defaultdict(list, b=h),
+            _Frozen(h),
+            types.MappingProxyType({"c": h}),
+        )
+
+    g = funcamp.amp(f, "mixed_bfloat16")
+    if compiled:
+        g = torch.compile(g, fullgraph=True, backend="aot_eager")
+    out, pair, ordered, default, frozen, proxy = g(torch.randn(2, 3), torch.randn(3, 3))
+    assert out.logits.dtype == out.extra["h"].dtype == torch.float32
+    assert out.extra["n"].dtype == torch.int64 and out.step == 3
+    assert pair.first.dtype == pair.second[0].dtype == torch.float32 and pair.second[1] == "tag"
+    assert ordered["a"].dtype == default["b"].dtype == frozen.h.dtype == torch.float32
+    assert type(default) is collections.defaultdict and default.default_factory is list
+    assert isinstance(proxy, types.MappingProxyType) and proxy["c"].dtype == torch.float32
+
+
+def test_output_cast_keeps_containers_without_floating_tensors():
+    keep = _Out(torch.ones(1, dtype=torch.int64), {"s": "x"})
+    assert funcamp.amp(lambda: keep, "mixed_bfloat16")() is keep
+
+
+def test_output_cast_names_a_mapping_it_cannot_rebuild():
+    class Odd(collections.abc.Mapping):
+        def __init__(self, x):
+            self.x = x
+
+        def __getitem__(self, k):
+            return self.x
+
+        def __iter__(self):
+            return iter(["x"])
+
+        def __len__(self):
+            return 1
+
+    with pytest.raises(TypeError, match=r"cannot rebuild a .*Odd.*return a dict"):
+        funcamp.amp(lambda: Odd(torch.ones(1, dtype=torch.bfloat16)), "mixed_bfloat16")()

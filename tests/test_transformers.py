@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from amp_zoo import one_thread  # noqa: F401 (autouse fixture: one intra-op thread)
-from hf_models import MODELS, build
+from hf_models import MODELS, build, transformers
 from torch._dynamo.utils import counters
 from torch.func import functional_call, grad
 
@@ -176,3 +176,32 @@ def test_compiled_train_step_tracks_torch_amp(name: str) -> None:
     assert losses[-1] < losses[0]  # it trains
     for i, (ours, theirs) in enumerate(zip(losses, reference)):
         assert abs(ours - theirs) <= 0.02 * abs(theirs), (i, ours, theirs)
+
+
+def _floating(out: Any) -> list[torch.Tensor]:
+    leaves = torch.utils._pytree.tree_leaves(out)
+    return [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_amp_casts_every_floating_leaf_of_a_model_output(name: str, compiled: bool) -> None:
+    """A model returning its ``ModelOutput`` (an OrderedDict dataclass: logits, loss, T5's
+    encoder states) gets every floating leaf in the policy's output dtype, eager and compiled,
+    with the values the model computed (the same bits as taking ``.logits`` inside)."""
+    model, batch = build(name)
+    params, buffers = funcamp.params_and_buffers(model)
+
+    def run(params: Any, buffers: Any, batch: dict[str, Any]) -> Any:
+        return functional_call(model, (params, buffers), args=(), kwargs=batch)
+
+    for spec, dtype in (("mixed_bfloat16", torch.float32), ("c=bf16,o=bf16", BF16)):
+        whole, logits = funcamp.amp(run, spec), funcamp.amp(lambda *a: run(*a).logits, spec)
+        if compiled:
+            whole = torch.compile(whole, fullgraph=True, backend="aot_eager")
+        out = whole(params, buffers, batch)
+        assert isinstance(out, transformers.utils.ModelOutput), type(out)
+        leaves = _floating(out)
+        assert len(leaves) >= (3 if name == "t5" else 2)  # loss, logits (, encoder states)
+        assert {x.dtype for x in leaves} == {dtype}, spec
+        assert torch.equal(out.logits, logits(params, buffers, batch))
