@@ -23,7 +23,7 @@ from funcamp._schedules import (
 )
 from funcamp._search import PolicyDecision, SearchReport, search_policy
 from funcamp._trace import AmpTrace, OpRecord, OpStats, trace
-from funcamp._train import TrainState, make_train_step, params_and_buffers
+from funcamp._train import TrainState, load_into_module, make_train_step, params_and_buffers
 from funcamp._tree import all_finite, tree_cast, tree_select
 from funcamp.optim._base import Optimizer, apply_updates, chain
 from funcamp.optim._optimizers import adam, adamw, lion, sgd
@@ -78,6 +78,7 @@ __all__ = [
     "linear_warmup_cosine_decay",
     "lion",
     "load",
+    "load_into_module",
     "load_state_dict",
     "make_train_step",
     "masked",

@@ -81,7 +81,7 @@ from funcamp.distributed import _reduce_step
 from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import init_from_exact
 
-__all__ = ["TrainState", "make_train_step", "params_and_buffers"]
+__all__ = ["TrainState", "load_into_module", "make_train_step", "params_and_buffers"]
 
 PyTree = Any
 Batch = Any
@@ -243,6 +243,100 @@ def params_and_buffers(
     params = {k: v.detach() for k, v in module.named_parameters()}
     buffers = {k: v.detach() for k, v in module.named_buffers()}
     return params, buffers
+
+
+def load_into_module(
+    module: torch.nn.Module,
+    state: TrainState | PyTree,
+    buffers: PyTree = None,
+) -> torch.nn.Module:
+    """Write trained params and buffers back into ``module``, in place, and return it.
+
+    The inverse of :func:`params_and_buffers`: for inference, export, ``torch.save`` of the
+    module or Hugging Face's ``save_pretrained``. Each value is copied into the module's own
+    tensor (``copy_`` under ``no_grad``), so the module keeps its dtypes, devices and tensor
+    identities (an optimizer or hook holding them stays valid), and tied weights stay tied: a
+    parameter shared by several names (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``)
+    is one tensor, named once in ``params_and_buffers``'s dict and written once. Params kept in
+    a lower precision (``"bf16-true"``) are widened into float32 module tensors exactly; call
+    ``module.to(torch.bfloat16)`` first to keep the module in bfloat16. Sharded leaves
+    (``funcamp.distributed.shard``) are gathered first (every rank must call).
+
+    Args:
+        module: the module the params came from.
+        state: a :class:`TrainState` (its ``params`` and ``buffers`` are written), or a dict of
+            params ``{name: tensor}`` as :func:`params_and_buffers` gives.
+        buffers: with a params dict, an optional dict of buffers to write too.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: a name the module does not have, a parameter (or a given buffer dict's
+            buffer) of the module missing from ``state``, or a value whose shape differs from
+            the module's tensor -- nothing is written then.
+
+    Example:
+        >>> import torch, funcamp
+        >>> model = torch.nn.Linear(2, 1)
+        >>> params, buffers = funcamp.params_and_buffers(model)
+        >>> trained = {k: torch.zeros_like(v) for k, v in params.items()}
+        >>> funcamp.load_into_module(model, trained)(torch.ones(1, 2))
+        tensor([[0.]], grad_fn=<AddmmBackward0>)
+    """
+    api = "load_into_module"
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"funcamp.{api}: `module` must be a torch.nn.Module, got {describe(module)}"
+        )
+    if isinstance(state, TrainState):
+        if buffers is not None:
+            raise TypeError(
+                f"funcamp.{api}: `buffers` must not be given with a TrainState (its buffers "
+                "are written); pass the params dict instead to choose the buffers"
+            )
+        params, buffers = state.params, state.buffers
+    else:
+        params = state
+    targets = [("`state` params", params, dict(module.named_parameters()))]
+    if buffers is not None:
+        targets.append(
+            (
+                "`buffers`" if state is params else "`state` buffers",
+                buffers,
+                dict(module.named_buffers()),
+            )
+        )
+    writes = []
+    for what, given, own in targets:
+        if not isinstance(given, dict):
+            raise TypeError(
+                f"funcamp.{api}: {what} must be a dict {{name: tensor}} as params_and_buffers "
+                f"gives, got {describe(given)}"
+            )
+        unknown = sorted(set(given) - set(own))
+        missing = sorted(set(own) - set(given))
+        if unknown or missing:
+            names = ", ".join(repr(n) for n in (unknown or missing)[:3])
+            raise ValueError(
+                f"funcamp.{api}: {what} must name exactly the module's tensors (as "
+                f"params_and_buffers gives them): {'unknown' if unknown else 'missing'} "
+                f"{names}; nothing was written"
+            )
+        for name, target in own.items():
+            value = given[name]
+            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+                raise ValueError(
+                    f"funcamp.{api}: {what} {name!r} must be a tensor of shape "
+                    f"{tuple(target.shape)}, got {describe(value)}; nothing was written"
+                )
+            writes.append((target, value))
+    with torch.no_grad():
+        for target, value in writes:
+            if hasattr(value, "full_tensor"):  # a DTensor from funcamp.distributed.shard
+                value = value.full_tensor()
+            target.copy_(value)
+    return module
 
 
 # ---------------------------------------------------------------------------------- the step

@@ -638,3 +638,39 @@ def test_eager_step_of_a_loss_that_ignores_the_params_has_zero_grads():
     step = funcamp.make_train_step(lambda p, b, batch: batch.sum(), opt, "float32", compile=False)
     new, metrics = step(state, torch.ones(2))
     assert torch.equal(new.params["w"], state.params["w"]) and float(metrics["grad_norm"]) == 0.0
+
+
+def test_load_into_module_writes_params_and_buffers_in_place():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    weight = model[0].weight
+    params, buffers = funcamp.params_and_buffers(model)
+    new_params = {k: torch.randn_like(v) for k, v in params.items()}
+    new_buffers = {k: v + 1 for k, v in buffers.items()}
+    state = funcamp.TrainState.create(
+        new_params, funcamp.sgd(0.1), "bf16-true", buffers=new_buffers
+    )
+    funcamp.load_into_module(model, state)
+    assert model[0].weight is weight and weight.dtype == torch.float32  # same tensor, same dtype
+    # bfloat16 state values, widened exactly into the float32 module tensors
+    assert torch.equal(weight, state.params["0.weight"].float())
+    assert torch.equal(model[1].running_mean, state.buffers["1.running_mean"].float())
+    assert int(model[1].num_batches_tracked) == 1
+    x = torch.randn(5, 3)
+    model.eval()
+    want = functional_call(model, (state.params, state.buffers), (x.bfloat16(),))
+    assert torch.equal(model.bfloat16()(x.bfloat16()), want)
+
+
+def test_load_into_module_checks_names_and_shapes_before_writing():
+    model = nn.Linear(2, 2)
+    params, _ = funcamp.params_and_buffers(model)
+    original = {k: v.clone() for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"missing 'bias'"):
+        funcamp.load_into_module(model, {"weight": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match=r"unknown 'extra'"):
+        funcamp.load_into_module(model, {**params, "extra": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"'bias' must be a tensor of shape \(2,\)"):
+        funcamp.load_into_module(model, {"weight": torch.zeros(2, 2), "bias": torch.zeros(3)})
+    with pytest.raises(TypeError, match=r"`module` must be a torch\.nn\.Module"):
+        funcamp.load_into_module(params, model)
+    assert all(torch.equal(params[k], original[k]) for k in params)  # nothing was written

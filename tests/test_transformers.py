@@ -205,3 +205,32 @@ def test_amp_casts_every_floating_leaf_of_a_model_output(name: str, compiled: bo
         assert len(leaves) >= (3 if name == "t5" else 2)  # loss, logits (, encoder states)
         assert {x.dtype for x in leaves} == {dtype}, spec
         assert torch.equal(out.logits, logits(params, buffers, batch))
+
+
+def test_trained_state_goes_back_into_a_model_with_tied_weights(tmp_path) -> None:
+    """GPT-2 ties ``lm_head.weight`` to ``transformer.wte.weight``: ``params_and_buffers`` keeps
+    one tensor for both, and ``load_into_module`` writes it once, so the module computes what
+    the functional call of the trained state computes, stays tied, and survives
+    ``save_pretrained`` / ``from_pretrained``."""
+    model, batch = build("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    params, buffers = funcamp.params_and_buffers(model)
+    assert "lm_head.weight" not in params
+    opt = funcamp.adamw(1e-2)
+    state = funcamp.TrainState.create(
+        {k: v.clone() for k, v in params.items()}, opt, "mixed_bfloat16", buffers=buffers
+    )
+    step = funcamp.make_train_step(_loss_fn(model), opt, "mixed_bfloat16", compile=False)
+    for _ in range(3):
+        state, _ = step(state, batch)
+    model.eval()
+    with torch.no_grad():
+        before = model(**batch).logits
+        want = functional_call(model, (state.params, state.buffers), args=(), kwargs=batch).logits
+        assert not torch.equal(before, want)  # training moved the params
+        assert funcamp.load_into_module(model, state) is model
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert torch.equal(model(**batch).logits, want)
+        model.save_pretrained(tmp_path)
+        again = type(model).from_pretrained(tmp_path).eval()
+        assert torch.equal(again(**batch).logits, want)
