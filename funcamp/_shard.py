@@ -351,7 +351,7 @@ def make_sharded_step(
     )
     from funcamp._tree import tree_select
     from funcamp.distributed import _reduce_step
-    from funcamp.optim._base import apply_updates
+    from funcamp.optim._base import apply_updates, learning_rate
 
     api = "make_train_step"
     (
@@ -446,7 +446,8 @@ def make_sharded_step(
         new_scaler = update(scaler, found_inf)
         # The norm is computed anyway (it rides in the step's one all-reduce); None drops it.
         norm = grad_norm if report_norm else None
-        metrics = _metrics(loss, norm, scaler, found_inf, new_scaler, aux, has_aux, None)
+        lr = learning_rate(optimizer, state.opt_state)
+        metrics = _metrics(loss, norm, scaler, found_inf, new_scaler, aux, has_aux, None, lr)
         new_state = TrainState(params, new_buffers, opt_state, new_scaler, state.fp8)
         return new_state, metrics
 

@@ -78,7 +78,7 @@ from funcamp._tree import (
     unflatten,
 )
 from funcamp.distributed import _reduce_step
-from funcamp.optim._base import Optimizer
+from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.optim._modes import init_from_exact
 
 __all__ = ["TrainState", "load_into_module", "make_train_step", "params_and_buffers"]
@@ -828,6 +828,7 @@ def _metrics(
     aux: Any,
     has_aux: bool,
     room: Any,
+    lr: Any = None,
 ) -> Metrics:
     """The step's metrics: tensors only (no host sync)."""
     metrics: Metrics = {
@@ -836,9 +837,12 @@ def _metrics(
         "scale": scaler.scale,
         "found_inf": found_inf,
         "skipped": new_scaler.skipped,
+        "lr": lr,
     }
     if grad_norm is None:  # make_train_step(grad_norm=False)
         del metrics["grad_norm"]
+    if lr is None:  # an optimizer without a learning rate
+        del metrics["lr"]
     if has_aux:
         metrics["aux"] = aux
     if room is not None:
@@ -879,7 +883,10 @@ def make_train_step(
 
     ``metrics`` is a dict of tensors: ``loss`` (unscaled, float32), ``grad_norm`` (of the
     unscaled gradients), ``scale`` (the loss scale this step used), ``found_inf`` (this step was
-    skipped) and ``skipped`` (running total of skipped steps, from the scaler state), plus
+    skipped), ``skipped`` (running total of skipped steps, from the scaler state) and ``lr`` (the
+    learning rate this step applied, :func:`funcamp.optim.learning_rate`: a schedule's value at
+    the count of updates applied before it; a dict by label under
+    :func:`funcamp.multi_transform`; absent for an optimizer without one), plus
     ``aux`` with ``has_aux=True``, and with ``headroom=True`` ``headroom``: the summary of
     :func:`funcamp.headroom` of this step's gradients at the scale it used (a dict of 0-d
     tensors: ``underflow``, ``subnormal``, ``overflow``, ``amax``, ``log2_scale_min``,
@@ -1080,6 +1087,8 @@ def make_train_step(
                     leaves=False,
                     include=headroom_include,
                 )
+            # The rate this step applies, read before a donated state's count is overwritten.
+            lr = learning_rate(optimizer, state.opt_state)
             # The grads are this step's own (made by grad_and_value above): donating them lets the
             # eager path unscale in place and reuse their memory (ignored under compile).
             params, opt_state, info = unscale_and_step(
@@ -1104,7 +1113,7 @@ def make_train_step(
             if write_buffers is not None:
                 new_buffers = write_buffers()
             metrics = _metrics(
-                loss, info.grad_norm, scaler, found_inf, new_scaler, aux, has_aux, room
+                loss, info.grad_norm, scaler, found_inf, new_scaler, aux, has_aux, room, lr
             )
             return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import optree
 import pytest
@@ -187,7 +188,7 @@ def test_metrics(compiled_step):
     state = _state()
     x, y = _batches(1)[0]
     _, m = compiled_step(state, (x, y))
-    assert set(m) == {"loss", "grad_norm", "scale", "found_inf", "skipped"}
+    assert set(m) == {"loss", "grad_norm", "scale", "found_inf", "skipped", "lr"}
     assert m["loss"].dtype == torch.float32 and m["loss"].dim() == 0
     with torch.no_grad():
         ref = nn.functional.cross_entropy(MODEL(x), y)
@@ -674,3 +675,36 @@ def test_load_into_module_checks_names_and_shapes_before_writing():
     with pytest.raises(TypeError, match=r"`module` must be a torch\.nn\.Module"):
         funcamp.load_into_module(params, model)
     assert all(torch.equal(params[k], original[k]) for k in params)  # nothing was written
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "aot_eager"])
+def test_metrics_report_the_learning_rate_each_step_applied(compile):
+    """``metrics["lr"]`` is the schedule at the count of updates applied before the step (a
+    skipped step applies none, so the next reports the same rate again), through chain."""
+    schedule = funcamp.linear_schedule(0.1, 0.0, 8)
+    opt = funcamp.chain(funcamp.clip_by_global_norm(5.0), funcamp.adam(schedule))
+    params, buffers = funcamp.params_and_buffers(MODEL)
+    state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers)
+    kw = {"backend": "aot_eager"} if compile else {"compile": False}
+    step = funcamp.make_train_step(loss_fn, opt, POLICY, **kw)
+    lrs, applied = [], 0
+    for batch in _batches(6, bad_every=3):
+        state, m = step(state, batch)
+        lrs.append(m["lr"])
+        assert torch.equal(m["lr"], schedule(torch.tensor(applied, dtype=torch.int32)))
+        applied += not bool(m["found_inf"])
+    assert [bool(torch.equal(a, b)) for a, b in itertools.pairwise(lrs)] == [0, 0, 1, 0, 0]
+
+
+def test_metrics_lr_by_label_and_none_without_a_rate():
+    opt = funcamp.multi_transform(
+        {"a": funcamp.sgd(0.5), "b": funcamp.adam(0.25)}, lambda p: "a" if "0." in p else "b"
+    )
+    params, buffers = funcamp.params_and_buffers(MODEL)
+    state = funcamp.TrainState.create(params, opt, "float32", buffers=buffers)
+    _, m = funcamp.make_train_step(loss_fn, opt, "float32", compile=False)(state, _batches(1)[0])
+    assert {k: float(v) for k, v in m["lr"].items()} == {"a": 0.5, "b": 0.25}
+    clip = funcamp.clip_by_global_norm(1.0)
+    state = funcamp.TrainState.create(params, clip, "float32", buffers=buffers)
+    _, m = funcamp.make_train_step(loss_fn, clip, "float32", compile=False)(state, _batches(1)[0])
+    assert "lr" not in m and funcamp.optim.learning_rate(clip, state.opt_state) is None

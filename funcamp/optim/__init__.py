@@ -75,7 +75,7 @@ optimizer                   float32 param  bf16/f16 param    bf16/f16 + mode
 float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half params.
 """
 
-from funcamp.optim._base import Capabilities, SetParam
+from funcamp.optim._base import Capabilities, SetParam, learning_rate
 from funcamp.optim._elementwise import elementwise
 from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRoundingState
 from funcamp.optim._optimizers import AdamState, LionState, SgdState
@@ -96,4 +96,5 @@ __all__ = [
     "SgdState",
     "StochasticRoundingState",
     "elementwise",
+    "learning_rate",
 ]

@@ -31,6 +31,7 @@ __all__ = [
     "apply_updates_owned",
     "chain",
     "exclusive",
+    "learning_rate",
     "update_tensors",
 ]
 
@@ -41,6 +42,8 @@ Preflight = Callable[[PyTree, PyTree, PyTree], "torch.Tensor | None"]
 UpdateOwned = Callable[[PyTree, PyTree, PyTree, Sequence[torch.Tensor]], tuple[PyTree, PyTree]]
 #: ``fused_step(grad_leaves, state, params, found_inf) -> new_state | None``.
 FusedStep = Callable[[list[torch.Tensor], PyTree, PyTree, torch.Tensor], Any]
+#: ``learning_rate(state) -> Tensor | dict[str, Tensor] | None``.
+LearningRate = Callable[[PyTree], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,10 @@ class Capabilities:
             update to ``params`` (and the state's buffers) in place, or nothing where
             ``found_inf``, with ``update``'s results (torch's fused kernels); None when it does
             not apply to these inputs. Called in plain eager with ``donate_state=True`` only.
+        learning_rate: ``state -> lr``: the learning rate the next ``update`` from ``state``
+            applies (a 0-d tensor; a dict by label for :func:`funcamp.multi_transform`), or
+            None. Read by :func:`funcamp.optim.learning_rate` and the train step's
+            ``metrics["lr"]``.
 
     Example:
         >>> import funcamp
@@ -80,6 +87,32 @@ class Capabilities:
     fresh: bool = False
     update_owned: UpdateOwned | None = None
     fused_step: FusedStep | None = None
+    learning_rate: LearningRate | None = None
+
+
+def learning_rate(optimizer: Optimizer, opt_state: PyTree) -> Any:
+    """The learning rate the next ``optimizer.update`` from ``opt_state`` applies.
+
+    A schedule's value at the state's step count (the count of updates applied so far, which
+    skipped steps do not advance), as a 0-d tensor: no host sync, so it can be logged from a
+    compiled step (:func:`funcamp.make_train_step` reports it as ``metrics["lr"]``). Through
+    :func:`funcamp.chain` (the last part that has one), :func:`funcamp.accumulate` and
+    :func:`funcamp.masked` it is the inner optimizer's; :func:`funcamp.multi_transform` gives a
+    dict from each label to its optimizer's. None for an optimizer without a learning rate
+    (:func:`funcamp.clip_by_global_norm`, or one that declares none).
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adamw(funcamp.linear_schedule(1.0, 0.0, 10))
+        >>> params = {"w": torch.zeros(1)}
+        >>> state = opt.init(params)
+        >>> _, state = opt.update({"w": torch.ones(1)}, state, params)
+        >>> funcamp.optim.learning_rate(opt, state)
+        tensor(0.9000)
+    """
+    check_optimizer("optim.learning_rate", "optimizer", optimizer)
+    rate = optimizer.capabilities.learning_rate
+    return None if rate is None else rate(opt_state)
 
 
 class Optimizer(NamedTuple):
@@ -340,6 +373,14 @@ def chain(*transforms: Optimizer) -> Optimizer:
                 flags.append(t.capabilities.preflight(grads, s, params))
         return any_flag(flags)
 
+    def rate(state: tuple[PyTree, ...]) -> Any:
+        check(state)
+        found = None
+        for t, s in zip(transforms, state):
+            if t.capabilities.learning_rate is not None:
+                found = t.capabilities.learning_rate(s)
+        return found
+
     caps = [t.capabilities for t in transforms]
     fresh = all(c.fresh for c in caps)
     return Optimizer(
@@ -349,6 +390,7 @@ def chain(*transforms: Optimizer) -> Optimizer:
             preflight=preflight,
             fresh=fresh,
             update_owned=run if fresh else None,
+            learning_rate=rate if any(c.learning_rate is not None for c in caps) else None,
         ),
     )
 

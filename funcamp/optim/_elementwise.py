@@ -241,10 +241,21 @@ def build(
                 return None
             return kernel(ps, grads, state, lr_fn(state.count)[0], found_inf)
 
+    def rate(state: Any) -> torch.Tensor:
+        _check_state_type(state)
+        lr = lr_fn(state.count)[0]
+        return lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, device=state.count.device)
+
     return Optimizer(
         init,
         update,
-        Capabilities(preflight=preflight, fresh=True, update_owned=run, fused_step=fused_step),
+        Capabilities(
+            preflight=preflight,
+            fresh=True,
+            update_owned=run,
+            fused_step=fused_step,
+            learning_rate=rate,
+        ),
     )
 
 

@@ -26,6 +26,7 @@ from funcamp.optim._base import (
     SetParam,
     check_optimizer,
     is_set_param,
+    learning_rate,
 )
 from funcamp.optim._numerics import hoist_scalar, math_dtype
 from funcamp.optim._paths import choose_ops
@@ -265,10 +266,18 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
     def update(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
         return run(grads, state, params, ())
 
+    def rate(state: AccumulateState) -> Any:
+        return learning_rate(optimizer, state.inner)
+
     return Optimizer(
         init,
         update,
-        Capabilities(preflight=preflight, fresh=inner_caps.fresh, update_owned=run),
+        Capabilities(
+            preflight=preflight,
+            fresh=inner_caps.fresh,
+            update_owned=run,
+            learning_rate=rate if inner_caps.learning_rate is not None else None,
+        ),
     )
 
 
@@ -345,7 +354,11 @@ def _param_groups(
     assign: Callable[[PyTree], list[str | None]],
     wrap: Callable[[dict[str, PyTree]], Any],
     unwrap: Callable[[Any], dict[str, PyTree]],
+    single: str | None = None,
 ) -> Optimizer:
+    """Param groups: ``assign`` gives each leaf its group's label (None: frozen). ``single``: the
+    one group whose learning rate is the optimizer's (``masked``), else a dict by label."""
+
     def keys_and_groups(tree: PyTree) -> tuple[Any, list[str], list[str | None]]:
         paths, _, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
         return spec, [dotted_path(p) for p in paths], assign(tree)
@@ -402,11 +415,23 @@ def _param_groups(
                 flags.append(opt.capabilities.preflight(sub_g, inner[name], sub_p))
         return any_flag(flags)
 
+    def rate(state: Any) -> Any:
+        inner = unwrap(state)
+        rates = {name: learning_rate(opt, inner[name]) for name, opt in transforms.items()}
+        rates = {name: r for name, r in rates.items() if r is not None}
+        return rates.get(single) if single is not None else rates or None
+
     fresh = all(t.capabilities.fresh for t in transforms.values())
+    has_rate = any(t.capabilities.learning_rate is not None for t in transforms.values())
     return Optimizer(
         init,
         update,
-        Capabilities(preflight=preflight, fresh=fresh, update_owned=run if fresh else None),
+        Capabilities(
+            preflight=preflight,
+            fresh=fresh,
+            update_owned=run if fresh else None,
+            learning_rate=rate if has_rate else None,
+        ),
     )
 
 
@@ -456,7 +481,12 @@ def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimi
         return ["masked" if f else None for f in flags]
 
     return _param_groups(
-        api, {"masked": optimizer}, assign, lambda d: MaskedState(d["masked"]), _unwrap_masked
+        api,
+        {"masked": optimizer},
+        assign,
+        lambda d: MaskedState(d["masked"]),
+        _unwrap_masked,
+        single="masked",
     )
 
 
