@@ -483,7 +483,8 @@ def lion(
     ``m = b2 * m + (1 - b2) * g``. One buffer per param (half Adam's memory). The defaults are
     optax's (``optax.lion``), including ``weight_decay=1e-3``; lion-pytorch's ``Lion`` defaults to
     ``weight_decay=0.0``: pass ``weight_decay=0.0`` to reproduce it (its decay, when set, is this
-    one: ``p *= 1 - lr * weight_decay``). Lion wants a learning rate 3-10x smaller than AdamW's and
+    one, ``p *= 1 - lr * weight_decay``; with its ``decoupled_weight_decay=True`` pass its
+    ``weight_decay / lr``). Lion wants a learning rate 3-10x smaller than AdamW's and
     a larger weight decay. ``mask`` picks the leaves the weight decay applies to, as optax's
     ``lion(mask=)`` does (see :func:`funcamp.adamw`).
 
