@@ -9,7 +9,8 @@ its own equal shard of it. The compiled step averages the gradients over the ran
 all-reduce per step), agrees on skipping an overflowing step, and broadcasts rank 0's buffers, so
 every rank holds the same state. The checkpoint is written by all ranks together with
 ``funcamp.save(..., group=...)`` (``torch.distributed.checkpoint`` underneath: each rank writes a
-part, then rank 0 commits it atomically) into ``build/train_ddp/<policy>/`` (``--out``), and
+part, then rank 0 commits it atomically) into ``build/train_ddp/<policy>/`` (``--out``;
+``<policy>`` the preset's canonical name: ``bf16-mixed`` and ``mixed_bfloat16`` share one), and
 ``--resume`` continues from it in any number of processes; ``funcamp.load`` refuses one saved
 under another policy. A ``funcamp.ScaleCollapseGuard`` reads the metrics every ``--log-every``
 steps and stops the run if the loss scale collapses.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +29,17 @@ import torch.nn as nn
 from torch.func import functional_call
 
 import funcamp
+
+#: The presets' canonical names, for file names: one spelling per policy in every example.
+CANONICAL = ("mixed_float16", "mixed_bfloat16", "bf16-true", "float32")
+
+
+def _policy_name(policy: funcamp.Policy) -> str:
+    """Its preset's canonical name, else its string made file-safe."""
+    for name in CANONICAL:
+        if funcamp.get_policy(name) == policy:
+            return name
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(policy))
 
 
 def _init_distributed() -> tuple[int, int, torch.device]:
@@ -83,7 +96,7 @@ def main(argv: list[str] | None = None) -> float:
         )
 
         policy = funcamp.get_policy(args.policy)
-        ckpt_path = args.out / args.policy  # a directory: one per policy
+        ckpt_path = args.out / _policy_name(policy)  # a directory: one per policy
         start = 0
         if args.resume and ckpt_path.exists():
             state = funcamp.load(ckpt_path, state, policy=policy, group=dist.group.WORLD)

@@ -26,8 +26,8 @@ master weights, 4 more bytes) or ``plain`` (round to nearest, which loses update
 ulp). It changes nothing for float32 params (and is then not printed).
 
 The whole train step (amp casting, scaled grads, Adam, skip-on-overflow, scale update) is one
-compiled graph with no host sync; the first step compiles it (10-30 s on a CPU, said on screen).
-The loop reads the metrics back once per epoch, and there a ``funcamp.ScaleCollapseGuard`` stops
+compiled graph with no host sync; the first step compiles it (a minute or more on a small CPU,
+said on screen). The loop reads the metrics back once per epoch, and there a ``funcamp.ScaleCollapseGuard`` stops
 the run if the loss scale sits at its floor and every step is skipped (``--patience``). The
 float16 scaler tries a larger scale every ``--growth-interval`` steps (100 here, GradScaler's
 2000 would never move in this short run), so the plot shows it finding its level. Needs the
@@ -43,6 +43,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -198,6 +199,12 @@ def main(argv: list[str] | None = None) -> float:
         start_epoch = saved["epoch"]
         history = {k: list(v) for k, v in saved["history"].items()}
         print(f"resumed from {ckpt_path} at epoch {start_epoch}")
+        if start_epoch >= args.epochs:
+            print(
+                f"nothing to train: {ckpt_path} is at epoch {start_epoch} and --epochs is "
+                f"{args.epochs} (the epoch to train until); pass --epochs {start_epoch + 10} to "
+                "train 10 more. Evaluating the checkpoint as it is."
+            )
 
     compile_kw = {} if args.no_compile else {"backend": args.backend}
     step = funcamp.make_train_step(
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> float:
 
     _save(ckpt_path, state, policy, epoch, history, args)
     print(f"checkpoint: {ckpt_path}")
-    _plot(history, plot_path, f"{policy}{fp8} ({state.scaler.kind} scaler)")
+    _plot(history, plot_path, _title(policy, args.fp8, state.scaler.kind))
     print(f"plot: {plot_path}")
     return accuracy
 
@@ -269,7 +276,21 @@ def _seed(args: argparse.Namespace) -> dict[str, int]:
     return {"seed": args.seed} if args.update == "sr" else {}
 
 
+def _title(policy: funcamp.Policy, fp8: str, scaler_kind: str) -> str:
+    """The plot's title: the policy on one line, FP8 and the scaler on the next."""
+    second = f"{scaler_kind} loss scaler" + ("" if fp8 == "none" else f", FP8 linears ({fp8})")
+    return f"{policy}\n{second}"
+
+
 def _plot(history: dict[str, list[float]], path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = _figure(history, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _figure(history: dict[str, list[float]], title: str) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,7 +300,7 @@ def _plot(history: dict[str, list[float]], path: Path, title: str) -> None:
     ax1.plot(history["loss"], lw=0.8)
     ax1.set_ylabel("loss")
     ax1.set_yscale("log")
-    ax1.set_title(title)
+    ax1.set_title(title, fontsize=10)
     ax2.plot(history["scale"], lw=0.8, color="tab:orange", label="loss scale")
     skipped = [i for i, s in enumerate(history["skipped"]) if s]
     if skipped:
@@ -295,8 +316,7 @@ def _plot(history: dict[str, list[float]], path: Path, title: str) -> None:
     ax2.set_yscale("log", base=2)
     ax2.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -16,14 +16,17 @@ scaling, gradient clipping, AdamW with a warmup-cosine schedule, one compiled gr
 matmuls, with current (per-call) or delayed (TransformerEngine-style) scaling; the delayed amax
 histories, one per layer, live in ``state.fp8``. On CPU torch emulates the FP8 matmuls.
 
-Writes ``build/train_gpt2_chars/<policy>[-fp8-<recipe>].png`` (loss curve, train and held-out)
-and prints a sample. Needs the ``transformers`` and ``examples`` extras.
+Writes ``build/train_gpt2_chars/<policy>[-fp8-<recipe>].png`` (loss curve, train and held-out;
+``<policy>`` is the preset's canonical name, as in the other examples: ``--policy bf16-mixed``
+writes ``mixed_bfloat16.png``) and prints the results and a sample (``--quiet`` hides only the
+progress bar). Needs the ``transformers`` and ``examples`` extras.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sysconfig
 import time
 from pathlib import Path
@@ -33,6 +36,18 @@ import torch
 from torch.func import functional_call
 
 import funcamp
+
+#: The presets' canonical names, for file names: one spelling per policy in every example.
+CANONICAL = ("mixed_float16", "mixed_bfloat16", "bf16-true", "float32")
+
+
+def policy_name(policy: funcamp.Policy) -> str:
+    """A file name for ``policy``: its preset's canonical name (``"bf16-mixed"`` and
+    ``"mixed_bfloat16"`` both give ``"mixed_bfloat16"``), else its string made file-safe."""
+    for name in CANONICAL:
+        if funcamp.get_policy(name) == policy:
+            return name
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(policy))
 
 
 def load_text(max_chars: int) -> str:
@@ -113,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--fp8-history", type=int, default=16, help="amax history of --fp8 delayed")
     p.add_argument("--no-compile", action="store_true", help="run the step eagerly")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (results still print)")
     p.add_argument("--out", type=Path, default=Path("build/train_gpt2_chars"))
     return p.parse_args(argv)
 
@@ -141,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model, loss_fn = gpt2(len(vocab), args.context, args.width, args.layers)
     params, buffers = funcamp.params_and_buffers(model)
     opt = adamw_warmup_cosine(args.lr, args.steps)
-    policy = fp8_policy(funcamp.get_policy(args.policy), args.fp8, args.fp8_history)
+    base = funcamp.get_policy(args.policy)
+    policy = fp8_policy(base, args.fp8, args.fp8_history)
     # model= builds the delayed-FP8 state (state.fp8, one entry per FP8 layer); else ignored.
     state = funcamp.TrainState.create(params, opt, policy, buffers=buffers, model=model)
     step = funcamp.make_train_step(loss_fn, opt, policy, compile=not args.no_compile)
@@ -175,19 +191,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     elapsed = time.perf_counter() - t0
     curve = [float(x) for x in losses]
     fp8 = "" if args.fp8 == "none" else f" | fp8 {args.fp8}"
-    if not args.quiet:
-        print(
-            f"policy {policy}{fp8} | {args.steps} steps in {elapsed:.1f}s | loss {curve[0]:.3f} "
-            f"-> {curve[-1]:.3f} (uniform guess {math.log(len(vocab)):.3f}) | held-out "
-            f"{held[-1][1]:.3f}"
-        )
-        print("sample:", repr(_sample(model, state, vocab, index, policy, 80)))
+    print(
+        f"policy {policy}{fp8} | {args.steps} steps in {elapsed:.1f}s | loss {curve[0]:.3f} "
+        f"-> {curve[-1]:.3f} (uniform guess {math.log(len(vocab)):.3f}) | held-out "
+        f"{held[-1][1]:.3f}"
+    )
+    print("sample:", repr(_sample(model, state, vocab, index, policy, 80)))
     args.out.mkdir(parents=True, exist_ok=True)
-    name = args.policy if args.fp8 == "none" else f"{args.policy}-fp8-{args.fp8}"
+    name = policy_name(base) + ("" if args.fp8 == "none" else f"-fp8-{args.fp8}")
     plot = args.out / f"{name}.png"
     _plot(curve, held, plot, f"{policy}{fp8}")
-    if not args.quiet:
-        print(f"plot: {plot}")
+    print(f"plot: {plot}")
     return {
         "first": curve[0],
         "last": curve[-1],

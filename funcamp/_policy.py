@@ -403,6 +403,15 @@ def _unknown_name(spec: str, text: str) -> str:
     presets = sorted({*_PRESETS, "float32"})
     close = difflib.get_close_matches(text, [*presets, *_DTYPE_NAMES], n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
+    half = "bfloat16" if "bf" in text else "float16" if "16" in text else None
+    if half is not None and (  # "fp16", "float16-mixed": most mean the mixed preset
+        not close or close[0] in _DTYPE_NAMES or ("bf" in close[0]) != (half == "bfloat16")
+    ):
+        short = "bf16" if half == "bfloat16" else "f16"
+        hint = (
+            f"did you mean 'mixed_{half}' (params float32, compute {half}: mixed precision) or "
+            f"{short!r} (params, compute and output all {half})? "
+        )
     return (
         f"funcamp.get_policy: unknown policy {spec!r}; {hint}presets: {', '.join(presets)}; "
         f"dtype names (one dtype for params, compute and output): "

@@ -8,22 +8,24 @@ One process (``group=None``): one file, written atomically. The file is first wr
 temporary name in the same directory, flushed and ``fsync``-ed, then renamed over ``path``
 (``os.replace``, atomic on POSIX and Windows) and the directory ``fsync``-ed: whatever happens
 during a save (an exception, a full disk, a ``SIGKILL``, a power cut), ``path`` holds either the
-previous checkpoint or the new one, never a mixture. A CRC-32 of every value is stored with
-them, so a file damaged later (truncated, bytes flipped) fails to load with an error starting
-``funcamp.load:`` instead of loading wrong numbers or crashing inside ``torch.load``.
+previous checkpoint or the new one, never a mixture (:mod:`funcamp._atomic`, which also
+removes the temporary files that killed saves to the same path left behind). A CRC-32 of every
+value is stored with them, so a file damaged later (truncated, bytes flipped) fails to load with
+an error starting ``funcamp.load:`` instead of loading wrong numbers or crashing inside
+``torch.load``.
 
 Several processes (``group=pg``): ``path`` is a directory. The tensors go through
 ``torch.distributed.checkpoint`` into a fresh ``data-<token>/`` subdirectory (each rank writes
 its part: replicated tensors are split between the ranks, sharded ones -- DTensors -- are saved
 shard by shard), then rank 0 commits the checkpoint by writing the small header file
 ``path/funcamp.pt`` (structure, records and metadata) atomically as above, and only then removes
-the data of the previous checkpoint. A save that fails before the commit leaves the previous
-checkpoint in place.
+the data of the previous checkpoint -- every ``data-*`` directory but its own, so the data of
+saves killed before their commit goes too. A save that fails before the commit leaves the
+previous checkpoint in place.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import re
@@ -31,14 +33,14 @@ import secrets
 import shutil
 import warnings
 import zlib
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
 from funcamp._amp import _as_policy
+from funcamp._atomic import atomic_write
 from funcamp._checkpoint import load_state_dict, state_dict
 from funcamp._policy import Policy
 from funcamp._scaler import _CONFIG, _LEAVES
@@ -203,40 +205,6 @@ def _checksum(value: Any, crc: int = 0) -> int:
     return zlib.crc32(repr(value).encode(), crc)
 
 
-# ---------------------------------------------------------------------------- atomic writing
-
-
-def _fsync_dir(directory: Path) -> None:
-    if os.name != "posix":  # pragma: no cover - Windows cannot open a directory to fsync it
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through a temporary file in its directory, fsync it, rename it over
-    ``path`` and fsync the directory; on any failure the temporary file is removed and ``path``
-    is untouched."""
-    directory = path.parent
-    tmp = directory / f".{path.name}.{secrets.token_hex(8)}.tmp"
-    # os.open with 0o666 (the umask applies), so the checkpoint gets the usual permissions.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
 # ------------------------------------------------------------------------------------- save
 
 
@@ -307,7 +275,7 @@ def save(
         "state": sd,
         "checksum": _checksum([info, sd]),
     }
-    _atomic_write(p, lambda f: torch.save(payload, f))
+    atomic_write(p, lambda f: torch.save(payload, f))
 
 
 # ------------------------------------------------------------------------------------- load
@@ -616,7 +584,7 @@ def _save_distributed(
                 "data": data,
                 "checksum": _checksum([info, skeleton, data]),
             }
-            _atomic_write(p / _HEADER, lambda f: torch.save(header, f))  # the commit
+            atomic_write(p / _HEADER, lambda f: torch.save(header, f))  # the commit
             for old in p.iterdir():
                 if old.name.startswith(_DATA_PREFIX) and old.name != data and old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)

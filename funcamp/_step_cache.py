@@ -45,7 +45,6 @@ import pickle
 import platform
 import re
 import sys
-import tempfile
 import time
 import types
 from collections.abc import Callable
@@ -54,6 +53,7 @@ from typing import Any
 import optree
 import torch
 
+from funcamp._atomic import atomic_write
 from funcamp._progress import COMPILING, logger
 from funcamp._tree import NAMESPACE
 
@@ -619,24 +619,6 @@ def _guard_loading() -> Any:
         yield
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a cache is shared as usual
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 class CachedStep:
     """``train_step`` compiled once per input signature and kept in ``directory``: a matching,
     still valid entry is loaded (no trace), anything else is compiled with torch's AOT
@@ -903,7 +885,7 @@ class CachedStep:
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         os.makedirs(self.directory, exist_ok=True)
-        _atomic_write(path, buf.getvalue())
+        atomic_write(path, lambda f: f.write(buf.getbuffer()))
 
 
 def _modified(path: str) -> float:

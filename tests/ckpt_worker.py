@@ -1,13 +1,14 @@
 """A small training process for the checkpoint fault tests (run as a script by test_save.py).
 
-    python tests/ckpt_worker.py CKPT STEPS OUT [--resume] [--reference REF_OUT]
+    python tests/ckpt_worker.py CKPT STEPS OUT [--resume] [--reference REF_OUT] [--hang-in-save N]
 
 Trains a bfloat16-compute MLP with a dynamic loss scaler (one overflowing batch, so the scaler state
 matters), saving a checkpoint with funcamp.save after every step and printing ``saved N``; at the
 end it writes the final state (funcamp.state_dict) to OUT. With --resume it starts from CKPT.
 With --reference it then also trains from scratch, uninterrupted and without saving, in the same
 process, and writes that final state to REF_OUT. The batch of step i depends on i only, so a
-resumed run sees the same data.
+resumed run sees the same data. With --hang-in-save N, the save after step N writes part of its
+temporary file, prints ``writing`` and waits to be killed (a crash in the middle of a save).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 
 POLICY = "bf16-mixed"
 BAD_STEP = 3
+_TORCH_SAVE = []  # the real torch.save, with --hang-in-save
 
 
 def _setup():
@@ -51,6 +53,18 @@ def batch(i: int):
     return x, y
 
 
+def _half_then_hang(obj, f, *args, **kwargs):
+    import io
+    import time
+
+    if isinstance(f, io.BytesIO):  # save's in-memory check of the metadata
+        return _TORCH_SAVE[0](obj, f, *args, **kwargs)
+    f.write(b"funcamp" * 1000)
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+
+
 def main(argv: list[str]) -> None:
     import torch
 
@@ -64,8 +78,12 @@ def main(argv: list[str]) -> None:
         state = funcamp.load(ckpt, template(), policy=POLICY)
         start = funcamp.checkpoint_info(ckpt).metadata["step"]
         print(f"resumed {start}", flush=True)
+    hang_at = int(argv[argv.index("--hang-in-save") + 1]) if "--hang-in-save" in argv else -1
     for i in range(start, steps):
         state, _ = step(state, batch(i))
+        if i + 1 == hang_at:
+            _TORCH_SAVE.append(torch.save)
+            torch.save = _half_then_hang
         funcamp.save(ckpt, state, policy=POLICY, step=i + 1)
         print(f"saved {i + 1}", flush=True)
     torch.save(funcamp.state_dict(state), out)

@@ -4,6 +4,8 @@ modes, checkpoints and the compiled train step; capabilities kept by the combina
 
 from __future__ import annotations
 
+from unittest import mock
+
 import optree
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 from torch.func import functional_call
 
 import funcamp
+from funcamp.optim._paths import EagerOps
 
 STEPS = 8
 
@@ -30,14 +33,17 @@ def _grads(params: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor
 
 def _reference_lion(params, lr, b1, b2, weight_decay, steps=STEPS):
     """Chen et al. 2023 (Program 1) with decoupled weight decay, in plain torch ops on
-    tensors, as the authors' PyTorch version (lion-pytorch) writes it."""
+    tensors, as the authors' PyTorch version (lion-pytorch) writes it (``weight_decay`` a float,
+    or a dict of floats by param name)."""
     params = {k: v.clone() for k, v in params.items()}
     exp_avg = {k: torch.zeros_like(v) for k, v in params.items()}
     for step in range(steps):
         grads = _grads(params, step)
         for k, p in params.items():
             g, m = grads[k], exp_avg[k]
-            p.mul_(1 - lr * weight_decay)
+            wd = weight_decay[k] if isinstance(weight_decay, dict) else weight_decay
+            if wd:
+                p.mul_(1 - lr * wd)
             update = m.clone().mul_(b1).add(g, alpha=1 - b1).sign_()
             p.add_(update, alpha=-lr)
             m.mul_(b2).add_(g, alpha=1 - b2)
@@ -200,12 +206,12 @@ def test_checkpoints_round_trip(trained, name, tmp_path):
 # ----------------------------------------------------------------------------- param groups
 
 
-def _torch_two_groups(params0, lr, wd, steps=STEPS):
+def _torch_two_groups(params0, lr, wd, steps=STEPS, b_lr_factor=3):
     tparams = {k: v.clone().requires_grad_(True) for k, v in params0.items()}
     opt = torch.optim.AdamW(
         [
             {"params": [tparams["w"]], "weight_decay": wd},
-            {"params": [tparams["b"]], "weight_decay": 0.0, "lr": lr * 3},
+            {"params": [tparams["b"]], "weight_decay": 0.0, "lr": lr * b_lr_factor},
         ],
         lr=lr,
     )
@@ -247,6 +253,124 @@ def test_masked_freezes_the_rest_and_keeps_no_state_for_it():
     assert list(state.inner.momentum) == ["w"]
     alone, _ = _run(funcamp.sgd(0.1, momentum=0.9), {"w": params0["w"]}, steps=3)
     _equal(got["w"], alone["w"])
+
+
+_MASKS = {
+    "tree": {"w": True, "b": False},
+    "callable": lambda params: {k: p.ndim > 1 for k, p in params.items()},  # optax's idiom
+}
+
+
+def _torch_sqrt(self, xs, into=None):
+    return self._fresh([torch.sqrt(x) for x in xs])
+
+
+@pytest.mark.parametrize("mask", sorted(_MASKS))
+def test_adamw_mask_is_torch_adamw_with_a_no_decay_group(mask):
+    """adamw(weight_decay=wd, mask=m) is torch.optim.AdamW with the groups {m: wd, not m: 0}: bit
+    for bit with torch's own float32 square root swapped in (funcamp's is correctly rounded, see
+    test_optim.py) and params away from zero (where p + (new_p - p) is new_p exactly); one
+    state, one count. optax.adamw(mask=) decays the same leaves (its decay, added to the Adam
+    direction before the learning rate, rounds differently)."""
+    params0 = _params(8, away_from_zero=True)
+    lr, wd, steps = 1e-2, 0.1, 50
+    expected = _torch_two_groups(params0, lr, wd, steps=steps, b_lr_factor=1)
+    opt = funcamp.adamw(lr, weight_decay=wd, mask=_MASKS[mask])
+    with mock.patch.object(EagerOps, "sqrt", _torch_sqrt):
+        got, state = _run(opt, params0, steps=steps)
+    _equal(got, expected)
+    assert isinstance(state, funcamp.optim.AdamState) and int(state.count) == steps
+    # and, with funcamp's own square root, exactly the two-group multi_transform
+    groups = funcamp.multi_transform(
+        {"decay": funcamp.adamw(lr, weight_decay=wd), "plain": funcamp.adamw(lr, weight_decay=0.0)},
+        {"w": "decay", "b": "plain"},
+    )
+    _equal(_run(opt, params0)[0], _run(groups, params0)[0])
+
+
+def test_lion_mask_is_the_reference_with_no_decay_where_false_eager_and_compiled():
+    params0 = _params(9, away_from_zero=True)
+    lr, b1, b2, wd = 3e-3, 0.9, 0.99, 0.1
+    ref_params, ref_m = _reference_lion(params0, lr, b1, b2, {"w": wd, "b": 0.0})
+    opt = funcamp.lion(lr, b1, b2, wd, mask={"w": True, "b": False})
+    eager, state = _run(opt, params0)
+    _equal(eager, ref_params)
+    _equal(state.exp_avg, ref_m)
+    torch._dynamo.reset()
+    compiled, cstate = _run(
+        opt, params0, lambda f: torch.compile(f, backend="aot_eager", fullgraph=True)
+    )
+    _equal(compiled, ref_params)
+    _equal(cstate, state)
+
+
+def test_adamw_mask_compiled_is_eager_and_masks_broadcast_like_optax():
+    """A compiled masked update (fullgraph: the mask resolves while tracing) gives the eager
+    bits; a prefix mask (one bool per subtree, as optax allows) is the expanded mask; True
+    everywhere is no mask, False everywhere no decay."""
+    g = torch.Generator().manual_seed(3)
+    params0 = {
+        "enc": {"w": torch.randn(5, 4, generator=g), "b": torch.randn(4, generator=g)},
+        "head": {"w": torch.randn(4, 2, generator=g)},
+    }
+
+    def grads_at(params, step):
+        gen = torch.Generator().manual_seed(50 + step)
+        return optree.tree_map(lambda p: 0.5 * p + torch.randn(p.shape, generator=gen), params)
+
+    def run(opt, compile=False):
+        def step(params, state, grads):
+            updates, state = opt.update(grads, state, params)
+            return funcamp.apply_updates(params, updates), state
+
+        if compile:
+            torch._dynamo.reset()
+            step = torch.compile(step, backend="aot_eager", fullgraph=True)
+        params, state = params0, opt.init(params0)
+        for i in range(4):
+            params, state = step(params, state, grads_at(params, i))
+        return params, state
+
+    full = {"enc": {"w": False, "b": False}, "head": {"w": True}}
+    for make in (funcamp.adamw, funcamp.lion):
+        eager = run(make(1e-2, weight_decay=0.3, mask=full))
+        _equal(run(make(1e-2, weight_decay=0.3, mask=full), compile=True), eager)
+        by_shape = lambda ps: optree.tree_map(lambda p: p.ndim > 1 and p.shape[1] < 4, ps)  # noqa: E731
+        _equal(run(make(1e-2, weight_decay=0.3, mask=by_shape), compile=True), eager)
+        _equal(run(make(1e-2, weight_decay=0.3, mask={"enc": False, "head": True})), eager)
+        _equal(run(make(1e-2, weight_decay=0.3, mask=True)), run(make(1e-2, weight_decay=0.3)))
+        _equal(run(make(1e-2, weight_decay=0.3, mask=False)), run(make(1e-2, weight_decay=0.0)))
+        assert not torch.equal(
+            eager[0]["head"]["w"], run(make(1e-2, weight_decay=0.0))[0]["head"]["w"]
+        )
+
+
+def test_weight_decay_mask_errors_name_the_argument():
+    params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    with pytest.raises(ValueError, match=r"funcamp\.adamw: `mask` must be a pytree of bools with"):
+        funcamp.adamw(0.1, mask={"w": True}).init(params)
+    with pytest.raises(TypeError, match=r"funcamp\.lion: `mask` must hold Python bools .* \['b'\]"):
+        funcamp.lion(0.1, mask={"w": True, "b": torch.tensor(True)}).init(params)
+    with pytest.raises(ValueError, match=r"funcamp\.adamw: `mask` must be a pytree"):
+        funcamp.adamw(0.1, mask=lambda ps: [True, False]).init(params)
+
+
+def test_masked_freezes_where_optax_passes_grads_through_and_how_to_pass_them():
+    """funcamp.masked: masked-off leaves get zero updates. optax.masked passes their grads
+    through unchanged; in funcamp that is multi_transform with the identity (chain())."""
+    params = _params(10)
+    grads = _grads(params, 0)
+    inner = funcamp.sgd(0.1, momentum=0.9)
+    frozen = funcamp.masked(inner, {"w": True, "b": False})
+    updates, _ = frozen.update(grads, frozen.init(params), params)
+    assert torch.equal(updates["b"], torch.zeros_like(grads["b"]))
+    passing = funcamp.multi_transform(
+        {"on": inner, "off": funcamp.chain()}, {"w": "on", "b": "off"}
+    )
+    through, state = passing.update(grads, passing.init(params), params)
+    assert torch.equal(through["b"], grads["b"])  # the raw gradient, as optax.masked gives it
+    _equal(through["w"], updates["w"])  # the inner optimizer's update where the mask is True
+    assert state.inner["off"] == ()
 
 
 def test_param_group_errors_name_the_argument():
@@ -293,6 +417,8 @@ def test_unscale_and_step_gives_the_same_bits_through_the_combinators(donate):
         funcamp.multi_transform(
             {"a": funcamp.sgd(0.1, momentum=0.9), "b": funcamp.lion(1e-3)}, {"w": "a", "b": "b"}
         ),
+        funcamp.adamw(1e-2, weight_decay=0.1, mask={"w": True, "b": False}),
+        funcamp.lion(1e-3, weight_decay=0.1, mask=lambda ps: {"w": False, "b": True}),
     ):
         results = []
         for wrap in (lambda o: o, lambda o: funcamp.Optimizer(o.init, o.update)):

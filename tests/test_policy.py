@@ -159,6 +159,26 @@ def test_preset_typo_lists_the_presets_and_suggests_one(typo, suggestion) -> Non
     assert get_policy(suggestion) is not None  # the suggestion is valid
 
 
+@pytest.mark.parametrize(
+    "typo, mixed, pure",
+    [
+        ("fp16", "mixed_float16", "f16"),
+        ("float16-mixed", "mixed_float16", "f16"),  # not difflib's 'bf16-mixed'
+        ("bfp16", "mixed_bfloat16", "bf16"),
+    ],
+)
+def test_half_typos_suggest_the_mixed_preset_first(typo, mixed, pure) -> None:
+    """'fp16' is not in jmp's grammar; its closest name, 'f16', puts the params in float16 too.
+    Most who write it mean mixed precision: that comes first, the pure dtype second."""
+    with pytest.raises(ValueError) as info:
+        get_policy(typo)
+    msg = str(info.value)
+    assert f"did you mean {mixed!r} (params float32, " in msg
+    assert msg.index(repr(mixed)) < msg.index(f"or {pure!r} (params, compute and output all")
+    assert get_policy(mixed).param_dtype == torch.float32
+    assert get_policy(pure).param_dtype != torch.float32
+
+
 def test_unknown_word_without_close_match_has_no_suggestion() -> None:
     with pytest.raises(ValueError, match=r"unknown policy 'xyzzy'; presets: ") as info:
         get_policy("xyzzy")

@@ -380,3 +380,43 @@ def test_sigkill_mid_run_then_resume_is_bit_identical_to_an_uninterrupted_run(tm
     assert_bitwise(got, want)
     assert int(want["scaler"]["skipped"]) >= 1  # the overflowing step is in the run
     assert int(want["opt_state"]["count"]) + int(want["scaler"]["skipped"]) == steps
+
+
+def test_a_later_save_removes_what_a_killed_save_left_behind(tmp_path):
+    """A process killed in the middle of a save leaves its temporary file (up to the whole
+    state's size). While the writer lives, other saves to that path leave its file alone; once it
+    is dead, the next save removes it -- and nothing else: other paths' temporary files, files of
+    older funcamp versions (no writer in the name) and other files stay."""
+    worker = str(ROOT / "tests" / "ckpt_worker.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ckpt = tmp_path / "ckpt.pt"
+    victim = subprocess.Popen(
+        [sys.executable, worker, str(ckpt), "5", str(tmp_path / "unused"), "--hang-in-save", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in victim.stdout:
+            lines.append(line.strip())
+            if line.strip() == "writing":
+                break
+        assert lines == ["saved 1", "writing"]
+        debris = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        assert len(debris) == 1 and debris[0].startswith(".ckpt.pt.")
+        assert f".{victim.pid}." in debris[0]  # the writer's pid is in the name
+        others = [".ckpt.pt.0123456789abcdef.tmp", ".other.pt.host.1.0123456789abcdef.tmp", "x.tmp"]
+        for name in others:
+            (tmp_path / name).write_bytes(b"keep")
+
+        funcamp.save(ckpt, _state(seed=1), policy="mixed_float16")  # the writer is alive
+        assert (tmp_path / debris[0]).exists()
+    finally:
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=60)
+    assert victim.returncode == -signal.SIGKILL
+
+    funcamp.save(ckpt, _state(seed=2), policy="mixed_float16")  # the writer is dead
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt.pt", *others])
+    assert_bitwise(funcamp.load(ckpt, _state(), policy="mixed_float16"), _state(seed=2))

@@ -38,7 +38,7 @@ def _index_quick_start() -> str:
 
 # The quick start compiles its step, as users run it; here dynamo traces it whole (fullgraph,
 # so a graph break still fails) with the "eager" backend, skipping inductor's code generation
-# (10-30 s) to keep the suite fast.
+# (most of a compile's time) to keep the suite fast.
 _FAST_COMPILE = {
     "make_train_step(loss_fn, opt, policy)": 'make_train_step(loss_fn, opt, policy, backend="eager")'
 }

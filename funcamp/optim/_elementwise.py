@@ -24,13 +24,21 @@ from funcamp._checks import (
     learning_rate_fn,
     state_leaves,
 )
-from funcamp._tree import _self_overlapping, describe, flatten, leaf_path, unflatten
+from funcamp._tree import (
+    NAMESPACE,
+    _self_overlapping,
+    describe,
+    flatten,
+    leaf_path,
+    path_str,
+    unflatten,
+)
 from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._numerics import math_dtype
 from funcamp.optim._paths import Ops, choose_ops
 
-__all__ = ["Step", "elementwise"]
+__all__ = ["Step", "elementwise", "mask_flags"]
 
 PyTree = Any
 Tensors = list[torch.Tensor]
@@ -128,8 +136,11 @@ def build(
     stochastic_rounding: bool,
     seed: int,
     fused_kernel: FusedKernel | None = None,
+    mask: Any = None,
 ) -> Optimizer:
-    """:func:`elementwise`, plus a fused in-place kernel for the built-in optimizers."""
+    """:func:`elementwise`, plus a fused in-place kernel and a weight-decay mask for the
+    built-in optimizers. With ``mask`` (see :func:`mask_flags`), ``step`` also gets
+    ``mask=``: one Python bool per leaf, or None when ``update`` got no params."""
     if not isinstance(api, str) or not api:
         raise TypeError(f"funcamp.optim.elementwise: `name` must be a non-empty str, got {api!r}")
     fields = getattr(state_type, "_fields", None)
@@ -154,10 +165,13 @@ def build(
         )
     lr_fn = learning_rate_fn(api, learning_rate)
     mode = select_mode(api, master_weights, kahan, stochastic_rounding, seed)
+    masked = mask is not None
     need_params = needs_params or mode is not None
 
     def init(params: PyTree) -> Any:
         leaves, spec = flatten_params(api, params)
+        if masked:
+            mask_flags(api, mask, params, strict=True)  # a mask that does not fit fails here
         device = leaves[0].device if leaves else torch.device("cpu")
         state = {f: () for f in fields}
         for b in names:
@@ -217,7 +231,11 @@ def build(
         )
         g = ops.to_math(gs)
         pm = math_params(api, mode, state.low, ps, spec) if ps is not None else None
-        deltas, new_bufs = step(ops, g, pm, bufs, lr, count)
+        if masked:
+            flags = mask_flags(api, mask, params) if ps is not None else None
+            deltas, new_bufs = step(ops, g, pm, bufs, lr, count, mask=flags)
+        else:
+            deltas, new_bufs = step(ops, g, pm, bufs, lr, count)
         updates, low = to_updates(api, mode, state.low, count, deltas, ps, spec)
         new_state = {b: unflatten(spec, new_bufs[b]) for b in names}
         return updates, state._replace(count=count + 1, low=low, **new_state)
@@ -256,6 +274,54 @@ def build(
             fused_step=fused_step,
             learning_rate=rate,
         ),
+    )
+
+
+def mask_flags(api: str, mask: Any, params: PyTree, *, strict: bool = False) -> list[bool]:
+    """One Python bool per leaf of ``params``, from a mask as optax's ``masked`` takes it: a
+    pytree of bools with the params' structure or a prefix of it (a bool then covers a whole
+    subtree), or a callable of the params returning one.
+
+    The mask is read along each param leaf's path (plain lookups, which dynamo folds while it
+    traces; optree cannot flatten a constant dict there). ``strict`` (``init``, eager) also
+    checks that the mask has nothing the params lack."""
+    tree = mask(params) if callable(mask) else mask
+    if strict:
+        try:
+            optree.tree_broadcast_prefix(tree, params, namespace=NAMESPACE)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"funcamp.{api}: `mask` must be a pytree of bools with the tree structure of the "
+                f"params {flatten(params)[1]} or a prefix of it (or a callable of the params "
+                f"returning one), got {optree.tree_structure(tree, namespace=NAMESPACE)}"
+            ) from e
+    out: list[bool] = []
+    for path in optree.tree_flatten_with_path(params, namespace=NAMESPACE)[0]:
+        node = tree
+        for key in path:
+            if isinstance(node, bool):
+                break
+            node = _mask_child(api, node, key, path)
+        if not isinstance(node, bool):
+            raise TypeError(
+                f"funcamp.{api}: `mask` must hold Python bools (True where the weight decay "
+                f"applies), got {describe(node)} for the param at {path_str(path)}"
+            )
+        out.append(node)
+    return out
+
+
+def _mask_child(api: str, node: Any, key: Any, path: tuple[Any, ...]) -> Any:
+    if isinstance(node, dict) and key in node:
+        return node[key]
+    if isinstance(node, (list, tuple)) and isinstance(key, int) and 0 <= key < len(node):
+        return node[key]
+    if isinstance(key, str) and hasattr(node, key):
+        return getattr(node, key)
+    raise ValueError(
+        f"funcamp.{api}: `mask` must have the tree structure of the params or a prefix of it "
+        f"(or be a callable of the params returning one): it has no {key!r} on the way to the "
+        f"param at {path_str(path)}"
     )
 
 

@@ -10,6 +10,7 @@ zero, where ``p + (new_p - p)`` can be one ulp off.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -25,6 +26,9 @@ PyTree = Any
 Tensors = list[torch.Tensor]
 #: A learning rate: a Python float (fixed), a 0-d tensor, or a schedule of the step count.
 LearningRate = Any
+#: Where the weight decay applies: a pytree of bools with the params' structure (or a prefix of
+#: it), or a callable of the params returning one (optax's ``mask``).
+Mask = Any | Callable[[PyTree], PyTree]
 
 
 class SgdState(NamedTuple):
@@ -78,6 +82,28 @@ _MODE_ARGS = """        master_weights: keep float32 copies of half params.
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash."""
+
+
+def _decayed(mask: Sequence[bool] | None) -> list[int] | None:
+    """The indices of the leaves the weight decay applies to: None for every leaf (no mask, or
+    a mask that is True everywhere)."""
+    if mask is None:
+        return None
+    on = [i for i, m in zip(range(len(mask)), mask) if m]
+    return None if len(on) == len(mask) else on
+
+
+def _pick(xs: Tensors, idx: list[int] | None) -> Tensors:
+    return xs if idx is None else [xs[i] for i in idx]
+
+
+def _merge(n: int, *parts: tuple[list[int], Tensors]) -> Tensors:
+    """One list of ``n`` leaves from ``(indices, leaves)`` parts."""
+    out: list[Any] = [None] * n
+    for idx, leaves in parts:
+        for i, x in zip(idx, leaves):
+            out[i] = x
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,7 +246,9 @@ def sgd(
 
 
 def _adam_step(b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool) -> Any:
-    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+    def step(
+        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, mask: Any = None
+    ) -> Any:
         # torch.optim.Adam/AdamW: grad.add(p, alpha=weight_decay) or p.mul_(1 - lr * wd);
         # exp_avg.lerp_(grad, 1 - b1); exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2);
         # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps;
@@ -243,10 +271,17 @@ def _adam_step(b1: float, b2: float, eps: float, weight_decay: float, decoupled:
         denom = ops.add(denom, eps, into=denom)
         deltas = ops.mul(m, neg_step)
         deltas = ops.div(deltas, denom, into=deltas)
-        if weight_decay > 0 and decoupled:  # p * (1 - lr * wd) + step, as the difference to p
-            new_p = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay), into=denom)
-            new_p = ops.add(new_p, deltas, into=new_p)
-            deltas = ops.sub(new_p, p, into=new_p)
+        on = _decayed(mask)  # the masked-off leaves keep the plain step (weight_decay=0)
+        if weight_decay > 0 and decoupled and on != []:
+            # p * (1 - lr * wd) + step, as the difference to p
+            pd = _pick(p, on)
+            new_p = ops.mul(pd, ops.scalar(1.0 - lr64 * weight_decay), into=_pick(denom, on))
+            new_p = ops.add(new_p, _pick(deltas, on), into=new_p)
+            decayed = ops.sub(new_p, pd, into=new_p)
+            if on is None:
+                return decayed, {"exp_avg": m, "exp_avg_sq": v}
+            off = [i for i, flag in zip(range(len(mask)), mask) if not flag]
+            deltas = _merge(len(deltas), (on, decayed), (off, _pick(deltas, off)))
         return deltas, {"exp_avg": m, "exp_avg_sq": v}
 
     return step
@@ -261,6 +296,7 @@ def _adam(
     weight_decay: float,
     decoupled: bool,
     modes: dict[str, Any],
+    mask: Mask = None,
 ) -> Optimizer:
     b1 = check_number(api, "b1", b1, maximum=1.0)
     b2 = check_number(api, "b2", b2, maximum=1.0)
@@ -273,6 +309,7 @@ def _adam(
         learning_rate,
         buffers=None,
         needs_params=weight_decay > 0,
+        mask=mask,
         **modes,
     )
 
@@ -332,6 +369,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     *,
+    mask: Mask = None,
     master_weights: bool = False,
     kahan: bool = False,
     stochastic_rounding: bool = False,
@@ -340,6 +378,11 @@ def adamw(
     """AdamW with torch.optim.AdamW's semantics: decoupled weight decay
     ``p -= lr * weight_decay * p`` next to the Adam step.
 
+    ``mask`` picks the leaves the weight decay applies to, as optax's ``adamw(mask=)`` does;
+    the others take the plain Adam step. So ``adamw(lr, weight_decay=wd, mask=m)`` is
+    ``torch.optim.AdamW`` with two param groups, ``weight_decay=wd`` where ``m`` is True and
+    ``weight_decay=0`` elsewhere (one optimizer, one state and one step count).
+
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
             built; a value that is NaN, infinite or negative at run time skips the step).
@@ -347,6 +390,11 @@ def adamw(
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator (>= 0).
         weight_decay: decoupled decay rate (>= 0).
+        mask: where the weight decay applies (optax's ``mask``): a pytree of Python bools with
+            the params' structure, or a prefix of it (one bool for a whole subtree), or a
+            callable of the params returning one -- called on every update, with the params
+            (optax calls it with the params or the updates; funcamp's :func:`funcamp.masked`
+            takes a callable of the leaf path instead). ``None`` (default): every leaf.
         master_weights: keep float32 copies of half params.
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -362,12 +410,23 @@ def adamw(
         >>> updates, _ = opt.update({"w": torch.zeros(1)}, opt.init(params), params)
         >>> funcamp.apply_updates(params, updates)
         {'w': tensor([0.9500])}
+
+        No decay for 1-d params (biases, norms), as optax's ``mask`` examples do:
+
+        >>> opt = funcamp.adamw(
+        ...     0.1, weight_decay=0.5, mask=lambda ps: {k: p.ndim > 1 for k, p in ps.items()}
+        ... )
+        >>> params = {"weight": torch.ones(1, 1), "bias": torch.ones(1)}
+        >>> grads = {"weight": torch.zeros(1, 1), "bias": torch.zeros(1)}
+        >>> updates, _ = opt.update(grads, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'weight': tensor([[0.9500]]), 'bias': tensor([1.])}
     """
     modes = dict(
         master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
         seed=seed,
     )  # fmt: skip
-    return _adam("adamw", learning_rate, b1, b2, eps, weight_decay, True, modes)
+    return _adam("adamw", learning_rate, b1, b2, eps, weight_decay, True, modes, mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,7 +434,9 @@ def adamw(
 
 
 def _lion_step(b1: float, b2: float, weight_decay: float) -> Any:
-    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+    def step(
+        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, mask: Any = None
+    ) -> Any:
         # Chen et al. 2023, Program 1, with decoupled weight decay done as torch does it:
         # p.mul_(1 - lr * wd); p.add_(sign(b1 * m + (1 - b1) * g), alpha=-lr);
         # m = b2 * m + (1 - b2) * g. Each `mul(b) + x * (1 - b)` is one fused multiply-add.
@@ -386,12 +447,19 @@ def _lion_step(b1: float, b2: float, weight_decay: float) -> Any:
         new_m = ops.mul(m, b2)
         new_m = ops.kept(ops.fma(g, 1.0 - b2, new_m, into=new_m))
         neg_lr = ops.scalar(-lr)
-        if weight_decay == 0:  # -lr * (+-1 or 0) is exact: apply_updates adds it as torch does
+        on = _decayed(mask) if weight_decay > 0 else []
+        if on == []:  # -lr * (+-1 or 0) is exact: apply_updates adds it as torch does
             return ops.mul(direction, neg_lr, into=direction), {"exp_avg": new_m}
         lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
-        new_p = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay), into=g)  # g is dead
-        new_p = ops.fma(direction, neg_lr, new_p, into=new_p)
-        return ops.sub(new_p, p, into=new_p), {"exp_avg": new_m}
+        pd, dd = _pick(p, on), _pick(direction, on)
+        new_p = ops.mul(pd, ops.scalar(1.0 - lr64 * weight_decay), into=_pick(g, on))  # g dead
+        new_p = ops.fma(dd, neg_lr, new_p, into=new_p)
+        decayed = ops.sub(new_p, pd, into=new_p)
+        if on is None:
+            return decayed, {"exp_avg": new_m}
+        off = [i for i, flag in zip(range(len(mask)), mask) if not flag]  # no decay: as above
+        plain = ops.mul(_pick(direction, off), neg_lr, into=_pick(direction, off))
+        return _merge(len(direction), (on, decayed), (off, plain)), {"exp_avg": new_m}
 
     return step
 
@@ -402,6 +470,7 @@ def lion(
     b2: float = 0.99,
     weight_decay: float = 1e-3,
     *,
+    mask: Mask = None,
     master_weights: bool = False,
     kahan: bool = False,
     stochastic_rounding: bool = False,
@@ -412,14 +481,23 @@ def lion(
 
     ``p = p * (1 - lr * weight_decay) - lr * sign(b1 * m + (1 - b1) * g)``, then
     ``m = b2 * m + (1 - b2) * g``. One buffer per param (half Adam's memory). The defaults are
-    optax's; Lion wants a learning rate 3-10x smaller than AdamW's and a larger weight decay.
+    optax's (``optax.lion``), including ``weight_decay=1e-3``; lion-pytorch's ``Lion`` defaults to
+    ``weight_decay=0.0``: pass ``weight_decay=0.0`` to reproduce it (its decay, when set, is this
+    one, ``p *= 1 - lr * weight_decay``; with its ``decoupled_weight_decay=True`` pass its
+    ``weight_decay / lr``). Lion wants a learning rate 3-10x smaller than AdamW's and
+    a larger weight decay. ``mask`` picks the leaves the weight decay applies to, as optax's
+    ``lion(mask=)`` does (see :func:`funcamp.adamw`).
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
             built; a value that is NaN, infinite or negative at run time skips the step).
         b1: interpolation factor of the update direction, in [0, 1).
         b2: decay of the momentum, in [0, 1).
-        weight_decay: decoupled decay rate (>= 0).
+        weight_decay: decoupled decay rate (>= 0); 1e-3 by default (optax's; lion-pytorch's is
+            0.0).
+        mask: where the weight decay applies: a pytree of Python bools with the params'
+            structure (or a prefix of it), or a callable of the params returning one (see
+            :func:`funcamp.adamw`). ``None`` (default): every leaf.
         master_weights: keep float32 copies of half params.
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -452,4 +530,5 @@ def lion(
         kahan=kahan,
         stochastic_rounding=stochastic_rounding,
         seed=seed,
+        mask=mask,
     )

@@ -445,9 +445,20 @@ def _group_updates(api: str, name: str, updates: Any, keys: list[str]) -> dict[s
 
 
 def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimizer:
-    """Apply ``optimizer`` to the params where ``mask`` is True; the others get zero updates
-    and no optimizer state: they stay frozen (optax's ``masked`` passes their grads through
-    unchanged instead).
+    """Apply ``optimizer`` where ``mask`` is True; masked-off leaves are frozen (zero updates).
+
+    The masked-off leaves get zero updates and no optimizer state: they stay where they are.
+    This differs from optax's ``masked``, which passes their gradients through unchanged (for a
+    transform later in a chain to act on). To get optax's behaviour, give the masked-off leaves
+    the identity, ``funcamp.chain()``, with :func:`multi_transform`::
+
+        funcamp.multi_transform(
+            {"on": optimizer, "off": funcamp.chain()},
+            lambda path: "on" if mask_fn(path) else "off",
+        )
+
+    (their updates are then their gradients, bit for bit). For weight decay on some leaves
+    only, ``funcamp.adamw(..., mask=)`` and ``funcamp.lion(..., mask=)`` take optax's mask.
 
     The masked leaves reach ``optimizer`` as a dict keyed by their dotted paths
     (``"encoder.weight"``), so its state (and a checkpoint of it) names them. Combine several

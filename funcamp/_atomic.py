@@ -1,0 +1,176 @@
+"""Atomic file writes, and the removal of what crashed writes left behind (standard library only).
+
+:func:`atomic_write` writes ``path`` through a temporary file in the same directory: written,
+flushed and ``fsync``-ed, renamed over ``path`` (``os.replace``: atomic on POSIX and Windows),
+then the directory ``fsync``-ed. Whatever happens -- an exception, a full disk, a ``SIGKILL``, a
+power cut -- ``path`` holds either its previous contents or the new ones, never a mixture.
+
+An exception removes the temporary file; a killed process cannot. So every temporary file names
+its writer, ``.<name>.<host>.<pid>.<16 hex digits>.tmp``, and its writer holds an exclusive
+``flock`` on it while it writes. Before writing, :func:`atomic_write` removes the temporary files
+of earlier writes to the same ``path`` whose writer is gone (:func:`remove_debris`), so a job
+that is killed and restarted again and again does not fill its disk. A file is removed only if
+its name has exactly that form for this ``path`` and
+
+* nobody holds its lock (the kernel drops a dead process's locks; a live writer holds it), and
+* its writer is known to be gone: on this host (same host name), no process with its pid is
+  running; elsewhere (another host on a shared file system, or a pid now used by another
+  process), it has not been modified for :data:`STALE_S` seconds.
+
+Where the file system cannot lock (``flock`` fails), only the first case of the second rule is
+used (this host, pid not running); files of other hosts are then left alone. On Windows nothing is
+removed (no ``flock``; its own file sharing rules keep an open file). Files written by older
+funcamp versions (``.<name>.<random>.tmp``, without a writer in the name) are never removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["STALE_S", "atomic_write", "remove_debris", "temp_name"]
+
+#: Seconds without a modification after which an unlocked temporary file whose writer cannot be
+#: checked (another host, or a pid reused) counts as left behind.
+STALE_S = 60.0
+
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
+
+
+def temp_name(name: str) -> str:
+    """The name of a fresh temporary file for writing ``name``: it names this host and process."""
+    return f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+
+
+def _pattern(name: str) -> re.Pattern[str]:
+    return re.compile(rf"\.{re.escape(name)}\.([A-Za-z0-9-]+)\.(\d+)\.[0-9a-f]{{16}}\.tmp")
+
+
+def _running(pid: int) -> bool:
+    """Whether a process with this pid runs on this host (in this pid namespace)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process (or a pid we cannot check): alive
+    return True
+
+
+def _lock(fd: int) -> bool | None:
+    """Try to take an exclusive lock without waiting: True (taken), False (someone holds it),
+    None (this file system cannot lock)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    return True
+
+
+def _left_behind(path: str, host: str, pid: int) -> bool:
+    """Remove ``path`` if its writer is gone (see the module docstring); whether it did."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # already gone (renamed by its writer, removed by another cleaner)
+        return False
+    try:
+        locked = _lock(fd)
+        if locked is False:
+            return False  # a live writer holds it
+        gone = host == _HOST and not _running(pid)
+        if not gone and locked:
+            gone = time.time() - os.fstat(fd).st_mtime > STALE_S
+        if gone:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return gone
+    finally:
+        os.close(fd)
+
+
+def remove_debris(path: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporary files that crashed :func:`atomic_write` calls for ``path`` left
+    behind (only those, and only when their writer is gone: see the module docstring).
+
+    Returns:
+        The names of the files removed.
+    """
+    if fcntl is None:  # pragma: no cover - Windows
+        return []
+    p = Path(path)
+    pattern = _pattern(p.name)
+    prefix = f".{p.name}."
+    removed = []
+    try:
+        entries = list(os.scandir(p.parent))
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        match = pattern.fullmatch(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
+            continue
+        if _left_behind(entry.path, match[1], int(match[2])):
+            removed.append(entry.name)
+    return removed
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """``fsync`` a directory, so a rename in it survives a power cut (a no-op on Windows)."""
+    if os.name != "posix":  # pragma: no cover - Windows cannot open a directory to fsync it
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` atomically: ``write(f)`` fills a temporary file in its directory, which
+    is ``fsync``-ed and renamed over ``path``; then the directory is ``fsync``-ed.
+
+    On any failure (an exception, ``KeyboardInterrupt``) the temporary file is removed and
+    ``path`` is untouched. The temporary files that killed writers left for ``path`` are removed
+    first (:func:`remove_debris`). The file gets the usual permissions (``0o666`` less the
+    umask).
+    """
+    p = Path(path)
+    remove_debris(p)
+    tmp = p.parent / temp_name(p.name)
+    # os.open with 0o666 (the umask applies), so the file gets the usual permissions.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if fcntl is not None:
+                with contextlib.suppress(OSError):  # a file system that cannot lock
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # held until closed
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+            if os.name == "posix":  # renamed while locked: no cleaner ever finds it unlocked
+                os.replace(tmp, p)
+        if os.name != "posix":  # pragma: no cover - Windows renames only a closed file
+            os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(p.parent)
