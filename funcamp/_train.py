@@ -935,11 +935,12 @@ def make_train_step(
     computation that can fail runs before the first write, so a step that raises leaves the
     state as it was.
 
-    The first call of a compiled step traces and compiles it (10-30 s for a small model on a
-    CPU, a few seconds with a warm compile cache) and logs that it does on the ``"funcamp"``
-    logger at INFO level (``logging.basicConfig(level=logging.INFO)`` shows it), with the time
-    it took once it is done. With ``cache_dir`` a later process loads the compiled step
-    instead of tracing it again (and logs that it did, or why it could not).
+    The first call of a compiled step traces and compiles it -- a minute or more on a small CPU
+    (measured times per model in docs/benchmarks.md), much less with warm compile caches -- and
+    says so on stderr by default, with the time it took (``FUNCAMP_QUIET=1`` or the
+    ``"funcamp"`` logger's level silences it; with logging configured the lines go through your
+    handlers). With ``cache_dir`` a later process loads the compiled step instead of tracing it
+    again (and says that it did, or why it could not).
 
     Args:
         loss_fn: ``(params, buffers, batch) -> loss | tuple`` as above; run under ``amp``.
