@@ -52,11 +52,12 @@ import torch
 
 from funcamp._amp import _as_policy, amp
 from funcamp._checks import check_flag, flatten_params
+from funcamp._compile_errors import explain, refuses_torch_func, user_frame
 from funcamp._fp8 import Fp8State, all_reduce_amax, fp8_update, needs_state, with_fp8_state
 from funcamp._headroom import _headroom, _headroom_dtype
 from funcamp._hints import optimizer_type_error
 from funcamp._policy import Policy
-from funcamp._progress import announce_first_call
+from funcamp._progress import announce_first_call, logger
 from funcamp._scaler import ScalerState, scale, unscale_and_step, update
 from funcamp._step_cache import (
     GLOBAL_STATE_SOURCES,
@@ -628,6 +629,15 @@ def _compile(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
 
 
 _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+# dynamo traces torch.autograd.grad into a graph only with this option (torch >= 2.7)
+_CAN_TRACE_AUTOGRAD = hasattr(torch._dynamo.config, "trace_autograd_ops")
+
+
+def _tracing_autograd(on: bool) -> Any:
+    """While dynamo traces a step that takes its gradients from torch.autograd in one graph."""
+    if not on:
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(trace_autograd_ops=True)
 
 
 @contextlib.contextmanager
@@ -638,32 +648,6 @@ def _quiet(logger: logging.Logger) -> Any:
         yield
     finally:
         logger.setLevel(level)
-
-
-def _graph_break_message(error: Exception) -> str:
-    """One paragraph for a graph break inside the user's ``loss_fn``: what and where."""
-    text = str(error)
-    reason = next(
-        (line.strip() for line in text.splitlines() if line.strip()), type(error).__name__
-    )
-    where = ""
-    lines = text.split("from user code:", 1)[-1].splitlines() if "from user code:" in text else []
-    frames = [i for i, line in enumerate(lines) if line.strip().startswith("File ")]
-    if frames:
-        i = frames[-1]
-        where = lines[i].strip()
-        if i + 1 < len(lines) and lines[i + 1].strip():
-            where += f": `{lines[i + 1].strip()}`"
-    at = f" at {where}" if where else ""
-    return (
-        f"funcamp.{_API}: the step cannot be compiled as one graph: dynamo stopped{at} "
-        f"({reason}). The step runs eagerly, so the model is correct but does something "
-        "torch.compile(fullgraph=True) cannot trace. Two ways out: change that call in your "
-        "model or loss_fn (for Hugging Face models see docs/guides/transformers.md, e.g. "
-        "`model.loss_type = ...`), or build the step with `fullgraph=False` (compiled in "
-        "pieces around the break, gradients by torch.autograd; `compile=False` runs it "
-        "eagerly). dynamo's own report is chained below."
-    )
 
 
 def _autograd_grad_and_value(
@@ -1024,11 +1008,17 @@ def make_train_step(
     pieces = compile and compile_options.get("fullgraph", True) is False
     fp8_stateful = needs_state(pol)  # delayed FP8: the state's gradient is its new value
 
+    # Set when torch.func refuses to differentiate the model (an autograd function written the
+    # old way, a custom op's registered formula): the step then takes its gradients from
+    # torch.autograd, traced into the same graph (dynamo's trace_autograd_ops).
+    autograd_in_graph = [False]
+
     def gradients() -> Callable[..., Any]:
-        """torch.func's grad_and_value, except in pieces (above) and in plain eager, where
-        torch.autograd on leaf copies gives the same bits about 15 % faster (an MLP step):
-        not under torch.compile or a torch.func transform, and without delayed FP8 state."""
-        if pieces:
+        """torch.func's grad_and_value, except in pieces (above), where torch.func refuses the
+        model, and in plain eager, where torch.autograd on leaf copies gives the same bits about
+        15 % faster (an MLP step): not under torch.compile or a torch.func transform, and
+        without delayed FP8 state."""
+        if pieces or autograd_in_graph[0]:
             return _autograd_grad_and_value
         if (
             not compile
@@ -1163,20 +1153,35 @@ def make_train_step(
         try:
             # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
             # raises; the eager re-run below gives the plain error, so that log is held back.
-            with _quiet(_FAKE_TENSOR_LOG):
+            with _quiet(_FAKE_TENSOR_LOG), _tracing_autograd(autograd_in_graph[0]):
                 return run(state, batch)
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError) as e:
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if (
+                not pieces
+                and not autograd_in_graph[0]
+                and refuses_torch_func(e)
+                and _CAN_TRACE_AUTOGRAD
+            ):
+                autograd_in_graph[0] = True
+                logger.info(
+                    "funcamp: torch.func cannot differentiate %s (an autograd function without "
+                    "setup_context, such as a custom op's registered formula); the step takes "
+                    "its gradients from torch.autograd, in the same graph",
+                    user_frame(e) or "the model",
+                )
+                return step(state, batch)
             # dynamo reports an exception raised while tracing (a bad `loss_fn` output, trees
             # that do not match, a shape mismatch on fake tensors) wrapped in its own logs; run
             # the step eagerly to raise it plainly. A donated state is re-run on copies: this
             # run is only for the error message. If the eager step runs, the model itself does
             # something dynamo cannot put in one graph: say so in one paragraph.
             rerun = _clone_buffers(state) if donate_state else state
-            with torch.compiler.set_stance("force_eager"):
-                train_step(rerun, batch)
-            if isinstance(e, torch._dynamo.exc.Unsupported):
-                raise RuntimeError(_graph_break_message(e)) from e
-            raise
+
+            def eagerly() -> None:
+                with torch.compiler.set_stance("force_eager"):
+                    train_step(rerun, batch)
+
+            raise explain(_API, e, eagerly) from e
 
     step.__doc__ = f"A funcamp train step ({'compiled' if compile else 'eager'}, policy {pol})."
     step.train_step = train_step  # type: ignore[attr-defined]

@@ -507,6 +507,152 @@ def test_graph_break_in_loss_fn_is_one_paragraph_naming_the_call_and_the_ways_ou
     assert torch.isfinite(metrics["loss"])
 
 
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.mean().item() > 100:  # a Python branch on a value: no single graph holds it
+            h = h * 0
+        return h
+
+
+_BRANCHY = _Branchy()
+
+
+def _branchy_loss(params, buffers, batch):
+    x, y = batch
+    return nn.functional.mse_loss(functional_call(_BRANCHY, (params, buffers), (x,)), y)
+
+
+def _plain_loss(params, buffers, batch):
+    x, y = batch
+    return ((x @ params["w"]) - y).pow(2).mean()
+
+
+def _failing_backend(gm, example_inputs):
+    raise NotImplementedError("a backend that cannot compile this graph")
+
+
+@pytest.mark.parametrize(
+    ("loss", "backend", "cause", "what", "where", "way_out"),
+    [
+        (
+            _branchy_loss,
+            "aot_eager",
+            torch._dynamo.exc.UserError,
+            "a Python branch on a tensor's value",
+            "if h.mean().item() > 100:",
+            "torch.where",
+        ),
+        (
+            _plain_loss,
+            _failing_backend,
+            torch._dynamo.exc.BackendCompilerFailed,
+            "the compiler backend failed",
+            None,
+            "backend='aot_eager'",
+        ),
+    ],
+    ids=["data-dependent-branch", "backend-failure"],
+)
+def test_every_compile_failure_is_one_paragraph(loss, backend, cause, what, where, way_out):
+    """Failures other than a graph break, too: what failed, where in the user's code, and the
+    way out -- each a paragraph of funcamp's, with dynamo's report chained."""
+    params = funcamp.params_and_buffers(_BRANCHY)[0] if loss is _branchy_loss else None
+    params = params or {"w": torch.randn(3, 2)}
+    opt = funcamp.sgd(0.1)
+    state = funcamp.TrainState.create(params, opt, "float32")
+    step = funcamp.make_train_step(loss, opt, "float32", backend=backend)
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    with pytest.raises(RuntimeError) as info:
+        step(state, batch)
+    message = str(info.value)
+    assert message.startswith("funcamp.make_train_step: the step cannot be compiled as one graph")
+    assert f"What: {what}" in message and way_out in message and "compile=False" in message
+    if where is not None:
+        assert "test_train.py" in message and where in message
+    assert "\n" not in message
+    assert isinstance(info.value.__cause__, cause)
+    _, metrics = funcamp.make_train_step(loss, opt, "float32", compile=False)(state, batch)
+    assert torch.isfinite(metrics["loss"])  # the eager step, the way out named, runs
+
+
+@torch.library.custom_op("funcamp_test::double_mm", mutates_args=())
+def _double_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w) * 2
+
+
+@_double_mm.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _double_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _double_mm_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return (grad @ w.T) * 2, (x.T @ grad) * 2
+
+
+_double_mm.register_autograd(_double_mm_backward, setup_context=_double_mm_setup)
+
+
+class _OldStyleSin(torch.autograd.Function):
+    """An autograd function written the old way (no setup_context)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.cos()
+
+
+def _custom_op_loss(params, buffers, batch):
+    x, y = batch
+    return (torch.ops.funcamp_test.double_mm(x, params["w"]) - y).pow(2).mean()
+
+
+def _old_style_loss(params, buffers, batch):
+    x, y = batch
+    return (_OldStyleSin.apply(x @ params["w"]) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("loss", [_custom_op_loss, _old_style_loss], ids=["custom-op", "old-style"])
+def test_a_model_torch_func_refuses_trains_compiled_in_one_graph(loss, caplog):
+    """A custom op's registered autograd formula (how Hugging Face's MoE grouped_mm fallback is
+    written) and an old-style autograd function: eager torch.func.grad refuses both. Compiled,
+    dynamo differentiates the old-style function under torch.func itself, while the custom op
+    makes the step take its gradients from torch.autograd inside the same graph (said once);
+    either way equal to the eager step bit for bit, in one graph."""
+    opt = funcamp.adam(1e-2)
+    params = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(0))}
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda p: loss(p, {}, batch))(params)
+    eager = funcamp.make_train_step(loss, opt, "mixed_bfloat16", compile=False)
+    counters.clear()
+    compiled = funcamp.make_train_step(loss, opt, "mixed_bfloat16", backend="aot_eager")
+    a = b = funcamp.TrainState.create(params, opt, "mixed_bfloat16")
+    with caplog.at_level("INFO", logger="funcamp"):
+        for _ in range(3):
+            a, ma = eager(a, batch)
+            b, mb = compiled(b, batch)
+            assert torch.equal(ma["loss"], mb["loss"])
+    assert torch.equal(a.params["w"], b.params["w"])
+    assert counters["stats"]["unique_graphs"] == 1
+    switched = any("torch.func cannot differentiate" in r.message for r in caplog.records)
+    assert switched == (loss is _custom_op_loss)
+
+
 def _mlp_loss_with_break(params, buffers, batch):
     x, y = batch
     h = torch.relu(x @ params["w1"] + params["b1"])

@@ -1,0 +1,145 @@
+"""What a train step that fails to compile says: one paragraph -- what failed, where in the user's
+code, and the option that gets round it -- with dynamo's own report chained below it.
+
+A compile failure the user can cause in their own model comes in a few kinds, each with its own
+way out: a call dynamo cannot trace (a graph break), a Python branch on a tensor's value (a
+data-dependent guard), an op that fails on fake tensors although it runs eagerly, and a failure
+of the compiler backend itself. The step first re-runs eagerly: an error there is the model's own
+and is raised plainly instead (see ``make_train_step``).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import torch
+
+__all__ = ["compile_failure_message", "explain", "refuses_torch_func", "user_frame"]
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_FUNCAMP_DIR = os.path.dirname(os.path.abspath(__file__))
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
+
+#: What functorch says of an autograd function it cannot differentiate (torch 2.6-2.13): an
+#: ``autograd.Function`` written the old way, which is also how torch runs the formula of a
+#: ``torch.library.custom_op`` given ``register_autograd`` (Hugging Face's MoE ``grouped_mm``).
+_TORCH_FUNC_REFUSAL = "must override the setup_context staticmethod"
+
+
+def refuses_torch_func(error: BaseException) -> bool:
+    """Whether ``torch.func`` refused to differentiate the model (see ``_TORCH_FUNC_REFUSAL``)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if _TORCH_FUNC_REFUSAL in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _library(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith((_TORCH_DIR, _FUNCAMP_DIR, _STDLIB_DIR)) or filename.startswith("<")
+
+
+def user_frame(error: BaseException) -> str:
+    """The innermost frame of the user's code (their model, loss function or a library model
+    such as ``transformers``') dynamo was tracing when it failed, as ``File "...", line N, in
+    f: `code```; ``""`` when unknown."""
+    stack = getattr(error, "real_stack", None) or []
+    for frame in reversed(list(stack)):
+        if not _library(frame.filename):
+            line = (frame.line or "").strip()
+            return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}' + (
+                f": `{line}`" if line else ""
+            )
+    text = str(error)
+    if "from user code:" in text:  # dynamo's own rendering of the same stack
+        lines = text.split("from user code:", 1)[1].splitlines()
+        frames = [i for i, line in enumerate(lines) if line.strip().startswith("File ")]
+        for i in reversed(frames):
+            where = lines[i].strip()
+            filename = where.split('"')[1] if where.count('"') >= 2 else ""
+            if filename and _library(filename):
+                continue
+            if i + 1 < len(lines) and lines[i + 1].strip():
+                where += f": `{lines[i + 1].strip()}`"
+            return where
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not _library(frame.filename):
+            return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}'
+    return ""
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error)
+    start = text.find("Could not guard on data-dependent expression")
+    if start >= 0:  # after dynamo's advice to annotate with torch._check
+        end = text.find("(", start)
+        return text[start : end if end > 0 else None].strip().rstrip(".")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+_PIECES = (
+    "build the step with `fullgraph=False` (compiled in pieces around it, gradients by "
+    "torch.autograd) or `compile=False` (eager)"
+)
+
+
+def _kind(error: BaseException) -> tuple[str, str]:
+    """``(what failed, the way out)`` for this kind of failure."""
+    exc = torch._dynamo.exc
+    text = str(error)
+    if isinstance(error, exc.UserError) and "data-dependent" in text:
+        return (
+            "a Python branch on a tensor's value (`.item()`, `bool(tensor)`, `if tensor:` or "
+            "a shape computed from values), which one graph cannot hold: the branch taken "
+            "would be fixed when the step is traced",
+            "compute both sides and select with `torch.where` (or `torch.cond`), keep the "
+            f"branch out of the model's forward, or {_PIECES}",
+        )
+    if isinstance(error, exc.Unsupported):
+        return (
+            "a call torch.compile(fullgraph=True) cannot trace (a graph break)",
+            "change that call in your model or loss_fn (for Hugging Face models see "
+            "docs/guides/transformers.md, e.g. `model.loss_type = ...`), or " + _PIECES,
+        )
+    if isinstance(error, exc.BackendCompilerFailed):
+        return (
+            "the compiler backend failed on the traced step (the trace itself succeeded)",
+            "build the step with `backend='aot_eager'` (traced and differentiated as one graph, "
+            "no code generation) or `compile=False`, and report the backend failure to PyTorch "
+            "with the report below",
+        )
+    if isinstance(error, exc.TorchRuntimeError):
+        return (
+            "an op failed on the fake tensors dynamo traces with, although the same step runs "
+            "eagerly",
+            _PIECES[0].upper() + _PIECES[1:],
+        )
+    return ("dynamo failed while compiling the step", _PIECES[0].upper() + _PIECES[1:])
+
+
+def compile_failure_message(api: str, error: BaseException) -> str:
+    """One paragraph for a compile failure the eager step does not have: what, where, how out."""
+    what, fix = _kind(error)
+    where = user_frame(error)
+    return (
+        f"funcamp.{api}: the step cannot be compiled as one graph. What: {what} "
+        f"({_reason(error)}). Where: {where or 'not known (see the report below)'}. The step "
+        f"runs eagerly, so the model itself is correct. Way out: {fix}. dynamo's own report is "
+        "chained below."
+    )
+
+
+def explain(api: str, error: BaseException, rerun: Any) -> BaseException:
+    """The exception to raise for ``error``, a dynamo failure of a compiled step: ``rerun()``
+    (the step, eagerly) raises the model's own error plainly if it has one; else the one
+    paragraph of :func:`compile_failure_message`, chained to ``error``."""
+    rerun()
+    failure = RuntimeError(compile_failure_message(api, error))
+    failure.__cause__ = error
+    return failure
