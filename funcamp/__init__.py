@@ -23,7 +23,13 @@ from funcamp._schedules import (
 )
 from funcamp._search import PolicyDecision, SearchReport, search_policy
 from funcamp._trace import AmpTrace, OpRecord, OpStats, trace
-from funcamp._train import TrainState, load_into_module, make_train_step, params_and_buffers
+from funcamp._train import (
+    TrainState,
+    load_into_module,
+    make_eval_step,
+    make_train_step,
+    params_and_buffers,
+)
 from funcamp._tree import all_finite, tree_cast, tree_select
 from funcamp.optim._base import Optimizer, apply_updates, chain
 from funcamp.optim._optimizers import adam, adamw, lion, sgd
@@ -80,6 +86,7 @@ __all__ = [
     "load",
     "load_into_module",
     "load_state_dict",
+    "make_eval_step",
     "make_train_step",
     "masked",
     "multi_transform",

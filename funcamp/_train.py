@@ -82,7 +82,13 @@ from funcamp.distributed import _reduce_step
 from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.optim._modes import init_from_exact
 
-__all__ = ["TrainState", "load_into_module", "make_train_step", "params_and_buffers"]
+__all__ = [
+    "TrainState",
+    "load_into_module",
+    "make_eval_step",
+    "make_train_step",
+    "params_and_buffers",
+]
 
 PyTree = Any
 Batch = Any
@@ -1185,4 +1191,100 @@ def make_train_step(
 
     step.__doc__ = f"A funcamp train step ({'compiled' if compile else 'eager'}, policy {pol})."
     step.train_step = train_step  # type: ignore[attr-defined]
+    return step
+
+
+def make_eval_step(
+    fn: Callable[..., Any],
+    policy: Policy | str,
+    *,
+    compile: bool = True,
+    **compile_options: Any,
+) -> Callable[[Any, Batch], Any]:
+    """Build ``eval_step(state, batch) -> fn(params, buffers, batch)``: evaluation under the
+    policy, compiled, without gradients.
+
+    ``fn`` runs under ``funcamp.amp(fn, policy)`` and ``torch.no_grad()``: ops cast as the policy
+    says and every floating tensor it returns (a loss, logits, a dict of metrics, a Hugging Face
+    ``ModelOutput``) in the policy's output dtype. ``state`` is a :class:`TrainState` (its
+    ``params``, ``buffers`` and delayed-FP8 scales are read) or a ``(params, buffers)`` pair;
+    nothing in it is modified (``fn`` gets copies of the buffers, so a module left in training
+    mode cannot update its running statistics). The compiled step, like the train step, follows
+    the modules' ``train()``/``eval()`` mode (call ``model.eval()`` first: dropout off,
+    BatchNorm's running statistics used) and says on stderr that it compiles on its first call
+    and how long it took; a failure to compile is one paragraph naming the way out.
+
+    Args:
+        fn: ``(params, buffers, batch) -> anything``, e.g. the train step's ``loss_fn``.
+        policy: a :class:`funcamp.Policy` or a policy string.
+        compile: compile with ``torch.compile(fullgraph=True)`` (default); ``False`` runs eagerly.
+        **compile_options: passed to ``torch.compile`` as for :func:`make_train_step`.
+
+    Returns:
+        ``eval_step(state, batch)``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Dropout(0.5))
+        >>> def logits(params, buffers, batch):
+        ...     return torch.func.functional_call(model, (params, buffers), (batch,))
+        >>> state = funcamp.TrainState.create(
+        ...     funcamp.params_and_buffers(model)[0], funcamp.sgd(0.1), "mixed_bfloat16")
+        >>> evaluate = funcamp.make_eval_step(logits, "mixed_bfloat16", compile=False)
+        >>> out = evaluate(state, torch.ones(3, 4))  # linear in bfloat16, output cast back
+        >>> out.dtype, out.requires_grad, torch.equal(out, evaluate(state, torch.ones(3, 4)))
+        (torch.float32, False, False)
+        >>> _ = model.eval()  # dropout off: the same output every call
+        >>> torch.equal(evaluate(state, torch.ones(3, 4)), evaluate(state, torch.ones(3, 4)))
+        True
+    """
+    api = "make_eval_step"
+    if not callable(fn):
+        raise TypeError(f"funcamp.{api}: `fn` must be callable, got {describe(fn)}")
+    pol = _as_policy(policy, api)
+    check_flag(api, "compile", compile)
+    if compile_options and not compile:
+        raise TypeError(
+            f"funcamp.{api}: compile options {sorted(compile_options)} must not be given with "
+            "compile=False"
+        )
+    run_fn = with_fp8_state(amp(fn, pol))
+    fp8_stateful = needs_state(pol)
+
+    def eval_step(params: PyTree, buffers: PyTree, fp8: Fp8State, batch: Batch) -> Any:
+        with torch.no_grad():
+            return run_fn(fp8, params, _clone_buffers(buffers), batch)
+
+    eval_step.__code__ = _fresh_code(eval_step.__code__)
+    run = (
+        announce_first_call(_compile(eval_step, compile_options), "eval step")
+        if compile
+        else eval_step
+    )
+
+    def step(state: Any, batch: Batch) -> Any:
+        if isinstance(state, TrainState):
+            params, buffers, fp8 = state.params, state.buffers, state.fp8
+        elif isinstance(state, tuple) and len(state) == 2 and not fp8_stateful:
+            (params, buffers), fp8 = state, Fp8State()
+        else:
+            pair = "" if fp8_stateful else " or a (params, buffers) pair"
+            raise TypeError(
+                f"funcamp.{api}: `state` must be a funcamp.TrainState{pair}, got {describe(state)}"
+            )
+        _check_params(api, params)
+        if run is eval_step:
+            return eval_step(params, buffers, fp8, batch)
+        try:
+            with _quiet(_FAKE_TENSOR_LOG):
+                return run(params, buffers, fp8, batch)
+        except torch._dynamo.exc.TorchDynamoException as e:
+
+            def eagerly() -> None:
+                with torch.compiler.set_stance("force_eager"):
+                    eval_step(params, buffers, fp8, batch)
+
+            raise explain(api, e, eagerly) from e
+
+    step.__doc__ = f"A funcamp eval step ({'compiled' if compile else 'eager'}, policy {pol})."
     return step

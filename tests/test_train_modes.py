@@ -175,3 +175,47 @@ def test_sharded_step_follows_the_mode(single_rank_group):
     _, want = _run(model, eager, _state(model), TRAIN_EVAL)
     _, got = _run(model, step, fd.shard(_state(model), mesh), TRAIN_EVAL)
     assert [float(x) for x in got] == [float(x) for x in want]
+
+
+# ------------------------------------------------------------------------------- the eval step
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_eval_step_follows_the_mode_and_changes_nothing(backend):
+    """The eval step is the model's functional call under amp without gradients: in eval mode
+    the same output every call (eager amp's, within inductor's rounding), float32 under a mixed
+    policy; in training mode dropout and batch statistics are on, yet the state's running
+    statistics are not touched. One graph per mode."""
+    model = _model()
+    state = _state(model)
+
+    def logits(params, buffers, batch):
+        return functional_call(model, (params, buffers), (batch[0],))
+
+    compiled = funcamp.make_eval_step(logits, "mixed_bfloat16", backend=backend)
+    eager = funcamp.make_eval_step(logits, "mixed_bfloat16", compile=False)
+    x = _batch(0)
+    before = {k: v.clone() for k, v in state.buffers.items()}
+    counters.clear()
+    for mode in ("eval", "train", "eval", "train"):
+        getattr(model, mode)()
+        out = compiled(state, x)
+        assert out.dtype == torch.float32 and not out.requires_grad
+        if mode == "eval":
+            want = funcamp.amp(logits, "mixed_bfloat16")(state.params, state.buffers, x)
+            torch.testing.assert_close(out, want, rtol=1e-2 if backend == "inductor" else 0, atol=0)
+            assert torch.equal(compiled(state, x), out)
+            assert torch.equal(eager(state, x), want)
+        else:
+            assert not torch.equal(compiled(state, x), out)  # dropout on
+    assert counters["stats"]["unique_graphs"] == 2
+    for k, v in before.items():  # training-mode batch statistics did not reach the state
+        assert torch.equal(state.buffers[k], v)
+    model.eval()  # a (params, buffers) pair is evaluated as the state is
+    assert torch.equal(eager((state.params, state.buffers), x), eager(state, x))
+
+
+def test_eval_step_checks_its_state():
+    step = funcamp.make_eval_step(lambda p, b, batch: batch, "float32", compile=False)
+    with pytest.raises(TypeError, match=r"`state` must be a funcamp\.TrainState or a"):
+        step({"w": torch.ones(1)}, torch.ones(1))
+    with pytest.raises(TypeError, match="`fn` must be callable"):
+        funcamp.make_eval_step(3, "float32")

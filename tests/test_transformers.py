@@ -234,3 +234,24 @@ def test_trained_state_goes_back_into_a_model_with_tied_weights(tmp_path) -> Non
         model.save_pretrained(tmp_path)
         again = type(model).from_pretrained(tmp_path).eval()
         assert torch.equal(again(**batch).logits, want)
+
+
+def test_eval_step_on_a_hugging_face_model() -> None:
+    """GPT-2 in eval mode through ``make_eval_step`` (compiled): its ``ModelOutput`` with float32
+    logits and loss, the eager amp forward's values, no gradients."""
+    model, batch = build("gpt2")
+    model.eval()
+    params, buffers = funcamp.params_and_buffers(model)
+    state = funcamp.TrainState.create(
+        params, funcamp.adamw(1e-3), "mixed_bfloat16", buffers=buffers
+    )
+
+    def forward(params: Any, buffers: Any, batch: dict[str, Any]) -> Any:
+        return functional_call(model, (params, buffers), args=(), kwargs=batch)
+
+    out = funcamp.make_eval_step(forward, "mixed_bfloat16", backend="aot_eager")(state, batch)
+    with torch.no_grad():
+        want = funcamp.amp(forward, "mixed_bfloat16")(params, buffers, batch)
+    assert isinstance(out, transformers.utils.ModelOutput)
+    assert out.logits.dtype == out.loss.dtype == torch.float32 and not out.logits.requires_grad
+    assert torch.equal(out.logits, want.logits) and torch.equal(out.loss, want.loss)
