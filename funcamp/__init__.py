@@ -5,34 +5,22 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 ``update`` functions, functional optimizers and a compiled, host-sync-free train step.
 """
 
+from funcamp import distributed as distributed  # the public funcamp.distributed submodule
 from funcamp import optim as optim  # the public funcamp.optim submodule
-from funcamp._amp import amp, full_precision
-from funcamp._checkpoint import load_state_dict, state_dict
-from funcamp._fp8 import Fp8Fallback, Fp8Recipe, Fp8Record, Fp8State, fp8_update, with_fp8_state
-from funcamp._guard import ScaleCollapseError, ScaleCollapseGuard
-from funcamp._headroom import Headroom, headroom
-from funcamp._ops import OpPolicy, OpRule
-from funcamp._policy import Policy, get_policy
-from funcamp._save import CheckpointInfo, checkpoint_info, load, save
-from funcamp._scaler import ScalerState, StepInfo, scale, unscale, unscale_and_step, update
-from funcamp._schedules import (
+from funcamp._core.tree import all_finite, tree_cast, tree_select
+from funcamp._core.version import __version__ as __version__
+from funcamp.casting.amp import amp, full_precision
+from funcamp.casting.fp8 import Fp8Fallback, Fp8Record, Fp8State, fp8_update, with_fp8_state
+from funcamp.casting.trace import AmpTrace, OpRecord, OpStats, trace
+from funcamp.entry import make_train_step
+from funcamp.optim._base import Optimizer, apply_updates, chain
+from funcamp.optim._optimizers import adam, adamw, lion, sgd
+from funcamp.optim._schedules import (
     constant_schedule,
     cosine_decay_schedule,
     linear_schedule,
     linear_warmup_cosine_decay,
 )
-from funcamp._search import PolicyDecision, SearchReport, search_policy
-from funcamp._trace import AmpTrace, OpRecord, OpStats, trace
-from funcamp._train import (
-    TrainState,
-    load_into_module,
-    make_eval_step,
-    make_train_step,
-    params_and_buffers,
-)
-from funcamp._tree import all_finite, tree_cast, tree_select
-from funcamp.optim._base import Optimizer, apply_updates, chain
-from funcamp.optim._optimizers import adam, adamw, lion, sgd
 from funcamp.optim._transforms import (
     accumulate,
     accumulate_applies,
@@ -40,8 +28,18 @@ from funcamp.optim._transforms import (
     masked,
     multi_transform,
 )
-
-__version__ = "0.1.0"
+from funcamp.policy.fp8 import Fp8Recipe
+from funcamp.policy.ops import OpPolicy, OpRule
+from funcamp.policy.policy import Policy, get_policy
+from funcamp.scaling.guard import ScaleCollapseError, ScaleCollapseGuard
+from funcamp.scaling.headroom import Headroom, headroom
+from funcamp.scaling.scaler import ScalerState, StepInfo, scale, unscale, unscale_and_step, update
+from funcamp.train.checkpoint import load_state_dict, state_dict
+from funcamp.train.eval import make_eval_step
+from funcamp.train.loss import scaled_grad_and_value
+from funcamp.train.save import CheckpointInfo, checkpoint_info, load, save
+from funcamp.train.search import PolicyDecision, SearchReport, search_policy
+from funcamp.train.state import TrainState, load_into_module, params_and_buffers
 
 __all__ = [
     "AmpTrace",
@@ -93,6 +91,7 @@ __all__ = [
     "params_and_buffers",
     "save",
     "scale",
+    "scaled_grad_and_value",
     "search_policy",
     "sgd",
     "state_dict",

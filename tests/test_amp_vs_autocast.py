@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 import funcamp
 from funcamp import OpPolicy, Policy
-from funcamp._amp import _COMPOSITES
+from funcamp.casting.amp import _COMPOSITES
 
 BF16 = torch.bfloat16
 POLICY = Policy(compute_dtype=BF16, ops=OpPolicy.autocast("cpu"))

@@ -1,4 +1,4 @@
-"""funcamp._atomic: the one atomic-write helper (funcamp.save, the multi-rank commit, the step
+"""funcamp._core.atomic: the one atomic-write helper (funcamp.save, the multi-rank commit, the step
 cache), and which temporary files of crashed writes it removes -- only those whose writer is gone.
 (test_save.py kills a real writer mid-save; here each rule is checked on planted files.)"""
 
@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import funcamp
-from funcamp import _atomic, _save, _step_cache
+from funcamp._core import atomic as _atomic
+from funcamp.train import cache as _step_cache
+from funcamp.train import save as _save
 
 
 def _dead_pid() -> int:

@@ -818,7 +818,7 @@ def test_fault_in_schedule_at_run_time_leaves_donated_state_and_grads():
 
 
 def test_fault_in_buffer_write_back_leaves_donated_state(monkeypatch):
-    import funcamp._train as train_mod
+    import funcamp.train.step as train_mod
 
     real = train_mod._plan_write
 
@@ -834,19 +834,19 @@ def test_fault_in_buffer_write_back_leaves_donated_state(monkeypatch):
 
 
 def test_fault_in_buffer_check_leaves_donated_state(monkeypatch):
-    import funcamp._train as train_mod
+    import funcamp.train.step as train_mod
 
-    def restore(new, old, returned=True):
+    def restore(api, new, old, returned=True):
         raise Boom
 
-    monkeypatch.setattr(train_mod, "_restore_buffers", restore)
+    monkeypatch.setattr(train_mod, "restore_buffers", restore)
     opt = funcamp.sgd(0.1)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
     _assert_step_fault_leaves_state(step, _bn_state(opt))
 
 
 def test_fault_in_params_write_plan_leaves_donated_state(monkeypatch):
-    import funcamp._scaler as scaler_mod
+    import funcamp.scaling.scaler as scaler_mod
 
     real = scaler_mod._plan_write
     seen = []

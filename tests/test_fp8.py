@@ -1,6 +1,6 @@
 """FP8 linears: numerics against an emulated reference, the delayed-scaling state, the step.
 
-The reference here is written independently of funcamp._fp8: quantize with the scale
+The reference here is written independently of funcamp.casting.fp8: quantize with the scale
 (saturating), matmul the dequantized operands in float64 (exact for these sizes: products of
 FP8 values have 8 significant bits), unscale, and allow for what torch._scaled_mm does on top
 (float32 accumulation, in any order, then one rounding to the output dtype).
@@ -186,7 +186,7 @@ def test_delayed_linear_matches_reference_and_updates_state_like_te() -> None:
 
 def test_te_rule_edge_cases() -> None:
     """amax 0 or non-finite keeps the previous scale; a scale overflowing float32 is clamped."""
-    from funcamp._fp8 import delayed_update
+    from funcamp.casting.fp8 import delayed_update
 
     history = torch.zeros(3, 2)
     scale = torch.tensor([3.0, 5.0, 7.0])

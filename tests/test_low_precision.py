@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcamp
-from funcamp._lowp import bits_from_key, leaf_keys, random_bits, round_nearest, round_stochastic
+from funcamp._core.rounding import (
+    bits_from_key,
+    leaf_keys,
+    random_bits,
+    round_nearest,
+    round_stochastic,
+)
 from funcamp.optim import MasterWeightsState, SetParam
 
 #: The optree namespace funcamp documents for its state types (docs/concepts.md).

@@ -9,7 +9,7 @@ from amp_zoo import one_thread  # noqa: F401 (autouse fixture)
 
 import funcamp
 from funcamp import OpPolicy, OpRule, Policy
-from funcamp._ops import op_name
+from funcamp.policy.ops import op_name
 
 BF16, F32 = torch.bfloat16, torch.float32
 

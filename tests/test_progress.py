@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from funcamp import _progress
+from funcamp._core import progress as _progress
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILING = "funcamp: compiling the train step (first call; this can take a minute or more"

@@ -1,4 +1,4 @@
-"""Tests for funcamp._scaler: ScalerState, scale, unscale, update, unscale_and_step."""
+"""Tests for funcamp.scaling.scaler: ScalerState, scale, unscale, update, unscale_and_step."""
 
 from __future__ import annotations
 
@@ -200,7 +200,7 @@ def test_for_policy_duck_types_dtypes():
 
 
 def test_for_policy_with_real_policies():
-    policy = pytest.importorskip("funcamp._policy")
+    policy = pytest.importorskip("funcamp.policy.policy")
     if not hasattr(policy, "get_policy"):
         pytest.skip("funcamp.get_policy is not available yet")
     assert funcamp.ScalerState.for_policy(policy.get_policy("mixed_float16")).kind == "dynamic"

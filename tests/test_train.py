@@ -1,4 +1,4 @@
-"""Tests for funcamp._train: TrainState, params_and_buffers, make_train_step."""
+"""Tests for the train layer: TrainState, params_and_buffers, make_train_step."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from torch.func import functional_call
 
 import funcamp
+import funcamp.train.loss
 
 #: The optree namespace funcamp documents for its state types (docs/concepts.md).
 NAMESPACE = "funcamp"
@@ -749,21 +750,21 @@ def test_eager_step_takes_grads_from_autograd_equal_to_torch_func(monkeypatch, p
     opt = funcamp.adamw(1e-2)
     state = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
     calls = []
-    real = funcamp._train._autograd_grad_and_value
+    real = funcamp.train.loss.autograd_grad_and_value
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(funcamp._train, "_autograd_grad_and_value", spy)
+    monkeypatch.setattr(funcamp.train.loss, "autograd_grad_and_value", spy)
     fast = funcamp.make_train_step(_tied_bn_loss, opt, policy, compile=False)
     a = state
     for _ in range(3):
         a, ma = fast(a, batch)
     assert len(calls) == 3  # the autograd path really ran
     monkeypatch.setattr(
-        funcamp._train,
-        "_autograd_grad_and_value",
+        funcamp.train.loss,
+        "autograd_grad_and_value",
         lambda fn, **kw: torch.func.grad_and_value(fn, **kw),
     )
     reference = funcamp.make_train_step(_tied_bn_loss, opt, policy, compile=False)

@@ -116,7 +116,7 @@ def test_select_into_an_owned_leaf_is_where_bit_for_bit(dtype: torch.dtype, pred
     """The eager step's select into a leaf it owns (bit operations on large CPU leaves, where
     torch.where with a 0-d condition runs a scalar loop) gives torch.where's bits: signed zeros,
     infinities and NaN payloads included, on both sides of the size threshold."""
-    from funcamp._tree import _BIT_SELECT_MIN, _BITS, _select
+    from funcamp._core.tree import _BIT_SELECT_MIN, _BITS, _select
 
     g = torch.Generator().manual_seed(7)
     specials = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.5]

@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from funcamp._checks import any_flag
-from funcamp._lowp import round_nearest
-from funcamp._tree import (
+from funcamp._core.checks import any_flag
+from funcamp._core.numerics import is_half
+from funcamp._core.rounding import round_nearest
+from funcamp._core.tree import (
     NAMESPACE,
     _self_overlapping,
     _storage_key,
@@ -21,7 +22,6 @@ from funcamp._tree import (
     spec_text,
     unflatten,
 )
-from funcamp.optim._numerics import is_half
 
 __all__ = [
     "Capabilities",

@@ -16,7 +16,7 @@ from typing import Any
 import optree
 import torch
 
-from funcamp._checks import (
+from funcamp._core.checks import (
     check_count,
     check_state_like,
     flatten_grads,
@@ -24,7 +24,9 @@ from funcamp._checks import (
     learning_rate_fn,
     state_leaves,
 )
-from funcamp._tree import (
+from funcamp._core.context import compiling
+from funcamp._core.numerics import math_dtype
+from funcamp._core.tree import (
     NAMESPACE,
     _self_overlapping,
     describe,
@@ -35,7 +37,6 @@ from funcamp._tree import (
 )
 from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
-from funcamp.optim._numerics import math_dtype
 from funcamp.optim._paths import Ops, choose_ops
 
 __all__ = ["Step", "elementwise", "mask_flags"]
@@ -206,7 +207,7 @@ def build(
         return gs, ps, spec
 
     def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
-        if torch.compiler.is_compiling():
+        if compiling():
             # update() runs the same checks while dynamo traces, so they still raise before
             # anything runs; tracing them twice cost ~10 % of a GPT step's trace.
             _check_state_type(state)

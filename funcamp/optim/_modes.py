@@ -11,7 +11,7 @@ deltas for float32/float64 params (and for half params without a mode), or a
 * ``stochastic_rounding`` -- the new param is rounded up or down at random (a counter-based hash of
   seed, count, leaf and element: never the global RNG).
 
-All rounding is done on the float32 bit pattern (:mod:`funcamp._lowp`), so eager and inductor agree.
+All rounding is done on the float32 bit pattern (:mod:`funcamp._core.rounding`), so eager and inductor agree.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from funcamp._checks import check_count, check_state_like, state_leaves
-from funcamp._lowp import (
+from funcamp._core.checks import check_count, check_state_like, state_leaves
+from funcamp._core.numerics import is_half
+from funcamp._core.rounding import (
     bits_from_key,
     computed_once,
     leaf_keys,
     round_nearest,
     round_stochastic,
 )
-from funcamp._tree import NAMESPACE, describe, unflatten
+from funcamp._core.tree import NAMESPACE, describe, unflatten
 from funcamp.optim._base import Optimizer, SetParam
-from funcamp.optim._numerics import is_half
 
 __all__ = [
     "KahanState",
@@ -249,7 +249,7 @@ def to_updates(
             new_comp.append(c)
         return unflatten(spec, updates), KahanState(unflatten(spec, new_comp))
     # Every leaf's key at once, in a buffer of its own under compile (see computed_once): the
-    # same bits as funcamp._lowp.random_bits(low.seed, count, i, shape) for leaf i.
+    # same bits as funcamp._core.rounding.random_bits(low.seed, count, i, shape) for leaf i.
     keys = computed_once(leaf_keys(low.seed, count, len(deltas)))
     for i, d, p in zip(range(len(deltas)), deltas, params):
         if is_half(p):

@@ -12,62 +12,19 @@ differentiable and have vmap rules. Which of them an update uses is decided by t
 
 from __future__ import annotations
 
-import math
-import struct
 from typing import Any
 
 import torch
 
-from funcamp._lowp import HALF_DTYPES
+try:  # inductor's decompositions (and prims.fma, registered by inductor_prims)
+    import torch._inductor.inductor_prims
+    from torch._inductor.decomposition import decompositions as _DECOMPOSITIONS
+except Exception:  # pragma: no cover - torch builds without inductor
+    _DECOMPOSITIONS = None
 
-__all__ = [
-    "EXACT_SQRT",
-    "FUSED_FMA",
-    "dual_level_active",
-    "exact_sqrt",
-    "f32",
-    "hoist_scalar",
-    "is_half",
-    "math_dtype",
-    "plain_exact_sqrt",
-    "spread",
-]
+from funcamp._core.context import dual_level_active, eager_path
 
-
-def f32(value: float) -> float:
-    """A Python float rounded to float32, as torch's kernels round a scalar operand (plain
-    Python, so dynamo folds it to a constant)."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:  # beyond float32's range: rounds to an infinity
-        return math.copysign(math.inf, value)
-
-
-def math_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype optimizer math and unscaling run in: float64 for float64, else float32 (float16
-    and bfloat16 values are upcast; GradScaler unscales float64 grads in float64 too)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def is_half(p: torch.Tensor) -> bool:
-    """Whether ``p`` is float16 or bfloat16 (a low-precision mode acts on it)."""
-    return p.dtype in HALF_DTYPES
-
-
-def hoist_scalar(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself: a 0-d step scalar (an unscale factor, a bias-corrected step size) that
-    inductor should compute once per step rather than inline into every element's loop.
-
-    Inductor inlines a cheap 0-d expression into each consumer kernel, so a per-step scalar made
-    of ``pow``/``sqrt``/float64 divisions is recomputed for every vector of every leaf (measured:
-    the MLP step ran 1.26x faster than eager autocast + GradScaler instead of 1.52x). Its CPU
-    heuristic computes a value once when the expression holds a costly op such as ``exp``; the
-    never-taken branch below adds one. Outside compilation, off the CPU (a GPU thread recomputes
-    a scalar for free) and for non-floating values ``x`` is returned as is.
-    """
-    if not torch.compiler.is_compiling() or not x.is_floating_point() or x.device.type != "cpu":
-        return x
-    return torch.where(torch.isnan(x) & (x > 0), torch.exp(x), x)
+__all__ = ["EXACT_SQRT", "FUSED_FMA", "exact_sqrt", "plain_exact_sqrt"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,12 +32,7 @@ def hoist_scalar(x: torch.Tensor) -> torch.Tensor:
 
 
 def _inductor_decompositions() -> dict[Any, Any] | None:
-    try:
-        import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
-        from torch._inductor.decomposition import decompositions
-    except Exception:  # pragma: no cover - torch builds without inductor
-        return None
-    return decompositions
+    return _DECOMPOSITIONS
 
 
 def _batch_elementwise(op: Any) -> Any:
@@ -171,17 +123,9 @@ def _sqrt_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 _SQRT_CHUNK = 1 << 20
 
 
-def dual_level_active() -> bool:
-    """Whether forward-mode AD (``torch.autograd.forward_ad.dual_level``) is on: tensors may
-    carry tangents that in-place float64 work would not propagate as sqrt's."""
-    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
-
-
 def _plain_cpu(x: torch.Tensor) -> bool:
     """A plain eager dense CPU tensor nothing differentiates or transforms: in-place float64
     work on a copy of it (rsqrt, reciprocal into ``out=``) is then invisible to everything."""
-    from funcamp.optim._paths import eager_path  # here: _paths imports this module
-
     return (
         eager_path([x])
         and x.is_cpu
@@ -261,67 +205,3 @@ def _define_sqrt() -> Any:
 FUSED_FMA = _define_fma()
 #: ``funcamp::sqrt`` (None on a torch without inductor).
 EXACT_SQRT = _define_sqrt()
-
-
-# --------------------------------------------------------------------------------------------
-# funcamp::copies: step scalars spread over the leaves
-
-
-def _define_copies() -> Any:
-    """``funcamp::copies(x, n)``: ``n`` fresh copies of ``x``, an op inductor cannot see into
-    (see :func:`spread`). It has a vmap rule; it is never differentiated (``spread`` keeps a
-    tensor that autograd tracks as it is)."""
-    try:
-        return torch.ops.funcamp.copies.default  # already defined (a reimported module)
-    except (AttributeError, RuntimeError):
-        pass
-
-    def kernel(x: torch.Tensor, n: int) -> list[torch.Tensor]:
-        return [x.clone() for _ in range(n)]
-
-    def fake(x: torch.Tensor, n: int) -> list[torch.Tensor]:
-        return [torch.empty_like(x) for _ in range(n)]
-
-    op_def = torch.library.custom_op("funcamp::copies", kernel, mutates_args=())
-    op_def.register_fake(fake)
-    op = torch.ops.funcamp.copies.default
-
-    def batched(info: Any, in_dims: Any, x: torch.Tensor, n: int) -> Any:
-        return list(op(x, n)), [in_dims[0]] * n
-
-    op_def.register_vmap(batched)
-    return op
-
-
-_COPIES = _define_copies()
-
-#: The leaves (consecutive, in flattening order) that share one copy of a step scalar.
-LEAVES_PER_COPY = 4
-
-
-def spread(x: Any, n: int) -> list[Any]:
-    """``x`` for each of ``n`` leaves, in a list: ``[x] * n``, except for a 0-d CPU tensor (a
-    step scalar: the unscale factor, the skip flag, a learning rate) while compiling, which is
-    copied once for every :data:`LEAVES_PER_COPY` leaves by one ``funcamp::copies`` call.
-
-    Why: inductor's fusion search pairs each node with up to 64 later nodes that read a buffer
-    it reads (``max_fusion_buffer_group_pairwise_attempts``), at about half a millisecond a pair
-    (memory scoring). When every leaf's three or so update kernels read one shared scalar, that
-    is some 3n x 64 pairs in each of the fusion rounds: most of a compiled optimizer step's
-    scheduling time (GPT 4x256, 53 leaves: 12.2 s of 23 s of inductor). A copy per few leaves
-    keeps the search to neighbours; the leaf's own kernels still fuse through the leaf's own
-    buffers. Inductor cannot look through the op, so the copies stay separate buffers; they cost
-    a clone each per step (about a microsecond on CPU). Values and results are unchanged. Off
-    the CPU (where each copy would be a kernel launch), in eager code, for few leaves and for a
-    tensor that autograd tracks, ``x`` is shared as is."""
-    if (
-        n <= LEAVES_PER_COPY
-        or not isinstance(x, torch.Tensor)
-        or not torch.compiler.is_compiling()
-        or x.dim() != 0
-        or x.device.type != "cpu"
-        or (x.requires_grad and torch.is_grad_enabled())
-    ):
-        return [x] * n
-    copies = _COPIES(x, -(-n // LEAVES_PER_COPY))
-    return [copies[i // LEAVES_PER_COPY] for i in range(n)]

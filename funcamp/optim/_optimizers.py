@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcamp._checks import check_number
+from funcamp._core.checks import check_number
 from funcamp.optim._base import Optimizer
 from funcamp.optim._elementwise import build
 from funcamp.optim._paths import Ops

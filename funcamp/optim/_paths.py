@@ -33,53 +33,16 @@ from typing import Any
 
 import torch
 
-from funcamp.optim._numerics import (
-    EXACT_SQRT,
-    FUSED_FMA,
-    dual_level_active,
-    exact_sqrt,
-    f32,
-    hoist_scalar,
-    math_dtype,
-    plain_exact_sqrt,
-    spread,
-)
+from funcamp._core.context import compiling, dual_level_active, eager_path, tracks_grad
+from funcamp._core.numerics import f32, hoist_scalar, math_dtype, spread
+from funcamp.optim._numerics import EXACT_SQRT, FUSED_FMA, exact_sqrt, plain_exact_sqrt
 
-__all__ = ["EagerOps", "Ops", "TracedOps", "choose_ops", "eager_path", "tracks_grad"]
+__all__ = ["EagerOps", "Ops", "TracedOps", "choose_ops"]
 
 Tensors = list[torch.Tensor]
 #: A scalar operand: a Python float (rounded to float32 first, as torch's kernels round a scalar),
 #: a 0-d tensor, or one tensor per leaf.
 Scalar = Any
-
-
-def tracks_grad(xs: Iterable[Any]) -> bool:
-    """Whether autograd (or ``torch.func.grad``) differentiates through any of these tensors."""
-    if not torch.is_grad_enabled():
-        return False
-    for x in xs:  # noqa: SIM110 -- a loop, not any(): dynamo traces any() in Python
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            return True
-    return False
-
-
-def eager_path(xs: Sequence[Any]) -> bool:
-    """The one predicate behind every eager fast path (foreach kernels, in-place writes into
-    owned temporaries, the fused unscale kernel, torch's fused optimizer kernels): plain eager,
-    outside ``torch.compile`` and ``torch.func`` transforms, and every tensor of ``xs`` a plain
-    ``torch.Tensor`` on CPU/CUDA that autograd does not track."""
-    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
-        return False
-    grad_on = torch.is_grad_enabled()
-    for x in xs:
-        if not isinstance(x, torch.Tensor):
-            continue
-        # is_cpu/is_cuda: reading x.device.type costs ~8x as much, and this runs per tensor
-        if type(x) is not torch.Tensor or not (x.is_cpu or x.is_cuda):
-            return False
-        if grad_on and x.requires_grad:
-            return False
-    return True
 
 
 def _scalar(y: Scalar) -> Scalar:
@@ -449,4 +412,4 @@ def choose_ops(
         device = first.device if first is not None else torch.device("cpu")
     if eager_path(tensors):
         return EagerOps(device, owned)
-    return TracedOps(device, fused=torch.compiler.is_compiling())
+    return TracedOps(device, fused=compiling())

@@ -8,8 +8,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from funcamp import _shard
-from funcamp._checks import (
+from funcamp._core.checks import (
     any_flag,
     check_count,
     check_int,
@@ -19,7 +18,9 @@ from funcamp._checks import (
     flatten_params,
     state_leaves,
 )
-from funcamp._tree import NAMESPACE, describe, dotted_path, path_str, tree_select, unflatten
+from funcamp._core.collectives import active_across
+from funcamp._core.numerics import hoist_scalar, math_dtype
+from funcamp._core.tree import NAMESPACE, describe, dotted_path, path_str, tree_select, unflatten
 from funcamp.optim._base import (
     Capabilities,
     Optimizer,
@@ -28,7 +29,6 @@ from funcamp.optim._base import (
     is_set_param,
     learning_rate,
 )
-from funcamp.optim._numerics import hoist_scalar, math_dtype
 from funcamp.optim._paths import choose_ops
 
 __all__ = [
@@ -131,9 +131,12 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         ops = choose_ops(gs, owned=owned)
         g = ops.to_math(gs)
         norms = [torch.linalg.vector_norm(x) for x in g]
-        total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
-        if _shard.NORM_HOOKS:  # a sharded step: these are local shards, the norm is global
-            total = _shard.NORM_HOOKS[-1](norms)
+        across = active_across()
+        if across is None:
+            total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+        else:  # a sharded step: these are local shards, the norm is global
+            flag = torch.zeros((), dtype=torch.bool, device=norms[0].device)
+            total = across.reduce(flag, [n.to(torch.float32).square() for n in norms])[1].sqrt()
         coef = hoist_scalar(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return unflatten(spec, ops.mul(g, coef, into=g)), state
 

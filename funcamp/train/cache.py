@@ -39,6 +39,7 @@ import hashlib
 import importlib
 import inspect
 import io
+import linecache
 import math
 import os
 import pickle
@@ -52,10 +53,26 @@ from typing import Any
 
 import optree
 import torch
+from torch._dynamo.variables import builtin as dynamo_builtin
+from torch._dynamo.variables import functions as dynamo_functions
+from torch._dynamo.variables import nn_module as dynamo_nn_module
+from torch._functorch._aot_autograd.utils import top_saved_tensors_hooks
+from torch._guards import TracingContext, tracing
 
-from funcamp._atomic import atomic_write
-from funcamp._progress import COMPILING, logger
-from funcamp._tree import NAMESPACE
+try:  # torch's AOT precompile and its source record (torch >= 2.10)
+    from torch._dynamo import aot_compile as _aot_compile
+    from torch._dynamo.package import SourceInfo, _hash_sourcelines
+except ImportError:  # pragma: no cover - an older torch: cache_dir is ignored with a warning
+    _aot_compile = SourceInfo = _hash_sourcelines = None
+try:  # the helpers dynamo's guard sources read (G, L, __load_module, ...)
+    from torch._dynamo.guards import _get_closure_vars
+except ImportError:  # pragma: no cover - other torch versions
+    _get_closure_vars = None
+
+from funcamp._core.atomic import atomic_write
+from funcamp._core.progress import COMPILING, logger
+from funcamp._core.tree import NAMESPACE
+from funcamp._core.version import __version__
 
 __all__ = ["cache_support", "CachedStep"]
 
@@ -70,9 +87,7 @@ def cache_support() -> str | None:
             f"torch {torch.__version__} has no torch.compiler.load_compiled_function "
             "(AOT precompile)"
         )
-    try:
-        from torch._dynamo import aot_compile  # noqa: F401
-    except ImportError:  # pragma: no cover - torch without AOT precompile
+    if _aot_compile is None:  # pragma: no cover - torch without AOT precompile
         return f"torch {torch.__version__} has no torch._dynamo.aot_compile"
     return None
 
@@ -284,15 +299,13 @@ def step_key(
     batch: Any,
 ) -> tuple[Any, ...]:
     """Everything an entry is filed under (see the module docstring)."""
-    import funcamp
-
     leaves, spec = optree.tree_flatten((state, batch), namespace=NAMESPACE)
     signature = _signature(leaves, spec)
     if signature is None:  # CachedStep runs such inputs uncached, never asking for a key
         raise ValueError("inputs holding objects known only by their type have no key")
     return (
         _FORMAT,
-        funcamp.__version__,
+        __version__,
         torch.__version__,
         str(getattr(torch.version, "git_version", "")),
         sys.version,
@@ -338,7 +351,7 @@ def _folded() -> tuple[Any, ...]:
 
 
 #: The step's arguments; guards rooted in them (or in torch's global state) are the ones a
-#: step checks on every call -- here and in funcamp._train's default guard filter.
+#: step checks on every call -- here and in funcamp.train.step's default guard filter.
 STEP_INPUTS = ("state", "batch")
 GLOBAL_STATE_SOURCES = ("GlobalStateSource", "ShapeEnvSource")
 
@@ -401,8 +414,6 @@ def _signature(leaves: list[Any], spec: Any) -> tuple[Any, ...] | None:
 
 
 def _context() -> tuple[Any, ...]:
-    from torch._functorch._aot_autograd.utils import top_saved_tensors_hooks
-
     hooks = top_saved_tensors_hooks()
     return (
         tuple(_where(type(m)) for m in torch.overrides._get_current_function_mode_stack()),
@@ -489,10 +500,8 @@ def _views(kinds: dict[str, list[Any]], value: Any) -> tuple[Any, ...]:
 def _read(name: str, scope: dict[str, Any]) -> tuple[bool, Any]:
     """``(True, value)`` of a guard source in ``scope``, or ``(False, the exception)``."""
     try:
-        from torch._dynamo.guards import _get_closure_vars
-
-        helpers = dict(_get_closure_vars())
-    except (ImportError, AttributeError):  # pragma: no cover - other torch versions
+        helpers = dict(_get_closure_vars()) if _get_closure_vars is not None else {}
+    except AttributeError:  # pragma: no cover - other torch versions
         helpers = {}
     helpers["__load_module"] = importlib.import_module
     try:
@@ -587,12 +596,8 @@ def _portable(name: str, globals_: dict[str, Any]) -> str | None:
 
 def _source_changes(compiled: Any) -> str | None:
     """The first inlined function whose source lines changed since the entry was made."""
-    try:
-        from torch._dynamo.package import _hash_sourcelines
-    except ImportError:  # pragma: no cover - other torch versions
+    if _hash_sourcelines is None:  # pragma: no cover - other torch versions
         return "this torch cannot check the entry's sources"
-    import linecache
-
     for source in sorted(
         compiled.source_info().inlined_sources, key=lambda s: (s.module, s.firstlineno)
     ):
@@ -613,8 +618,6 @@ def _source_changes(compiled: Any) -> str | None:
 def _guard_loading() -> Any:
     """Unpickling a guard on an imported module's global installs a guard on the module, which
     needs a tracing context; it is thrown away."""
-    from torch._guards import TracingContext, tracing
-
     with tracing(TracingContext(None)):
         yield
 
@@ -978,17 +981,17 @@ def _changed_file(files: list[tuple[str, str, str | None]]) -> str | None:
 def _constant_results() -> Any:
     """Collect the functions marked ``torch._dynamo.assume_constant_result`` that the trace
     called: their results are folded into the graph and never checked again."""
-    from torch._dynamo.variables import builtin, functions, nn_module
-
     called: list[str] = []
-    original = functions.invoke_and_store_as_constant
+    original = dynamo_functions.invoke_and_store_as_constant
 
     def record(tx: Any, fn: Any, name: str, *args: Any, **kwargs: Any) -> Any:
         called.append(str(name))
         return original(tx, fn, name, *args, **kwargs)
 
     modules = [
-        m for m in (functions, builtin, nn_module) if hasattr(m, "invoke_and_store_as_constant")
+        m
+        for m in (dynamo_functions, dynamo_builtin, dynamo_nn_module)
+        if hasattr(m, "invoke_and_store_as_constant")
     ]
     for m in modules:
         m.invoke_and_store_as_constant = record  # type: ignore[attr-defined]
@@ -1004,9 +1007,7 @@ def _without_source() -> Any:
     """Collect the traced code torch's source record skips (code whose module it cannot find:
     exec, notebook cells, a module not in sys.modules): such code cannot be checked later."""
     missing: list[str] = []
-    try:
-        from torch._dynamo.package import SourceInfo
-    except ImportError:  # pragma: no cover - other torch versions
+    if SourceInfo is None:  # pragma: no cover - other torch versions
         missing.append("this torch keeps no source record")
         yield missing
         return

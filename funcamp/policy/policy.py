@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from funcamp._ops import OpKey, OpPolicy, OpRule
-from funcamp._tree import map_tensors, tree_cast
+from funcamp._core.tree import map_tensors, tree_cast
+from funcamp.policy.fp8 import Fp8Config
+from funcamp.policy.ops import OpKey, OpPolicy, OpRule
 
-__all__ = ["ModuleKey", "Policy", "get_policy", "parse_dtype"]
+__all__ = ["ModuleKey", "Policy", "as_policy", "get_policy", "parse_dtype"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -129,7 +131,7 @@ class Policy:
     output_dtype: torch.dtype = torch.float32
     ops: OpPolicy = dataclasses.field(default_factory=OpPolicy.default)
     module_policies: tuple[tuple[ModuleKey, Policy], ...] = ()
-    fp8: Any = None  # funcamp._fp8.Fp8Config
+    fp8: Fp8Config | None = None
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -156,14 +158,11 @@ class Policy:
                     f"funcamp.Policy: the module policy for {entry[0]!r} must be a Policy, got "
                     f"{type(entry[1]).__name__}"
                 )
-        if self.fp8 is not None:
-            from funcamp._fp8 import Fp8Config
-
-            if not isinstance(self.fp8, Fp8Config):
-                raise TypeError(
-                    "funcamp.Policy: `fp8` must be None or built by Policy.with_fp8(recipe), got "
-                    f"{type(self.fp8).__name__}"
-                )
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+            raise TypeError(
+                "funcamp.Policy: `fp8` must be None or built by Policy.with_fp8(recipe), got "
+                f"{type(self.fp8).__name__}"
+            )
 
     # -- casting ------------------------------------------------------------------------------
     def cast_to_param(self, tree: Any) -> Any:
@@ -303,8 +302,6 @@ class Policy:
             >>> p.fp8.recipe.kind, p.fp8.exclude, str(p)
             ('current', ('head',), 'params=float32,compute=bfloat16,output=float32')
         """
-        from funcamp._fp8 import Fp8Config
-
         return dataclasses.replace(self, fp8=Fp8Config.build(recipe, modules, exclude))
 
     def __str__(self) -> str:
@@ -398,8 +395,6 @@ def get_policy(spec: str) -> Policy:
 
 def _unknown_name(spec: str, text: str) -> str:
     """A bare word that is neither a preset nor a dtype name: list both, suggest the closest."""
-    import difflib
-
     presets = sorted({*_PRESETS, "float32"})
     close = difflib.get_close_matches(text, [*presets, *_DTYPE_NAMES], n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
@@ -427,4 +422,16 @@ def _spec_help(problem: str) -> str:
         "bf16|bfloat16, f64|float64; a bare dtype; or a preset ("
         + ", ".join(sorted({*_PRESETS, "float32"}))
         + ")"
+    )
+
+
+def as_policy(policy: Any, api: str) -> Policy:
+    """``policy`` as a :class:`Policy` (a spec string is parsed), or a clear error naming ``api``."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        return get_policy(policy)
+    raise TypeError(
+        f"funcamp.{api}: `policy` must be a funcamp.Policy or a policy string such as "
+        f"'mixed_bfloat16', got {type(policy).__name__} {policy!r}"
     )

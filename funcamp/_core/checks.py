@@ -29,7 +29,8 @@ from typing import Any
 import optree
 import torch
 
-from funcamp._tree import NAMESPACE, describe, flatten, leaf_path, path_str, spec_text
+from funcamp._core.context import compiling
+from funcamp._core.tree import NAMESPACE, describe, flatten, leaf_path, path_str, spec_text
 
 PyTree = Any
 
@@ -203,7 +204,7 @@ def _check_floating(api: str, name: str, tree: PyTree, leaves: list[Any]) -> Non
 def check_grads_match(api: str, grads: PyTree, params: PyTree) -> tuple[list[Any], Any]:
     """``grads`` must have the tree structure of ``params`` and, where a param is a tensor, a
     tensor of its shape. Names the first leaf that differs. Returns the grads' leaves and
-    treespec (:func:`funcamp._tree.flatten`), for the caller to reuse."""
+    treespec (:func:`funcamp._core.tree.flatten`), for the caller to reuse."""
     gleaves, gspec = flatten(grads)
     _params_like_grads(api, grads, gleaves, gspec, params)
     return gleaves, gspec
@@ -229,7 +230,7 @@ def _matching_params(gleaves: list[Any], gspec: Any, params: PyTree) -> list[Any
     traced in a fifth of the instructions of a second flatten; like optree's ``flatten_up_to``
     it takes a dict, ``OrderedDict`` or ``defaultdict`` with the same keys as one another,
     which the eager check refuses."""
-    if not torch.compiler.is_compiling():  # eager: optree's C++ flatten is cheap, and strict
+    if not compiling():  # eager: optree's C++ flatten is cheap, and strict
         return None
     try:
         pleaves = gspec.flatten_up_to(params)

@@ -1,19 +1,19 @@
-"""Collectives for funcamp's step: gradient averaging and ``found_inf`` consensus.
+"""Collectives for a step: gradient averaging, ``found_inf`` consensus and the global norm
+of gradients held as shards.
 
 Built on ``torch.distributed._functional_collectives``, so they return new tensors (the inputs are
 never modified), need no host sync and trace into a single graph under
-``torch.compile(fullgraph=True)``.
-
-:func:`funcamp.make_train_step` with ``group=`` packs everything a data-parallel step exchanges --
-the gradients, the loss, a non-finite flag and rank 0's buffers -- into one flat buffer per
-gradient dtype (see :func:`all_reduce_grads`), so a float32-gradient step costs one all-reduce.
-
-:func:`shard` turns a state into DTensors sharded on a 1-D device mesh for the sharded step,
-``make_train_step(..., mesh=mesh)`` (params and optimizer state split across the ranks).
+``torch.compile(fullgraph=True)``. :func:`all_reduce_step` packs everything a data-parallel step
+exchanges -- the gradients, the loss, a non-finite flag and rank 0's buffers -- into one flat
+buffer per gradient dtype, so a float32-gradient step costs one all-reduce. :class:`Across`
+describes gradients held as shards (each rank a different part of some leaves): while
+:func:`funcamp.unscale_and_step` runs with one, norms and ``found_inf`` are global
+(:func:`active_across`, read by :func:`funcamp.clip_by_global_norm` too).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -21,10 +21,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from funcamp._shard import shard
-from funcamp._tree import NAMESPACE, describe, unflatten
+from funcamp._core.tree import NAMESPACE, describe, unflatten
 
-__all__ = ["all_reduce_grads", "any_across", "shard"]
+__all__ = [
+    "Across",
+    "Reduced",
+    "all_reduce_grads",
+    "all_reduce_step",
+    "any_across",
+    "active_across",
+    "summing_across",
+]
 
 PyTree = Any
 
@@ -87,13 +94,17 @@ def all_reduce_grads(grads: PyTree, group: Any = None) -> PyTree:
         >>> dist.destroy_process_group()
     """
     pg = _group("all_reduce_grads", group)
-    return _reduce_step(grads, None, None, pg, dist.get_world_size(pg), True).grads
+    return all_reduce_step(grads, None, None, pg, dist.get_world_size(pg), True).grads
 
 
 # ---------------------------------------------------------------------------- the packed step
 
 
-class _Reduced(NamedTuple):
+class Reduced(NamedTuple):
+    """What :func:`all_reduce_step` returns: the mean gradients, the mean loss, the non-finite
+    consensus (True on every rank when any rank's gradients held an inf or nan) and rank 0's
+    buffers."""
+
     grads: PyTree
     loss: torch.Tensor | None
     nonfinite: torch.Tensor | None
@@ -123,14 +134,14 @@ def _decode(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return v.to(torch.int16).view(like.dtype).view(like.shape)
 
 
-def _reduce_step(
+def all_reduce_step(
     grads: PyTree,
     loss: torch.Tensor | None,
     buffers: PyTree,
     group: Any,
     world_size: int,
     is_src: bool,
-) -> _Reduced:
+) -> Reduced:
     """Everything a data-parallel step exchanges, in one all-reduce per gradient dtype.
 
     Gradients are grouped by (device, dtype) and concatenated, each rank's divided by
@@ -194,9 +205,72 @@ def _reduce_step(
                 out_buf[i] = _decode(got[pos : pos + size], like).to(like.device)
                 pos += size
     # (Only rebuild what changed: under dynamo, unflattening an empty dict fails to trace.)
-    return _Reduced(
+    return Reduced(
         unflatten(spec, out) if any(buckets.values()) else grads,
         mean_loss,
         nonfinite,
         unflatten(buf_spec, out_buf) if buf_idx else buffers,
     )
+
+
+# ------------------------------------------------------------------- gradients held as shards
+
+
+class Across(NamedTuple):
+    """Gradients held across the ranks of ``group``: for each floating gradient leaf (in
+    flattening order), whether each rank holds a different shard of it (``True``: squared norms
+    are summed over the ranks) or the same values (``False``: counted once).
+
+    Example:
+        >>> import funcamp.distributed as fd
+        >>> fd.Across(group=None, sharded=(True, False)).sharded
+        (True, False)
+    """
+
+    group: Any
+    sharded: tuple[bool, ...]
+
+    def reduce(self, flag: torch.Tensor, sq: Sequence[torch.Tensor]) -> tuple[Any, Any]:
+        """``(flag OR-ed over the ranks, the global sum of squares)`` of this rank's non-finite
+        flag and per-leaf squared norms, in one all-reduce."""
+        if len(sq) != len(self.sharded):
+            raise NotImplementedError(
+                "funcamp: under a sharded step a global norm must see every gradient leaf "
+                f"({len(self.sharded)}), got {len(sq)}; chain clip_by_global_norm at the top "
+                "level (chain(clip_by_global_norm(c), ...)), not inside masked/multi_transform"
+            )
+        device = flag.device
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        mine = [s.to(device=device, dtype=torch.float32) for s, d in zip(sq, self.sharded) if d]
+        same = [s.to(device=device, dtype=torch.float32) for s, d in zip(sq, self.sharded) if not d]
+        local = torch.stack(mine).sum() if mine else zero
+        send = torch.stack([flag.to(torch.float32), local])
+        got = funcol.wait_tensor(funcol.all_reduce(send, "sum", self.group))
+        total = got[1] + (torch.stack(same).sum() if same else zero)
+        return got[0] > 0, total
+
+
+_ACROSS: list[Across] = []
+
+
+class summing_across:
+    """While it is active (``with summing_across(across): ...``), :func:`active_across` returns
+    ``across``; ``None`` changes nothing. Entered by :func:`funcamp.unscale_and_step`
+    around the optimizer's update, so :func:`funcamp.clip_by_global_norm` clips by the global
+    norm of sharded gradients."""
+
+    def __init__(self, across: Across | None) -> None:
+        self.across = across
+
+    def __enter__(self) -> None:
+        if self.across is not None:
+            _ACROSS.append(self.across)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.across is not None:
+            _ACROSS.pop()
+
+
+def active_across() -> Across | None:
+    """The :class:`Across` of the innermost :class:`summing_across` block, or None."""
+    return _ACROSS[-1] if _ACROSS else None

@@ -20,8 +20,11 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
-from funcamp._checks import check_flag, check_grads_match, check_int, check_scaler_leaves
-from funcamp._tree import (
+from funcamp._core.checks import check_flag, check_grads_match, check_int, check_scaler_leaves
+from funcamp._core.collectives import Across, any_across, summing_across
+from funcamp._core.context import compiling, eager_path
+from funcamp._core.numerics import hoist_scalar, math_dtype, spread
+from funcamp._core.tree import (
     _BITS,
     NAMESPACE,
     _plan_write,
@@ -41,8 +44,7 @@ from funcamp.optim._base import (
     exclusive,
     update_tensors,
 )
-from funcamp.optim._numerics import hoist_scalar, math_dtype, spread
-from funcamp.optim._paths import eager_path
+from funcamp.policy.policy import get_policy
 
 __all__ = ["ScalerState", "StepInfo", "scale", "unscale", "unscale_and_step", "update"]
 
@@ -253,13 +255,6 @@ class ScalerState:
             'noop'
         """
         if isinstance(policy, str):
-            try:
-                from funcamp._policy import get_policy  # type: ignore[attr-defined]
-            except ImportError as e:  # pragma: no cover - depends on a parallel module
-                raise TypeError(
-                    "funcamp.ScalerState.for_policy: `policy` must be a Policy, got the string "
-                    f"{policy!r} and funcamp.get_policy is not available"
-                ) from e
             policy = get_policy(policy)
         dtypes = [getattr(policy, a, None) for a in ("compute_dtype", "param_dtype")]
         if not any(isinstance(d, torch.dtype) for d in dtypes):
@@ -912,6 +907,7 @@ def unscale_and_step(
     donate_grads: bool = False,
     donate_state: bool = False,
     grad_norm: bool = True,
+    across: Across | None = None,
 ) -> tuple[PyTree, PyTree, StepInfo]:
     """Unscale ``grads``, apply ``optimizer``, and skip the step if the grads overflowed.
 
@@ -955,6 +951,11 @@ def unscale_and_step(
         grad_norm: compute ``info.grad_norm``, the global L2 norm of the unscaled gradients
             (default True). It is one more pass over every gradient (a norm per leaf and their
             norm); ``False`` skips it and ``info.grad_norm`` is ``None``.
+        across: gradients held as shards (a sharded step: each rank holds a part of some
+            leaves, :class:`funcamp.distributed.Across`): ``found_inf`` is OR-ed and the norm
+            summed over its ranks (one small all-reduce, always: every rank must skip
+            together), and :func:`funcamp.clip_by_global_norm` inside ``optimizer`` clips by
+            the global norm too.
 
     Returns:
         ``(params, opt_state, StepInfo(found_inf, grad_norm))``; ``grad_norm`` is the global L2
@@ -988,7 +989,7 @@ def unscale_and_step(
     # are unscaled in place) and before anything is written (donate_state): the optimizer state
     # is checked against the params, and the learning rate evaluated, here.
     bad_lr = None if caps.preflight is None else caps.preflight(grads, opt_state, params)
-    if donate_state and not torch.compiler.is_compiling():
+    if donate_state and not compiling():
         shared = _sharing_memory({"params": params, "opt_state": opt_state})
         if shared is not None:
             raise ValueError(
@@ -1002,13 +1003,11 @@ def unscale_and_step(
     # this step's temporaries, the optimizer's fused kernel on a donated state) or traced (pure
     # ops; under compile inductor fuses the whole step anyway). Results are identical.
     # (Under torch.compile the answer is "traced" without looking at the inputs.)
-    compiling = torch.compiler.is_compiling()
+    traced = compiling()
     inputs = (
-        []
-        if compiling
-        else update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
+        [] if traced else update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
     )
-    eager = not compiling and _fused_unscale(floating + inputs)
+    eager = not traced and _fused_unscale(floating + inputs)
     taken: set[int | None] = set()
     donate = False
     if eager:
@@ -1019,24 +1018,29 @@ def unscale_and_step(
     out, found_inf = _unscale_leaves(floating, state.scale, eager, donate=donate)
     unscaled = unflatten(spec, _refill(leaves, idx, out))
     if group is not None:
-        from funcamp.distributed import any_across
-
         found_inf = any_across(found_inf, group)
     if bad_lr is not None:  # a NaN/inf/negative tensor learning rate: the step is skipped
         found_inf = found_inf | bad_lr.to(found_inf.device)
     # Before the optimizer: on the eager path it may overwrite the unscaled grads in place.
-    norm = _global_norm(out, state.scale.device, eager) if grad_norm else None
+    if across is not None:  # shards: the flag and the norm over every rank, in one all-reduce
+        found_inf, total = across.reduce(found_inf, [x.float().square().sum() for x in out])
+        norm = total.sqrt() if grad_norm else None
+    else:
+        norm = _global_norm(out, state.scale.device, eager) if grad_norm else None
     info = StepInfo(found_inf, norm)
     if eager and donate_state and caps.fused_step is not None:
         new_state = caps.fused_step(out, opt_state, params, found_inf)
         if new_state is not None:
             return params, new_state, info
-    if eager:
-        params_out, opt_state_out = _step_eager(
-            optimizer, unscaled, opt_state, params, found_inf, taken, out
-        )
-    else:
-        params_out, opt_state_out = _step_traced(optimizer, unscaled, opt_state, params, found_inf)
+    with summing_across(across):
+        if eager:
+            params_out, opt_state_out = _step_eager(
+                optimizer, unscaled, opt_state, params, found_inf, taken, out
+            )
+        else:
+            params_out, opt_state_out = _step_traced(
+                optimizer, unscaled, opt_state, params, found_inf
+            )
     if donate_state:
         # Both trees are matched before either is written: all or nothing.
         write_params = _plan_write(params_out, params)

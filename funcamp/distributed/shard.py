@@ -26,33 +26,41 @@ Inside the step (compiled as one graph when ``compile=True``):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import optree
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from funcamp._tree import NAMESPACE, describe, path_str, unflatten
+try:  # torch's private spec classes (a cached spec makes a DTensor ~15x faster)
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec as _DTensorSpec
+    from torch.distributed.tensor._dtensor_spec import TensorMeta as _TensorMeta
+except ImportError:  # pragma: no cover - another torch
+    _DTensorSpec = _TensorMeta = None
+
+from funcamp._core.collectives import Across, all_reduce_step
+from funcamp._core.tree import NAMESPACE, describe, path_str, unflatten
+from funcamp.casting.fp8 import Fp8State, all_reduce_amax
+from funcamp.train.parallel import Parallel
+from funcamp.train.state import TrainState
 
 PyTree = Any
 
-__all__ = ["shard"]
+__all__ = ["Sharded", "shard"]
 
 
 # ------------------------------------------------------------------------------ the mesh
 
 
 def _check_mesh(api: str, mesh: Any) -> Any:
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"funcamp.{api}: `mesh` needs torch.distributed initialized "
             "(torch.distributed.init_process_group) before use"
         )
-    from torch.distributed.device_mesh import DeviceMesh
-
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"funcamp.{api}: `mesh` must be a 1-D torch.distributed.device_mesh.DeviceMesh "
@@ -70,8 +78,6 @@ def _check_mesh(api: str, mesh: Any) -> Any:
 
 
 def _placements(dim: int | None) -> tuple[Any, ...]:
-    from torch.distributed.tensor import Replicate, Shard
-
     return (Replicate(),) if dim is None else (Shard(dim),)
 
 
@@ -120,8 +126,6 @@ def shard(tree: PyTree, mesh: Any, *, dim: int = 0) -> PyTree:
     _check_mesh(api, mesh)
     if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
         raise TypeError(f"funcamp.{api}: `dim` must be an int >= 0, got {describe(dim)}")
-    from funcamp._train import TrainState
-
     if isinstance(tree, TrainState):
         return tree._replace(
             params=_shard_tree(api, tree.params, mesh, dim, "state.params"),
@@ -131,8 +135,6 @@ def shard(tree: PyTree, mesh: Any, *, dim: int = 0) -> PyTree:
 
 
 def _shard_tree(api: str, tree: PyTree, mesh: Any, dim: int, name: str) -> PyTree:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     world = mesh.size()
     paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     out = []
@@ -165,8 +167,6 @@ class _Leaf(NamedTuple):
 def _unwrap(api: str, tree: PyTree, mesh: Any, name: str, required: bool) -> tuple[Any, ...]:
     """``(local tree, layouts)``: each DTensor leaf replaced by its local tensor; ``layouts``
     holds a :class:`_Leaf` per leaf (None for a plain one)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     local, layouts = [], []
     for path, x in zip(paths, leaves):
@@ -220,18 +220,16 @@ def _as_dtensor(x: torch.Tensor, lay: _Leaf, mesh: Any, specs: dict[Any, Any]) -
     """``x`` (a local shard) as a DTensor laid out as ``lay``, built from a cached spec: about
     4 us a leaf, where ``DTensor.from_local(..., run_check=False)`` takes about 60 us and a new
     spec about 30 us (torch 2.13 CPU); ``from_local`` if torch's private spec classes move."""
-    from torch.distributed.tensor import DTensor
-
     try:
+        if _DTensorSpec is None:
+            raise TypeError("no DTensorSpec in this torch")
         key = (lay, x.dtype)
         spec = specs.get(key)
         if spec is None:
-            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-            meta = TensorMeta(torch.Size(lay.shape), lay.stride, x.dtype)
-            spec = specs[key] = DTensorSpec(mesh, _placements(lay.dim), meta)
+            meta = _TensorMeta(torch.Size(lay.shape), lay.stride, x.dtype)
+            spec = specs[key] = _DTensorSpec(mesh, _placements(lay.dim), meta)
         return DTensor(x, spec, requires_grad=False)
-    except (ImportError, TypeError):  # pragma: no cover - another torch
+    except TypeError:  # pragma: no cover - another torch
         return DTensor.from_local(
             x,
             mesh,
@@ -295,181 +293,57 @@ def _gather(leaves: list[torch.Tensor], layouts: tuple[Any, ...], group: Any, wo
     return out
 
 
-# ------------------------------------------------------------------- global-norm clipping
-
-# While a sharded step runs (and is traced) the innermost entry computes the global gradient
-# norm for funcamp.clip_by_global_norm from its per-leaf norms; see _optim.clip_by_global_norm.
-NORM_HOOKS: list[Callable[[list[torch.Tensor]], torch.Tensor]] = []
+# ------------------------------------------------------------------------------ the piece
 
 
-def _norm_hook(layouts: tuple[Any, ...], group: Any) -> Callable[[list[torch.Tensor]], Any]:
-    def global_norm(norms: list[torch.Tensor]) -> torch.Tensor:
-        if len(norms) != len(layouts):
-            raise NotImplementedError(
-                "funcamp.clip_by_global_norm: under make_train_step(..., mesh=) it must see "
-                f"every gradient leaf ({len(layouts)}), got {len(norms)}; chain it at the top "
-                "level (chain(clip_by_global_norm(c), ...)), not inside masked/multi_transform"
-            )
-        sq = [n.to(torch.float32).square() for n in norms]
-        sharded = [s for s, lay in zip(sq, layouts) if lay.dim is not None]
-        replicated = [s for s, lay in zip(sq, layouts) if lay.dim is None]
-        total = torch.zeros((), dtype=torch.float32, device=norms[0].device)
-        if sharded:
-            local = torch.stack(sharded).sum()
-            total = funcol.wait_tensor(funcol.all_reduce(local, "sum", group))
-        if replicated:
-            total = total + torch.stack(replicated).sum()
-        return total.sqrt()
+class Sharded(Parallel):
+    """Training on shards: params and optimizer state live as ``DTensor`` s sharded along one
+    dimension (:func:`shard`), and each rank runs the step on its own equal shard of the batch.
 
-    return global_norm
+    The step works on the local shards as plain tensors (``torch.func.grad`` does not see through
+    ``DTensor``): at the boundary the state's DTensors become their local tensors and the
+    results are wrapped back with the same placements. Inside, the loss runs on the params
+    all-gathered (:meth:`gather`: one flat buffer per dtype, whose backward is a reduce-scatter,
+    so each rank gets the sum over ranks of its shard's gradient); :meth:`exchange` divides those
+    by the world size (their mean, as data parallelism has) and averages the replicated leaves'
+    gradients, the loss and rank 0's buffers in one all-reduce; :meth:`across` makes
+    :func:`funcamp.unscale_and_step`'s ``found_inf`` and norms global (and
+    :func:`funcamp.clip_by_global_norm`'s).
 
+    Example:
+        >>> import torch, torch.distributed as dist, funcamp
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> import funcamp.distributed as fd
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> fd.Sharded(init_device_mesh("cpu", (1,))).name
+        'mesh= (1 ranks)'
+        >>> dist.destroy_process_group()
+    """
 
-# ------------------------------------------------------------------------------- the step
+    refuses: ClassVar[dict[str, str]] = {
+        "cache_dir": "the compiled graph holds collectives bound to this process's group, "
+        "which a saved step cannot rebind; drop `cache_dir` (torch's compile caches still "
+        "apply)",
+        "headroom": "the headroom summary covers every gradient element, and under `mesh` "
+        "each rank holds only its shards; call funcamp.headroom on gathered gradients instead",
+    }
 
+    def __init__(self, mesh: Any, *, margin: int = 0, api: str = "make_train_step") -> None:
+        self.mesh = _check_mesh(api, mesh)
+        self.group = mesh.get_group()
+        self.world = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.margin = margin  # the delayed-FP8 recipe's margin
+        self.name = f"mesh= ({self.world} ranks)"
+        self.params_layout: tuple[Any, ...] | None = None  # fixed by the first state
+        self.layouts: tuple[Any, ...] = ()  # of the state being stepped: to wrap the new one
+        self.specs: dict[Any, Any] = {}  # DTensor specs of the new state's leaves, made once
 
-def make_sharded_step(
-    loss_fn: Callable[..., Any],
-    optimizer: Any,
-    pol: Any,
-    mesh: Any,
-    opts: Any,
-) -> Callable[..., Any]:
-    """``make_train_step(..., mesh=mesh)``: see its docstring and the sharded-training guide.
-    ``opts`` is its checked :class:`funcamp._train.StepOptions`."""
-    from funcamp._amp import amp
-    from funcamp._fp8 import needs_state, with_fp8_state
-    from funcamp._progress import announce_first_call
-    from funcamp._scaler import unscale, update
-    from funcamp._train import (
-        TrainState,
-        _check_train_state,
-        _compile,
-        _forward_backward,
-        _fresh_code,
-        _metrics,
-        _restore_buffers,
-    )
-    from funcamp._tree import tree_select
-    from funcamp.distributed import _reduce_step
-    from funcamp.optim._base import apply_updates, learning_rate
-
-    api = "make_train_step"
-    (
-        has_aux,
-        returns_buffers,
-        compile,
-        group,
-        donate_state,
-        headroom,
-        report_norm,
-        compile_options,
-    ) = opts
-    _check_mesh(api, mesh)
-    if group is not None:
-        raise ValueError(
-            f"funcamp.{api}: give `mesh` or `group`, not both: a sharded step is also data "
-            "parallel over the mesh's ranks (its process group)"
-        )
-    for name, on in (("donate_state=True", donate_state), ("headroom", headroom is not False)):
-        if on:
-            raise NotImplementedError(
-                f"funcamp.{api}: `{name.split('=')[0]}` is not supported with `mesh` yet; "
-                f"build the sharded step without {name}"
-            )
-    if needs_state(pol):
-        raise NotImplementedError(
-            f"funcamp.{api}: delayed FP8 scaling with `mesh` is not supported yet (the amax "
-            "histories would need a max-reduction across ranks); use Fp8Recipe.current()"
-        )
-    pg = mesh.get_group()
-    world = mesh.size()
-    rank = mesh.get_local_rank()
-    run_loss = with_fp8_state(amp(loss_fn, pol))
-    plan: dict[str, Any] = {}  # the params' layouts, fixed by the first state
-
-    def sharded_train_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        layouts = plan["params"]
-        scaler = state.scaler
-        sharded = [lay.dim is not None for lay in layouts]
-
-        def gather(local: PyTree) -> PyTree:
-            leaves, spec = optree.tree_flatten(local, namespace=NAMESPACE)
-            return unflatten(spec, _gather(leaves, layouts, pg, world))
-
-        grads, loss, aux, new_buffers, _ = _forward_backward(
-            run_loss,
-            state,
-            batch,
-            has_aux,
-            returns_buffers,
-            False,  # delayed FP8 is refused above: no FP8 state to differentiate
-            torch.func.grad_and_value,
-            None,
-            gather,
-        )
-        new_buffers = _restore_buffers(new_buffers, state.buffers, returns_buffers)
-        leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
-        # Sharded leaves: the reduce-scatter summed the ranks' gradients; their mean, unscaled.
-        mine = [g / world for g, s in zip(leaves, sharded) if s]
-        mine, inf_mine = unscale(scaler, mine)
-        device = loss.device
-        sumsq = torch.zeros((), dtype=torch.float32, device=device)
-        if mine:
-            sumsq = torch.stack([g.to(torch.float32).square().sum() for g in mine]).sum()
-        # One all-reduce: the replicated leaves' gradients, the loss and rank 0's buffers (as
-        # data parallel does), and each rank's squared norm and overflow flag of its shards.
-        # (_reduce_step divides every gradient by the world size: the flag's mean is > 0 when
-        # any rank's is set, and world * the mean of the squared norms is their sum.)
-        extra = torch.stack([sumsq, inf_mine.to(device=device, dtype=torch.float32)])
-        rep = [g for g, s in zip(leaves, sharded) if not s]
-        reduced = _reduce_step(
-            {"rep": rep, "extra": extra}, loss, new_buffers, pg, world, rank == 0
-        )
-        loss, new_buffers = reduced.loss, reduced.buffers
-        rep, inf_rep = unscale(scaler, reduced.grads["rep"])
-        extra = reduced.grads["extra"]
-        found_inf = reduced.nonfinite | (extra[1] > 0) | inf_rep
-        total = extra[0] * world
-        if rep:
-            total = total + torch.stack([g.to(torch.float32).square().sum() for g in rep]).sum()
-        grad_norm = total.sqrt()
-        it_mine, it_rep = iter(mine), iter(rep)
-        unscaled = unflatten(spec, [next(it_mine) if s else next(it_rep) for s in sharded])
-        check = optimizer.capabilities.preflight
-        bad_lr = None if check is None else check(unscaled, state.opt_state, state.params)
-        if bad_lr is not None:  # a NaN/inf/negative tensor learning rate skips the step
-            found_inf = found_inf | bad_lr.to(found_inf.device)
-        updates, opt_state = optimizer.update(unscaled, state.opt_state, state.params)
-        params = apply_updates(state.params, updates)
-        params = tree_select(found_inf, state.params, params)
-        opt_state = tree_select(found_inf, state.opt_state, opt_state)
-        new_scaler = update(scaler, found_inf)
-        # The norm is computed anyway (it rides in the step's one all-reduce); None drops it.
-        norm = grad_norm if report_norm else None
-        lr = learning_rate(optimizer, state.opt_state)
-        metrics = _metrics(loss, norm, scaler, found_inf, new_scaler, aux, has_aux, None, lr)
-        new_state = TrainState(params, new_buffers, opt_state, new_scaler, state.fp8)
-        return new_state, metrics
-
-    sharded_train_step.__code__ = _fresh_code(sharded_train_step.__code__)
-    run = (
-        announce_first_call(_compile(sharded_train_step, compile_options))
-        if compile
-        else sharded_train_step
-    )
-    expected: list[Any] = []
-    specs: dict[Any, Any] = {}  # DTensor specs of the new state's leaves, made once
-
-    def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        if not isinstance(state, TrainState):
-            raise TypeError(
-                f"funcamp.{api}: `state` must be a funcamp.TrainState sharded with "
-                f"funcamp.distributed.shard(state, mesh), got {describe(state)}"
-            )
-        params, p_lay = _unwrap(api, state.params, mesh, "state.params", True)
-        opt_state, o_lay = _unwrap(api, state.opt_state, mesh, "state.opt_state", True)
-        buffers, b_lay = _unwrap(api, state.buffers, mesh, "state.buffers", False)
-        scaler, s_lay = _unwrap(api, state.scaler, mesh, "state.scaler", False)
+    def local(self, api: str, state: Any) -> Any:
+        p, p_lay = _unwrap(api, state.params, self.mesh, "state.params", True)
+        o, o_lay = _unwrap(api, state.opt_state, self.mesh, "state.opt_state", True)
+        b, b_lay = _unwrap(api, state.buffers, self.mesh, "state.buffers", False)
+        s, s_lay = _unwrap(api, state.scaler, self.mesh, "state.scaler", False)
         for name, lays in (("state.buffers", b_lay), ("state.scaler", s_lay)):
             if any(lay is not None and lay.dim is not None for lay in lays):
                 raise ValueError(
@@ -477,46 +351,47 @@ def make_sharded_step(
                     "DTensors), got a sharded DTensor; shard only params and optimizer state "
                     "(funcamp.distributed.shard(state, mesh) does so)"
                 )
-        local = TrainState(params, buffers, opt_state, scaler, state.fp8)
-        structure = optree.tree_structure(batch, namespace=NAMESPACE)
-        if not expected:
-            try:
-                _check_train_state(local, optimizer)
-            except ValueError as e:
-                raise ValueError(
-                    f"{e}; under `mesh` the local shards are checked: shard params and "
-                    "optimizer state together, funcamp.distributed.shard(state, mesh)"
-                ) from None
-            plan["params"] = p_lay
-            expected.append((structure, p_lay))
-        elif structure != expected[0][0]:
-            raise ValueError(
-                f"funcamp.{api}: `batch` must keep the structure of the first batch "
-                f"{expected[0][0]}, got {structure}; build another step for batches of another "
-                "structure (new shapes or dtypes only recompile)"
-            )
-        elif p_lay != expected[0][1]:
+        if self.params_layout is None:
+            self.params_layout = p_lay
+        elif p_lay != self.params_layout:
             raise ValueError(
                 f"funcamp.{api}: `state.params` must keep the sharding of the first state the "
                 "step ran on (the same global shapes and placements); build another step"
             )
-        NORM_HOOKS.append(_norm_hook(p_lay, pg))
-        try:
-            new, metrics = run(local, batch)
-        finally:
-            NORM_HOOKS.pop()
-        out = TrainState(
-            _rewrap(new.params, p_lay, mesh, specs),
-            _rewrap(new.buffers, b_lay, mesh, specs),
-            _rewrap(new.opt_state, o_lay, mesh, specs),
-            _rewrap(new.scaler, s_lay, mesh, specs),
-            new.fp8,
-        )
-        return out, metrics
+        self.layouts = (p_lay, b_lay, o_lay, s_lay)
+        return state._replace(params=p, buffers=b, opt_state=o, scaler=s)
 
-    step.__doc__ = (
-        f"A funcamp sharded train step ({'compiled' if compile else 'eager'}, policy {pol}, "
-        f"{world} ranks)."
-    )
-    step.train_step = sharded_train_step  # type: ignore[attr-defined]
-    return step
+    def wrap(self, new: Any) -> Any:
+        p_lay, b_lay, o_lay, s_lay = self.layouts
+        return new._replace(
+            params=_rewrap(new.params, p_lay, self.mesh, self.specs),
+            buffers=_rewrap(new.buffers, b_lay, self.mesh, self.specs),
+            opt_state=_rewrap(new.opt_state, o_lay, self.mesh, self.specs),
+            scaler=_rewrap(new.scaler, s_lay, self.mesh, self.specs),
+        )
+
+    def _sharded(self) -> list[bool]:
+        return [lay.dim is not None for lay in self.params_layout or ()]
+
+    def gather(self, params: PyTree) -> PyTree:
+        leaves, spec = optree.tree_flatten(params, namespace=NAMESPACE)
+        return unflatten(spec, _gather(leaves, self.params_layout, self.group, self.world))
+
+    def exchange(
+        self, grads: PyTree, loss: torch.Tensor, buffers: PyTree
+    ) -> tuple[PyTree, torch.Tensor, PyTree, torch.Tensor | None]:
+        leaves, spec = optree.tree_flatten(grads, namespace=NAMESPACE)
+        sharded = self._sharded()
+        # The replicated leaves' gradients, the loss and rank 0's buffers: one all-reduce.
+        rep = [g for g, s in zip(leaves, sharded) if not s]
+        got = all_reduce_step(rep, loss, buffers, self.group, self.world, self.rank == 0)
+        mean = iter(got.grads)
+        # Sharded leaves: the reduce-scatter summed the ranks' gradients; their mean.
+        out = [g / self.world if s else next(mean) for g, s in zip(leaves, sharded)]
+        return unflatten(spec, out), got.loss, got.buffers, got.nonfinite
+
+    def across(self) -> Across:
+        return Across(self.group, tuple(self._sharded()))
+
+    def fp8_reduce(self, state: Fp8State, grads: Fp8State) -> Fp8State:
+        return all_reduce_amax(state, grads, self.margin, self.group)

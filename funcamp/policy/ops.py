@@ -253,7 +253,7 @@ def op_name(op: OpKey) -> str | None:
 
     Example:
         >>> import torch
-        >>> from funcamp._ops import op_name
+        >>> from funcamp.policy.ops import op_name
         >>> op_name(torch.nn.functional.linear), op_name(torch.Tensor.__matmul__)
         ('linear', 'matmul')
     """

@@ -11,7 +11,6 @@ inside are seen too (see :func:`_unchecked_copies`).
 from __future__ import annotations
 
 import dis
-import fnmatch
 import functools
 import threading
 import types
@@ -22,9 +21,11 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
-from funcamp import _dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
-from funcamp._fp8 import FP8_OPS, Fp8Fallback, run_fp8
-from funcamp._ops import (
+from funcamp._core.context import compiling
+from funcamp.casting import dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
+from funcamp.casting.fp8 import FP8_OPS, Fp8Fallback, run_fp8
+from funcamp.policy.modules import glob_match
+from funcamp.policy.ops import (
     DTYPE_ARG_OPS,
     OpPolicy,
     OpRule,
@@ -32,7 +33,7 @@ from funcamp._ops import (
     op_name,
     python_composites,
 )
-from funcamp._policy import Policy, _cast_floating, get_policy
+from funcamp.policy.policy import Policy, _cast_floating, as_policy
 
 __all__ = ["amp", "full_precision"]
 
@@ -189,13 +190,6 @@ _GLOBAL_HOOKS = _nn_module._global_forward_hooks
 _GLOBAL_HOOKS_ALWAYS_CALLED = _nn_module._global_forward_hooks_always_called
 
 
-@torch._dynamo.assume_constant_result
-def _glob_match(path: str, pattern: str) -> bool:
-    # fnmatch's pattern compiler calls object(), which dynamo cannot trace; paths and patterns
-    # are Python strings, so the match is a constant of the trace.
-    return fnmatch.fnmatchcase(path, pattern)
-
-
 class _ModuleFrame(NamedTuple):
     path: str
     ctx: _Context | None  # the module policy that matched, or None
@@ -239,7 +233,7 @@ class _ModuleTracker:
             if isinstance(key, type) and isinstance(module, key) and found is None:
                 found = policy
         for key, policy in self.rules:
-            if isinstance(key, str) and _glob_match(path, key):
+            if isinstance(key, str) and glob_match(path, key):
                 found = policy
         return found
 
@@ -328,7 +322,7 @@ class _AmpMode(TorchFunctionMode):
             if (
                 name is not None
                 and getattr(func, "__module__", None) == "torch._tensor"
-                and torch.compiler.is_compiling()
+                and compiling()
                 and args
                 and type(args[0]) is torch.Tensor
                 and getattr(torch.Tensor, name, None) is func
@@ -476,17 +470,6 @@ def _check_fn(fn: Any, api: str) -> None:
         )
 
 
-def _as_policy(policy: Any, api: str) -> Policy:
-    if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, str):
-        return get_policy(policy)
-    raise TypeError(
-        f"funcamp.{api}: `policy` must be a funcamp.Policy or a policy string such as "
-        f"'mixed_bfloat16', got {type(policy).__name__} {policy!r}"
-    )
-
-
 def amp(fn: F, policy: Policy | str) -> F:
     """Transform ``fn`` so that every torch op inside runs in the dtype ``policy`` says.
 
@@ -516,7 +499,7 @@ def amp(fn: F, policy: Policy | str) -> F:
         torch.bfloat16
     """
     _check_fn(fn, "amp")
-    pol = _as_policy(policy, "amp")
+    pol = as_policy(policy, "amp")
     ctx = _context(pol)
 
     @functools.wraps(fn)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from funcamp._scaler import ScalerState
-from funcamp._tree import describe
+from funcamp._core.tree import describe
+from funcamp.scaling.scaler import ScalerState
 
 __all__ = ["ScaleCollapseError", "ScaleCollapseGuard"]
 

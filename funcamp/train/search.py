@@ -19,13 +19,13 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from funcamp._amp import _as_policy, _check_fn, amp
-from funcamp._checks import flatten_params
-from funcamp._headroom import _headroom
-from funcamp._ops import OpRule
-from funcamp._policy import ModuleKey, Policy, _check_module_key
-from funcamp._trace import trace
-from funcamp._tree import NAMESPACE, describe
+from funcamp._core.checks import flatten_params
+from funcamp._core.tree import NAMESPACE, describe
+from funcamp.casting.amp import _check_fn, amp
+from funcamp.casting.trace import trace
+from funcamp.policy.ops import OpRule
+from funcamp.policy.policy import ModuleKey, Policy, _check_module_key, as_policy
+from funcamp.scaling.headroom import _headroom
 
 __all__ = ["PolicyDecision", "SearchReport", "search_policy"]
 
@@ -363,7 +363,7 @@ def search_policy(
         ('0', 'params=float32,compute=float32,output=float32')
     """
     _check_fn(loss_fn, _API)
-    pol = _as_policy(base, _API)
+    pol = as_policy(base, _API)
     if (
         isinstance(tolerance, bool)
         or not isinstance(tolerance, (int, float))

@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcamp._amp import _as_policy, _check_fn, _context, _run
-from funcamp._ops import OpRule, op_name
-from funcamp._policy import Policy, _cast_floating
+from funcamp.casting.amp import _check_fn, _context, _run
+from funcamp.policy.ops import OpRule, op_name
+from funcamp.policy.policy import Policy, _cast_floating, as_policy
 
 __all__ = ["AmpTrace", "OpRecord", "OpStats", "trace"]
 
@@ -358,7 +358,7 @@ def trace(
     _check_fn(fn, "trace")
     if not isinstance(stats, bool):
         raise TypeError(f"funcamp.trace: `stats` must be a bool, got {type(stats).__name__}")
-    pol = _as_policy(policy, "trace")
+    pol = as_policy(policy, "trace")
     ctx = _context(pol)
 
     @functools.wraps(fn)

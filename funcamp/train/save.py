@@ -8,7 +8,7 @@ One process (``group=None``): one file, written atomically. The file is first wr
 temporary name in the same directory, flushed and ``fsync``-ed, then renamed over ``path``
 (``os.replace``, atomic on POSIX and Windows) and the directory ``fsync``-ed: whatever happens
 during a save (an exception, a full disk, a ``SIGKILL``, a power cut), ``path`` holds either the
-previous checkpoint or the new one, never a mixture (:mod:`funcamp._atomic`, which also
+previous checkpoint or the new one, never a mixture (:mod:`funcamp._core.atomic`, which also
 removes the temporary files that killed saves to the same path left behind). A CRC-32 of every
 value is stored with them, so a file damaged later (truncated, bytes flipped) fails to load with
 an error starting ``funcamp.load:`` instead of loading wrong numbers or crashing inside
@@ -38,13 +38,15 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from funcamp._amp import _as_policy
-from funcamp._atomic import atomic_write
-from funcamp._checkpoint import load_state_dict, state_dict
-from funcamp._policy import Policy
-from funcamp._scaler import _CONFIG, _LEAVES
-from funcamp._tree import NAMESPACE, describe
+from funcamp._core.atomic import atomic_write
+from funcamp._core.tree import NAMESPACE, describe
+from funcamp._core.version import __version__
+from funcamp.policy.policy import Policy, as_policy
+from funcamp.scaling.scaler import _CONFIG, _LEAVES
+from funcamp.train.checkpoint import load_state_dict, state_dict
 
 __all__ = ["CheckpointInfo", "checkpoint_info", "load", "save"]
 
@@ -154,8 +156,6 @@ def _scaler_kinds(sd: Any, path: tuple[str, ...] = ()) -> dict[str, str]:
 
 
 def _info(sd: Any, policy: Policy, metadata: dict[str, Any], world: int) -> dict[str, Any]:
-    from funcamp import __version__
-
     return {
         "policy": str(policy),
         "policy_repr": repr(policy),
@@ -252,7 +252,7 @@ def save(
         ('params=float32,compute=float16,output=float32', 'dynamic', {'epoch': 3})
     """
     p = _check_path(path, "save")
-    pol = _as_policy(policy, "save")
+    pol = as_policy(policy, "save")
     _check_params_dtype(state, pol)
     for key, value in metadata.items():
         _check_metadata(key, value)
@@ -340,7 +340,7 @@ def _check_policy(info: CheckpointInfo, policy: Any, convert: bool, where: str) 
                 "funcamp.load: convert=True needs `policy`, the policy to convert the state to"
             )
         return
-    pol = _as_policy(policy, "load")
+    pol = as_policy(policy, "load")
     if str(pol) == info.policy and repr(pol) == info.policy_repr:
         return
     if convert:
@@ -466,7 +466,7 @@ def load(
     if not isinstance(convert, bool):
         raise TypeError(f"funcamp.load: `convert` must be a bool, got {describe(convert)}")
     if policy is not None:
-        _as_policy(policy, "load")
+        as_policy(policy, "load")
     if group is not None or p.is_dir():
         return _load_distributed(p, template, policy, convert, group)
     where = repr(str(p))
@@ -503,8 +503,6 @@ def _version_key(version: str) -> tuple[int, ...]:
 
 
 def _warn_newer(info: CheckpointInfo, where: str) -> None:
-    from funcamp import __version__
-
     if _version_key(info.funcamp_version) > _version_key(__version__):
         warnings.warn(
             f"funcamp.load: {where} was written by funcamp {info.funcamp_version}, newer than "
@@ -538,8 +536,6 @@ def _is_placeholder(x: Any) -> bool:
 
 
 def _group_info(group: Any, api: str) -> tuple[int, int]:
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"funcamp.{api}: `group` needs torch.distributed initialized")
     if not isinstance(group, dist.ProcessGroup):
@@ -553,9 +549,6 @@ def _group_info(group: Any, api: str) -> tuple[int, int]:
 def _save_distributed(
     p: Path, sd: dict[str, Any], state: PyTree, policy: Policy, metadata: dict, group: Any
 ) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
     rank, world = _group_info(group, "save")
     if p.exists() and not p.is_dir():
         raise NotADirectoryError(
@@ -622,8 +615,6 @@ def _tensors_of(dest: Any, skeleton: Any, out: dict[str, Any]) -> None:
 
 
 def _load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, group: Any) -> PyTree:
-    import torch.distributed.checkpoint as dcp
-
     if group is not None:
         _group_info(group, "load")
     where = repr(str(p))

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from funcamp._tree import describe
+from funcamp._core.tree import describe
 
 __all__ = ["optimizer_type_error"]
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from funcamp._core.context import compiling, in_transform
+
 __all__ = [
-    "HALF_DTYPES",
     "bits_from_key",
     "computed_once",
     "leaf_keys",
@@ -21,7 +22,6 @@ __all__ = [
     "round_stochastic",
 ]
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 _MASK32 = 0xFFFFFFFF
 _INT32_MIN = -(2**31)
@@ -84,10 +84,10 @@ def computed_once(x: torch.Tensor) -> torch.Tensor:
     transform (vmap, grad) would see the view, and for a non-contiguous ``x`` (whose strides
     inductor's buffer need not share)."""
     if (
-        not torch.compiler.is_compiling()
+        not compiling()
         or not x.is_contiguous()
         or (x.requires_grad and torch.is_grad_enabled())
-        or torch._C._are_functorch_transforms_active()
+        or in_transform()
     ):
         return x
     return torch.as_strided(x, x.size(), x.stride())

@@ -45,10 +45,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 import optree
 import torch
 
-from funcamp._ops import OpPolicy, OpRule
-from funcamp._policy import Policy
-from funcamp._scaler import ScalerState
-from funcamp._tree import NAMESPACE, path_str
+from funcamp._core.tree import NAMESPACE, path_str
+from funcamp.policy.ops import OpPolicy, OpRule
+from funcamp.policy.policy import Policy
+from funcamp.scaling.scaler import ScalerState
 
 __all__ = [
     "Node",

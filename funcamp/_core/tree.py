@@ -12,6 +12,9 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from funcamp._core.context import compiling
+from funcamp._core.numerics import spread
+
 __all__ = [
     "NAMESPACE",
     "all_finite",
@@ -100,7 +103,7 @@ def flatten(tree: PyTree) -> tuple[list[Any], Any]:
     """``optree.tree_flatten(tree, namespace=NAMESPACE)``; under ``torch.compile`` a plain dict of
     tensors with str keys gets a :class:`DictSpec` instead (same leaves, same order). Rebuild
     with :func:`unflatten`; both specs have ``flatten_up_to`` and compare like treespecs."""
-    if type(tree) is dict and torch.compiler.is_compiling():
+    if type(tree) is dict and compiling():
         for k, v in tree.items():  # a loop, not all(): dynamo traces all() in Python
             if type(k) is not str or not isinstance(v, torch.Tensor):
                 break
@@ -368,7 +371,6 @@ def _select_same_layout(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -
     instructions against some 350 a leaf). Like optree's ``flatten_up_to`` it takes a dict,
     ``OrderedDict`` or ``defaultdict`` with the same keys as one another, which the eager check
     refuses."""
-    from funcamp.optim._numerics import spread  # here: funcamp.optim imports this module
 
     leaves: list[Any] = []
     optree.tree_map(leaves.append, on_true, namespace=NAMESPACE)  # a count, mapped natively
@@ -407,7 +409,7 @@ def _select(
         raise TypeError(
             f"funcamp.tree_select: `pred` must be a 0-d bool tensor, got {describe(pred)}"
         )
-    if writable is None and torch.compiler.is_compiling():  # without flattening either tree
+    if writable is None and compiling():  # without flattening either tree
         fast = _select_same_layout(pred, on_true, on_false)
         if fast is not None:
             return fast

@@ -23,6 +23,13 @@ from typing import Any
 
 import torch
 
+try:  # dynamo's internals the patch goes through (torch 2.6-2.13)
+    from torch._dynamo.source import AttrSource
+    from torch._dynamo.variables import user_defined
+    from torch._dynamo.variables.base import VariableTracker
+except ImportError:  # pragma: no cover - a torch without dynamo
+    AttrSource = VariableTracker = user_defined = None
+
 __all__ = ["install"]
 
 
@@ -41,11 +48,7 @@ def _mode_active(tx: Any) -> bool:
 
 def install() -> bool:
     """Patch dynamo's ``CrossEntropyLoss`` construction; True when the patch is in place."""
-    try:
-        from torch._dynamo.source import AttrSource
-        from torch._dynamo.variables import user_defined
-        from torch._dynamo.variables.base import VariableTracker
-    except ImportError:  # pragma: no cover - a torch without dynamo
+    if user_defined is None:  # pragma: no cover - a torch without dynamo
         return False
     cls = getattr(user_defined, "UserDefinedClassVariable", None)
     original = getattr(cls, "_call_cross_entropy_loss", None)

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from funcamp._scaler import ScalerState
-from funcamp._tree import NAMESPACE, describe, dotted_path
+from funcamp._core.tree import NAMESPACE, describe, dotted_path
+from funcamp.scaling.scaler import ScalerState
 
 __all__ = ["Headroom", "headroom"]
 

@@ -16,9 +16,9 @@ from typing import Any
 import optree
 import torch
 
-from funcamp._checks import check_scaler_values
-from funcamp._scaler import _CONFIG, _LEAVES, ScalerState
-from funcamp._tree import NAMESPACE, describe
+from funcamp._core.checks import check_scaler_values
+from funcamp._core.tree import NAMESPACE, describe
+from funcamp.scaling.scaler import _CONFIG, _LEAVES, ScalerState
 
 __all__ = ["load_state_dict", "state_dict"]
 

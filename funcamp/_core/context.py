@@ -1,0 +1,74 @@
+"""The execution context, decided here and nowhere else.
+
+funcamp runs the same pure functions in three contexts, and a few fast paths and graph-shaping
+hints depend on which: *compiling* (dynamo is tracing: ``torch.compile``), *inside a torch.func
+transform* (``grad``, ``vmap``, ``jvp``: functorch wrapper tensors), or *plain eager*. Every
+question about the context goes through the functions below: ``torch.compiler.is_compiling()``
+is called in this module only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "compiling",
+    "dual_level_active",
+    "eager_path",
+    "in_transform",
+    "plain_eager",
+    "tracks_grad",
+]
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the caller (``torch.compile``)."""
+    return torch.compiler.is_compiling()
+
+
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is active."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def plain_eager() -> bool:
+    """Neither compiling nor inside a ``torch.func`` transform."""
+    return not compiling() and not in_transform()
+
+
+def dual_level_active() -> bool:
+    """Whether forward-mode AD (``torch.autograd.forward_ad.dual_level``) is on: tensors may
+    carry tangents that in-place work would not propagate."""
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
+def tracks_grad(xs: Iterable[Any]) -> bool:
+    """Whether autograd (or ``torch.func.grad``) differentiates through any of these tensors."""
+    if not torch.is_grad_enabled():
+        return False
+    for x in xs:  # noqa: SIM110 -- a loop, not any(): dynamo traces any() in Python
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            return True
+    return False
+
+
+def eager_path(xs: Sequence[Any]) -> bool:
+    """The one predicate behind every eager fast path (foreach kernels, in-place writes into
+    owned temporaries, the fused unscale kernel, torch's fused optimizer kernels): plain eager,
+    and every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not
+    track."""
+    if not plain_eager():
+        return False
+    grad_on = torch.is_grad_enabled()
+    for x in xs:
+        if not isinstance(x, torch.Tensor):
+            continue
+        # is_cpu/is_cuda: reading x.device.type costs ~8x as much, and this runs per tensor
+        if type(x) is not torch.Tensor or not (x.is_cpu or x.is_cuda):
+            return False
+        if grad_on and x.requires_grad:
+            return False
+    return True

@@ -1,0 +1,279 @@
+"""Compiling a step, the funcamp way, and the one wrapper every train step runs in.
+
+:func:`compile_fn` is ``torch.compile(fullgraph=True)`` with funcamp's guard filter (only the
+guards on the step's inputs and on modules' ``training`` flags: the step is specialised on
+everything else it closes over, as with ``jax.jit``). :func:`run_compiled` calls a compiled
+function and turns a dynamo failure into one paragraph (:mod:`funcamp.train.errors`), or switches a step
+whose model ``torch.func`` refuses to gradients from ``torch.autograd`` in the same graph.
+:func:`wrap_step` is the wrapper of the train step -- one process, data parallel or sharded: the
+first-call and per-call checks, the parallel piece's view of the state, the compile notice and
+the on-disk cache (``cache_dir``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch._inductor import list_mode_options
+
+from funcamp._core.progress import announce_first_call
+from funcamp._core.tree import NAMESPACE, describe
+from funcamp.train.cache import (
+    GLOBAL_STATE_SOURCES,
+    STEP_INPUTS,
+    CachedStep,
+    cache_support,
+    describe_value,
+    is_mode_flag,
+    source_root,
+)
+from funcamp.train.errors import explain
+from funcamp.train.loss import Engine, clone_buffers
+from funcamp.train.parallel import Parallel
+from funcamp.train.state import TrainState, check_donation, check_train_state
+
+__all__ = ["check_cache_dir", "compile_fn", "fresh_code", "run_compiled", "wrap_step"]
+
+PyTree = Any
+
+
+def _input_guards_only(entries: list[Any]) -> list[bool]:
+    """Default guard filter: keep the guards on the step's inputs (``state``, ``batch``), on
+    tensors anywhere, on global torch state (grad mode, default device, ...) and on modules'
+    ``training`` flags (so the step follows ``train()``/``eval()``); drop those on closures,
+    globals and captured modules, which the step is specialised on (as with ``jax.jit``). A
+    guard whose origin cannot be read is kept."""
+    keep = []
+    for entry in entries:
+        try:
+            source = entry.orig_guard.originating_source
+            if is_mode_flag(source):
+                keep.append(True)
+                continue
+            root = source_root(source)
+            kind = type(root).__name__
+            if kind == "LocalSource":
+                keep.append(root.local_name in STEP_INPUTS)
+            else:
+                keep.append(entry.guard_type == "TENSOR_MATCH" or kind in GLOBAL_STATE_SOURCES)
+        except AttributeError:
+            keep.append(True)
+    return keep
+
+
+_STEP_IDS = itertools.count()
+
+
+def fresh_code(code: types.CodeType) -> types.CodeType:
+    suffix = f"_{next(_STEP_IDS)}"
+    name = code.co_name + suffix
+    if sys.version_info >= (3, 11):
+        return code.replace(co_name=name, co_qualname=code.co_qualname + suffix)
+    return code.replace(co_name=name)  # pragma: no cover - Python 3.10
+
+
+def compile_fn(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    opts = dict(options)
+    backend = opts.pop("backend", "inductor")
+    mode = opts.pop("mode", None)
+    inner = dict(opts.pop("options", None) or {})
+    fullgraph = opts.pop("fullgraph", True)
+    if "guard_filter_fn" in opts:
+        inner["guard_filter_fn"] = opts.pop("guard_filter_fn")
+    inner.setdefault("guard_filter_fn", _input_guards_only)
+    if inner["guard_filter_fn"] is None:
+        del inner["guard_filter_fn"]
+    if mode is not None:
+        # torch.compile takes `mode` or `options`, not both: spell the mode out as options.
+        if backend == "inductor":
+            inner = {**list_mode_options(mode), **inner}
+            mode = None
+        elif inner:
+            # other backends ignore inductor options; only the guard filter matters.
+            pass
+    if mode is not None and inner:
+        inner = {}
+    return torch.compile(
+        fn, fullgraph=fullgraph, backend=backend, mode=mode, options=inner or None, **opts
+    )
+
+
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Any:
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def describe_option(value: Any) -> Any:
+    return describe_value(value) if callable(value) else value
+
+
+def check_cache_dir(
+    api: str, cache_dir: Any, compile: bool, compile_options: dict[str, Any]
+) -> str | None:
+    """``cache_dir`` as a path, or None when unset (or when this torch cannot save steps:
+    a warning says so and the step compiles as usual)."""
+    if cache_dir is None:
+        return None
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"funcamp.{api}: `cache_dir` must be a directory path (str or os.PathLike) or "
+            f"None, got {describe(cache_dir)}"
+        )
+    path = os.fspath(cache_dir)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            f"funcamp.{api}: `cache_dir` must be a directory, but {path!r} is a file; give "
+            "a directory (it is created if missing)"
+        )
+    if not compile:
+        raise ValueError(
+            f"funcamp.{api}: `cache_dir` keeps the compiled step on disk, but compile=False "
+            "builds an eager step; drop `cache_dir` or compile the step"
+        )
+    if compile_options.get("fullgraph", True) is False:
+        raise ValueError(
+            f"funcamp.{api}: `cache_dir` saves the step as one compiled graph; a step "
+            "compiled in pieces (fullgraph=False) cannot be saved: drop one of the two"
+        )
+    options = compile_options
+    if "guard_filter_fn" in options or "guard_filter_fn" in (options.get("options") or {}):
+        raise ValueError(
+            f"funcamp.{api}: `cache_dir` and `guard_filter_fn` do not go together: a saved "
+            "step checks its inputs' tensors on every call and everything else it depends on "
+            "when it is loaded, whatever a guard filter would keep; drop one of the two"
+        )
+    if not isinstance(options.get("backend", "inductor"), str):
+        raise ValueError(
+            f"funcamp.{api}: `cache_dir` needs the compile backend by name (such as "
+            f"'inductor' or 'aot_eager'), got {describe(options['backend'])}: a backend object "
+            "cannot be told apart from another across processes"
+        )
+    why = cache_support()
+    if why is not None:
+        warnings.warn(
+            f"funcamp.{api}: `cache_dir` is ignored: {why}; the step compiles as usual "
+            "(torch's compile caches still apply)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return path
+
+
+def run_compiled(
+    api: str,
+    run: Callable[..., Any],
+    args: tuple[Any, ...],
+    eagerly: Callable[[], Any],
+    engine: Engine | None = None,
+) -> Any:
+    """``run(*args)`` (a compiled function), with a dynamo failure explained: a model torch.func
+    refuses is traced again with torch.autograd (``engine``); otherwise ``eagerly()`` re-runs the
+    same computation with compilation off, so an error of the model itself is raised plainly,
+    and a failure only the compiler has becomes one paragraph naming the way out."""
+    tracing = engine.tracing() if engine is not None else contextlib.nullcontext()
+    try:
+        # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
+        # raises; the eager re-run gives the plain error, so that log is held back.
+        with _quiet(_FAKE_TENSOR_LOG), tracing:
+            return run(*args)
+    except torch._dynamo.exc.TorchDynamoException as e:
+        if engine is not None and engine.switch(e):
+            return run_compiled(api, run, args, eagerly, engine)
+
+        def rerun() -> None:
+            with torch.compiler.set_stance("force_eager"):
+                eagerly()
+
+        raise explain(api, e, rerun) from e
+
+
+def wrap_step(
+    api: str,
+    train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
+    *,
+    optimizer: Any,
+    parallel: Parallel,
+    engine: Engine,
+    compile: bool,
+    compile_options: dict[str, Any],
+    donate_state: bool,
+    cache: tuple[str, Callable[..., Any], str] | None = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+    """``step(state, batch)``: ``train_step`` compiled (or eager), as every funcamp train step
+    runs -- one process, data parallel or sharded alike.
+
+    On every call: ``state`` must be a :class:`TrainState`; the parallel piece gives the state
+    the compiled step works on (and takes the new one back); the batch keeps the first batch's
+    structure; a donated state shares no memory. On the first call the optimizer state is
+    checked against the params. ``cache``, ``(directory, loss_fn, settings)``, keeps the
+    compiled step on disk (:class:`funcamp.train.cache.CachedStep`)."""
+    train_step.__code__ = fresh_code(train_step.__code__)
+    if not compile:
+        run = train_step
+    elif cache is None:
+        run = announce_first_call(compile_fn(train_step, compile_options))
+    else:
+        directory, loss_fn, settings = cache
+        run = CachedStep(
+            train_step,
+            lambda keep: compile_fn(train_step, {**compile_options, "guard_filter_fn": keep}),
+            announce_first_call(compile_fn(train_step, compile_options)),
+            directory,
+            loss_fn,
+            settings,
+            compile_options,
+        )
+    expected: list[Any] = []
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"funcamp.{api}: `state` must be a funcamp.TrainState (see "
+                f"TrainState.create), got {describe(state)}"
+            )
+        local = parallel.local(api, state)
+        structure = optree.tree_structure(batch, namespace=NAMESPACE)
+        if not expected:
+            check_train_state(api, local, optimizer)
+            expected.append(structure)
+        elif structure != expected[0]:
+            raise ValueError(
+                f"funcamp.{api}: `batch` must keep the structure of the first batch "
+                f"{expected[0]}, got {structure}; build another step for batches of another "
+                "structure (new shapes or dtypes only recompile)"
+            )
+        if donate_state:
+            check_donation(api, local)
+        if run is train_step:
+            new, metrics = train_step(local, batch)
+        else:
+            # A donated state is re-run on copies: that run is only for the error message.
+            rerun = clone_buffers(local) if donate_state else local
+            new, metrics = run_compiled(
+                api, run, (local, batch), lambda: train_step(rerun, batch), engine
+            )
+        return parallel.wrap(new), metrics
+
+    step.train_step = train_step  # type: ignore[attr-defined]
+    return step

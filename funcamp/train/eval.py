@@ -1,0 +1,111 @@
+"""Evaluation under a policy: :func:`make_eval_step`, compiled, without gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from funcamp._core.checks import check_flag, flatten_params
+from funcamp._core.progress import announce_first_call
+from funcamp._core.tree import describe
+from funcamp.casting.amp import amp
+from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
+from funcamp.policy.policy import Policy, as_policy
+from funcamp.train.compile import compile_fn, fresh_code, run_compiled
+from funcamp.train.loss import clone_buffers
+from funcamp.train.state import TrainState
+
+__all__ = ["make_eval_step"]
+
+PyTree = Any
+Batch = Any
+
+
+def make_eval_step(
+    fn: Callable[..., Any],
+    policy: Policy | str,
+    *,
+    compile: bool = True,
+    **compile_options: Any,
+) -> Callable[[Any, Batch], Any]:
+    """Build ``eval_step(state, batch) -> fn(params, buffers, batch)``: evaluation under the
+    policy, compiled, without gradients.
+
+    ``fn`` runs under ``funcamp.amp(fn, policy)`` and ``torch.no_grad()``: ops cast as the policy
+    says and every floating tensor it returns (a loss, logits, a dict of metrics, a Hugging Face
+    ``ModelOutput``) in the policy's output dtype. ``state`` is a :class:`TrainState` (its
+    ``params``, ``buffers`` and delayed-FP8 scales are read) or a ``(params, buffers)`` pair;
+    nothing in it is modified (``fn`` gets copies of the buffers, so a module left in training
+    mode cannot update its running statistics). The compiled step, like the train step, follows
+    the modules' ``train()``/``eval()`` mode (call ``model.eval()`` first: dropout off,
+    BatchNorm's running statistics used) and says on stderr that it compiles on its first call
+    and how long it took; a failure to compile is one paragraph naming the way out.
+
+    Args:
+        fn: ``(params, buffers, batch) -> anything``, e.g. the train step's ``loss_fn``.
+        policy: a :class:`funcamp.Policy` or a policy string.
+        compile: compile with ``torch.compile(fullgraph=True)`` (default); ``False`` runs eagerly.
+        **compile_options: passed to ``torch.compile`` as for :func:`make_train_step`.
+
+    Returns:
+        ``eval_step(state, batch)``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Dropout(0.5))
+        >>> def logits(params, buffers, batch):
+        ...     return torch.func.functional_call(model, (params, buffers), (batch,))
+        >>> state = funcamp.TrainState.create(
+        ...     funcamp.params_and_buffers(model)[0], funcamp.sgd(0.1), "mixed_bfloat16")
+        >>> evaluate = funcamp.make_eval_step(logits, "mixed_bfloat16", compile=False)
+        >>> out = evaluate(state, torch.ones(3, 4))  # linear in bfloat16, output cast back
+        >>> out.dtype, out.requires_grad, torch.equal(out, evaluate(state, torch.ones(3, 4)))
+        (torch.float32, False, False)
+        >>> _ = model.eval()  # dropout off: the same output every call
+        >>> torch.equal(evaluate(state, torch.ones(3, 4)), evaluate(state, torch.ones(3, 4)))
+        True
+    """
+    api = "make_eval_step"
+    if not callable(fn):
+        raise TypeError(f"funcamp.{api}: `fn` must be callable, got {describe(fn)}")
+    pol = as_policy(policy, api)
+    check_flag(api, "compile", compile)
+    if compile_options and not compile:
+        raise TypeError(
+            f"funcamp.{api}: compile options {sorted(compile_options)} must not be given with "
+            "compile=False"
+        )
+    run_fn = with_fp8_state(amp(fn, pol))
+    fp8_stateful = needs_state(pol)
+
+    def eval_step(params: PyTree, buffers: PyTree, fp8: Fp8State, batch: Batch) -> Any:
+        with torch.no_grad():
+            return run_fn(fp8, params, clone_buffers(buffers), batch)
+
+    eval_step.__code__ = fresh_code(eval_step.__code__)
+    run = (
+        announce_first_call(compile_fn(eval_step, compile_options), "eval step")
+        if compile
+        else eval_step
+    )
+
+    def step(state: Any, batch: Batch) -> Any:
+        if isinstance(state, TrainState):
+            params, buffers, fp8 = state.params, state.buffers, state.fp8
+        elif isinstance(state, tuple) and len(state) == 2 and not fp8_stateful:
+            (params, buffers), fp8 = state, Fp8State()
+        else:
+            pair = "" if fp8_stateful else " or a (params, buffers) pair"
+            raise TypeError(
+                f"funcamp.{api}: `state` must be a funcamp.TrainState{pair}, got {describe(state)}"
+            )
+        flatten_params(api, params)
+        args = (params, buffers, fp8, batch)
+        if run is eval_step:
+            return eval_step(*args)
+        return run_compiled(api, run, args, lambda: eval_step(*args))
+
+    step.__doc__ = f"A funcamp eval step ({'compiled' if compile else 'eager'}, policy {pol})."
+    return step

@@ -1,0 +1,66 @@
+"""How a train step is spread over processes: one piece, plugged into the one step algorithm.
+
+:func:`funcamp.train.step.build_train_step` runs the same algorithm whatever the parallelism --
+forward and backward of the scaled loss, an exchange between the ranks, then
+:func:`funcamp.unscale_and_step` and :func:`funcamp.update` -- and asks a :class:`Parallel` piece
+for the few places where processes differ. This base class is one process alone (every hook is
+the identity); :class:`funcamp.distributed.DataParallel` averages gradients over a process group
+and :class:`funcamp.distributed.Sharded` trains on shards of the params and optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from funcamp._core.collectives import Across
+from funcamp.casting.fp8 import Fp8State
+
+__all__ = ["Parallel"]
+
+PyTree = Any
+
+
+class Parallel:
+    """One process alone; the base of the pieces that spread a step over several.
+
+    Attributes:
+        name: how error messages name the piece (``"group="``, ``"mesh="``).
+        refuses: options the piece does not compose with, each with the reason
+            (``{"cache_dir": "..."}``); :func:`~funcamp.train.step.build_train_step` refuses them
+            in one place, with that reason.
+    """
+
+    name = "one process"
+    refuses: ClassVar[dict[str, str]] = {}
+
+    def local(self, api: str, state: Any) -> Any:
+        """The state the compiled step works on (the sharded piece: DTensors' local shards),
+        checked; called outside the compiled step, on every call."""
+        return state
+
+    def wrap(self, new: Any) -> Any:
+        """The new state as the caller gets it back (the sharded piece: DTensors again)."""
+        return new
+
+    def gather(self, params: PyTree) -> PyTree:
+        """The params the loss runs on, made from the differentiated ones (inside the grad)."""
+        return params
+
+    def exchange(
+        self, grads: PyTree, loss: torch.Tensor, buffers: PyTree
+    ) -> tuple[PyTree, torch.Tensor, PyTree, torch.Tensor | None]:
+        """``(grads, loss, buffers, nonfinite)`` after the ranks exchange what they computed:
+        still scaled gradients, the loss reported, the buffers kept, and a non-finite consensus
+        flag (None: nothing to add to ``found_inf``)."""
+        return grads, loss, buffers, None
+
+    def across(self) -> Across | None:
+        """How the gradients are held across ranks (for global norms and ``found_inf``), or
+        None when every rank holds them whole."""
+        return None
+
+    def fp8_reduce(self, state: Fp8State, grads: Fp8State) -> Fp8State:
+        """The delayed-FP8 "gradient" (this step's amaxes) combined across the ranks."""
+        return grads

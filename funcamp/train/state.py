@@ -1,0 +1,341 @@
+"""What a training step threads: :class:`TrainState`, and the module's params and buffers in
+and out of it (:func:`params_and_buffers`, :func:`load_into_module`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from funcamp._core.checks import flatten_params
+from funcamp._core.hints import optimizer_type_error
+from funcamp._core.tree import NAMESPACE, _first_leaf, _sharing_memory, describe, path_str
+from funcamp.casting.fp8 import Fp8State, needs_state
+from funcamp.optim._base import Optimizer
+from funcamp.optim._modes import init_from_exact
+from funcamp.policy.policy import Policy, as_policy
+from funcamp.scaling.scaler import ScalerState
+
+__all__ = [
+    "TrainState",
+    "check_donation",
+    "check_train_state",
+    "load_into_module",
+    "params_and_buffers",
+]
+
+PyTree = Any
+
+
+class TrainState(NamedTuple):
+    """Everything a training step reads and writes, as one pytree.
+
+    Attributes:
+        params: the parameters (a pytree of floating tensors, in the policy's ``param_dtype``).
+        buffers: non-trained state passed to ``loss_fn`` (BatchNorm running stats); ``{}`` if
+            none.
+        opt_state: the optimizer's state.
+        scaler: the :class:`funcamp.ScalerState` (its ``skipped`` leaf counts skipped steps).
+        fp8: the delayed-scaling :class:`funcamp.Fp8State` (amax histories and scales of the
+            FP8 call sites); empty (the default) without a delayed FP8 recipe.
+
+    Being a NamedTuple it flattens with optree and ``torch.utils._pytree``, compiles, and
+    checkpoints with :func:`funcamp.state_dict`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), "float32")
+        >>> state.params, state.buffers, state.scaler.kind
+        ({'w': tensor([1., 1.])}, {}, 'noop')
+    """
+
+    params: PyTree
+    buffers: PyTree
+    opt_state: PyTree
+    scaler: ScalerState
+    fp8: Fp8State = Fp8State()
+
+    @classmethod
+    def create(
+        cls,
+        params: PyTree,
+        optimizer: Optimizer,
+        policy: Policy | str,
+        *,
+        buffers: PyTree = None,
+        scaler: ScalerState | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> TrainState:
+        """Build the initial state: optimizer state, params (and buffers) cast to
+        ``param_dtype``, scaler.
+
+        The optimizer state is built for the params in ``param_dtype`` (so a low-precision mode
+        allocates what it needs), and with ``master_weights=True`` the float32 masters are then
+        taken from the params *as given*, before the cast: master weights start exact, not
+        rounded through the half dtype.
+
+        Args:
+            params: a pytree of floating tensors, usually float32 (see
+                :func:`params_and_buffers`).
+            optimizer: a :class:`funcamp.Optimizer`.
+            policy: a :class:`funcamp.Policy` or a policy string.
+            buffers: optional pytree of buffers; floating ones are cast to ``param_dtype``,
+                as ``module.to(dtype)`` would (BatchNorm needs its stats in the params' dtype);
+                default ``{}``.
+            scaler: the loss scaler; default ``ScalerState.for_policy(policy)`` (dynamic for a
+                float16 policy, noop otherwise) on the params' device.
+            model: the root module ``loss_fn`` runs; with a delayed FP8 policy
+                (``policy.with_fp8(Fp8Recipe.delayed(...))``) the :class:`funcamp.Fp8State` is
+                built for its FP8 call sites (:meth:`funcamp.Fp8State.init`). Ignored when the
+                policy needs no such state.
+
+        Returns:
+            A :class:`TrainState`.
+
+        Example:
+            >>> import torch, funcamp
+            >>> opt = funcamp.adam(1e-3, master_weights=True)
+            >>> state = funcamp.TrainState.create({"w": torch.tensor([1.001])}, opt, "bf16-true")
+            >>> state.params["w"].dtype, state.opt_state.low.master["w"]
+            (torch.bfloat16, tensor([1.0010]))
+        """
+        api = "TrainState.create"
+        pol = as_policy(policy, api)
+        if not isinstance(optimizer, Optimizer):
+            raise optimizer_type_error(api, optimizer)
+        leaves = _check_params(api, params)
+        _check_float64_params(api, params, pol)
+        if buffers is None:
+            buffers = {}
+        if scaler is None:
+            device = leaves[0].device if leaves else None
+            scaler = ScalerState.for_policy(pol, device=device)
+        elif not isinstance(scaler, ScalerState):
+            raise TypeError(
+                f"funcamp.{api}: `scaler` must be a funcamp.ScalerState, got {describe(scaler)}"
+            )
+        cast = pol.cast_to_param(params)
+        # The optimizer state is built for the params in param_dtype (a mode allocates what it
+        # needs), with float32 masters taken from the params as given: exact, not rounded.
+        opt_state = init_from_exact(optimizer, cast, params)
+        fp8 = Fp8State()
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"funcamp.{api}: `model` must be the torch.nn.Module loss_fn runs, got "
+                f"{describe(model)}"
+            )
+        if needs_state(pol):
+            if model is None:
+                raise ValueError(
+                    f"funcamp.{api}: the policy's delayed FP8 recipe keeps state per call site; "
+                    "pass `model=` (the root module loss_fn runs) to build it"
+                )
+            fp8 = Fp8State.init(model, pol, device=leaves[0].device if leaves else None)
+        return cls(cast, pol.cast_to_param(buffers), opt_state, scaler, fp8)
+
+
+def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
+    return flatten_params(api, params)[0]
+
+
+def _check_float64_params(api: str, params: PyTree, pol: Policy) -> None:
+    """float64 tensors are never cast (as in torch), so a float64 param under a policy whose
+    ``param_dtype`` is not float64 would stay float64 and meet compute-dtype activations in its
+    first matmul (``Half != double``): refuse it here instead."""
+    if pol.param_dtype == torch.float64:
+        return
+    paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    for path, p in zip(paths, leaves):
+        if isinstance(p, torch.Tensor) and p.dtype == torch.float64:
+            raise TypeError(
+                f"funcamp.{api}: `params` leaf {path_str(path)} must not be float64 under policy "
+                f"{pol} (float64 tensors are never cast, so it would stay float64 and fail in "
+                "the first op that meets a compute-dtype input), got a float64 tensor; cast the "
+                "params first (funcamp.tree_cast(params, torch.float32)) or use a float64 policy"
+            )
+
+
+def params_and_buffers(
+    module: torch.nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Return ``(params, buffers)``: detached ``{name: tensor}`` dicts of a module's state.
+
+    The tensors share storage with the module (no copy); funcamp never modifies them. Pass them
+    to ``torch.func.functional_call(module, (params, buffers), args)``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> params, buffers = funcamp.params_and_buffers(torch.nn.BatchNorm1d(3))
+        >>> sorted(params), sorted(buffers)
+        (['bias', 'weight'], ['num_batches_tracked', 'running_mean', 'running_var'])
+        >>> params["weight"].requires_grad
+        False
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"funcamp.params_and_buffers: `module` must be a torch.nn.Module, got "
+            f"{describe(module)}"
+        )
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    buffers = {k: v.detach() for k, v in module.named_buffers()}
+    return params, buffers
+
+
+def load_into_module(
+    module: torch.nn.Module,
+    state: TrainState | PyTree,
+    buffers: PyTree = None,
+) -> torch.nn.Module:
+    """Write trained params and buffers back into ``module``, in place, and return it.
+
+    The inverse of :func:`params_and_buffers`: for inference, export, ``torch.save`` of the
+    module or Hugging Face's ``save_pretrained``. Each value is copied into the module's own
+    tensor (``copy_`` under ``no_grad``), so the module keeps its dtypes, devices and tensor
+    identities (an optimizer or hook holding them stays valid), and tied weights stay tied: a
+    parameter shared by several names (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``)
+    is one tensor, named once in ``params_and_buffers``'s dict and written once. Params kept in
+    a lower precision (``"bf16-true"``) are widened into float32 module tensors exactly; call
+    ``module.to(torch.bfloat16)`` first to keep the module in bfloat16. Sharded leaves
+    (``funcamp.distributed.shard``) are gathered first (every rank must call).
+
+    Args:
+        module: the module the params came from.
+        state: a :class:`TrainState` (its ``params`` and ``buffers`` are written), or a dict of
+            params ``{name: tensor}`` as :func:`params_and_buffers` gives.
+        buffers: with a params dict, an optional dict of buffers to write too.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: a name the module does not have, a parameter (or a given buffer dict's
+            buffer) of the module missing from ``state``, or a value whose shape differs from
+            the module's tensor -- nothing is written then.
+
+    Example:
+        >>> import torch, funcamp
+        >>> model = torch.nn.Linear(2, 1)
+        >>> params, buffers = funcamp.params_and_buffers(model)
+        >>> trained = {k: torch.zeros_like(v) for k, v in params.items()}
+        >>> funcamp.load_into_module(model, trained)(torch.ones(1, 2))
+        tensor([[0.]], grad_fn=<AddmmBackward0>)
+    """
+    api = "load_into_module"
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"funcamp.{api}: `module` must be a torch.nn.Module, got {describe(module)}"
+        )
+    if isinstance(state, TrainState):
+        if buffers is not None:
+            raise TypeError(
+                f"funcamp.{api}: `buffers` must not be given with a TrainState (its buffers "
+                "are written); pass the params dict instead to choose the buffers"
+            )
+        params, buffers = state.params, state.buffers
+    else:
+        params = state
+    targets = [("`state` params", params, dict(module.named_parameters()))]
+    if buffers is not None:
+        targets.append(
+            (
+                "`buffers`" if state is params else "`state` buffers",
+                buffers,
+                dict(module.named_buffers()),
+            )
+        )
+    writes = []
+    for what, given, own in targets:
+        if not isinstance(given, dict):
+            raise TypeError(
+                f"funcamp.{api}: {what} must be a dict {{name: tensor}} as params_and_buffers "
+                f"gives, got {describe(given)}"
+            )
+        unknown = sorted(set(given) - set(own))
+        missing = sorted(set(own) - set(given))
+        if unknown or missing:
+            names = ", ".join(repr(n) for n in (unknown or missing)[:3])
+            raise ValueError(
+                f"funcamp.{api}: {what} must name exactly the module's tensors (as "
+                f"params_and_buffers gives them): {'unknown' if unknown else 'missing'} "
+                f"{names}; nothing was written"
+            )
+        for name, target in own.items():
+            value = given[name]
+            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+                raise ValueError(
+                    f"funcamp.{api}: {what} {name!r} must be a tensor of shape "
+                    f"{tuple(target.shape)}, got {describe(value)}; nothing was written"
+                )
+            writes.append((target, value))
+    with torch.no_grad():
+        for target, value in writes:
+            if hasattr(value, "full_tensor"):  # a DTensor from funcamp.distributed.shard
+                value = value.full_tensor()
+            target.copy_(value)
+    return module
+
+
+def check_train_state(api: str, state: TrainState, optimizer: Optimizer) -> None:
+    """First-call check: ``opt_state`` must be what ``optimizer.init(params)`` builds (its
+    structure and shapes, computed on the meta device, so nothing is allocated)."""
+    _check_params(api, state.params)
+    if not isinstance(state.scaler, ScalerState):
+        raise TypeError(
+            f"funcamp.{api}: `state.scaler` must be a funcamp.ScalerState, got "
+            f"{describe(state.scaler)}"
+        )
+    if not isinstance(state.fp8, Fp8State):
+        raise TypeError(
+            f"funcamp.{api}: `state.fp8` must be a funcamp.Fp8State (TrainState.create builds "
+            f"it), got {describe(state.fp8)}"
+        )
+    meta = optree.tree_map(
+        lambda p: torch.empty_like(p, device="meta"), state.params, namespace=NAMESPACE
+    )
+    try:
+        want_paths, want, want_spec = optree.tree_flatten_with_path(
+            optimizer.init(meta), namespace=NAMESPACE
+        )
+    except Exception:  # an optimizer that cannot init on meta: leave the checks to it
+        return
+    _, got, got_spec = optree.tree_flatten_with_path(state.opt_state, namespace=NAMESPACE)
+    hint = "build it with optimizer.init(params) or TrainState.create"
+    if got_spec != want_spec:
+        raise ValueError(
+            f"funcamp.{api}: `state.opt_state` must match `state.params` and the optimizer "
+            f"({hint}): expected structure {want_spec}, got {got_spec}"
+        )
+    for path, w, g in zip(want_paths, want, got):
+        if isinstance(w, torch.Tensor) and (
+            not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype
+        ):
+            raise ValueError(
+                f"funcamp.{api}: `state.opt_state` leaf {path_str(path)} must be a "
+                f"{w.dtype} tensor of shape {tuple(w.shape)} to match `state.params` ({hint}), "
+                f"got {describe(g)}"
+            )
+
+
+def check_donation(api: str, state: TrainState) -> None:
+    """With ``donate_state=True``: no two state tensors may share memory (one write would
+    clobber the other), and none may need grad."""
+    trees = {
+        "state.params": state.params,
+        "state.buffers": state.buffers,
+        "state.opt_state": state.opt_state,
+    }
+    grad_leaf = _first_leaf(trees, lambda x: isinstance(x, torch.Tensor) and x.requires_grad)
+    if grad_leaf is not None:
+        raise ValueError(
+            f"funcamp.{api}: with donate_state=True the state's tensors are written in "
+            f"place, but {grad_leaf} requires grad; detach it (params_and_buffers does)"
+        )
+    shared = _sharing_memory(trees)
+    if shared is not None:
+        raise ValueError(
+            f"funcamp.{api}: with donate_state=True the state's tensors are written in "
+            f"place, but {shared[0]} and {shared[1]} share memory; give each its own tensor "
+            "(clone one) or build the step with donate_state=False"
+        )

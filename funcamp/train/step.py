@@ -1,0 +1,261 @@
+"""The train step: one algorithm, composed from public pieces.
+
+``build_train_step`` makes ``step(state, batch) -> (state, metrics)``, the whole mixed-precision
+pipeline as one pure function, compiled whole with ``torch.compile(fullgraph=True)``:
+
+1. forward and backward of the scaled loss -- :func:`funcamp.amp` of the loss,
+   :func:`funcamp.scaled_grad_and_value` (the delayed-FP8 state differentiated too, its
+   "gradient" being the step's amaxes);
+2. the exchange between ranks of the :class:`~funcamp.train.parallel.Parallel` piece (none for
+   one process, an all-reduce for data parallel, gradients of replicated leaves for sharded);
+3. :func:`funcamp.unscale_and_step` -- unscale, optimizer, skip on overflow -- then
+   :func:`funcamp.update` of the scaler; the new buffers, and the metrics.
+
+The same algorithm runs for every parallelism, in the one wrapper of
+:func:`funcamp.train.compile.wrap_step`. Options that a parallel piece does not compose with are
+refused in one place, :func:`check_step_options`, with the piece's reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from funcamp._core.checks import check_flag
+from funcamp._core.hints import optimizer_type_error
+from funcamp._core.tree import _plan_write, describe, tree_select
+from funcamp.casting.amp import amp
+from funcamp.casting.fp8 import needs_state, with_fp8_state
+from funcamp.optim._base import Optimizer, learning_rate
+from funcamp.policy.policy import Policy, as_policy
+from funcamp.scaling.headroom import _headroom, _headroom_dtype
+from funcamp.scaling.scaler import ScalerState, unscale_and_step, update
+from funcamp.train.compile import check_cache_dir, describe_option, wrap_step
+from funcamp.train.loss import Engine, forward_backward, restore_buffers
+from funcamp.train.parallel import Parallel
+from funcamp.train.state import TrainState
+
+__all__ = ["StepOptions", "build_train_step", "check_step_options"]
+
+PyTree = Any
+Metrics = dict[str, Any]
+StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]
+
+API = "make_train_step"
+
+
+class StepOptions(NamedTuple):
+    """``make_train_step``'s keyword options, as given (checked by :func:`check_step_options`)."""
+
+    has_aux: Any = False
+    returns_buffers: Any = False
+    compile: Any = True
+    donate_state: Any = False
+    headroom: Any = False
+    grad_norm: Any = True
+    cache_dir: Any = None
+
+
+class _Checked(NamedTuple):
+    policy: Policy
+    headroom_dtype: torch.dtype | None
+    headroom_include: Callable[[str], bool] | None
+    cache_dir: str | None
+
+
+def check_step_options(
+    loss_fn: Any,
+    optimizer: Any,
+    policy: Any,
+    parallel: Parallel,
+    opts: StepOptions,
+    compile_options: dict[str, Any],
+) -> _Checked:
+    """Every argument check of a train step, and the one rule for what does not compose: an
+    option the parallel piece lists in ``refuses`` is refused here, with its reason."""
+    if not callable(loss_fn):
+        raise TypeError(f"funcamp.{API}: `loss_fn` must be callable, got {describe(loss_fn)}")
+    if not isinstance(optimizer, Optimizer):
+        raise optimizer_type_error(API, optimizer)
+    pol = as_policy(policy, API)
+    for name in ("has_aux", "returns_buffers", "compile", "donate_state", "grad_norm"):
+        check_flag(API, name, getattr(opts, name))
+    if not (isinstance(opts.headroom, bool) or callable(opts.headroom)):
+        raise TypeError(
+            f"funcamp.{API}: `headroom` must be a bool or a callable of the leaf path, got "
+            f"{describe(opts.headroom)}"
+        )
+    if compile_options and not opts.compile:
+        raise TypeError(
+            f"funcamp.{API}: compile options {sorted(compile_options)} must not be given with "
+            "compile=False"
+        )
+    asked = {
+        "donate_state": opts.donate_state,
+        "headroom": opts.headroom is not False,
+        "a delayed FP8 recipe": needs_state(pol),
+        "cache_dir": opts.cache_dir is not None,
+    }
+    for option, on in asked.items():
+        if on and option in parallel.refuses:
+            raise ValueError(
+                f"funcamp.{API}: {option} does not compose with {parallel.name}: "
+                f"{parallel.refuses[option]}"
+            )
+    cache_dir = check_cache_dir(API, opts.cache_dir, opts.compile, compile_options)
+    return _Checked(
+        pol,
+        _headroom_dtype(pol) if opts.headroom is not False else None,
+        opts.headroom if callable(opts.headroom) else None,
+        cache_dir,
+    )
+
+
+def _metrics(
+    loss: torch.Tensor,
+    grad_norm: Any,
+    scaler: ScalerState,
+    found_inf: torch.Tensor,
+    new_scaler: ScalerState,
+    aux: Any,
+    has_aux: bool,
+    room: Any,
+    lr: Any,
+) -> Metrics:
+    """The step's metrics: tensors only (no host sync)."""
+    metrics: Metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "scale": scaler.scale,
+        "found_inf": found_inf,
+        "skipped": new_scaler.skipped,
+        "lr": lr,
+    }
+    if grad_norm is None:  # grad_norm=False
+        del metrics["grad_norm"]
+    if lr is None:  # an optimizer without a learning rate
+        del metrics["lr"]
+    if has_aux:
+        metrics["aux"] = aux
+    if room is not None:
+        metrics["headroom"] = room.summary()
+    return metrics
+
+
+def build_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: Optimizer,
+    policy: Policy | str,
+    *,
+    parallel: Parallel | None = None,
+    options: StepOptions | None = None,
+    **compile_options: Any,
+) -> StepFn:
+    """``step(state, batch) -> (state, metrics)``: :func:`funcamp.make_train_step`'s step,
+    spread over processes by ``parallel`` (default: one process). See ``make_train_step`` for
+    the options."""
+    parallel = Parallel() if parallel is None else parallel
+    opts = StepOptions() if options is None else options
+    checked = check_step_options(loss_fn, optimizer, policy, parallel, opts, compile_options)
+    pol = checked.policy
+    run_loss = with_fp8_state(amp(loss_fn, pol))
+    fp8_stateful = needs_state(pol)
+    engine = Engine(
+        pieces=bool(opts.compile) and compile_options.get("fullgraph", True) is False,
+        compiled=bool(opts.compile),
+        fp8_stateful=fp8_stateful,
+    )
+
+    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        grads, loss, aux, new_buffers, new_fp8 = forward_backward(
+            API,
+            run_loss,
+            state,
+            batch,
+            has_aux=opts.has_aux,
+            returns_buffers=opts.returns_buffers,
+            fp8_stateful=fp8_stateful,
+            grad_and_value=engine(),
+            gather=parallel.gather,
+            fp8_reduce=parallel.fp8_reduce,
+        )
+        # The update needs no autograd: under no_grad nothing it makes carries a graph (params
+        # that require grad included), and the traced optimizer asks no tensor whether it does.
+        with torch.no_grad():
+            return apply_step(state, grads, loss, aux, new_buffers, new_fp8)
+
+    def apply_step(
+        state: TrainState, grads: PyTree, loss: Any, aux: Any, new_buffers: PyTree, new_fp8: Any
+    ) -> tuple[TrainState, Metrics]:
+        # Always checked (a rebound or added key would change the state's structure), and
+        # before anything is written into a donated state.
+        new_buffers = restore_buffers(API, new_buffers, state.buffers, opts.returns_buffers)
+        grads, loss, new_buffers, nonfinite = parallel.exchange(grads, loss, new_buffers)
+        # Donated state, all or nothing: every check and every computation that can fail runs
+        # before the first write; the buffers are written last, by plain copies.
+        write_buffers = _plan_write(new_buffers, state.buffers) if opts.donate_state else None
+        room = None
+        if checked.headroom_dtype is not None:  # on the scaled grads, before they are unscaled
+            room = _headroom(
+                grads,
+                state.scaler.scale,
+                checked.headroom_dtype,
+                scaled=True,
+                leaves=False,
+                include=checked.headroom_include,
+            )
+        lr = learning_rate(optimizer, state.opt_state)  # before a donated count is overwritten
+        # The grads are this step's own: donating them lets the eager path unscale in place.
+        params, opt_state, info = unscale_and_step(
+            state.scaler,
+            optimizer,
+            grads,
+            state.opt_state,
+            state.params,
+            donate_grads=True,
+            donate_state=opts.donate_state,
+            grad_norm=opts.grad_norm,
+            across=parallel.across(),
+        )
+        # A rank's inf/nan gradient makes the exchanged gradient inf/nan on every rank, so the
+        # step is skipped wherever `nonfinite` is set; OR-ing ties the flag reported and the
+        # scaler update to the consensus all the same.
+        found_inf = info.found_inf if nonfinite is None else info.found_inf | nonfinite
+        new_scaler = update(state.scaler, found_inf)
+        if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
+            new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
+        if write_buffers is not None:
+            new_buffers = write_buffers()
+        metrics = _metrics(
+            loss, info.grad_norm, state.scaler, found_inf, new_scaler, aux, opts.has_aux, room, lr
+        )
+        return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
+
+    settings = repr(
+        (
+            pol,
+            opts.has_aux,
+            opts.returns_buffers,
+            opts.donate_state,
+            describe_option(opts.headroom),
+            opts.grad_norm,
+        )
+    )
+    step = wrap_step(
+        API,
+        train_step,
+        optimizer=optimizer,
+        parallel=parallel,
+        engine=engine,
+        compile=opts.compile,
+        compile_options=compile_options,
+        donate_state=opts.donate_state,
+        cache=None if checked.cache_dir is None else (checked.cache_dir, loss_fn, settings),
+    )
+    step.__doc__ = (
+        f"A funcamp train step ({'compiled' if opts.compile else 'eager'}, policy {pol}, "
+        f"{parallel.name})."
+    )
+    return step
