@@ -33,7 +33,9 @@ from funcamp.policy.ops import OpPolicy, OpRule
 from funcamp.policy.policy import Policy, get_policy
 from funcamp.scaling.guard import ScaleCollapseError, ScaleCollapseGuard
 from funcamp.scaling.headroom import Headroom, headroom
-from funcamp.scaling.scaler import ScalerState, StepInfo, scale, unscale, unscale_and_step, update
+from funcamp.scaling.ops import scale, unscale, update
+from funcamp.scaling.state import ScalerState
+from funcamp.scaling.step import StepInfo, unscale_and_step
 from funcamp.train.checkpoint import load_state_dict, state_dict
 from funcamp.train.eval import make_eval_step
 from funcamp.train.loss import scaled_grad_and_value

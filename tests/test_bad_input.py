@@ -846,7 +846,7 @@ def test_fault_in_buffer_check_leaves_donated_state(monkeypatch):
 
 
 def test_fault_in_params_write_plan_leaves_donated_state(monkeypatch):
-    import funcamp.scaling.scaler as scaler_mod
+    import funcamp.scaling.step as scaler_mod
 
     real = scaler_mod._plan_write
     seen = []

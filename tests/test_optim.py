@@ -669,11 +669,23 @@ def test_updates_are_differentiable(make):
     [
         (lambda: funcamp.sgd(-0.1), r"funcamp\.sgd: `learning_rate` must be >= 0"),
         (lambda: funcamp.adam(-1.0), r"funcamp\.adam: `learning_rate` must be >= 0"),
-        (lambda: funcamp.adam(1e-3, b1=1.0), r"funcamp\.adam: `b1` must be in \[0.0, 1.0\)"),
-        (lambda: funcamp.adamw(1e-3, b2=-0.1), r"funcamp\.adamw: `b2` must be in \[0.0, 1.0\)"),
-        (lambda: funcamp.adam(1e-3, eps=-1e-8), r"funcamp\.adam: `eps` must be >= 0"),
+        (
+            lambda: funcamp.adam(1e-3, b1=1.0),
+            r"funcamp\.adam: `b1` must be a finite real number in \[0.0, 1.0\)",
+        ),
+        (
+            lambda: funcamp.adamw(1e-3, b2=-0.1),
+            r"funcamp\.adamw: `b2` must be a finite real number in \[0.0, 1.0\)",
+        ),
+        (
+            lambda: funcamp.adam(1e-3, eps=-1e-8),
+            r"funcamp\.adam: `eps` must be a finite real number >= 0",
+        ),
         (lambda: funcamp.adamw(1e-3, weight_decay=-1), r"funcamp\.adamw: `weight_decay` must be"),
-        (lambda: funcamp.sgd(0.1, weight_decay=-1), r"funcamp\.sgd: `weight_decay` must be >= 0"),
+        (
+            lambda: funcamp.sgd(0.1, weight_decay=-1),
+            r"funcamp\.sgd: `weight_decay` must be a finite real number >= 0",
+        ),
         (lambda: funcamp.sgd(0.1, nesterov=True), r"funcamp\.sgd: `nesterov` must be False"),
         (lambda: funcamp.sgd(0.1, 0.9, nesterov=True, dampening=0.1), r"`nesterov` must be"),
         (

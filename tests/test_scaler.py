@@ -1,4 +1,4 @@
-"""Tests for funcamp.scaling.scaler: ScalerState, scale, unscale, update, unscale_and_step."""
+"""Tests for funcamp.scaling (state, ops, step): ScalerState, scale, unscale, update, unscale_and_step."""
 
 from __future__ import annotations
 
@@ -100,7 +100,6 @@ def test_state_is_frozen():
         ({"backoff_factor": -0.5}, "backoff_factor", "got -0.5"),
         ({"growth_interval": 0}, "growth_interval", "got 0"),
         ({"growth_interval": -3}, "growth_interval", "got -3"),
-        ({"growth_interval": 2.5}, "growth_interval", "got 2.5"),
         ({"init_scale": 0.0}, "init_scale", "got 0.0"),
         ({"init_scale": -1.0}, "init_scale", "got -1.0"),
         ({"init_scale": math.inf}, "init_scale", "got inf"),
@@ -123,6 +122,16 @@ def test_dynamic_rejects_bad_config(kwargs, arg, needle):
     assert needle in msg
 
 
+def test_a_number_of_the_wrong_type_is_a_type_error():
+    """One dialect of number checks: the wrong type is a TypeError, a bad value a ValueError."""
+    with pytest.raises(TypeError, match=r"`growth_interval` must be an int >= 1, got float 2\.5"):
+        funcamp.ScalerState.dynamic(growth_interval=2.5)
+    with pytest.raises(TypeError, match=r"`growth_factor` must be a finite real number > 1"):
+        funcamp.ScalerState.dynamic(growth_factor="2")
+    with pytest.raises(TypeError, match=r"`alpha` must be a finite real number >= 0"):
+        funcamp.cosine_decay_schedule(1.0, 5, alpha=None)
+
+
 def test_static_rejects_bad_scale():
     for bad in (0.0, -2.0, math.inf, math.nan):
         with pytest.raises(ValueError, match=r"funcamp.ScalerState.static: `scale` must be"):
@@ -134,7 +143,7 @@ def test_direct_construction_validates_config():
     leaves = [getattr(s, n) for n in LEAF_FIELDS]
     with pytest.raises(ValueError, match=r"funcamp.ScalerState: `kind` must be one of"):
         funcamp.ScalerState(*leaves, kind="sometimes")
-    with pytest.raises(ValueError, match=r"`growth_factor` must be a finite float > 1"):
+    with pytest.raises(ValueError, match=r"`growth_factor` must be a finite real number > 1"):
         funcamp.ScalerState(*leaves, growth_factor=1.0)
 
 

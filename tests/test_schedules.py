@@ -102,11 +102,23 @@ def test_schedules_compile_without_recompiles_and_match_eager():
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: funcamp.linear_schedule(1.0, 0.0, 0), r"`transition_steps` must be >= 1, got 0"),
-        (lambda: funcamp.linear_schedule(1.0, 0.0, 5, -1), r"`transition_begin` must be >= 0"),
+        (
+            lambda: funcamp.linear_schedule(1.0, 0.0, 0),
+            r"`transition_steps` must be an int >= 1, got 0",
+        ),
+        (
+            lambda: funcamp.linear_schedule(1.0, 0.0, 5, -1),
+            r"`transition_begin` must be an int >= 0",
+        ),
         (lambda: funcamp.cosine_decay_schedule(1.0, 0), r"cosine_decay_schedule: `decay_steps`"),
-        (lambda: funcamp.cosine_decay_schedule(1.0, 5, alpha=-1), r"`alpha` must be >= 0"),
-        (lambda: funcamp.linear_warmup_cosine_decay(1.0, 5, 5), r"`decay_steps` must be >= 6"),
+        (
+            lambda: funcamp.cosine_decay_schedule(1.0, 5, alpha=-1),
+            r"`alpha` must be a finite real number >= 0",
+        ),
+        (
+            lambda: funcamp.linear_warmup_cosine_decay(1.0, 5, 5),
+            r"`decay_steps` must be an int >= 6",
+        ),
         (lambda: funcamp.constant_schedule(float("nan")), r"`value` must be a finite real"),
         (lambda: funcamp.linear_schedule(1.0, 0.0, 2.5), r"`transition_steps` must be an int"),
     ],

@@ -138,6 +138,53 @@ def any_flag(flags: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
 # numbers and flags
 
 
+#
+# One dialect for every number funcamp takes: a value of the wrong type (a string, a bool, a
+# tensor, None) is a TypeError; a number that is not finite or lies outside its range is a
+# ValueError. Both messages say what the argument must be.
+
+
+def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if low is None and high is None:
+        return ""
+    if high is None:
+        return f" {'>' if low_open else '>='} {low}"
+    if low is None:
+        return f" {'<' if high_open else '<='} {high}"
+    return f" in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+def check_real(
+    api: str,
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    hint: str = "",
+) -> float:
+    """A finite real number (not a bool) in the interval, returned as a float; ``hint`` ends
+    the message of an out-of-range value."""
+    where = _interval(low, high, low_open, high_open)
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(
+            f"funcamp.{api}: `{name}` must be a finite real number{where}, got {describe(value)}"
+        )
+    v = float(value)
+    ok = math.isfinite(v)
+    if ok and low is not None:
+        ok = v > low if low_open else v >= low
+    if ok and high is not None:
+        ok = v < high if high_open else v <= high
+    if not ok:
+        raise ValueError(
+            f"funcamp.{api}: `{name}` must be a finite real number{where}, got {v!r}{hint}"
+        )
+    return v
+
+
 def check_number(
     api: str,
     name: str,
@@ -147,20 +194,8 @@ def check_number(
     maximum: float | None = None,
     maximum_open: bool = True,
 ) -> float:
-    """A finite real hyperparameter in ``[minimum, maximum)`` (``]`` unless ``maximum_open``),
-    returned as a float."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise TypeError(f"funcamp.{api}: `{name}` must be a finite real number, got {value!r}")
-    value = float(value)
-    if maximum is None:
-        if value < minimum:
-            raise ValueError(f"funcamp.{api}: `{name}` must be >= {minimum}, got {value!r}")
-    elif value < minimum or value > maximum or (maximum_open and value == maximum):
-        bracket = ")" if maximum_open else "]"
-        raise ValueError(
-            f"funcamp.{api}: `{name}` must be in [{minimum}, {maximum}{bracket}, got {value!r}"
-        )
-    return value
+    """A finite real hyperparameter in ``[minimum, maximum)`` (``]`` unless ``maximum_open``)."""
+    return check_real(api, name, value, low=minimum, high=maximum, high_open=maximum_open)
 
 
 def check_flag(api: str, name: str, value: Any) -> None:
@@ -169,7 +204,12 @@ def check_flag(api: str, name: str, value: Any) -> None:
 
 
 def check_int(api: str, name: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """An int (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"funcamp.{api}: `{name}` must be an int >= {minimum}, got {describe(value)}"
+        )
+    if value < minimum:
         raise ValueError(f"funcamp.{api}: `{name}` must be an int >= {minimum}, got {value!r}")
     return value
 
@@ -352,88 +392,3 @@ def check_state_like(
             f"{shape} on {ref.device} to match its param, got {got}; build the state with the "
             "optimizer's init(params) (or TrainState.create)"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# scaler state
-
-#: ScalerState leaf -> its dtype (all 0-d).
-SCALER_LEAVES = {
-    "scale": torch.float32,
-    "growth_tracker": torch.int32,
-    "hysteresis_tracker": torch.int32,
-    "skipped": torch.int32,
-}
-
-
-def check_scaler_leaves(api: str, state: Any, arg: str = "state") -> None:
-    """Each leaf of a ScalerState must be a 0-d tensor of its dtype (metadata only)."""
-    for name, dtype in SCALER_LEAVES.items():
-        x = getattr(state, name)
-        if not isinstance(x, torch.Tensor) or x.dim() != 0 or x.dtype != dtype:
-            raise TypeError(
-                f"funcamp.{api}: `{arg}.{name}` must be a 0-d {dtype} tensor, got "
-                f"{describe(x)}; build scaler states with ScalerState.dynamic/static/noop (or "
-                "from_grad_scaler / load_state_dict), not positionally"
-            )
-
-
-def check_scaler_values(api: str, state: Any, arg: str = "state") -> None:
-    """Value checks for a ScalerState coming in from outside (a checkpoint, a GradScaler): reads
-    the four scalars (host sync: load time only, never on the step path). A stacked state (the
-    leaves of several states, as ``vmap`` makes) is checked element by element."""
-    for name, dtype in SCALER_LEAVES.items():
-        x = getattr(state, name)
-        if not isinstance(x, torch.Tensor) or x.dtype != dtype:
-            raise TypeError(
-                f"funcamp.{api}: `{arg}.{name}` must be a {dtype} tensor, got {describe(x)}"
-            )
-
-    def worst(x: torch.Tensor, bad: torch.Tensor) -> Any:
-        """The first offending value (a Python number), or None when there is none."""
-        bad = bad.reshape(-1).cpu()
-        if not bool(bad.any()):
-            return None
-        return x.reshape(-1).cpu()[bad][0].item()
-
-    scale = state.scale.detach().to(torch.float64)
-    f32max = torch.finfo(torch.float32).max
-    v = worst(scale, ~(torch.isfinite(scale) & (scale > 0) & (scale <= f32max)))
-    if v is not None:
-        raise ValueError(
-            f"funcamp.{api}: `{arg}.scale` must be finite and > 0, got {v!r} (a zero or "
-            "negative scale gives wrong gradients, a NaN one skips every step); start from a "
-            "fresh ScalerState.dynamic() or fix the checkpoint"
-        )
-    if state.kind == "noop":
-        v = worst(scale, scale != 1.0)
-        if v is not None:
-            raise ValueError(
-                f"funcamp.{api}: `{arg}.scale` must be 1.0 for a 'noop' scaler, got {v!r}"
-            )
-    if state.kind == "dynamic":
-        for bound, bad in (
-            ("min_scale", None if state.min_scale is None else scale < state.min_scale),
-            ("max_scale", None if state.max_scale is None else scale > state.max_scale),
-        ):
-            v = None if bad is None else worst(scale, bad)
-            if v is not None:
-                raise ValueError(
-                    f"funcamp.{api}: `{arg}.scale` must respect `{bound}` "
-                    f"({getattr(state, bound)!r}), got {v!r}"
-                )
-    for name, low, high, bound in (
-        (
-            "growth_tracker",
-            0,
-            state.growth_interval - 1,
-            f"[0, growth_interval={state.growth_interval})",
-        ),
-        ("hysteresis_tracker", 0, state.hysteresis, f"[0, hysteresis={state.hysteresis}]"),
-        ("skipped", 0, None, "[0, inf)"),
-    ):
-        x = getattr(state, name).detach()
-        bad = x < low if high is None else (x < low) | (x > high)
-        v = worst(x, bad)
-        if v is not None:
-            raise ValueError(f"funcamp.{api}: `{arg}.{name}` must be in {bound}, got {v}")

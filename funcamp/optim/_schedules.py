@@ -14,6 +14,8 @@ from numbers import Real
 
 import torch
 
+from funcamp._core.checks import check_int, check_real
+
 __all__ = [
     "Schedule",
     "constant_schedule",
@@ -24,22 +26,6 @@ __all__ = [
 
 #: A schedule maps the step count (0-d integer tensor) to a 0-d float32 tensor.
 Schedule = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _check_real(api: str, name: str, value: object, *, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise TypeError(f"funcamp.{api}: `{name}` must be a finite real number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"funcamp.{api}: `{name}` must be >= {minimum}, got {value!r}")
-    return float(value)
-
-
-def _check_int(api: str, name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"funcamp.{api}: `{name}` must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"funcamp.{api}: `{name}` must be >= {minimum}, got {value!r}")
-    return value
 
 
 def _as_f64(count: torch.Tensor, api: str = "schedule") -> torch.Tensor:
@@ -69,7 +55,7 @@ def constant_schedule(value: float) -> Schedule:
         >>> funcamp.constant_schedule(0.1)(torch.tensor(7))
         tensor(0.1000)
     """
-    value = _check_real("constant_schedule", "value", value)
+    value = check_real("constant_schedule", "value", value)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
         return torch.full_like(_as_f64(count, "constant_schedule"), value).to(torch.float32)
@@ -98,10 +84,10 @@ def linear_schedule(
         [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     """
     api = "linear_schedule"
-    init_value = _check_real(api, "init_value", init_value)
-    end_value = _check_real(api, "end_value", end_value)
-    transition_steps = _check_int(api, "transition_steps", transition_steps, minimum=1)
-    transition_begin = _check_int(api, "transition_begin", transition_begin, minimum=0)
+    init_value = check_real(api, "init_value", init_value)
+    end_value = check_real(api, "end_value", end_value)
+    transition_steps = check_int(api, "transition_steps", transition_steps, minimum=1)
+    transition_begin = check_int(api, "transition_begin", transition_begin, minimum=0)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
         t = torch.clamp(_as_f64(count, api) - transition_begin, 0.0, float(transition_steps))
@@ -131,10 +117,10 @@ def cosine_decay_schedule(
         [1.0, 0.8536, 0.5, 0.1464, 0.0]
     """
     api = "cosine_decay_schedule"
-    init_value = _check_real(api, "init_value", init_value)
-    decay_steps = _check_int(api, "decay_steps", decay_steps, minimum=1)
-    alpha = _check_real(api, "alpha", alpha, minimum=0.0)
-    exponent = _check_real(api, "exponent", exponent)
+    init_value = check_real(api, "init_value", init_value)
+    decay_steps = check_int(api, "decay_steps", decay_steps, minimum=1)
+    alpha = check_real(api, "alpha", alpha, low=0.0)
+    exponent = check_real(api, "exponent", exponent)
     if exponent <= 0:
         raise ValueError(f"funcamp.{api}: `exponent` must be > 0, got {exponent!r}")
 
@@ -174,12 +160,12 @@ def linear_warmup_cosine_decay(
         [0.0, 0.5, 1.0, 0.854, 0.5, 0.146, 0.0]
     """
     api = "linear_warmup_cosine_decay"
-    peak_value = _check_real(api, "peak_value", peak_value)
-    warmup_steps = _check_int(api, "warmup_steps", warmup_steps, minimum=0)
-    decay_steps = _check_int(api, "decay_steps", decay_steps, minimum=warmup_steps + 1)
-    init_value = _check_real(api, "init_value", init_value)
-    end_value = _check_real(api, "end_value", end_value)
-    exponent = _check_real(api, "exponent", exponent)
+    peak_value = check_real(api, "peak_value", peak_value)
+    warmup_steps = check_int(api, "warmup_steps", warmup_steps, minimum=0)
+    decay_steps = check_int(api, "decay_steps", decay_steps, minimum=warmup_steps + 1)
+    init_value = check_real(api, "init_value", init_value)
+    end_value = check_real(api, "end_value", end_value)
+    exponent = check_real(api, "exponent", exponent)
     if exponent <= 0:
         raise ValueError(f"funcamp.{api}: `exponent` must be > 0, got {exponent!r}")
     cosine_steps = decay_steps - warmup_steps

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from funcamp._core.tree import describe
-from funcamp.scaling.scaler import ScalerState
+from funcamp.scaling.state import ScalerState
 
 __all__ = ["ScaleCollapseError", "ScaleCollapseGuard"]
 

@@ -18,7 +18,7 @@ import optree
 import torch
 
 from funcamp._core.tree import NAMESPACE, describe, dotted_path
-from funcamp.scaling.scaler import ScalerState
+from funcamp.scaling.state import ScalerState
 
 __all__ = ["Headroom", "headroom"]
 

@@ -48,7 +48,7 @@ import torch
 from funcamp._core.tree import NAMESPACE, path_str
 from funcamp.policy.ops import OpPolicy, OpRule
 from funcamp.policy.policy import Policy
-from funcamp.scaling.scaler import ScalerState
+from funcamp.scaling.state import ScalerState
 
 __all__ = [
     "Node",

@@ -16,9 +16,8 @@ from typing import Any
 import optree
 import torch
 
-from funcamp._core.checks import check_scaler_values
 from funcamp._core.tree import NAMESPACE, describe
-from funcamp.scaling.scaler import _CONFIG, _LEAVES, ScalerState
+from funcamp.scaling.state import CONFIG, LEAVES, ScalerState, check_scaler_values
 
 __all__ = ["load_state_dict", "state_dict"]
 
@@ -53,7 +52,7 @@ def _save_tensor(t: torch.Tensor) -> torch.Tensor:
 def _children(node: Any, path: tuple[Any, ...], api: str) -> tuple[list[Any], list[Any]]:
     """(keys, children) of a container node, in the order they are saved."""
     if isinstance(node, ScalerState):
-        return list(_LEAVES), [getattr(node, k) for k in _LEAVES]
+        return list(LEAVES), [getattr(node, k) for k in LEAVES]
     if _is_namedtuple(node):
         return list(node._fields), list(node)
     if isinstance(node, dict):
@@ -82,7 +81,7 @@ def _encode(node: Any, path: tuple[Any, ...]) -> Any:
     keys, children = _children(node, path, "state_dict")
     encoded = {k: _encode(c, (*path, k)) for k, c in zip(keys, children)}
     if isinstance(node, ScalerState):
-        encoded.update({name: getattr(node, name) for name in _CONFIG})
+        encoded.update({name: getattr(node, name) for name in CONFIG})
     return encoded
 
 
@@ -139,7 +138,7 @@ def _decode(template: Any, value: Any, path: tuple[Any, ...]) -> Any:
     keys, children = _children(template, path, "load_state_dict")
     expected_keys = list(keys)
     if isinstance(template, ScalerState):
-        expected_keys += list(_CONFIG)
+        expected_keys += list(CONFIG)
     if not isinstance(value, dict):
         raise _mismatch(path, f"a dict with keys {expected_keys}", value)
     missing = [k for k in expected_keys if k not in value]
@@ -162,7 +161,7 @@ def _decode(template: Any, value: Any, path: tuple[Any, ...]) -> Any:
     decoded = [_decode(c, value[k], (*path, k)) for k, c in zip(keys, children)]
 
     if isinstance(template, ScalerState):
-        config = {name: value[name] for name in _CONFIG}
+        config = {name: value[name] for name in CONFIG}
         try:
             state = ScalerState(*decoded, **config)
         except (TypeError, ValueError) as e:

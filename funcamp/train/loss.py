@@ -22,7 +22,8 @@ from funcamp._core.context import plain_eager
 from funcamp._core.progress import logger
 from funcamp._core.tree import NAMESPACE, describe, path_str, unflatten
 from funcamp.casting.fp8 import Fp8State, fp8_update
-from funcamp.scaling.scaler import ScalerState, scale
+from funcamp.scaling.ops import scale
+from funcamp.scaling.state import ScalerState
 from funcamp.train.errors import refuses_torch_func, user_frame
 
 __all__ = [

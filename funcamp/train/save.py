@@ -45,7 +45,7 @@ from funcamp._core.atomic import atomic_write
 from funcamp._core.tree import NAMESPACE, describe
 from funcamp._core.version import __version__
 from funcamp.policy.policy import Policy, as_policy
-from funcamp.scaling.scaler import _CONFIG, _LEAVES
+from funcamp.scaling.state import CONFIG, LEAVES
 from funcamp.train.checkpoint import load_state_dict, state_dict
 
 __all__ = ["CheckpointInfo", "checkpoint_info", "load", "save"]
@@ -58,7 +58,7 @@ _FORMAT_VERSION = 1
 _HEADER = "funcamp.pt"  # the commit record of a multi-rank checkpoint directory
 _DATA_PREFIX = "data-"
 _TENSOR = "funcamp.tensor"  # placeholder tag in a multi-rank checkpoint's structure
-_SCALER_KEYS = frozenset((*_LEAVES, *_CONFIG))
+_SCALER_KEYS = frozenset((*LEAVES, *CONFIG))
 
 
 class CheckpointInfo(NamedTuple):

@@ -16,7 +16,7 @@ from funcamp.casting.fp8 import Fp8State, needs_state
 from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import init_from_exact
 from funcamp.policy.policy import Policy, as_policy
-from funcamp.scaling.scaler import ScalerState
+from funcamp.scaling.state import ScalerState
 
 __all__ = [
     "TrainState",

@@ -31,7 +31,9 @@ from funcamp.casting.fp8 import needs_state, with_fp8_state
 from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.headroom import _headroom, _headroom_dtype
-from funcamp.scaling.scaler import ScalerState, unscale_and_step, update
+from funcamp.scaling.ops import update
+from funcamp.scaling.state import ScalerState
+from funcamp.scaling.step import unscale_and_step
 from funcamp.train.compile import check_cache_dir, describe_option, wrap_step
 from funcamp.train.loss import Engine, forward_backward, restore_buffers
 from funcamp.train.parallel import Parallel

@@ -1,0 +1,343 @@
+"""The step algorithm: :func:`unscale_and_step` -- unscale, the optimizer, and the skip of an
+overflowed step -- with its eager fast path and its traced (pure) path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from funcamp._core.checks import check_flag, check_grads_match
+from funcamp._core.collectives import Across, any_across, summing_across
+from funcamp._core.context import compiling, eager_path
+from funcamp._core.tree import (
+    _BITS,
+    _plan_write,
+    _select,
+    _sharing_memory,
+    _storage_key,
+    describe,
+    tree_select,
+    unflatten,
+)
+from funcamp.optim._base import (
+    Optimizer,
+    apply_updates,
+    apply_updates_owned,
+    exclusive,
+    update_tensors,
+)
+from funcamp.scaling.ops import (
+    _disjoint,
+    _floating,
+    _fused_unscale,
+    _refill,
+    _unscale_leaves,
+)
+from funcamp.scaling.state import ScalerState, _check_scaler
+
+PyTree = Any
+
+
+class StepInfo(NamedTuple):
+    """What :func:`unscale_and_step` learned about the step, as tensors (no host sync).
+
+    Attributes:
+        found_inf: 0-d bool, True when the scaled gradients had an inf or nan and the step was
+            skipped.
+        grad_norm: 0-d float32, the global L2 norm of the unscaled gradients; ``None`` when
+            the step was asked not to compute it (``grad_norm=False``).
+
+    Example:
+        >>> import torch, funcamp
+        >>> info = funcamp.StepInfo(torch.tensor(False), torch.tensor(1.5))
+        >>> info.found_inf, info.grad_norm
+        (tensor(False), tensor(1.5000))
+    """
+
+    found_inf: torch.Tensor
+    grad_norm: torch.Tensor | None
+
+
+_TINY = float.fromhex("0x1p-1074")  # the smallest float64 subnormal
+
+_NEGATIVE_ZERO = -0.0
+
+
+def _adds_negative_zero_exactly() -> bool:
+    """False when the CPU flushes subnormals (``torch.set_flush_denormal(True)`` sets the
+    thread's DAZ/FTZ flags, which Python's own float arithmetic obeys too), where ``p + -0.0`` is
+    not ``p``. Plain Python floats held in variables: no tensor, no host sync, no constant
+    folding."""
+    return _TINY + _NEGATIVE_ZERO != 0.0
+
+
+def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
+    """Returns ``mask(delta)``, which turns an owned float32/float64 delta into ``-0.0``
+    everywhere when ``found_inf`` (and leaves it alone otherwise), in place and without a host
+    sync: on the integer view, ``min(bits, cap)`` with a 0-d ``cap`` that is the smallest
+    integer (the bits of ``-0.0``) when ``found_inf`` and the largest otherwise. Then
+    ``p + delta`` is the new param, or ``p`` itself (``p + -0.0 == p`` bit for bit, signed zeros
+    and infinities included), so the skip-step select costs one cheap vectorized pass over the
+    delta instead of a (scalar, twice as slow) ``torch.where`` pass over both trees. Declines (returns False, and the caller selects with ``torch.where``) for
+    CPU tensors while subnormals are flushed. A signaling-NaN param (torch never makes one)
+    would come back quiet from a skipped step.
+    """
+    caps: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    cpu_exact: list[bool] = []
+
+    def mask(delta: torch.Tensor) -> bool:
+        int_dtype = _BITS.get(delta.dtype)  # deltas owned here are float32/float64
+        if int_dtype is None:
+            return False
+        if delta.device.type == "cpu":
+            if not cpu_exact:
+                cpu_exact.append(_adds_negative_zero_exactly())
+            if not cpu_exact[0]:
+                return False
+        key = (delta.device, int_dtype)
+        if key not in caps:
+            info = torch.iinfo(int_dtype)
+            caps[key] = torch.where(found_inf.to(delta.device), info.min, info.max).to(int_dtype)
+        delta.view(int_dtype).clamp_max_(caps[key])
+        return True
+
+    return mask
+
+
+def _global_norm(leaves: list[torch.Tensor], device: torch.device, eager: bool) -> torch.Tensor:
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if eager:
+        norms = list(torch._foreach_norm(leaves))
+    else:
+        norms = [torch.linalg.vector_norm(x) for x in leaves]
+    norms = [n.to(device=device, dtype=torch.float32) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def unscale_and_step(
+    state: ScalerState,
+    optimizer: Optimizer,
+    grads: PyTree,
+    opt_state: PyTree,
+    params: PyTree,
+    *,
+    group: Any = None,
+    donate_grads: bool = False,
+    donate_state: bool = False,
+    grad_norm: bool = True,
+    across: Across | None = None,
+) -> tuple[PyTree, PyTree, StepInfo]:
+    """Unscale ``grads``, apply ``optimizer``, and skip the step if the grads overflowed.
+
+    Runs :func:`unscale`, then ``optimizer.update(grads, opt_state, params)`` and
+    :func:`funcamp.apply_updates`; where ``found_inf`` is True the old ``params`` and
+    ``opt_state`` are returned bit-identical (selected leaf-wise with :func:`funcamp.tree_select`,
+    no host sync). Call :func:`update` with ``info.found_inf`` afterwards.
+
+    The inputs are checked first (trees, shapes, the optimizer state against the params, the
+    learning rate), before the grads are touched or anything is written: a refused call changes
+    nothing, donated or not. A tensor learning rate that is NaN, infinite or negative at run
+    time skips the step like an overflow (``found_inf`` is True).
+
+    Args:
+        state: the scaler state the loss was scaled with.
+        optimizer: a :class:`funcamp.Optimizer`.
+        grads: scaled gradients, with the structure and shapes of ``params``.
+        opt_state: the optimizer state.
+        params: the parameters.
+        group: optional process group; when given, ``found_inf`` is OR-ed across its ranks
+            (:func:`funcamp.distributed.any_across`) so every rank skips together.
+        donate_grads: opt-in, for callers that own ``grads`` and never use them again (a train
+            step whose grads come from ``torch.func.grad`` inside the step). In plain eager the
+            grads are then unscaled in place and their memory may be reused for the results
+            (the updates, even the returned params), saving fresh allocations; the results are
+            identical. Donated grads must not be used after the call. Grads that share memory
+            with each other, ``params``, ``opt_state`` or ``state``, or between their own
+            elements (an expanded tensor), are copied instead.
+            Default False: no argument is ever modified.
+        donate_state: opt-in, for callers that keep only the returned params and optimizer
+            state (``params, opt_state, info = unscale_and_step(...)``): the new values are
+            written into the tensors of ``params`` and ``opt_state``, which are returned, as
+            ``torch.optim`` updates in place (compiled, inductor stores straight into them). In
+            plain eager, :func:`funcamp.sgd` without momentum (float32 params, no low-precision
+            mode) then runs torch's fused SGD kernel, which skips on ``found_inf`` by itself
+            (no host sync): one pass over the params, GradScaler's own cost, and
+            ``torch.optim.SGD``'s params bit for bit (the out-of-place path adds a delta, which
+            can be an ulp off where a step nearly reaches zero). Tensors of
+            ``params``/``opt_state`` that share memory are refused (eager).
+
+        grad_norm: compute ``info.grad_norm``, the global L2 norm of the unscaled gradients
+            (default True). It is one more pass over every gradient (a norm per leaf and their
+            norm); ``False`` skips it and ``info.grad_norm`` is ``None``.
+        across: gradients held as shards (a sharded step: each rank holds a part of some
+            leaves, :class:`funcamp.distributed.Across`): ``found_inf`` is OR-ed and the norm
+            summed over its ranks (one small all-reduce, always: every rank must skip
+            together), and :func:`funcamp.clip_by_global_norm` inside ``optimizer`` clips by
+            the global norm too.
+
+    Returns:
+        ``(params, opt_state, StepInfo(found_inf, grad_norm))``; ``grad_norm`` is the global L2
+        norm of the unscaled gradients (float32), or ``None`` with ``grad_norm=False``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> s, opt = funcamp.ScalerState.dynamic(init_scale=4.0), funcamp.sgd(0.5)
+        >>> params = {"w": torch.tensor([1.0, 1.0])}
+        >>> opt_state = opt.init(params)
+        >>> grads = {"w": torch.tensor([4.0, 0.0])}
+        >>> new, opt_state, info = funcamp.unscale_and_step(s, opt, grads, opt_state, params)
+        >>> new["w"], info.found_inf, info.grad_norm
+        (tensor([0.5000, 1.0000]), tensor(False), tensor(1.))
+        >>> bad = {"w": torch.tensor([float("nan"), 0.0])}
+        >>> funcamp.unscale_and_step(s, opt, bad, opt_state, new)[0]["w"]
+        tensor([0.5000, 1.0000])
+
+        Donating grads that nobody else holds (here made on the spot) skips their copy:
+
+        >>> new, opt_state, info = funcamp.unscale_and_step(
+        ...     s, opt, {"w": torch.tensor([4.0, 0.0])}, opt_state, new, donate_grads=True
+        ... )
+        >>> new["w"]
+        tensor([0., 1.])
+    """
+    api = "unscale_and_step"
+    caps, flat = _check_step_args(api, state, optimizer, grads, params, donate_grads, donate_state)
+    check_flag(api, "grad_norm", grad_norm)
+    # Everything that can refuse these inputs runs before the grads are touched (donated grads
+    # are unscaled in place) and before anything is written (donate_state): the optimizer state
+    # is checked against the params, and the learning rate evaluated, here.
+    bad_lr = None if caps.preflight is None else caps.preflight(grads, opt_state, params)
+    if donate_state and not compiling():
+        shared = _sharing_memory({"params": params, "opt_state": opt_state})
+        if shared is not None:
+            raise ValueError(
+                f"funcamp.{api}: with donate_state=True the new values are written into the "
+                f"tensors of `params` and `opt_state`, but {shared[0]} and {shared[1]} share "
+                "memory; give each its own tensor (clone) or pass donate_state=False"
+            )
+    leaves, spec, idx = _floating(grads, flat)
+    floating = [leaves[i] for i in idx]
+    # The execution path, chosen once: eager (torch's fused unscale kernel, in-place reuse of
+    # this step's temporaries, the optimizer's fused kernel on a donated state) or traced (pure
+    # ops; under compile inductor fuses the whole step anyway). Results are identical.
+    # (Under torch.compile the answer is "traced" without looking at the inputs.)
+    traced = compiling()
+    inputs = (
+        [] if traced else update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
+    )
+    eager = not traced and _fused_unscale(floating + inputs)
+    taken: set[int | None] = set()
+    donate = False
+    if eager:
+        taken = {_storage_key(x) for x in inputs}
+        donate = donate_grads and _disjoint(floating, taken)
+        if not donate:
+            taken.update(_storage_key(x) for x in floating)
+    out, found_inf = _unscale_leaves(floating, state.scale, eager, donate=donate)
+    unscaled = unflatten(spec, _refill(leaves, idx, out))
+    if group is not None:
+        found_inf = any_across(found_inf, group)
+    if bad_lr is not None:  # a NaN/inf/negative tensor learning rate: the step is skipped
+        found_inf = found_inf | bad_lr.to(found_inf.device)
+    # Before the optimizer: on the eager path it may overwrite the unscaled grads in place.
+    if across is not None:  # shards: the flag and the norm over every rank, in one all-reduce
+        found_inf, total = across.reduce(found_inf, [x.float().square().sum() for x in out])
+        norm = total.sqrt() if grad_norm else None
+    else:
+        norm = _global_norm(out, state.scale.device, eager) if grad_norm else None
+    info = StepInfo(found_inf, norm)
+    if eager and donate_state and caps.fused_step is not None:
+        new_state = caps.fused_step(out, opt_state, params, found_inf)
+        if new_state is not None:
+            return params, new_state, info
+    with summing_across(across):
+        if eager:
+            params_out, opt_state_out = _step_eager(
+                optimizer, unscaled, opt_state, params, found_inf, taken, out
+            )
+        else:
+            params_out, opt_state_out = _step_traced(
+                optimizer, unscaled, opt_state, params, found_inf
+            )
+    if donate_state:
+        # Both trees are matched before either is written: all or nothing.
+        write_params = _plan_write(params_out, params)
+        write_opt_state = _plan_write(opt_state_out, opt_state)
+        params_out, opt_state_out = write_params(), write_opt_state()
+    return params_out, opt_state_out, info
+
+
+def _check_step_args(
+    api: str,
+    state: Any,
+    optimizer: Any,
+    grads: PyTree,
+    params: PyTree,
+    donate_grads: Any,
+    donate_state: Any,
+) -> tuple[Any, tuple[list[Any], Any]]:
+    """Validate :func:`unscale_and_step`'s arguments; returns the optimizer's capabilities and
+    the grads flattened (leaves, treespec)."""
+    _check_scaler(api, state)
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got {describe(optimizer)}"
+        )
+    check_flag(api, "donate_grads", donate_grads)
+    check_flag(api, "donate_state", donate_state)
+    return optimizer.capabilities, check_grads_match(api, grads, params)
+
+
+def _step_traced(
+    optimizer: Optimizer, unscaled: PyTree, opt_state: PyTree, params: PyTree, found_inf: Any
+) -> tuple[PyTree, PyTree]:
+    """The traced path: update, apply and select, all pure."""
+    updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
+    new_params = apply_updates(params, updates)
+    return (
+        tree_select(found_inf, params, new_params),
+        tree_select(found_inf, opt_state, new_opt_state),
+    )
+
+
+def _step_eager(
+    optimizer: Optimizer,
+    unscaled: PyTree,
+    opt_state: PyTree,
+    params: PyTree,
+    found_inf: torch.Tensor,
+    taken: set[int | None],
+    grads: list[torch.Tensor],
+) -> tuple[PyTree, PyTree]:
+    """The eager path: the unscaled ``grads`` are this step's own (or donated), so an optimizer
+    that declares ``update_owned`` may overwrite them; one that declares ``fresh`` returns only
+    new tensors or its inputs' leaves, so each new tensor that shares memory with no input and no
+    other output is ours to reuse: a delta receives its new param (after the skip mask), a new
+    state leaf its selection."""
+    caps = optimizer.capabilities
+    if caps.update_owned is not None:
+        updates, new_opt_state = caps.update_owned(unscaled, opt_state, params, grads)
+    else:
+        updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
+    owned = None
+    if caps.fresh:
+        made = update_tensors(updates) + update_tensors(new_opt_state)
+        if eager_path(made):
+            ours = {id(x) for x, ok in zip(made, exclusive(made, [])) if ok}
+            taken_now = taken
+
+            def owned(x: torch.Tensor) -> bool:
+                return id(x) in ours and _storage_key(x) not in taken_now
+
+    new_params, fresh, done = apply_updates_owned(
+        params, updates, owned, _skip_mask(found_inf) if owned is not None else None
+    )
+    params_out = _select(
+        found_inf, params, new_params, lambda x: id(x) in fresh, lambda x: id(x) in done
+    )
+    opt_state_out = _select(found_inf, opt_state, new_opt_state, owned or (lambda x: False))
+    return params_out, opt_state_out
