@@ -10,7 +10,8 @@ from funcamp import optim as optim  # the public funcamp.optim submodule
 from funcamp._core.tree import all_finite, tree_cast, tree_select
 from funcamp._core.version import __version__ as __version__
 from funcamp.casting.amp import amp, full_precision
-from funcamp.casting.fp8 import Fp8Fallback, Fp8Record, Fp8State, fp8_update, with_fp8_state
+from funcamp.casting.fp8 import Fp8State, fp8_update, with_fp8_state
+from funcamp.casting.fp8_matmul import Fp8Fallback, Fp8Record
 from funcamp.casting.trace import AmpTrace, OpRecord, OpStats, trace
 from funcamp.entry import make_train_step
 from funcamp.optim._base import Optimizer, apply_updates, chain
@@ -37,9 +38,10 @@ from funcamp.scaling.ops import scale, unscale, update
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import StepInfo, unscale_and_step
 from funcamp.train.checkpoint import load_state_dict, state_dict
+from funcamp.train.ckpt_format import CheckpointInfo
 from funcamp.train.eval import make_eval_step
 from funcamp.train.loss import scaled_grad_and_value
-from funcamp.train.save import CheckpointInfo, checkpoint_info, load, save
+from funcamp.train.save import checkpoint_info, load, save
 from funcamp.train.search import PolicyDecision, SearchReport, search_policy
 from funcamp.train.state import TrainState, load_into_module, params_and_buffers
 

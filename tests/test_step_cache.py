@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import funcamp
-from funcamp.train.cache import cache_support
+from funcamp.train.describe import cache_support
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -324,7 +324,7 @@ def test_the_key_is_the_same_in_every_process():
 
 
 def test_descriptions_compare_values_not_only_types():
-    from funcamp.train.cache import _opaque, describe_value
+    from funcamp.train.describe import _opaque, describe_value
 
     d = describe_value
     assert d({"half", "x"}) != d({"double", "x"})
@@ -339,7 +339,7 @@ def test_descriptions_compare_values_not_only_types():
 
 
 def test_checks_look_at_what_each_guard_looks_at():
-    from funcamp.train.cache import _NO_PARAM, _views
+    from funcamp.train.describe import _NO_PARAM, _views
 
     env = {"A": "1", "B": "2", "PATH": "/bin"}
     contains = {"DICT_CONTAINS": ["A", "B"]}  # two keys guarded on one dict: both compared
@@ -487,7 +487,7 @@ def test_a_value_assumed_constant_is_not_saved(tmp_path, caplog):
 def test_values_dynamo_folds_without_a_guard_are_in_the_key():
     """Autocast dtypes, the default dtype, distributed rank and world size, GPU availability:
     dynamo bakes them into a graph unguarded, so two processes that differ get two keys."""
-    from funcamp.train.cache import step_key
+    from funcamp.train.describe import step_key
 
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)

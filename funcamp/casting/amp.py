@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from funcamp._core.context import compiling
 from funcamp.casting import dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
-from funcamp.casting.fp8 import FP8_OPS, Fp8Fallback, run_fp8
+from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, run_fp8
 from funcamp.policy.modules import glob_match
 from funcamp.policy.ops import (
     DTYPE_ARG_OPS,

@@ -11,7 +11,7 @@ and the declared :class:`~funcamp.optim.Capabilities`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -164,106 +164,50 @@ def build(
             f"funcamp.{api}: `buffers` must be fields of {state_type.__name__} between count "
             f"and low, got {unknown}"
         )
-    lr_fn = learning_rate_fn(api, learning_rate)
     mode = select_mode(api, master_weights, kahan, stochastic_rounding, seed)
-    masked = mask is not None
-    need_params = needs_params or mode is not None
+    cfg = _Config(
+        api,
+        state_type,
+        names,
+        step,
+        learning_rate_fn(api, learning_rate),
+        mode,
+        needs_params or mode is not None,
+        seed,
+        mask,
+    )
 
     def init(params: PyTree) -> Any:
-        leaves, spec = flatten_params(api, params)
-        if masked:
-            mask_flags(api, mask, params, strict=True)  # a mask that does not fit fails here
-        device = leaves[0].device if leaves else torch.device("cpu")
-        state = {f: () for f in fields}
-        for b in names:
-            state[b] = unflatten(
-                spec, [torch.zeros_like(p, dtype=math_dtype(p.dtype)) for p in leaves]
-            )
-        state["count"] = torch.zeros((), dtype=torch.int32, device=device)
-        state["low"] = init_mode(mode, leaves, spec, seed)
-        return state_type(**state)
+        return _init(cfg, params)
 
-    def _check_state_type(state: Any) -> None:
-        if not isinstance(state, state_type):
-            raise TypeError(
-                f"funcamp.{api}: `state` must be a {state_type.__name__} from this optimizer's "
-                f"init, got {type(state).__name__}"
-            )
+    def run(
+        grads: PyTree, state: Any, params: PyTree, owned: Sequence[torch.Tensor]
+    ) -> tuple[PyTree, Any]:
+        return _run(cfg, grads, state, params, owned)
 
-    def checked(grads: PyTree, state: Any, params: PyTree) -> tuple[Tensors, Tensors | None, Any]:
-        """Flatten the inputs, checking the state against them (metadata only)."""
-        _check_state_type(state)
-        gs, ps, spec = flatten_grads(api, grads, params, need_params=need_params)
-        if ps is not None:
-            _check_grads_not_wider(api, gs, ps, grads)
-        check_count(api, "count", state.count)
-        if gs and names:
-            dtypes = [math_dtype(r.dtype) for r in (ps if ps is not None else gs)]
-            for b in names:
-                leaves = state_leaves(api, b, getattr(state, b), spec)
-                check_state_like(api, b, leaves, gs, dtypes, grads)
-        if ps is not None:
-            check_mode_state(api, mode, state.low, ps, spec, grads)
-        return gs, ps, spec
+    def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        return _run(cfg, grads, state, params, ())
 
     def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
         if compiling():
             # update() runs the same checks while dynamo traces, so they still raise before
             # anything runs; tracing them twice cost ~10 % of a GPT step's trace.
-            _check_state_type(state)
+            _check_state_type(cfg, state)
         else:
-            checked(grads, state, params)
-        return lr_fn(state.count)[1]
+            _checked(cfg, grads, state, params)
+        return cfg.lr_fn(state.count)[1]
 
-    def run(
-        grads: PyTree, state: Any, params: PyTree, owned: Sequence[torch.Tensor]
-    ) -> tuple[PyTree, Any]:
-        gs, ps, spec = checked(grads, state, params)
-        count = state.count
-        if not gs:
-            return unflatten(spec, []), state._replace(count=count + 1)
-        lr = lr_fn(count)[0]
-        bufs = {b: state_leaves(api, b, getattr(state, b), spec) for b in names}
-        low_leaves = optree.tree_leaves(state.low)
-        ops: Ops = choose_ops(
-            [*gs, *(ps or ()), *(x for v in bufs.values() for x in v), *low_leaves, count, lr],
-            owned=_owned_grads(gs, owned),
-            device=gs[0].device,
-        )
-        g = ops.to_math(gs)
-        pm = math_params(api, mode, state.low, ps, spec) if ps is not None else None
-        if masked:
-            flags = mask_flags(api, mask, params) if ps is not None else None
-            deltas, new_bufs = step(ops, g, pm, bufs, lr, count, mask=flags)
-        else:
-            deltas, new_bufs = step(ops, g, pm, bufs, lr, count)
-        updates, low = to_updates(api, mode, state.low, count, deltas, ps, spec)
-        new_state = {b: unflatten(spec, new_bufs[b]) for b in names}
-        return updates, state._replace(count=count + 1, low=low, **new_state)
-
-    def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-        return run(grads, state, params, ())
+    def rate(state: Any) -> torch.Tensor:
+        _check_state_type(cfg, state)
+        lr = cfg.lr_fn(state.count)[0]
+        return lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, device=state.count.device)
 
     fused_step = None
     if fused_kernel is not None and mode is None:
         kernel = fused_kernel
 
         def fused_step(grads: Tensors, state: Any, params: PyTree, found_inf: torch.Tensor) -> Any:
-            # After the caller's checks (per step, so cheap): float32 tensors on one device.
-            ps = flatten(params)[0]
-            if not ps or len(grads) != len(ps):
-                return None
-            for x in ps + grads:  # a float32 tensor is a floating one
-                if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-                    return None
-            if len({p.get_device() for p in ps}) != 1:  # x.device costs more, per leaf
-                return None
-            return kernel(ps, grads, state, lr_fn(state.count)[0], found_inf)
-
-    def rate(state: Any) -> torch.Tensor:
-        _check_state_type(state)
-        lr = lr_fn(state.count)[0]
-        return lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, device=state.count.device)
+            return _fused(cfg, kernel, grads, state, params, found_inf)
 
     return Optimizer(
         init,
@@ -276,6 +220,112 @@ def build(
             learning_rate=rate,
         ),
     )
+
+
+class _Config(NamedTuple):
+    """An elementwise optimizer, as :func:`build` checked it (plain values: a compiled step is
+    specialised on them, and a step kept on disk compares them when it is loaded)."""
+
+    api: str
+    state_type: type
+    names: tuple[str, ...]  # the buffers in use
+    step: Step
+    lr_fn: Callable[..., Any]  # count -> (lr, unusable flag)
+    mode: Any  # the low-precision mode, or None
+    need_params: bool
+    seed: int
+    mask: Any  # the weight-decay mask, or None
+
+
+def _init(cfg: _Config, params: PyTree) -> Any:
+    leaves, spec = flatten_params(cfg.api, params)
+    if cfg.mask is not None:
+        mask_flags(cfg.api, cfg.mask, params, strict=True)  # a mask that does not fit fails here
+    device = leaves[0].device if leaves else torch.device("cpu")
+    state = {f: () for f in cfg.state_type._fields}
+    for b in cfg.names:
+        state[b] = unflatten(spec, [torch.zeros_like(p, dtype=math_dtype(p.dtype)) for p in leaves])
+    state["count"] = torch.zeros((), dtype=torch.int32, device=device)
+    state["low"] = init_mode(cfg.mode, leaves, spec, cfg.seed)
+    return cfg.state_type(**state)
+
+
+def _check_state_type(cfg: _Config, state: Any) -> None:
+    if not isinstance(state, cfg.state_type):
+        raise TypeError(
+            f"funcamp.{cfg.api}: `state` must be a {cfg.state_type.__name__} from this "
+            f"optimizer's init, got {type(state).__name__}"
+        )
+
+
+def _checked(
+    cfg: _Config, grads: PyTree, state: Any, params: PyTree
+) -> tuple[Tensors, Tensors | None, Any]:
+    """Flatten the inputs, checking the state against them (metadata only)."""
+    api = cfg.api
+    _check_state_type(cfg, state)
+    gs, ps, spec = flatten_grads(api, grads, params, need_params=cfg.need_params)
+    if ps is not None:
+        _check_grads_not_wider(api, gs, ps, grads)
+    check_count(api, "count", state.count)
+    if gs and cfg.names:
+        dtypes = [math_dtype(r.dtype) for r in (ps if ps is not None else gs)]
+        for b in cfg.names:
+            leaves = state_leaves(api, b, getattr(state, b), spec)
+            check_state_like(api, b, leaves, gs, dtypes, grads)
+    if ps is not None:
+        check_mode_state(api, cfg.mode, state.low, ps, spec, grads)
+    return gs, ps, spec
+
+
+def _run(
+    cfg: _Config, grads: PyTree, state: Any, params: PyTree, owned: Sequence[torch.Tensor]
+) -> tuple[PyTree, Any]:
+    """``update`` (``owned``: grads the caller donated, which the eager path may overwrite)."""
+    api = cfg.api
+    gs, ps, spec = _checked(cfg, grads, state, params)
+    count = state.count
+    if not gs:
+        return unflatten(spec, []), state._replace(count=count + 1)
+    lr = cfg.lr_fn(count)[0]
+    bufs = {b: state_leaves(api, b, getattr(state, b), spec) for b in cfg.names}
+    low_leaves = optree.tree_leaves(state.low)
+    ops: Ops = choose_ops(
+        [*gs, *(ps or ()), *(x for v in bufs.values() for x in v), *low_leaves, count, lr],
+        owned=_owned_grads(gs, owned),
+        device=gs[0].device,
+    )
+    g = ops.to_math(gs)
+    pm = math_params(api, cfg.mode, state.low, ps, spec) if ps is not None else None
+    if cfg.mask is not None:
+        flags = mask_flags(api, cfg.mask, params) if ps is not None else None
+        deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count, mask=flags)
+    else:
+        deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count)
+    updates, low = to_updates(api, cfg.mode, state.low, count, deltas, ps, spec)
+    new_state = {b: unflatten(spec, new_bufs[b]) for b in cfg.names}
+    return updates, state._replace(count=count + 1, low=low, **new_state)
+
+
+def _fused(
+    cfg: _Config,
+    kernel: FusedKernel,
+    grads: Tensors,
+    state: Any,
+    params: PyTree,
+    found_inf: torch.Tensor,
+) -> Any:
+    """The fused in-place kernel, where it applies: float32 tensors on one device (checked per
+    step, after the caller's checks, so cheap); None elsewhere."""
+    ps = flatten(params)[0]
+    if not ps or len(grads) != len(ps):
+        return None
+    for x in ps + grads:  # a float32 tensor is a floating one
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+            return None
+    if len({p.get_device() for p in ps}) != 1:  # x.device costs more, per leaf
+        return None
+    return kernel(ps, grads, state, cfg.lr_fn(state.count)[0], found_inf)
 
 
 def mask_flags(api: str, mask: Any, params: PyTree, *, strict: bool = False) -> list[bool]:

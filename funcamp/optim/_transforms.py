@@ -232,39 +232,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
         grads: PyTree, state: AccumulateState, params: PyTree, owned: Sequence[torch.Tensor]
     ) -> tuple[PyTree, AccumulateState]:
         gs, ps, spec = checked(grads, state, params)
-        apply = state.applies
-        micro = torch.where(apply, 0, state.micro_step + 1).to(torch.int32)
-        if not gs:
-            inner_updates, inner = optimizer.update(grads, state.inner, params)
-            inner = tree_select(apply, inner, state.inner)
-            return inner_updates, AccumulateState(micro, micro == every - 1, state.grad_sum, inner)
-        sums = state_leaves(api, "grad_sum", state.grad_sum, spec)
-        ops = choose_ops([*gs, *sums], owned=owned)
-        sums = ops.add(sums, ops.to_math(gs))
-        new_sums = [torch.where(apply, torch.zeros_like(s), s) for s in sums]
-        avg = ops.div(sums, float(every)) if every > 1 else sums
-        del sums
-        avg_tree = unflatten(spec, avg)
-        if owned and inner_caps.update_owned is not None:  # avg: this update's temporaries
-            inner_updates, inner = inner_caps.update_owned(avg_tree, state.inner, params, avg)
-        else:
-            inner_updates, inner = optimizer.update(avg_tree, state.inner, params)
-        inner = tree_select(apply, inner, state.inner)
-        ups, uspec = optree.tree_flatten(inner_updates, is_leaf=is_set_param, namespace=NAMESPACE)
-        if len(ups) != len(gs):
-            raise ValueError(
-                f"funcamp.{api}: the inner optimizer's updates must have the grads' structure, "
-                f"got {uspec}"
-            )
-        out = []
-        for u, p in zip(ups, ps if ps is not None else [None] * len(ups)):
-            if isinstance(u, SetParam):
-                out.append(SetParam(torch.where(apply, u.value, p)))
-            else:
-                out.append(torch.where(apply, u, torch.zeros_like(u)))
-        return unflatten(uspec, out), AccumulateState(
-            micro, micro == every - 1, unflatten(spec, new_sums), inner
-        )
+        return _accumulate(optimizer, every, grads, state, params, owned, gs, ps, spec)
 
     def update(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
         return run(grads, state, params, ())
@@ -281,6 +249,56 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
             update_owned=run,
             learning_rate=rate if inner_caps.learning_rate is not None else None,
         ),
+    )
+
+
+def _accumulate(
+    optimizer: Optimizer,
+    every: int,
+    grads: PyTree,
+    state: AccumulateState,
+    params: PyTree,
+    owned: Sequence[torch.Tensor],
+    gs: Tensors,
+    ps: Tensors | None,
+    spec: Any,
+) -> tuple[PyTree, AccumulateState]:
+    """One micro-step of :func:`accumulate` (its inputs checked and flattened): add the grads
+    to the sums and, on the step that applies, run ``optimizer`` on their average."""
+    api = "accumulate"
+    inner_caps = optimizer.capabilities
+    apply = state.applies
+    micro = torch.where(apply, 0, state.micro_step + 1).to(torch.int32)
+    if not gs:
+        inner_updates, inner = optimizer.update(grads, state.inner, params)
+        inner = tree_select(apply, inner, state.inner)
+        return inner_updates, AccumulateState(micro, micro == every - 1, state.grad_sum, inner)
+    sums = state_leaves(api, "grad_sum", state.grad_sum, spec)
+    ops = choose_ops([*gs, *sums], owned=owned)
+    sums = ops.add(sums, ops.to_math(gs))
+    new_sums = [torch.where(apply, torch.zeros_like(s), s) for s in sums]
+    avg = ops.div(sums, float(every)) if every > 1 else sums
+    del sums
+    avg_tree = unflatten(spec, avg)
+    if owned and inner_caps.update_owned is not None:  # avg: this update's temporaries
+        inner_updates, inner = inner_caps.update_owned(avg_tree, state.inner, params, avg)
+    else:
+        inner_updates, inner = optimizer.update(avg_tree, state.inner, params)
+    inner = tree_select(apply, inner, state.inner)
+    ups, uspec = optree.tree_flatten(inner_updates, is_leaf=is_set_param, namespace=NAMESPACE)
+    if len(ups) != len(gs):
+        raise ValueError(
+            f"funcamp.{api}: the inner optimizer's updates must have the grads' structure, "
+            f"got {uspec}"
+        )
+    out = []
+    for u, p in zip(ups, ps if ps is not None else [None] * len(ups)):
+        if isinstance(u, SetParam):
+            out.append(SetParam(torch.where(apply, u.value, p)))
+        else:
+            out.append(torch.where(apply, u, torch.zeros_like(u)))
+    return unflatten(uspec, out), AccumulateState(
+        micro, micro == every - 1, unflatten(spec, new_sums), inner
     )
 
 

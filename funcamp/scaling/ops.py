@@ -25,6 +25,8 @@ from funcamp._core.tree import (
 )
 from funcamp.scaling.state import ScalerState, _check_found_inf, _check_scaler
 
+__all__ = ["scale", "unscale", "update"]
+
 PyTree = Any
 
 

@@ -23,6 +23,8 @@ from funcamp._core.tree import (
 )
 from funcamp.policy.policy import get_policy
 
+__all__ = ["CONFIG", "Kind", "LEAVES", "ScalerState", "check_scaler_leaves", "check_scaler_values"]
+
 Kind = Literal["dynamic", "static", "noop"]
 
 _KINDS = ("dynamic", "static", "noop")

@@ -38,6 +38,8 @@ from funcamp.scaling.ops import (
 )
 from funcamp.scaling.state import ScalerState, _check_scaler
 
+__all__ = ["StepInfo", "unscale_and_step"]
+
 PyTree = Any
 
 

@@ -32,18 +32,14 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import enum
-import functools
 import glob
 import hashlib
 import importlib
 import inspect
 import io
 import linecache
-import math
 import os
 import pickle
-import platform
 import re
 import sys
 import time
@@ -51,12 +47,10 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 from torch._dynamo.variables import builtin as dynamo_builtin
 from torch._dynamo.variables import functions as dynamo_functions
 from torch._dynamo.variables import nn_module as dynamo_nn_module
-from torch._functorch._aot_autograd.utils import top_saved_tensors_hooks
 from torch._guards import TracingContext, tracing
 
 try:  # torch's AOT precompile and its source record (torch >= 2.10)
@@ -71,457 +65,30 @@ except ImportError:  # pragma: no cover - other torch versions
 
 from funcamp._core.atomic import atomic_write
 from funcamp._core.progress import COMPILING, logger
-from funcamp._core.tree import NAMESPACE
-from funcamp._core.version import __version__
-
-__all__ = ["cache_support", "CachedStep"]
-
-_FORMAT = 2  # 2: entries record the training flags they follow
-_SUFFIX = ".funcamp-step"
-
-
-def cache_support() -> str | None:
-    """``None`` when this torch can save and load compiled steps, else why not."""
-    if not hasattr(torch.compiler, "load_compiled_function"):
-        return (
-            f"torch {torch.__version__} has no torch.compiler.load_compiled_function "
-            "(AOT precompile)"
-        )
-    if _aot_compile is None:  # pragma: no cover - torch without AOT precompile
-        return f"torch {torch.__version__} has no torch._dynamo.aot_compile"
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Describing values, so that two processes can tell whether they hold "the same" thing.
-
-
-def _code_digest(code: types.CodeType, h: Any, depth: int = 0) -> None:
-    h.update(code.co_code)
-    h.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            if depth < 8:
-                _code_digest(const, h, depth + 1)
-        else:  # a frozenset constant (`x in {"a", "b"}`) reprs in a per-process order
-            h.update(_stable_repr(const).encode())
-
-
-def _code_hex(code: types.CodeType | None) -> str:
-    h = hashlib.sha256()
-    if code is not None:
-        _code_digest(code, h)
-    return h.hexdigest()[:32]
-
-
-def _function_digest(fn: Any) -> str:
-    code = getattr(fn, "__code__", None)
-    if code is None and not isinstance(fn, type):  # a callable object: its class's __call__
-        code = getattr(type(fn).__call__, "__code__", None)
-    return _code_hex(code if isinstance(code, types.CodeType) else None)
-
-
-def _where(obj: Any) -> tuple[str, str]:
-    return (
-        str(getattr(obj, "__module__", None)),
-        str(getattr(obj, "__qualname__", getattr(obj, "__name__", None))),
-    )
-
-
-_PLAIN = (type(None), bool, int, str, bytes)
-_DEPTH = 6  # how deep containers are described; deeper is opaque
-_TORCH_PLAIN = (torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-def describe_value(value: Any, depth: int = 0) -> tuple[Any, ...]:
-    """A picklable description of ``value`` that another process can reproduce from its own
-    object: plain constants by value (floats by their bits), tensors by type, shape, strides,
-    dtype, device, layout and requires_grad, functions by name and code, classes, modules and
-    torch ops by name, sequences, sets and dicts element by element. Anything else is
-    *opaque* (``("o", module, class)``): only its type can be compared across processes, which
-    is enough for a guard on its type and never enough for a guard on its value."""
-    if isinstance(value, _PLAIN):
-        return ("v", type(value).__name__, value)
-    if isinstance(value, float):
-        return ("f", type(value).__name__, "nan" if math.isnan(value) else value.hex())
-    if isinstance(value, complex):
-        return ("c", repr(value))
-    if isinstance(value, _TORCH_PLAIN):
-        return ("t", type(value).__name__, str(value))
-    if isinstance(value, enum.Enum):
-        return ("e", *_where(type(value)), value.name)
-    if isinstance(value, torch.Tensor):
-        try:
-            stride: Any = tuple(value.stride())
-        except RuntimeError:  # sparse and other layouts without strides
-            stride = None
-        return (
-            "T",
-            *_where(type(value)),
-            tuple(value.shape),
-            stride,
-            str(value.dtype),
-            str(value.device),
-            str(value.layout),
-            bool(value.requires_grad),
-        )
-    if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return ("op", type(value).__name__, str(value))
-    if isinstance(value, types.FunctionType):
-        return ("fn", *_where(value), _function_digest(value))
-    if isinstance(value, types.CodeType):
-        return ("code", getattr(value, "co_qualname", value.co_name), _code_hex(value))
-    if isinstance(value, types.MethodType):
-        return ("m", describe_value(value.__func__, depth), *_where(type(value.__self__)))
-    if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
-        owner = getattr(value, "__self__", None)
-        kind = _where(owner) if isinstance(owner, (type, types.ModuleType)) else _where(type(owner))
-        return ("b", str(getattr(value, "__name__", None)), *kind)
-    if isinstance(value, type):
-        return ("cls", *_where(value))
-    if isinstance(value, types.ModuleType):
-        return ("mod", value.__name__)
-    if depth >= _DEPTH:
-        return ("o", *_where(type(value)))
-    if isinstance(value, functools.partial):
-        parts = (value.func, value.args, value.keywords)
-        return ("p", *(describe_value(x, depth + 1) for x in parts))
-    if isinstance(value, (tuple, list)):
-        return ("s", *_where(type(value)), tuple(describe_value(v, depth + 1) for v in value))
-    if isinstance(value, (set, frozenset)):
-        items = sorted((describe_value(v, depth + 1) for v in value), key=repr)
-        return ("u", *_where(type(value)), tuple(items))
-    if isinstance(value, dict):  # by key, sorted: a dict built by iterating a set is ordered
-        # differently in each process (string hashing is salted per process)
-        items = sorted(
-            (
-                (describe_value(k, depth + 1), describe_value(v, depth + 1))
-                for k, v in value.items()
-            ),
-            key=lambda kv: repr(kv[0]),
-        )
-        return ("d", *_where(type(value)), tuple(items))
-    return ("o", *_where(type(value)))
-
-
-def _opaque(desc: Any) -> bool:
-    """Whether a description holds an object known only by its type."""
-    if not isinstance(desc, tuple) or not desc:
-        return False
-    return desc[0] == "o" or any(_opaque(x) for x in desc if isinstance(x, tuple))
-
-
-def _short(desc: Any, limit: int = 160) -> str:
-    text = repr(desc)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-_SAME = ("same object",)
-
-
-def _same_object(a: str, b: str, scope: dict[str, Any]) -> bool:
-    (ok_a, value_a), (ok_b, value_b) = _read(a, scope), _read(b, scope)
-    return ok_a and ok_b and value_a is value_b
-
-
-def _failure(error: BaseException) -> tuple[str, str]:
-    return ("error", type(error).__name__)
-
-
-# ---------------------------------------------------------------------------------------------
-# The key.
-
-
-def _stable_repr(value: Any) -> str:
-    """``repr`` with sets and dicts in a fixed order (their order varies between processes)."""
-    if isinstance(value, (set, frozenset)):
-        return "{" + ",".join(sorted(_stable_repr(v) for v in value)) + "}"
-    if isinstance(value, dict):
-        items = sorted((_stable_repr(k), _stable_repr(v)) for k, v in value.items())
-        return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
-    if isinstance(value, (list, tuple)):
-        return type(value).__name__ + "(" + ",".join(_stable_repr(v) for v in value) + ")"
-    return repr(value)
-
-
-def _config_text(module_name: str) -> str:
-    try:
-        module = importlib.import_module(module_name)
-        portable = module.save_config_portable()  # type: ignore[attr-defined]
-        return repr(sorted((k, _stable_repr(v)) for k, v in portable.items()))
-    except Exception:  # pragma: no cover - a torch without save_config_portable
-        return "?"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _machine(leaves: list[Any]) -> tuple[Any, ...]:
-    """The hardware compiled code is made for: inductor builds its C++ for this CPU's vector
-    ISA (``-march=native``) and its CUDA kernels for this GPU."""
-    devices = sorted({str(x.device) for x in leaves if isinstance(x, torch.Tensor)})
-    cuda: Any = None
-    if any(d.startswith("cuda") for d in devices) and torch.cuda.is_available():
-        cuda = (
-            torch.version.cuda,
-            torch.cuda.get_device_name(),
-            torch.cuda.get_device_capability(),
-        )
-    cpu = (_cpu_name(), torch.backends.cpu.get_cpu_capability())
-    return (platform.machine(), platform.system(), cpu, tuple(devices), cuda)
-
-
-def _options_text(options: dict[str, Any]) -> str:
-    def text(v: Any) -> str:
-        if callable(v):
-            module, name = _where(v)
-            return f"{module}.{name}:{_function_digest(v)}"
-        if isinstance(v, dict):
-            return "{" + ",".join(f"{k!r}:{text(x)}" for k, x in sorted(v.items())) + "}"
-        return repr(v)
-
-    return text(options)
-
-
-def step_key(
-    loss_fn: Callable[..., Any],
-    settings: str,
-    options: dict[str, Any],
-    state: Any,
-    batch: Any,
-) -> tuple[Any, ...]:
-    """Everything an entry is filed under (see the module docstring)."""
-    leaves, spec = optree.tree_flatten((state, batch), namespace=NAMESPACE)
-    signature = _signature(leaves, spec)
-    if signature is None:  # CachedStep runs such inputs uncached, never asking for a key
-        raise ValueError("inputs holding objects known only by their type have no key")
-    return (
-        _FORMAT,
-        __version__,
-        torch.__version__,
-        str(getattr(torch.version, "git_version", "")),
-        sys.version,
-        _machine(leaves),
-        _options_text(options),
-        _config_text("torch._inductor.config"),
-        _config_text("torch._functorch.config"),
-        _config_text("torch._dynamo.config"),
-        settings,
-        (*_where(loss_fn), _function_digest(loss_fn)),
-        str(spec),
-        tuple(describe_value(x) for x in leaves if isinstance(x, torch.Tensor)),
-        signature[1:],  # constants, tensors passed twice, torch's context
-        _folded(),
-    )
-
-
-def _folded() -> tuple[Any, ...]:
-    """What dynamo folds into a graph as a constant *without a guard* (its
-    ``constant_fold_functions``): read here so that a process where they differ (another rank
-    or world size, autocast dtypes, a GPU that is or is not there) gets another key."""
-    dist = torch.distributed
-    ranks: Any = None
-    if dist.is_available() and dist.is_initialized():
-        ranks = (dist.get_rank(), dist.get_world_size())
-    accelerator = getattr(torch, "accelerator", None)
-    return (
-        torch._C._get_cublas_allow_tf32(),
-        torch._C._is_any_autocast_enabled(),
-        torch.is_autocast_cache_enabled(),
-        tuple(str(torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
-        str(torch.get_default_dtype()),
-        torch.cuda.is_available(),
-        bool(accelerator.is_available()) if accelerator is not None else None,
-        dist.is_available(),
-        dist.is_available() and dist.is_initialized(),
-        ranks,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Saving and loading.
-
-
-#: The step's arguments; guards rooted in them (or in torch's global state) are the ones a
-#: step checks on every call -- here and in funcamp.train.step's default guard filter.
-STEP_INPUTS = ("state", "batch")
-GLOBAL_STATE_SOURCES = ("GlobalStateSource", "ShapeEnvSource")
-
-
-def source_root(source: Any) -> Any:
-    """The source a dynamo guard source is read from (``L['state']`` for
-    ``L['state'].params['w']``)."""
-    while getattr(source, "base", None) is not None:
-        source = source.base
-    return source
-
-
-def is_mode_flag(source: Any) -> bool:
-    """Whether a guard source reads a module's ``training`` flag (``....training``): the flag
-    ``model.train()`` / ``model.eval()`` sets, which a compiled step must follow."""
-    return type(source).__name__ == "AttrSource" and getattr(source, "member", None) == "training"
-
-
-# What torch.compiler.keep_portable_guards_unsafe keeps: with only these, torch's saved guard
-# state holds no reference to the closure (its dict-key-order and global scopes are pruned), so
-# another process can rebuild it.
-_PORTABLE = ("TENSOR_MATCH", "GLOBAL_STATE", "SHAPE_ENV")
-
-
-def _on_inputs(source: Any) -> bool:
-    """A guard source rooted in the step's inputs or in torch's global state: what the saved
-    step checks on every call. Guards rooted elsewhere (closures, globals) cannot be rebuilt
-    in another process from torch's saved guard state; they become load-time checks."""
-    root = source_root(source)
-    kind = type(root).__name__
-    if kind == "LocalSource":
-        return root.local_name in STEP_INPUTS
-    return kind in GLOBAL_STATE_SOURCES
-
-
-def _structure(state: Any, batch: Any) -> tuple[Any, ...] | None:
-    """What the saved step's tensor guards do not see, compared on every call: the inputs'
-    treespec, their non-tensor leaves (by value), which tensor leaves are the same tensor
-    (dynamo's duplicate-input guard), and the torch state a trace depends on (function modes,
-    the default device, a functorch transform, saved-tensor hooks). None when a leaf is an
-    object only known by its type (the step then runs uncached)."""
-    return _signature(*optree.tree_flatten((state, batch), namespace=NAMESPACE))
-
-
-def _signature(leaves: list[Any], spec: Any) -> tuple[Any, ...] | None:
-    constants = []
-    ids: dict[int, int] = {}
-    same = []
-    for i, x in zip(range(len(leaves)), leaves):
-        if isinstance(x, torch.Tensor):
-            first = ids.setdefault(id(x), i)
-            if first != i:
-                same.append((i, first))
-        else:
-            desc = describe_value(x)
-            if _opaque(desc):
-                return None
-            constants.append((i, desc))
-    return spec, tuple(constants), tuple(same), _context()
-
-
-def _context() -> tuple[Any, ...]:
-    hooks = top_saved_tensors_hooks()
-    return (
-        tuple(_where(type(m)) for m in torch.overrides._get_current_function_mode_stack()),
-        torch._C._is_torch_function_enabled(),
-        str(getattr(torch.utils._device, "CURRENT_DEVICE", None)),
-        torch._C._functorch.maybe_current_level(),
-        None if hooks is None else tuple(describe_value(h) for h in hooks),
-    )
-
-
-# Guards on torch's global state that _context() stands for, or that the kept GLOBAL_STATE
-# guard checks (grad mode, deterministic algorithms, FSDP's training state: no-ops of their
-# own in dynamo); any other guard with no source (dynamo may add kinds) makes an entry
-# unsaveable.
-_CONTEXT_GUARDS = frozenset(
-    (
-        "TORCH_FUNCTION_STATE",
-        "DEFAULT_DEVICE",
-        "FUNCTORCH_STACK_MATCH",
-        "AUTOGRAD_SAVED_TENSORS_HOOKS",
-        "GRAD_MODE",
-        "DETERMINISTIC_ALGORITHMS",
-        "FSDP_TRAINING_STATE",
-    )
+from funcamp.train.describe import (
+    _CONTEXT_GUARDS,
+    _FORMAT,
+    _NO_PARAM,
+    _OPAQUE_OK,
+    _PORTABLE,
+    _SAME,
+    _SUFFIX,
+    _check,
+    _on_inputs,
+    _opaque,
+    _read,
+    _same_object,
+    _same_param,
+    _short,
+    _structure,
+    _views,
+    _where,
+    describe_value,
+    is_mode_flag,
+    step_key,
 )
-_TYPE_KINDS = frozenset(
-    ("TYPE_MATCH", "FAKE_SCRIPT_TYPE_MATCH", "WEAKREF_ALIVE", "DUPLICATE_INPUT")
-)
-_LEN_KINDS = frozenset(
-    (
-        "LENGTH_CHECK",
-        "SEQUENCE_LENGTH",
-        "DICT_LENGTH",
-        "TUPLE_ITERATOR_LEN",
-        "EMPTY_NN_MODULE_HOOKS_DICT",
-    )
-)
-_KEYS_KINDS = frozenset(("DICT_KEYS_MATCH", "MAPPING_KEYS_CHECK"))
-_CONTAINS_KINDS = frozenset(
-    ("DICT_CONTAINS", "DICT_NOT_CONTAINS", "SET_CONTAINS", "SET_NOT_CONTAINS")
-)
-# Value guards may see an object known only by its type where the value is a dict that
-# dynamo watches for mutation (DICT_VERSION): compared by content, values by type.
-_OPAQUE_OK = frozenset(("DICT_VERSION",))
 
-
-def _view(kind: str, param: Any, value: Any) -> tuple[Any, ...]:
-    """What the guard ``kind`` (with its parameter: an attribute or a key) looks at in
-    ``value``, as a description another process can compare: the type for a type guard, the
-    length for a length guard, the keys for a keys guard, a membership for a contains guard,
-    and the whole value (:func:`describe_value`) for a value guard (ID_MATCH, CONSTANT_MATCH,
-    FUNCTION_MATCH, TENSOR_MATCH, ... and any kind not named here)."""
-    if kind in _TYPE_KINDS:
-        return ("type", *_where(type(value)))
-    if kind in ("NONE_MATCH", "NOT_NONE_MATCH"):
-        return ("none", value is None)
-    if kind == "HASATTR" and isinstance(param, str):
-        return ("hasattr", param, hasattr(value, param))
-    if kind == "NOT_PRESENT_IN_GENERIC_DICT" and isinstance(param, str):
-        return ("in __dict__", param, param in getattr(value, "__dict__", {}))
-    if kind in _LEN_KINDS:
-        return ("len", len(value))
-    if kind in _KEYS_KINDS:
-        return ("keys", tuple(describe_value(k, _DEPTH - 1) for k in value))
-    if kind in _CONTAINS_KINDS and param is not _NO_PARAM:
-        return ("contains", describe_value(param), param in value)
-    return describe_value(value)
-
-
-_NO_PARAM = object()
-
-
-def _views(kinds: dict[str, list[Any]], value: Any) -> tuple[Any, ...]:
-    out = []
-    for kind, params in sorted(kinds.items()):
-        for param in params:
-            try:
-                out.append((kind, _view(kind, param, value)))
-            except Exception as e:
-                out.append((kind, _failure(e)))
-    return tuple(out)
-
-
-def _read(name: str, scope: dict[str, Any]) -> tuple[bool, Any]:
-    """``(True, value)`` of a guard source in ``scope``, or ``(False, the exception)``."""
-    try:
-        helpers = dict(_get_closure_vars()) if _get_closure_vars is not None else {}
-    except AttributeError:  # pragma: no cover - other torch versions
-        helpers = {}
-    helpers["__load_module"] = importlib.import_module
-    try:
-        return True, eval(name, scope, helpers)
-    except Exception as e:
-        return False, e
-
-
-def _check(name: str, kinds: dict[str, Any], scope: dict[str, Any]) -> tuple[Any, ...]:
-    ok, value = _read(name, scope)
-    return _views(kinds, value) if ok else ("error", type(value).__name__)
-
-
-def _same_param(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:  # a tensor key, say
-        return False
+__all__ = ["CachedStep"]
 
 
 class _Recorder:
@@ -937,7 +504,9 @@ def _generated(code: types.CodeType) -> bool:
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
+
 _SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 

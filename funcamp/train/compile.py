@@ -28,10 +28,10 @@ from torch._inductor import list_mode_options
 
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import NAMESPACE, describe
-from funcamp.train.cache import (
+from funcamp.train.cache import CachedStep
+from funcamp.train.describe import (
     GLOBAL_STATE_SOURCES,
     STEP_INPUTS,
-    CachedStep,
     cache_support,
     describe_value,
     is_mode_flag,

@@ -146,6 +146,73 @@ def _metrics(
     return metrics
 
 
+class _Plan(NamedTuple):
+    """What the step's second half reads: fixed when the step is built."""
+
+    optimizer: Optimizer
+    parallel: Parallel
+    opts: StepOptions
+    checked: _Checked
+    fp8_stateful: bool
+
+
+def _apply_step(
+    plan: _Plan,
+    state: TrainState,
+    grads: PyTree,
+    loss: Any,
+    aux: Any,
+    new_buffers: PyTree,
+    new_fp8: Any,
+) -> tuple[TrainState, Metrics]:
+    """The step's second half, after the backward pass: the exchange between ranks, then
+    :func:`funcamp.unscale_and_step`, :func:`funcamp.update` and the metrics."""
+    optimizer, parallel, opts, checked, fp8_stateful = plan
+    # Always checked (a rebound or added key would change the state's structure), and
+    # before anything is written into a donated state.
+    new_buffers = restore_buffers(API, new_buffers, state.buffers, opts.returns_buffers)
+    grads, loss, new_buffers, nonfinite = parallel.exchange(grads, loss, new_buffers)
+    # Donated state, all or nothing: every check and every computation that can fail runs
+    # before the first write; the buffers are written last, by plain copies.
+    write_buffers = _plan_write(new_buffers, state.buffers) if opts.donate_state else None
+    room = None
+    if checked.headroom_dtype is not None:  # on the scaled grads, before they are unscaled
+        room = _headroom(
+            grads,
+            state.scaler.scale,
+            checked.headroom_dtype,
+            scaled=True,
+            leaves=False,
+            include=checked.headroom_include,
+        )
+    lr = learning_rate(optimizer, state.opt_state)  # before a donated count is overwritten
+    # The grads are this step's own: donating them lets the eager path unscale in place.
+    params, opt_state, info = unscale_and_step(
+        state.scaler,
+        optimizer,
+        grads,
+        state.opt_state,
+        state.params,
+        donate_grads=True,
+        donate_state=opts.donate_state,
+        grad_norm=opts.grad_norm,
+        across=parallel.across(),
+    )
+    # A rank's inf/nan gradient makes the exchanged gradient inf/nan on every rank, so the
+    # step is skipped wherever `nonfinite` is set; OR-ing ties the flag reported and the
+    # scaler update to the consensus all the same.
+    found_inf = info.found_inf if nonfinite is None else info.found_inf | nonfinite
+    new_scaler = update(state.scaler, found_inf)
+    if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
+        new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
+    if write_buffers is not None:
+        new_buffers = write_buffers()
+    metrics = _metrics(
+        loss, info.grad_norm, state.scaler, found_inf, new_scaler, aux, opts.has_aux, room, lr
+    )
+    return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
+
+
 def build_train_step(
     loss_fn: Callable[..., Any],
     optimizer: Optimizer,
@@ -169,6 +236,7 @@ def build_train_step(
         compiled=bool(opts.compile),
         fp8_stateful=fp8_stateful,
     )
+    plan = _Plan(optimizer, parallel, opts, checked, fp8_stateful)
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         grads, loss, aux, new_buffers, new_fp8 = forward_backward(
@@ -186,54 +254,7 @@ def build_train_step(
         # The update needs no autograd: under no_grad nothing it makes carries a graph (params
         # that require grad included), and the traced optimizer asks no tensor whether it does.
         with torch.no_grad():
-            return apply_step(state, grads, loss, aux, new_buffers, new_fp8)
-
-    def apply_step(
-        state: TrainState, grads: PyTree, loss: Any, aux: Any, new_buffers: PyTree, new_fp8: Any
-    ) -> tuple[TrainState, Metrics]:
-        # Always checked (a rebound or added key would change the state's structure), and
-        # before anything is written into a donated state.
-        new_buffers = restore_buffers(API, new_buffers, state.buffers, opts.returns_buffers)
-        grads, loss, new_buffers, nonfinite = parallel.exchange(grads, loss, new_buffers)
-        # Donated state, all or nothing: every check and every computation that can fail runs
-        # before the first write; the buffers are written last, by plain copies.
-        write_buffers = _plan_write(new_buffers, state.buffers) if opts.donate_state else None
-        room = None
-        if checked.headroom_dtype is not None:  # on the scaled grads, before they are unscaled
-            room = _headroom(
-                grads,
-                state.scaler.scale,
-                checked.headroom_dtype,
-                scaled=True,
-                leaves=False,
-                include=checked.headroom_include,
-            )
-        lr = learning_rate(optimizer, state.opt_state)  # before a donated count is overwritten
-        # The grads are this step's own: donating them lets the eager path unscale in place.
-        params, opt_state, info = unscale_and_step(
-            state.scaler,
-            optimizer,
-            grads,
-            state.opt_state,
-            state.params,
-            donate_grads=True,
-            donate_state=opts.donate_state,
-            grad_norm=opts.grad_norm,
-            across=parallel.across(),
-        )
-        # A rank's inf/nan gradient makes the exchanged gradient inf/nan on every rank, so the
-        # step is skipped wherever `nonfinite` is set; OR-ing ties the flag reported and the
-        # scaler update to the consensus all the same.
-        found_inf = info.found_inf if nonfinite is None else info.found_inf | nonfinite
-        new_scaler = update(state.scaler, found_inf)
-        if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
-            new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
-        if write_buffers is not None:
-            new_buffers = write_buffers()
-        metrics = _metrics(
-            loss, info.grad_norm, state.scaler, found_inf, new_scaler, aux, opts.has_aux, room, lr
-        )
-        return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
+            return _apply_step(plan, state, grads, loss, aux, new_buffers, new_fp8)
 
     settings = repr(
         (

@@ -1,0 +1,256 @@
+"""What a checkpoint file holds and how it is checked: the header (:class:`CheckpointInfo`: the
+policy, scaler kinds, versions, metadata), the checksum, reading, and rebuilding a state from a
+loaded dict against its template. Shared by the one-process and the multi-rank paths.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from funcamp._core.version import __version__
+from funcamp.policy.policy import Policy, as_policy
+from funcamp.scaling.state import CONFIG, LEAVES
+from funcamp.train.checkpoint import load_state_dict, state_dict
+
+__all__ = ["CheckpointInfo"]
+
+PyTree = Any
+
+
+_FORMAT = "funcamp.checkpoint"
+
+_FORMAT_VERSION = 1
+
+_HEADER = "funcamp.pt"  # the commit record of a multi-rank checkpoint directory
+
+_DATA_PREFIX = "data-"
+
+_TENSOR = "funcamp.tensor"  # placeholder tag in a multi-rank checkpoint's structure
+
+_SCALER_KEYS = frozenset((*LEAVES, *CONFIG))
+
+
+class CheckpointInfo(NamedTuple):
+    """What a checkpoint records besides the state (see :func:`checkpoint_info`).
+
+    Attributes:
+        policy: the policy string it was saved under (``str(policy)``).
+        policy_repr: ``repr(policy)``: also shows op-rule and module overrides.
+        scaler_kind: the kind of its :class:`~funcamp.ScalerState` (``"dynamic"``,
+            ``"static"``, ``"noop"``), ``None`` without one (or with several: see ``scalers``).
+        scalers: every :class:`~funcamp.ScalerState` in the state, ``{path: kind}``.
+        funcamp_version: the funcamp version that wrote it.
+        torch_version: the torch version that wrote it.
+        metadata: the keyword arguments given to :func:`save`.
+        world_size: the number of ranks that wrote it (1 for a single file).
+
+    Example:
+        >>> import os, tempfile, torch, funcamp
+        >>> state = funcamp.TrainState.create({"w": torch.ones(1)}, funcamp.sgd(0.1), "bf16-true")
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> funcamp.save(path, state, policy="bf16-true", epoch=1)
+        >>> info = funcamp.checkpoint_info(path)
+        >>> info.policy, info.scalers, info.world_size
+        ('params=bfloat16,compute=bfloat16,output=bfloat16', {'scaler': 'noop'}, 1)
+    """
+
+    policy: str
+    policy_repr: str
+    scaler_kind: str | None
+    scalers: dict[str, str]
+    funcamp_version: str
+    torch_version: str
+    metadata: dict[str, Any]
+    world_size: int
+
+
+def _scaler_kinds(sd: Any, path: tuple[str, ...] = ()) -> dict[str, str]:
+    """``{path: kind}`` of every scaler state in a state dict (``"scaler"`` for a TrainState's)."""
+    if _is_scaler_sd(sd):
+        return {"/".join(path) or "<root>": sd["kind"]}
+    out: dict[str, str] = {}
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out.update(_scaler_kinds(v, (*path, str(k))))
+    return out
+
+
+def _info(sd: Any, policy: Policy, metadata: dict[str, Any], world: int) -> dict[str, Any]:
+    return {
+        "policy": str(policy),
+        "policy_repr": repr(policy),
+        "scalers": _scaler_kinds(sd),
+        "funcamp_version": __version__,
+        "torch_version": str(torch.__version__),
+        "metadata": metadata,
+        "world_size": world,
+    }
+
+
+def _as_info(raw: dict[str, Any]) -> CheckpointInfo:
+    scalers = dict(raw["scalers"])
+    kinds = set(scalers.values())
+    return CheckpointInfo(
+        policy=raw["policy"],
+        policy_repr=raw["policy_repr"],
+        scaler_kind=kinds.pop() if len(scalers) == 1 else None,
+        scalers=scalers,
+        funcamp_version=raw["funcamp_version"],
+        torch_version=raw["torch_version"],
+        metadata=raw["metadata"],
+        world_size=raw["world_size"],
+    )
+
+
+def _checksum(value: Any, crc: int = 0) -> int:
+    """CRC-32 over every value of a nested state dict, in order (dtype, shape and bytes of each
+    tensor; ``repr`` of everything else)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        crc = zlib.crc32(f"T{t.dtype}{tuple(t.shape)}".encode(), crc)
+        if t.numel():
+            flat = t.cpu().contiguous().reshape(-1).view(torch.uint8)
+            crc = zlib.crc32(flat.numpy(), crc)
+        return crc
+    if isinstance(value, dict):
+        crc = zlib.crc32(b"{", crc)
+        for k, v in value.items():
+            crc = _checksum(v, zlib.crc32(repr(k).encode(), crc))
+        return zlib.crc32(b"}", crc)
+    if isinstance(value, (list, tuple)):
+        crc = zlib.crc32(b"[" if isinstance(value, list) else b"(", crc)
+        for v in value:
+            crc = _checksum(v, crc)
+        return zlib.crc32(b"]", crc)
+    return zlib.crc32(repr(value).encode(), crc)
+
+
+def _read(p: Path, api: str, *, mmap: bool = False) -> dict[str, Any]:
+    """The checkpoint's top-level dict, or a clear error for anything that is not one."""
+    if not p.exists():
+        raise FileNotFoundError(f"funcamp.{api}: no checkpoint at {str(p)!r}")
+    try:
+        raw = torch.load(p, weights_only=True, map_location="cpu", mmap=mmap)
+    except Exception as e:
+        raise ValueError(
+            f"funcamp.{api}: {str(p)!r} is not a readable checkpoint (truncated or corrupted: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); "
+            "load an earlier one"
+        ) from e
+    if not isinstance(raw, dict) or raw.get("format") != _FORMAT:
+        raise ValueError(
+            f"funcamp.{api}: {str(p)!r} is not a funcamp checkpoint (written by funcamp.save); "
+            "for a plain funcamp.state_dict use torch.load and funcamp.load_state_dict"
+        )
+    version = raw.get("version")
+    if not isinstance(version, int) or version > _FORMAT_VERSION:
+        raise ValueError(
+            f"funcamp.{api}: {str(p)!r} has checkpoint format version {version!r}, newer than "
+            f"this funcamp reads ({_FORMAT_VERSION}); upgrade funcamp"
+        )
+    return raw
+
+
+def _header_path(p: Path) -> Path:
+    return p / _HEADER if p.is_dir() else p
+
+
+def _check_policy(info: CheckpointInfo, policy: Any, convert: bool, where: str) -> None:
+    if policy is None:
+        if convert:
+            raise TypeError(
+                "funcamp.load: convert=True needs `policy`, the policy to convert the state to"
+            )
+        return
+    pol = as_policy(policy, "load")
+    if str(pol) == info.policy and repr(pol) == info.policy_repr:
+        return
+    if convert:
+        return
+    saved, given = (
+        (info.policy, str(pol)) if str(pol) != info.policy else (info.policy_repr, repr(pol))
+    )
+    raise ValueError(
+        f"funcamp.load: {where} was saved under policy {saved!r}, but `policy` is {given!r}; "
+        f"resume under the checkpoint's policy (policy={info.policy!r}), or pass convert=True "
+        "to cast the state to the new policy (floating tensors cast to the template's dtypes, a "
+        "scaler of another kind replaced by the template's)"
+    )
+
+
+def _is_scaler_sd(node: Any) -> bool:
+    return isinstance(node, dict) and set(node) == _SCALER_KEYS
+
+
+def _convert(template_sd: Any, sd: Any) -> Any:
+    """``sd`` moved towards ``template_sd``: floating tensors cast to the template's dtype,
+    scaler states of another kind replaced by the template's. Anything else is left for
+    :func:`load_state_dict` to check."""
+    if isinstance(template_sd, torch.Tensor):
+        if (
+            isinstance(sd, torch.Tensor)
+            and sd.is_floating_point()
+            and template_sd.is_floating_point()
+            and sd.shape == template_sd.shape
+        ):
+            return sd.to(template_sd.dtype)
+        return sd
+    if _is_scaler_sd(template_sd) and _is_scaler_sd(sd) and sd["kind"] != template_sd["kind"]:
+        return template_sd
+    if isinstance(template_sd, dict) and isinstance(sd, dict):
+        return {k: _convert(template_sd[k], v) if k in template_sd else v for k, v in sd.items()}
+    return sd
+
+
+def _check_scalers(info: CheckpointInfo, template_sd: Any, where: str) -> None:
+    want = _scaler_kinds(template_sd)
+    for path, kind in info.scalers.items():
+        if path in want and want[path] != kind:
+            raise ValueError(
+                f"funcamp.load: {where} holds a {kind!r} scaler at {path}, but the template's is "
+                f"{want[path]!r}; build the template with that scaler (e.g. "
+                f"TrainState.create(..., scaler=ScalerState.{kind}(...))), or pass convert=True "
+                "with `policy` to start from the template's scaler"
+            )
+
+
+def _rebuild(template: PyTree, sd: dict[str, Any], where: str) -> PyTree:
+    try:
+        return load_state_dict(template, sd)
+    except (TypeError, ValueError) as e:
+        msg = str(e).replace("funcamp.load_state_dict: `sd`", "the checkpoint")
+        raise type(e)(f"funcamp.load: {where} does not fit `template`: {msg}") from e
+
+
+def _check_and_rebuild(
+    info: CheckpointInfo, sd: Any, template: PyTree, policy: Any, convert: bool, where: str
+) -> PyTree:
+    """The loaded state dict ``sd`` as ``template``'s tree: policy checked, newer-version warning,
+    converted (``convert``) or scaler configs checked, then rebuilt leaf by leaf."""
+    _check_policy(info, policy, convert, where)
+    _warn_newer(info, where)
+    template_sd = state_dict(template)
+    if convert:
+        sd = _convert(template_sd, sd)
+    else:
+        _check_scalers(info, template_sd, where)
+    return _rebuild(template, sd, where)
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(m) for m in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def _warn_newer(info: CheckpointInfo, where: str) -> None:
+    if _version_key(info.funcamp_version) > _version_key(__version__):
+        warnings.warn(
+            f"funcamp.load: {where} was written by funcamp {info.funcamp_version}, newer than "
+            f"this one ({__version__})",
+            stacklevel=3,
+        )

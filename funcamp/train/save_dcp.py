@@ -1,0 +1,173 @@
+"""Checkpoints written by several ranks: ``save``/``load`` with a process group go through
+``torch.distributed.checkpoint`` (each rank writes its own shards; the header is rank 0's).
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from funcamp._core.atomic import atomic_write
+from funcamp._core.tree import describe
+from funcamp.policy.policy import Policy
+from funcamp.train.checkpoint import state_dict
+from funcamp.train.ckpt_format import (
+    _DATA_PREFIX,
+    _FORMAT,
+    _FORMAT_VERSION,
+    _HEADER,
+    _TENSOR,
+    _as_info,
+    _check_and_rebuild,
+    _check_policy,
+    _checksum,
+    _info,
+    _read,
+)
+
+__all__ = []
+
+PyTree = Any
+
+
+def _split_tensors(sd: Any, path: tuple[str, ...], tensors: dict[str, Any]) -> Any:
+    """The structure of ``sd`` with each tensor replaced by a placeholder tuple ``(tag, key,
+    dtype, shape)``; the tensors go into ``tensors`` under ``key`` (the path joined by "/")."""
+    if isinstance(sd, torch.Tensor):
+        key = "/".join(path) or "value"
+        if key in tensors:
+            raise ValueError(
+                f"funcamp.save: two tensors of the state map to the checkpoint key {key!r}; "
+                "rename a dict key containing '/'"
+            )
+        tensors[key] = sd
+        return (_TENSOR, key, str(sd.dtype).removeprefix("torch."), list(sd.shape))
+    if isinstance(sd, dict):
+        return {k: _split_tensors(v, (*path, str(k)), tensors) for k, v in sd.items()}
+    return sd
+
+
+def _is_placeholder(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 4 and x[0] == _TENSOR
+
+
+def _group_info(group: Any, api: str) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"funcamp.{api}: `group` needs torch.distributed initialized")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"funcamp.{api}: `group` must be a torch.distributed.ProcessGroup (for example "
+            f"torch.distributed.group.WORLD), got {describe(group)}"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _save_distributed(
+    p: Path, sd: dict[str, Any], state: PyTree, policy: Policy, metadata: dict, group: Any
+) -> None:
+    rank, world = _group_info(group, "save")
+    if p.exists() and not p.is_dir():
+        raise NotADirectoryError(
+            f"funcamp.save: with `group`, `path` is a directory, but {str(p)!r} is a file"
+        )
+    # Rank 0 picks the data directory's name and tells the others.
+    token = [secrets.token_hex(8) if rank == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    data = f"{_DATA_PREFIX}{token[0]}"
+    if rank == 0:
+        p.mkdir(parents=True, exist_ok=True)
+    dist.barrier(group=group)
+    tensors: dict[str, Any] = {}
+    skeleton = _split_tensors(sd, (), tensors)
+    dcp.save(tensors, checkpoint_id=p / data, process_group=group)
+    # dcp.save returns once every rank has written its part and rank 0 the metadata.
+    error: list[Any] = [None]
+    if rank == 0:
+        try:
+            info = _info(sd, policy, metadata, world)
+            header = {
+                "format": _FORMAT,
+                "version": _FORMAT_VERSION,
+                "info": info,
+                "structure": skeleton,
+                "data": data,
+                "checksum": _checksum([info, skeleton, data]),
+            }
+            atomic_write(p / _HEADER, lambda f: torch.save(header, f))  # the commit
+            for old in p.iterdir():
+                if old.name.startswith(_DATA_PREFIX) and old.name != data and old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:
+            error[0] = f"{type(e).__name__}: {e}"
+            shutil.rmtree(p / data, ignore_errors=True)
+    dist.broadcast_object_list(error, src=dist.get_global_rank(group, 0), group=group)
+    if error[0] is not None:
+        raise RuntimeError(f"funcamp.save: rank 0 failed to commit {str(p)!r}: {error[0]}")
+
+
+def _destinations(skeleton: Any, template_sd: Any, path: tuple[str, ...]) -> Any:
+    """The skeleton with each placeholder replaced by an empty tensor to load into: like the
+    template's tensor at that place (device, sharding) with the saved dtype."""
+    if _is_placeholder(skeleton):
+        _, _, dtype, shape = skeleton
+        dtype = getattr(torch, dtype)
+        if isinstance(template_sd, torch.Tensor) and list(template_sd.shape) == list(shape):
+            return torch.empty_like(template_sd, dtype=dtype)
+        return torch.empty(shape, dtype=dtype)  # load_state_dict then names the mismatch
+    if isinstance(skeleton, dict):
+        return {
+            k: _destinations(v, template_sd.get(k) if isinstance(template_sd, dict) else None, ())
+            for k, v in skeleton.items()
+        }
+    return skeleton
+
+
+def _tensors_of(dest: Any, skeleton: Any, out: dict[str, Any]) -> None:
+    if _is_placeholder(skeleton):
+        out[skeleton[1]] = dest
+    elif isinstance(skeleton, dict):
+        for k, v in skeleton.items():
+            _tensors_of(dest[k], v, out)
+
+
+def _load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, group: Any) -> PyTree:
+    if group is not None:
+        _group_info(group, "load")
+    where = repr(str(p))
+    if not p.is_dir():
+        if p.exists():
+            raise NotADirectoryError(
+                f"funcamp.load: with `group`, `path` is a multi-rank checkpoint directory, but "
+                f"{where} is a file; load it without `group`"
+            )
+        raise FileNotFoundError(f"funcamp.load: no checkpoint at {where}")
+    raw = _read(p / _HEADER, "load")
+    try:
+        info, skeleton, data = _as_info(raw["info"]), raw["structure"], raw["data"]
+        checksum = raw["checksum"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"funcamp.load: {where} is corrupted (missing {e})") from e
+    if _checksum([raw["info"], skeleton, data]) != checksum:
+        raise ValueError(f"funcamp.load: {where} is corrupted (its header fails its CRC-32)")
+    _check_policy(info, policy, convert, where)
+    dest = _destinations(skeleton, state_dict(template), ())
+    tensors: dict[str, Any] = {}
+    _tensors_of(dest, skeleton, tensors)
+    try:
+        with warnings.catch_warnings():
+            # without a group dcp warns that it loads in one process: that is what was asked
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, checkpoint_id=p / data, process_group=group, no_dist=group is None)
+    except Exception as e:
+        raise ValueError(
+            f"funcamp.load: the data of {where} could not be read (truncated or corrupted: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'})"
+        ) from e
+    return _check_and_rebuild(info, dest, template, policy, convert, where)
