@@ -23,6 +23,7 @@ It then trains float32 and the searched policy, and prints both test accuracies.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ import torch.nn as nn
 from torch.func import functional_call
 
 import funcamp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples' shared setup
+from _common import load_digits
 
 #: ``mix``'s weights are scaled by this: activations ~5e5 on digits, past float16's 65504.
 GAIN = 1e6
@@ -53,21 +57,6 @@ class Net(nn.Module):
         h = torch.relu(self.embed(x))
         h = torch.relu(self.norm(self.mix(h)))
         return self.head(h)
-
-
-def load_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Digits as float32 tensors in [0, 1], split into 1400 train / 397 test images (as
-    examples/train_digits.py does)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x / 16.0, y, test_size=397, random_state=seed, stratify=y
-    )
-    as_x = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
-    as_y = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
-    return as_x(x_tr), as_y(y_tr), as_x(x_te), as_y(y_te)
 
 
 def make_model(seed: int = 0, gain: float = GAIN) -> Net:
@@ -154,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: None) if args.quiet else print
-    data = load_data(args.seed)
+    data = load_digits(args.seed)
     model = make_model(args.seed, args.gain)
     params, _ = funcamp.params_and_buffers(model)
     x_search, y_search = data[0][: args.search_batch], data[1][: args.search_batch]

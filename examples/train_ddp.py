@@ -19,8 +19,7 @@ steps and stops the run if the loss scale collapses.
 from __future__ import annotations
 
 import argparse
-import os
-import re
+import sys
 from pathlib import Path
 
 import torch
@@ -30,31 +29,10 @@ from torch.func import functional_call
 
 import funcamp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples' shared setup
+from _common import init_distributed, policy_name
+
 #: The presets' canonical names, for file names: one spelling per policy in every example.
-CANONICAL = ("mixed_float16", "mixed_bfloat16", "bf16-true", "float32")
-
-
-def _policy_name(policy: funcamp.Policy) -> str:
-    """Its preset's canonical name, else its string made file-safe."""
-    for name in CANONICAL:
-        if funcamp.get_policy(name) == policy:
-            return name
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(policy))
-
-
-def _init_distributed() -> tuple[int, int, torch.device]:
-    """Join the torchrun group (nccl on GPUs, gloo on CPU); a lone process makes its own."""
-    cuda = torch.cuda.is_available()
-    if "RANK" in os.environ:  # started by torchrun
-        dist.init_process_group("nccl" if cuda else "gloo")
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -71,7 +49,7 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
 
-    rank, world, device = _init_distributed()
+    rank, world, device = init_distributed()
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be divisible by the {world} ranks")
     shard = args.batch // world
@@ -96,7 +74,7 @@ def main(argv: list[str] | None = None) -> float:
         )
 
         policy = funcamp.get_policy(args.policy)
-        ckpt_path = args.out / _policy_name(policy)  # a directory: one per policy
+        ckpt_path = args.out / policy_name(policy)  # a directory: one per policy
         start = 0
         if args.resume and ckpt_path.exists():
             state = funcamp.load(ckpt_path, state, policy=policy, group=dist.group.WORLD)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ import torch.nn as nn
 from torch.func import functional_call
 
 import funcamp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples' shared setup
+from _common import load_digits
 
 POLICIES = {
     "mixed_float16": "mixed_float16",
@@ -68,20 +72,6 @@ UPDATES = {
     "kahan": {"kahan": True},
     "sr": {"stochastic_rounding": True},
 }
-
-
-def load_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Digits as float32 tensors in [0, 1], split into 1400 train / 397 test images."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x / 16.0, y, test_size=397, random_state=seed, stratify=y
-    )
-    as_x = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
-    as_y = lambda a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
-    return as_x(x_tr), as_y(y_tr), as_x(x_te), as_y(y_te)
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -172,7 +162,7 @@ def main(argv: list[str] | None = None) -> float:
     ckpt_path = args.checkpoint or out / f"{name}.pt"
     _show_funcamp_log()
 
-    x_tr, y_tr, x_te, y_te = load_data(args.seed)
+    x_tr, y_tr, x_te, y_te = load_digits(args.seed)
     model = make_model(args.seed)
 
     def loss_fn(params, buffers, batch):

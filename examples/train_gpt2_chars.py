@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -37,17 +37,10 @@ from torch.func import functional_call
 
 import funcamp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples' shared setup
+from _common import policy_name
+
 #: The presets' canonical names, for file names: one spelling per policy in every example.
-CANONICAL = ("mixed_float16", "mixed_bfloat16", "bf16-true", "float32")
-
-
-def policy_name(policy: funcamp.Policy) -> str:
-    """A file name for ``policy``: its preset's canonical name (``"bf16-mixed"`` and
-    ``"mixed_bfloat16"`` both give ``"mixed_bfloat16"``), else its string made file-safe."""
-    for name in CANONICAL:
-        if funcamp.get_policy(name) == policy:
-            return name
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(policy))
 
 
 def load_text(max_chars: int) -> str:

@@ -19,7 +19,6 @@ number of ranks, or in one process. Needs the ``transformers`` extra.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -32,19 +31,8 @@ import funcamp.distributed as fd
 
 # The model, data and optimizer of train_gpt2_chars.py, beside this file.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import init_distributed
 from train_gpt2_chars import adamw_warmup_cosine, char_data, gpt2
-
-
-def _init_distributed() -> tuple[int, int, str]:
-    """Join the torchrun group (nccl on GPUs, gloo on CPU); a lone process makes its own."""
-    cuda = torch.cuda.is_available()
-    if "RANK" in os.environ:  # started by torchrun
-        dist.init_process_group("nccl" if cuda else "gloo")
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return dist.get_rank(), dist.get_world_size(), "cuda" if cuda else "cpu"
 
 
 def local_bytes(tree) -> int:
@@ -77,11 +65,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--out", type=Path, default=Path("build/train_sharded"))
     args = p.parse_args(argv)
 
-    rank, world, device = _init_distributed()
+    rank, world, device = init_distributed()
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be divisible by the {world} ranks")
     try:
-        mesh = init_device_mesh(device, (world,))
+        mesh = init_device_mesh(device.type, (world,))
         vocab, _, data = char_data(args.chars)
         torch.manual_seed(0)
         model, loss_fn = gpt2(len(vocab), args.context, args.width, args.layers)

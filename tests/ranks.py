@@ -1,5 +1,5 @@
-"""Spawned gloo ranks for the distributed tests (test_distributed, test_shard,
-test_save_distributed): start-up, rendezvous, results, and a graph-counting backend.
+"""Spawned gloo ranks for the distributed tests (test_distributed, test_distributed_scaler,
+test_shard, test_save_distributed): start-up, rendezvous, results, and a graph-counting backend.
 
 A run is one fork server that imports torch, funcamp and the test module once, single-threaded,
 and forks a worker per rank from there: clean processes (unlike a fork of pytest) at a fraction

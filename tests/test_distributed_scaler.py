@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
-import time
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
+import ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import funcamp
 import funcamp.distributed as fdist
@@ -22,13 +18,6 @@ WORLD_SIZE = 2
 STEPS = 4
 BAD_STEP = 2  # rank 1 alone sees an inf at this step
 TIMEOUT_S = 120
-
-
-def _rendezvous(out_dir) -> str:
-    """A FileStore in this run's own temporary directory: no TCP port to pick (a free port
-    chosen here could be taken by a concurrent run -- another pytest-xdist worker -- before the
-    workers bind it), and a fresh file for every run."""
-    return Path(out_dir, "store").resolve().as_uri()
 
 
 def _loss(params, x, y):
@@ -61,49 +50,25 @@ def _run(step, rank):
 
 
 def _worker(rank: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=_rendezvous(out_dir),
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
-    try:
-        params, scaler, found = _run(_step, rank)
-        averaged = fdist.all_reduce_grads({"g": torch.tensor([float(rank), 2.0])})["g"]
-        torch.save(
-            {
-                "params": params,
-                "scaler": funcamp.state_dict(scaler),
-                "found": found,
-                "averaged": averaged,
-                "any_false": bool(fdist.any_across(torch.tensor(False))),
-                "any_rank1": bool(fdist.any_across(torch.tensor(rank == 1))),
-            },
-            os.path.join(out_dir, f"rank{rank}.pt"),
-        )
-    finally:
-        dist.destroy_process_group()
+    ranks.init_rank(rank, WORLD_SIZE, out_dir, TIMEOUT_S)
+    params, scaler, found = _run(_step, rank)
+    averaged = fdist.all_reduce_grads({"g": torch.tensor([float(rank), 2.0])})["g"]
+    res = {
+        "params": params,
+        "scaler": funcamp.state_dict(scaler),
+        "found": found,
+        "averaged": averaged,
+        "any_false": bool(fdist.any_across(torch.tensor(False))),
+        "any_rank1": bool(fdist.any_across(torch.tensor(rank == 1))),
+    }
+    ranks.save_results(res, out_dir, rank)
+    ranks.leave()
 
 
 def test_two_ranks_skip_together_and_stay_identical(tmp_path):
-    ctx = mp.start_processes(
-        _worker,
-        args=(str(tmp_path),),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"distributed workers did not finish in {TIMEOUT_S} s")
-
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD_SIZE)]
+    args = [(rank, str(tmp_path)) for rank in range(WORLD_SIZE)]
+    run = ranks.start(_worker, args, tmp_path, preload=[__name__], timeout_s=TIMEOUT_S)
+    results = run.results()
     expected_found = [i == BAD_STEP for i in range(STEPS)]
     for res in results:
         assert res["found"] == expected_found

@@ -21,6 +21,7 @@ __all__ = [
     "in_transform",
     "plain_eager",
     "tracks_grad",
+    "transform_level",
 ]
 
 
@@ -29,9 +30,14 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def transform_level() -> int | None:
+    """The level of the innermost active ``torch.func`` transform, or None outside any."""
+    return torch._C._functorch.maybe_current_level()
+
+
 def in_transform() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is active."""
-    return torch._C._functorch.maybe_current_level() is not None
+    return transform_level() is not None
 
 
 def plain_eager() -> bool:

@@ -10,6 +10,9 @@ the pieces that make a step parallel.
   ``make_train_step(..., mesh=mesh)`` (params and optimizer state split across the ranks).
 - :class:`Across`: gradients held as shards, for :func:`funcamp.unscale_and_step`'s global
   norm and ``found_inf``.
+- :class:`DataParallel`, :class:`Sharded`: the pieces ``make_train_step(group=)`` and
+  ``make_train_step(mesh=)`` plug into the one step algorithm; public, for steps written by hand
+  (see the guide "A train step by hand").
 """
 
 from funcamp._core.collectives import (
@@ -19,6 +22,16 @@ from funcamp._core.collectives import (
     all_reduce_step,
     any_across,
 )
-from funcamp.distributed.shard import shard
+from funcamp.distributed.data_parallel import DataParallel
+from funcamp.distributed.shard import Sharded, shard
 
-__all__ = ["Across", "Reduced", "all_reduce_grads", "all_reduce_step", "any_across", "shard"]
+__all__ = [
+    "Across",
+    "DataParallel",
+    "Reduced",
+    "Sharded",
+    "all_reduce_grads",
+    "all_reduce_step",
+    "any_across",
+    "shard",
+]

@@ -66,7 +66,9 @@ class DataParallel(Parallel):
     def exchange(
         self, grads: PyTree, loss: torch.Tensor, buffers: PyTree
     ) -> tuple[PyTree, torch.Tensor, PyTree, torch.Tensor | None]:
-        got = all_reduce_step(grads, loss, buffers, self.group, self.world, self.rank == 0)
+        got = all_reduce_step(
+            grads, loss, buffers, self.group, world_size=self.world, rank=self.rank
+        )
         return got.grads, got.loss, got.buffers, got.nonfinite
 
     def fp8_reduce(self, state: Fp8State, grads: Fp8State) -> Fp8State:

@@ -384,7 +384,7 @@ class Sharded(Parallel):
         sharded = self._sharded()
         # The replicated leaves' gradients, the loss and rank 0's buffers: one all-reduce.
         rep = [g for g, s in zip(leaves, sharded) if not s]
-        got = all_reduce_step(rep, loss, buffers, self.group, self.world, self.rank == 0)
+        got = all_reduce_step(rep, loss, buffers, self.group, world_size=self.world, rank=self.rank)
         mean = iter(got.grads)
         # Sharded leaves: the reduce-scatter summed the ranks' gradients; their mean.
         out = [g / self.world if s else next(mean) for g, s in zip(leaves, sharded)]

@@ -31,6 +31,7 @@ try:  # the helpers dynamo's guard sources read (G, L, __load_module, ...)
 except ImportError:  # pragma: no cover - other torch versions
     _get_closure_vars = None
 
+from funcamp._core.context import transform_level
 from funcamp._core.tree import NAMESPACE
 from funcamp._core.version import __version__
 
@@ -379,7 +380,7 @@ def _context() -> tuple[Any, ...]:
         tuple(_where(type(m)) for m in torch.overrides._get_current_function_mode_stack()),
         torch._C._is_torch_function_enabled(),
         str(getattr(torch.utils._device, "CURRENT_DEVICE", None)),
-        torch._C._functorch.maybe_current_level(),
+        transform_level(),
         None if hooks is None else tuple(describe_value(h) for h in hooks),
     )
 
