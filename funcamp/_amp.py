@@ -5,7 +5,9 @@ call and leaves it on exit (also on error), so no global state survives the call
 each torch call up in the policy's dispatch table (callable -> rule), casts the floating inputs as
 the rule says and runs the op with the mode off. Python composites such as
 ``F.multi_head_attention_forward`` are re-entered with the mode on, so the torch calls they make
-inside are seen too (see :func:`_unchecked_copies`).
+inside are seen too (see :func:`_unchecked_copies`), and so are the Python twins of C++ composites
+(``einsum``, ``cov``, ``linalg.pinv`` ...: see ``funcamp/_twins.py``), so the ops inside them are
+cast as torch.autocast casts them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch.nn.modules import module as _nn_module
+from torch.nn.modules import utils as _nn_utils
 from torch.overrides import TorchFunctionMode
 
 from funcamp import _dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
@@ -33,6 +36,7 @@ from funcamp._ops import (
     python_composites,
 )
 from funcamp._policy import Policy, _cast_floating, get_policy
+from funcamp._twins import REACHES, TWINS
 
 __all__ = ["amp", "full_precision"]
 
@@ -92,6 +96,26 @@ _UNCHECKED_GLOBALS = {
 }
 
 
+def _inlined(fn: types.FunctionType) -> types.FunctionType:
+    """A copy of ``fn`` with its own identity (same code, globals, defaults and closure)."""
+    clone = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    clone.__kwdefaults__ = fn.__kwdefaults__
+    clone.__qualname__ = fn.__qualname__
+    clone.__wrapped__ = fn  # type: ignore[attr-defined]
+    return clone
+
+
+# Helpers that dynamo puts into the graph as torch functions (its trace rules list them) although
+# they return Python values: ``_list_with_default(1, x.size())`` returns the int 1, a "torch.*
+# op returned non-Tensor" graph break inside a re-entered ``F.adaptive_avg_pool2d(x, 1)`` (not
+# re-entered, dynamo puts the whole pool into the graph and never sees the helper). Under their
+# own identity dynamo traces their few lines like any Python function. A re-entered composite's
+# namespace holds these copies.
+_INLINED_HELPERS = {"_list_with_default": _inlined(_nn_utils._list_with_default)}
+
+
 def _unchecked_copies(functions: frozenset[Any]) -> dict[Any, types.FunctionType]:
     """Copies of Python composites whose ``has_torch_function*`` entry checks say no.
 
@@ -99,14 +123,21 @@ def _unchecked_copies(functions: frozenset[Any]) -> dict[Any, types.FunctionType
     from its entry check and recurse forever. Each copy shares the original's code, defaults
     and closure; only the three check functions are swapped in its globals (one patched copy of
     each defining module's namespace), so its body runs as written and every torch call it
-    makes reaches the mode. Built once, eagerly, so dynamo only ever sees finished functions.
+    makes reaches the mode. In that namespace the module's private helpers are their unchecked
+    copies too: a helper's check reports the public function that called it (``_meshgrid``
+    reports ``meshgrid``), and re-entering that function from inside itself never ends. Built
+    once, eagerly, so dynamo only ever sees finished functions.
     """
     namespaces: dict[int, dict[str, Any]] = {}
     copies: dict[tuple[str, str], types.FunctionType] = {}
+    by_original: dict[Any, types.FunctionType] = {}
     for fn in functions:
         globals_ = namespaces.get(id(fn.__globals__))
         if globals_ is None:
             globals_ = {**fn.__globals__, **_UNCHECKED_GLOBALS}
+            for name, helper in _INLINED_HELPERS.items():
+                if globals_.get(name) is helper.__wrapped__:  # type: ignore[attr-defined]
+                    globals_[name] = helper
             namespaces[id(fn.__globals__)] = globals_
         clone = types.FunctionType(
             fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__
@@ -118,6 +149,11 @@ def _unchecked_copies(functions: frozenset[Any]) -> dict[Any, types.FunctionType
         if key in copies and copies[key].__wrapped__ is not fn:  # type: ignore[attr-defined]
             raise AssertionError(f"two composites share the name {key}")
         copies[key] = clone
+        by_original[fn] = clone
+    for globals_ in namespaces.values():
+        for name, value in list(globals_.items()):
+            if name.startswith("_") and not name.startswith("__") and value in by_original:
+                globals_[name] = by_original[value]
     return copies
 
 
@@ -320,11 +356,13 @@ class _AmpMode(TorchFunctionMode):
         entry = ctx.table.get(name)
         if entry is None and ctx.by_identity:
             entry = ctx.table.get(func)
-        if entry is None or "out" in kwargs:
+        if entry is None or kwargs.get("out") is not None:  # out= calls are never cast
             composite = ctx.composites.get((getattr(func, "__module__", None), name))
             if composite is not None:
                 with self:
-                    return composite(*args, **kwargs)
+                    out = composite(*args, **kwargs)
+                if out is not NotImplemented:  # a twin declines inputs it does not reproduce
+                    return out
             if (
                 name is not None
                 and getattr(func, "__module__", None) == "torch._tensor"
@@ -360,6 +398,9 @@ _COMPOSITES = _unchecked_copies(python_composites())
 _COMPOSITES[(torch.Tensor.unflatten.__module__, torch.Tensor.unflatten.__name__)] = (
     _tensor_unflatten  # type: ignore[assignment]
 )
+# A twin at a Python entry point (torch.einsum, torch.tensordot: torch.functional, which dynamo
+# does not trace into) takes the place of that composite's re-entry.
+_COMPOSITES.update(TWINS)  # type: ignore[arg-type]
 
 
 _OPERATOR_OPCODES = frozenset(
@@ -388,49 +429,72 @@ def _code_names(code: types.CodeType) -> tuple[set[str], bool]:
     return names, operator
 
 
+class _Body(NamedTuple):
+    """What a composite's body may call."""
+
+    names: frozenset[str]  # the names it uses (globals, attributes)
+    operator: bool  # whether it uses ``@`` or ``**``
+    unknown: bool  # re-entered whatever the table (a helper funcamp knows nothing about, ...)
+    helpers: tuple[tuple[str, str], ...]  # the composites it calls by global name
+
+
+def _body(key: tuple[str, str]) -> _Body:
+    original = getattr(_COMPOSITES[key], "__wrapped__", None)
+    if not isinstance(original, types.FunctionType) or key in _ALWAYS_REENTERED:
+        return _Body(frozenset(), False, True, ())
+    names, operator = _code_names(original.__code__)
+    helpers: list[tuple[str, str]] = []
+    unknown = False
+    for name in names:
+        value = original.__globals__.get(name)
+        if value is original or name in _PLUMBING or not isinstance(value, types.FunctionType):
+            continue  # an attribute named like the function itself (torch.relu), or plumbing
+        sub = (value.__module__, value.__name__)
+        helper = _COMPOSITES.get(sub)
+        if helper is None or getattr(helper, "__wrapped__", None) is not value:
+            unknown = True  # a Python helper we know nothing about
+        else:
+            helpers.append(sub)
+    return _Body(frozenset(names), operator, unknown, tuple(helpers))
+
+
 def _reentered(table: dict[Any, Any]) -> dict[tuple[str, str], Any]:
-    """The Python composites whose body may reach an op of ``table``.
+    """The Python composites and C++ twins whose body may reach an op of ``table``.
 
     Re-entering a composite costs a second trip through the mode for every torch call inside
     it; a thin wrapper such as ``F.relu`` whose body names no listed op, calls no ``@``/``**``
     and calls no other Python function that might, runs as called instead (the same result: its
-    inner ops are run as called either way). The check is conservative: any Python helper
-    other than a composite shown not to need it makes the composite re-entered.
+    inner ops are run as called either way). A twin is re-entered when an op it may call is
+    listed (``REACHES``), and a composite naming a re-entered twin's entry point (``F.pad``
+    calls ``torch._C._nn.pad``) is re-entered too. A composite is re-entered when any composite
+    it calls, directly or through others, is; any Python helper other than a known composite
+    makes it re-entered (conservative), a cycle alone does not (``meshgrid`` and ``_meshgrid``
+    name each other and reach nothing listed).
     """
     if any(not isinstance(key, str) for key in table):
         return dict(_COMPOSITES)  # ops given as callables: match them wherever they are called
     listed = set(table)
+    twins = {key: twin for key, twin in TWINS.items() if REACHES[twin] & listed}
+    listed |= {name for _, name in twins}
     operator_listed = any(name in listed for name in _OPERATOR_NAMES)
-    memo: dict[tuple[str, str], bool] = {}
 
-    def needs(key: tuple[str, str]) -> bool:
-        if key in memo:
-            return memo[key]
-        memo[key] = True  # a cycle counts as "may reach a listed op"
-        original = getattr(_COMPOSITES[key], "__wrapped__", None)
-        result = True
-        if isinstance(original, types.FunctionType) and key not in _ALWAYS_REENTERED:
-            names, operator = _code_names(original.__code__)
-            result = bool(names & listed) or (operator and operator_listed)
-            for name in names:
-                if result:
-                    break
-                value = original.__globals__.get(name)
-                if value is original or name in _PLUMBING:
-                    continue  # an attribute named like the function itself (torch.relu)
-                if isinstance(value, types.FunctionType):
-                    sub = (value.__module__, value.__name__)
-                    helper = _COMPOSITES.get(sub)
-                    if helper is None or getattr(helper, "__wrapped__", None) is not value:
-                        result = True  # a Python helper we know nothing about
-                    else:
-                        result = needs(sub)
-        memo[key] = result
-        return result
-
-    return {key: fn for key, fn in _COMPOSITES.items() if needs(key)}
+    reaching = {
+        key
+        for key, body in _BODIES.items()
+        if body.unknown or body.names & listed or (body.operator and operator_listed)
+    }
+    changed = True
+    while changed:  # callers of a reaching composite reach too (least fixed point)
+        changed = False
+        for key, body in _BODIES.items():
+            if key not in reaching and any(h in reaching for h in body.helpers):
+                reaching.add(key)
+                changed = True
+    found = {key: _COMPOSITES[key] for key in _BODIES if key in reaching}
+    return {**found, **twins}
 
 
+_BODIES = {key: _body(key) for key in _COMPOSITES if key not in TWINS}
 _FULL_PRECISION = _context(Policy(ops=OpPolicy.none()))
 
 

@@ -147,8 +147,6 @@ _CPU_COMPOSITES = {
     "concatenate": OpRule.PROMOTE,  # -> cat
     "linalg_matmul": OpRule.COMPUTE,  # -> matmul
     "nll_loss_nd": OpRule.FLOAT32,  # -> nll_loss / nll_loss2d
-    "einsum": OpRule.COMPUTE,  # -> bmm
-    "tensordot": OpRule.COMPUTE,  # -> mm
     "chain_matmul": OpRule.COMPUTE,  # -> mm
     "linalg_multi_dot": OpRule.COMPUTE,  # -> mm
     "lstm": OpRule.COMPUTE,  # -> mkldnn_rnn_layer / linear
