@@ -465,3 +465,19 @@ def python_composites() -> frozenset[Any]:
         if isinstance(fn, types.FunctionType):
             found.add(fn)
     return frozenset(found)
+
+
+#: The tables a policy string can name (``ops=...``); the default table is named by omission.
+#: ``OpPolicy.default()`` holds CUDA's lists, so ``autocast_cuda`` names the default table too.
+OPS_BY_NAME = {"default": _DEFAULT, "autocast_cuda": _CUDA, "autocast_cpu": _CPU, "none": _NONE}
+
+
+def ops_name(ops: OpPolicy) -> str | None:
+    """The name a policy string gives ``ops``: None for the default table and for tables that
+    are not one of ``OPS_BY_NAME`` (a policy's op overrides, which only its repr shows)."""
+    if ops == _DEFAULT:
+        return None
+    for name, table in OPS_BY_NAME.items():
+        if ops == table:
+            return name
+    return None

@@ -67,6 +67,21 @@ def test_zoo_loss_and_grads_bit_identical(name: str, seed: int) -> None:
         assert torch.equal(grads[k], ref_grads[k]), k
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason='"autocast" means CUDA\'s lists there')
+@pytest.mark.parametrize("name", ["cnn", "block"])
+def test_autocast_preset_is_the_cpu_table(name: str) -> None:
+    """On a CPU machine the ``"autocast"`` preset is this module's policy: a conv net and a
+    transformer block give torch.autocast's loss and grads bit for bit."""
+    assert funcamp.get_policy("autocast") == POLICY
+    _, params, loss, (x, y) = make_case(name, 0)
+    assert torch.equal(
+        funcamp.amp(loss, "autocast")(params, x, y), autocast_call(loss, params, x, y)
+    )
+    grads = grad(funcamp.amp(loss, "autocast"))(params, x, y)
+    ref = autocast_call(grad(loss), params, x, y)
+    assert all(torch.equal(grads[k], ref[k]) for k in ref)
+
+
 class _Calls(TorchFunctionMode):
     """Records each torch call with its original (uncast) arguments and its result.
 
@@ -302,3 +317,20 @@ def test_difference_leaf_cast_cache() -> None:
     assert torch.equal(
         grad(funcamp.amp(twice_not_leaf, POLICY))(m), _autocast_backward(twice_not_leaf, m)
     )
+
+
+def test_difference_backward_inside_autocast() -> None:
+    """``torch.func.grad`` called inside ``torch.autocast`` runs the backward under autocast
+    too, so a backward formula that calls a listed op on float32 tensors is cast: ``linalg.inv``
+    (float32 on CPU's list) differentiates through ``matmul``, which runs in bf16 there. amp
+    casts the forward only, as autocast does when the backward runs outside it (torch's advice):
+    amp equals that, not the backward inside autocast."""
+    torch.manual_seed(0)
+    m = torch.randn(4, 4)
+
+    def power(m: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.matrix_power(m * 1, -2).sum()
+
+    ours = grad(funcamp.amp(power, POLICY))(m)
+    assert torch.equal(ours, _autocast_backward(power, m))
+    assert not torch.equal(ours, autocast_call(grad(power), m))

@@ -67,12 +67,12 @@ UNINITIALIZED = {
         "new_empty_strided",
     )
 }
-#: Samples torch itself does not repeat: two plain runs of ``torch.linalg.lstsq(...,
-#: driver="gelsy")`` on the same tensors differ by up to ~2e-6 (LAPACK's gelsy through MKL,
-#: measured on torch 2.13). Compared by dtype and within 1e-5 (relative and absolute).
+#: Samples torch itself does not repeat, by the keyword argument that marks them: two plain runs
+#: of ``torch.linalg.lstsq(..., driver="gelsy")`` on the same tensors differ by up to ~2e-6
+#: (LAPACK's gelsy, measured on torch 2.13). Compared by dtype and within 1e-5.
 UNREPEATABLE = {
-    "linalg.lstsq": "driver='gelsy' is not repeatable in torch itself",
-    "linalg.lstsq.grad_oriented": "driver='gelsy' is not repeatable in torch itself",
+    "linalg.lstsq": ("driver", "gelsy"),
+    "linalg.lstsq.grad_oriented": ("driver", "gelsy"),
 }
 #: Ops where amp differs from torch.autocast on some sample (docs/differences.md): none.
 DIFFERENT: dict[str, str] = {}
@@ -173,8 +173,9 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _difference(ref: Any, got: Any, name: str) -> str | None:
-    """Why two outputs differ, or None when they agree as this module requires."""
+def _difference(ref: Any, got: Any, how: str) -> str | None:
+    """Why two outputs differ, or None when they agree as this module requires: ``how`` is
+    ``"bits"``, ``"uninitialized"`` (dtype, shape and strides) or ``"close"`` (within 1e-5)."""
     a, b = list(_leaves(ref)), list(_leaves(got))
     if len(a) != len(b):
         return f"{len(a)} leaves vs {len(b)}"
@@ -188,10 +189,10 @@ def _difference(ref: Any, got: Any, name: str) -> str | None:
             continue
         if (x.dtype, x.shape, x.layout) != (y.dtype, y.shape, y.layout):
             return f"leaf {i}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
-        if name in UNINITIALIZED:
+        if how == "uninitialized":
             if x.layout == torch.strided and x.stride() != y.stride():
                 return f"leaf {i}: strides {x.stride()} vs {y.stride()}"
-        elif name in UNREPEATABLE:
+        elif how == "close":
             if not torch.allclose(x, y, rtol=1e-5, atol=1e-5, equal_nan=True):
                 return f"leaf {i}: beyond 1e-5"
         elif not torch.equal(_bits(x), _bits(y)):
@@ -209,7 +210,12 @@ def _compare(op: Any, sample: Any, ref_how: Any, how: Policy) -> str | None:
         return None if kind == "raise" else f"runs where the reference raises {ref!r:.80}"
     if kind == "raise":
         return f"raises {type(got).__name__}: {str(got).splitlines()[0][:100]}"
-    return _difference(ref, got, name)
+    key, value = UNREPEATABLE.get(name, (None, None))
+    if name in UNINITIALIZED:
+        return _difference(ref, got, "uninitialized")
+    if key is not None and sample.kwargs.get(key) == value:
+        return _difference(ref, got, "close")
+    return _difference(ref, got, "bits")
 
 
 def _check(op: Any) -> tuple[int, list[str], list[str]]:
