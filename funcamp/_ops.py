@@ -153,10 +153,6 @@ _CPU_COMPOSITES = {
     "gru": OpRule.COMPUTE,  # -> linear
     "rnn_tanh": OpRule.COMPUTE,
     "rnn_relu": OpRule.COMPUTE,
-    "lstm_cell": OpRule.COMPUTE,  # -> linear
-    "gru_cell": OpRule.COMPUTE,
-    "rnn_tanh_cell": OpRule.COMPUTE,
-    "rnn_relu_cell": OpRule.COMPUTE,
 }
 
 #: Ops that take ``dtype=`` and get ``dtype=torch.float32`` under ``OpRule.FLOAT32``.

@@ -2,7 +2,7 @@
 
 torch.autocast applies its lists at the aten level: when a C++ composite that is not on a list
 (``einsum``, ``tensordot``, ``cov``, ``linalg.matrix_power``, ``linalg.pinv``, ``bilinear``,
-``F.pad``'s reflect mode ...) calls a listed op inside its kernel (``bmm``, ``mm``, ``matmul``,
+``F.pad``'s reflect mode, the RNN cells ...) calls a listed op inside its kernel (``bmm``, ``mm``, ``matmul``,
 ``reflection_pad2d``), autocast casts that inner call and nothing else. A
 :class:`torch.overrides.TorchFunctionMode` sees the composite only from outside. Each twin here
 makes, one torch call at a time, the calls the C++ kernel of torch 2.13 makes (same ops, same
@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from funcamp._twin_einsum import all_strided, castable, einsum, einsum_public, sumproduct_pair
 
@@ -365,8 +366,77 @@ def pad(input: Any, pad: Any, mode: Any = "constant", value: Any = None) -> Any:
     return kernel(input, pad)
 
 
+# -- RNN cells -------------------------------------------------------------------------------------
+def _cell_ok(
+    input: Any, hx: Any, w_ih: Any, w_hh: Any, biases: tuple[Any, ...], gates: int
+) -> bool:
+    """Whether the cell's arguments are the 2-d CPU tensors its CPU kernel takes."""
+    tensors = (input, hx, w_ih, w_hh)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in tensors):
+        return False
+    if not all(b is None or isinstance(b, torch.Tensor) for b in biases):
+        return False
+    if input.is_cuda or not all_strided(*tensors, *biases) or not castable(input):
+        return False
+    hidden = w_hh.size(1)
+    return (
+        input.size(1) == w_ih.size(1)
+        and input.size(0) == hx.size(0)
+        and hx.size(1) == hidden
+        and w_ih.size(0) == w_hh.size(0) == gates * hidden
+    )
+
+
+def gru_cell(input: Any, hx: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None) -> Any:
+    """``torch.gru_cell`` (``nn.GRUCell``) on CPU: two ``linear`` calls, then the gates, in
+    place on the chunks of the linears' outputs as ATen's ``GRUCell`` does."""
+    if not _cell_ok(input, hx, w_ih, w_hh, (b_ih, b_hh), 3):
+        return NotImplemented
+    igates = F.linear(input, w_ih, b_ih).unsafe_chunk(3, 1)
+    hgates = F.linear(hx, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset_gate = hgates[0].add_(igates[0]).sigmoid_()
+    input_gate = hgates[1].add_(igates[1]).sigmoid_()
+    new_gate = igates[2].add(hgates[2].mul_(reset_gate)).tanh_()
+    return (hx - new_gate).mul_(input_gate).add_(new_gate)
+
+
+def lstm_cell(input: Any, hx: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None) -> Any:
+    """``torch.lstm_cell`` (``nn.LSTMCell``) on CPU: the hidden and input ``linear`` calls
+    summed in place, then the gates; the cell state stays in its own dtype."""
+    if not isinstance(hx, (list, tuple)) or len(hx) != 2:
+        return NotImplemented
+    h, c = hx
+    if not _cell_ok(input, h, w_ih, w_hh, (b_ih, b_hh), 4):
+        return NotImplemented
+    if not isinstance(c, torch.Tensor) or c.shape != h.shape or not all_strided(c):
+        return NotImplemented
+    gates = F.linear(h, w_hh, b_hh).add_(F.linear(input, w_ih, b_ih))
+    ingate, forgetgate, cellgate, outgate = gates.unsafe_chunk(4, 1)
+    ingate, forgetgate = ingate.sigmoid_(), forgetgate.sigmoid_()
+    cellgate, outgate = cellgate.tanh_(), outgate.sigmoid_()
+    cy = (forgetgate * c).add_(ingate * cellgate)
+    return outgate * cy.tanh(), cy
+
+
+def _simple_cell(activation: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
+    def cell(input: Any, hx: Any, w_ih: Any, w_hh: Any, b_ih: Any = None, b_hh: Any = None) -> Any:
+        if not _cell_ok(input, hx, w_ih, w_hh, (b_ih, b_hh), 1):
+            return NotImplemented
+        return activation(F.linear(hx, w_hh, b_hh).add_(F.linear(input, w_ih, b_ih)))
+
+    return cell
+
+
+#: ``torch.rnn_tanh_cell`` / ``torch.rnn_relu_cell`` (``nn.RNNCell``) on CPU
+rnn_tanh_cell = _simple_cell(torch.tanh)
+rnn_relu_cell = _simple_cell(torch.relu)
+rnn_tanh_cell.__name__ = rnn_tanh_cell.__qualname__ = "rnn_tanh_cell"
+rnn_relu_cell.__name__ = rnn_relu_cell.__qualname__ = "rnn_relu_cell"
+
+
 # -- registry ------------------------------------------------------------------------------------
 _MM = frozenset({"mm", "matmul", "bmm", "dot", "tensordot"})
+_CELL = frozenset({"linear", "addmm", "sigmoid", "tanh", "relu", "mul", "add", "sub"})
 
 #: twin -> the entry points (as the mode sees them) it stands for
 _ENTRY_POINTS: dict[Callable[..., Any], tuple[Any, ...]] = {
@@ -382,6 +452,10 @@ _ENTRY_POINTS: dict[Callable[..., Any], tuple[Any, ...]] = {
     pinv: (torch.linalg.pinv,),
     pinverse: (torch.pinverse, torch.Tensor.pinverse),
     pad: (torch._C._nn.pad,),
+    gru_cell: (torch.gru_cell,),
+    lstm_cell: (torch.lstm_cell,),
+    rnn_tanh_cell: (torch.rnn_tanh_cell,),
+    rnn_relu_cell: (torch.rnn_relu_cell,),
 }
 
 #: twin -> the listed ops (canonical names) it may call; the mode re-enters a twin only under
@@ -399,6 +473,10 @@ REACHES: dict[Callable[..., Any], frozenset[str]] = {
     pinv: _MM | {"svd", "linalg_eigh"},
     pinverse: _MM | {"svd", "linalg_eigh", "linalg_pinv"},
     pad: frozenset(f"{kind}_pad{k}d" for kind in ("reflection", "replication") for k in (1, 2, 3)),
+    gru_cell: _CELL,
+    lstm_cell: _CELL,
+    rnn_tanh_cell: _CELL,
+    rnn_relu_cell: _CELL,
 }
 
 #: (``__module__``, ``__name__``) of each entry point, as the mode reads them -> twin

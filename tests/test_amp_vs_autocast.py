@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from amp_zoo import ZOO, make_case, one_thread  # noqa: F401 (autouse fixture)
 from torch import nn
-from torch.func import grad
+from torch.func import grad, vmap
 from torch.overrides import TorchFunctionMode
 
 import funcamp
@@ -157,6 +157,22 @@ def _raw(fn: Any, *args: Any) -> torch.Tensor:
     return value.to(dtype)
 
 
+def _raw_fn(fn: Any) -> Any:
+    """``fn`` under amp, its tensor result in the dtype the ops made it (vmap-able)."""
+
+    def keep(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = fn(*args)
+        return out.double(), torch.zeros((), dtype=out.dtype)
+
+    amped = funcamp.amp(keep, POLICY)
+
+    def run(*args: Any) -> torch.Tensor:
+        value, marker = amped(*args)
+        return value.to(marker.dtype)
+
+    return run
+
+
 @pytest.mark.parametrize(
     "equation", ["ij,ij->ij", "bij->bi", "ij->ji", "ij,kj->ik", "bij,bjk->bik", "ijk,kl->il"]
 )
@@ -200,15 +216,14 @@ def test_pad_reflect_replicate_matches_on_bf16(mode: str) -> None:
     assert torch.equal(_raw(pad, xb), autocast_call(pad, xb))
 
 
-@pytest.mark.parametrize("kind", ["GRU", "GRUCell", "LSTMCell"])
-def test_difference_cpu_gru_and_cells(kind: str) -> None:
+def test_difference_cpu_gru() -> None:
+    """``nn.GRU`` runs its cells inside one C++ kernel (``_VF.gru``) that no twin stands for."""
     torch.manual_seed(0)
-    module = {"GRU": nn.GRU(5, 7), "GRUCell": nn.GRUCell(5, 7), "LSTMCell": nn.LSTMCell(5, 7)}[kind]
+    module = nn.GRU(5, 7)
     x = torch.randn(4, 5)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        out = module(x)
-        return out[0] if isinstance(out, tuple) else out
+        return module(x)[0]
 
     ref = autocast_call(run, x)
     ours = _raw(run, x)
@@ -218,6 +233,28 @@ def test_difference_cpu_gru_and_cells(kind: str) -> None:
     # amp: the whole composite runs in bf16 (the rule of its inner linear).
     assert ours.dtype == BF16
     assert (ours.float() - ref).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("kind", ["GRUCell", "LSTMCell", "RNNCell", "RNNCell-relu"])
+def test_rnn_cells_match_on_cpu(kind: str) -> None:
+    """The cells' twins make their kernels' two ``linear`` calls (cast) and the gate arithmetic
+    (not cast): bf16 gates, and a float32 result where the float32 hidden state promotes it."""
+    torch.manual_seed(0)
+    module = {
+        "GRUCell": nn.GRUCell(5, 7),
+        "LSTMCell": nn.LSTMCell(5, 7),
+        "RNNCell": nn.RNNCell(5, 7),
+        "RNNCell-relu": nn.RNNCell(5, 7, nonlinearity="relu"),
+    }[kind]
+    x = torch.randn(4, 5)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out = module(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    ref = autocast_call(run, x)
+    assert ref.dtype == (torch.float32 if kind in ("GRUCell", "LSTMCell") else BF16)
+    assert torch.equal(_raw(run, x), ref) and _raw(run, x).dtype == ref.dtype
 
 
 def test_lstm_and_rnn_match_on_cpu() -> None:
@@ -334,3 +371,27 @@ def test_difference_backward_inside_autocast() -> None:
     ours = grad(funcamp.amp(power, POLICY))(m)
     assert torch.equal(ours, _autocast_backward(power, m))
     assert not torch.equal(ours, autocast_call(grad(power), m))
+
+
+def test_difference_rnn_cells_under_vmap() -> None:
+    """torch has no batching rule for ``gru_cell``/``lstm_cell``: under ``vmap`` it runs them
+    sample by sample, each ``linear`` a 2-d ``addmm`` (bias added inside, rounded once). The
+    twins' ``linear`` calls are batched by linear's own batching rule, which rounds the bf16
+    product and the bias add separately -- as a vmapped bf16 ``F.linear`` differs from the same
+    call sample by sample in torch itself. Unbatched, both agree bit for bit."""
+    torch.manual_seed(0)
+    cell = nn.GRUCell(4, 4)
+    x = torch.randn(2, 4, 4)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return cell(x, x.flip(0))
+
+    ours = vmap(_raw_fn(run))(x)
+    ref = autocast_call(vmap(run), x)
+    assert torch.equal(autocast_call(run, x[0]), ref[0])  # torch: vmap = sample by sample
+    assert torch.equal(_raw(run, x[0]), ref[0])  # amp: identical unbatched
+    assert not torch.equal(ours, ref) and (ours - ref).abs().max() < 0.02
+    w, b = torch.randn(6, 4, dtype=BF16), torch.randn(6, dtype=BF16)
+    xb = x.to(BF16)
+    batched = vmap(lambda x: F.linear(x, w, b))(xb)
+    assert not torch.equal(batched, torch.stack([F.linear(xb[0], w, b), F.linear(xb[1], w, b)]))
