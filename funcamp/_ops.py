@@ -117,8 +117,9 @@ _CPU_FP32 = (
 _CPU_PROMOTE = "stack cat index_copy"
 
 # Composites that a function mode sees only from outside, while torch.autocast sees the listed
-# aten op they decompose into: C++ composites (CompositeImplicitAutograd ops such as einsum on
-# CPU), and Python wrappers whose inner builtin dynamo does not dispatch to function modes
+# aten op they decompose into: C++ composites without a Python twin (funcamp/_twins.py makes the
+# inner calls of einsum, tensordot, cov, pinv, the RNN cells ... visible instead), and Python
+# wrappers whose inner builtin dynamo does not dispatch to function modes
 # (builtins missing from torch.overrides.get_overridable_functions(), e.g.
 # torch._C._nn.cross_entropy_loss and upsample_*): listing the wrapper keeps eager and compiled
 # runs identical. The presets give them the rule their inner op gets, per device.
