@@ -60,6 +60,57 @@ def test_str_round_trips(param: torch.dtype, compute: torch.dtype, output: torch
     assert hash(get_policy(str(p))) == hash(p)
 
 
+@pytest.mark.parametrize(
+    ("spec", "dtypes", "ops", "text"),
+    [
+        (
+            "autocast_cpu",
+            (F32, BF16, F32),
+            "cpu",
+            "compute=bfloat16,output=float32,ops=autocast_cpu",
+        ),
+        ("autocast_cuda", (F32, F16, F32), "cuda", "compute=float16,output=float32"),
+        ("c=bf16,ops=autocast_cpu", (F32, BF16, BF16), "cpu", "output=bfloat16,ops=autocast_cpu"),
+        ("c=bf16,ops=none", (F32, BF16, BF16), "none", "output=bfloat16,ops=none"),
+        ("c=bf16,ops=default", (F32, BF16, BF16), "default", "output=bfloat16"),
+    ],
+)
+def test_op_tables_by_name_round_trip(
+    spec: str, dtypes: tuple[torch.dtype, ...], ops: str, text: str
+) -> None:
+    """An ``ops=`` part names torch's tables; str names them back (the default by omission), so
+    str round-trips these policies, and repr, which starts with str, shows the table once."""
+    tables = {
+        "cpu": OpPolicy.autocast("cpu"),
+        "cuda": OpPolicy.autocast("cuda"),
+        "none": OpPolicy.none(),
+        "default": OpPolicy.default(),
+    }
+    p = get_policy(spec)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == dtypes and p.ops == tables[ops]
+    assert str(p).endswith(text) and get_policy(str(p)) == p
+    assert repr(p) == f"Policy({str(p)!r})"
+    # A table with overrides has no name: str leaves it out, repr shows it.
+    q = p.with_op_rules({"softmax": OpRule.COMPUTE})
+    assert "ops=" not in str(q) and "ops=OpPolicy(" in repr(q)
+
+
+def test_autocast_preset_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"autocast"`` is torch.autocast's default on the device training runs on, decided when
+    the policy is built: CPU's lists in bfloat16, or CUDA's (the default table) in float16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert get_policy("autocast") == get_policy("autocast_cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert get_policy("autocast") == get_policy("autocast_cuda") == get_policy("mixed_float16")
+
+
+def test_unknown_op_table_lists_the_names() -> None:
+    with pytest.raises(ValueError, match=r"unknown op table 'cpu'.*ops=autocast_cpu"):
+        get_policy("c=bf16,ops=cpu")
+    with pytest.raises(ValueError, match="duplicate key 'ops'"):
+        get_policy("ops=none,ops=default")
+
+
 def test_policies_are_immutable_values() -> None:
     p = get_policy("mixed_bfloat16")
     q = p.with_op_rules({"softmax": OpRule.COMPUTE})

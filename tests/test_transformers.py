@@ -118,6 +118,25 @@ def test_eager_amp_equals_torch_autocast(name: str) -> None:
         assert _relative(grads, paths["backward"]) < 0.01 < apart
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason='"autocast" means CUDA\'s lists there')
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+def test_autocast_preset_equals_torch_autocast(name: str) -> None:
+    """``amp(f, "autocast")`` on a CPU machine is torch.autocast("cpu")'s loss and logits, bit
+    for bit (the logits come back in float32, amp's output dtype: bf16 to float32 is exact)."""
+    model, batch = build(name)
+    params, buffers = funcamp.params_and_buffers(model)
+
+    def forward(params: Any, buffers: Any, batch: dict[str, Any]) -> Any:
+        out = functional_call(model, (params, buffers), args=(), kwargs=batch)
+        return out.loss, out.logits
+
+    with torch.autocast("cpu", BF16):
+        ref_loss, ref_logits = forward(params, buffers, batch)
+    loss, logits = funcamp.amp(forward, "autocast")(params, buffers, batch)
+    assert ref_logits.dtype == BF16 and logits.dtype == loss.dtype == torch.float32
+    assert torch.equal(loss, ref_loss) and torch.equal(logits, ref_logits.float())
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_compiled_amp_equals_eager_amp(name: str) -> None:
     model, batch = build(name)

@@ -5,15 +5,15 @@ call and leaves it on exit (also on error), so no global state survives the call
 each torch call up in the policy's dispatch table (callable -> rule), casts the floating inputs as
 the rule says and runs the op with the mode off. Python composites such as
 ``F.multi_head_attention_forward`` are re-entered with the mode on, so the torch calls they make
-inside are seen too (see :func:`_unchecked_copies`).
+inside are seen too, and so are the Python twins of C++ composites (``einsum``, ``cov``,
+``linalg.pinv`` ...), so the ops inside them are cast as torch.autocast casts them (see
+``funcamp/casting/reentry.py`` and ``funcamp/casting/twins.py``).
 """
 
 from __future__ import annotations
 
-import dis
 import functools
 import threading
-import types
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -24,15 +24,10 @@ from torch.overrides import TorchFunctionMode
 from funcamp._core.context import compiling
 from funcamp.casting import dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
 from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, run_fp8
+from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
+from funcamp.casting.reentry import reentered
 from funcamp.policy.modules import glob_match
-from funcamp.policy.ops import (
-    DTYPE_ARG_OPS,
-    OpPolicy,
-    OpRule,
-    _name_index,
-    op_name,
-    python_composites,
-)
+from funcamp.policy.ops import DTYPE_ARG_OPS, OpPolicy, OpRule, _name_index, op_name
 from funcamp.policy.policy import Policy, _cast_floating, as_policy
 
 __all__ = ["amp", "full_precision"]
@@ -67,7 +62,7 @@ def _context(policy: Policy) -> _Context:
             table[key] = (rule, _NAME_TO_OP.get(name, name) if isinstance(key, str) else name)
     modules = tuple((key, _context(sub)) for key, sub in policy.module_policies)
     by_identity = any(not isinstance(k, str) for k in table)
-    composites = _reentered(table)
+    composites = reentered(table)
     return _Context(
         policy, policy.compute_dtype, policy.output_dtype, table, by_identity, modules, composites
     )
@@ -79,47 +74,6 @@ def _qualname(fn: Any) -> str:
 
 # __name__ of an entry point -> canonical op name (e.g. "__rmatmul__" -> "matmul")
 _NAME_TO_OP = {getattr(fn, "__name__", ""): name for fn, name in _name_index().items()}
-
-
-# -- the re-entry of Python composites --------------------------------------------------------
-def _no_torch_function(*args: Any) -> bool:
-    return False
-
-
-_UNCHECKED_GLOBALS = {
-    "has_torch_function": _no_torch_function,
-    "has_torch_function_unary": _no_torch_function,
-    "has_torch_function_variadic": _no_torch_function,
-}
-
-
-def _unchecked_copies(functions: frozenset[Any]) -> dict[Any, types.FunctionType]:
-    """Copies of Python composites whose ``has_torch_function*`` entry checks say no.
-
-    Calling a composite itself with the mode active would dispatch straight back to the mode
-    from its entry check and recurse forever. Each copy shares the original's code, defaults
-    and closure; only the three check functions are swapped in its globals (one patched copy of
-    each defining module's namespace), so its body runs as written and every torch call it
-    makes reaches the mode. Built once, eagerly, so dynamo only ever sees finished functions.
-    """
-    namespaces: dict[int, dict[str, Any]] = {}
-    copies: dict[tuple[str, str], types.FunctionType] = {}
-    for fn in functions:
-        globals_ = namespaces.get(id(fn.__globals__))
-        if globals_ is None:
-            globals_ = {**fn.__globals__, **_UNCHECKED_GLOBALS}
-            namespaces[id(fn.__globals__)] = globals_
-        clone = types.FunctionType(
-            fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__
-        )
-        clone.__kwdefaults__ = fn.__kwdefaults__
-        clone.__qualname__ = fn.__qualname__
-        clone.__wrapped__ = fn  # type: ignore[attr-defined]
-        key = (fn.__module__, fn.__name__)
-        if key in copies and copies[key].__wrapped__ is not fn:  # type: ignore[attr-defined]
-            raise AssertionError(f"two composites share the name {key}")
-        copies[key] = clone
-    return copies
 
 
 # -- casting ------------------------------------------------------------------------------------
@@ -314,11 +268,13 @@ class _AmpMode(TorchFunctionMode):
         entry = ctx.table.get(name)
         if entry is None and ctx.by_identity:
             entry = ctx.table.get(func)
-        if entry is None or "out" in kwargs:
+        if entry is None or kwargs.get("out") is not None:  # out= calls are never cast
             composite = ctx.composites.get((getattr(func, "__module__", None), name))
             if composite is not None:
                 with self:
-                    return composite(*args, **kwargs)
+                    out = composite(*args, **kwargs)
+                if out is not NotImplemented:  # a twin declines inputs it does not reproduce
+                    return out
             if (
                 name is not None
                 and getattr(func, "__module__", None) == "torch._tensor"
@@ -342,87 +298,6 @@ class _AmpMode(TorchFunctionMode):
         if self.recorder is not None:
             self.recorder.record(func, rule, ctx, cargs, ckwargs, out, self)
         return out
-
-
-def _tensor_unflatten(self: torch.Tensor, dim: Any, sizes: Any) -> torch.Tensor:
-    # Stand-in for Tensor.unflatten, whose Python body calls ``super().unflatten`` (dynamo
-    # cannot trace that from inside a mode handler). torch.unflatten is the same op.
-    return torch.unflatten(self, dim, sizes)
-
-
-_COMPOSITES = _unchecked_copies(python_composites())
-_COMPOSITES[(torch.Tensor.unflatten.__module__, torch.Tensor.unflatten.__name__)] = (
-    _tensor_unflatten  # type: ignore[assignment]
-)
-
-
-_OPERATOR_OPCODES = frozenset(
-    {"BINARY_MATRIX_MULTIPLY", "INPLACE_MATRIX_MULTIPLY", "BINARY_POWER", "INPLACE_POWER"}
-)
-_OPERATOR_ARGS = frozenset({"@", "@=", "**", "**="})
-_OPERATOR_NAMES = ("__matmul__", "__rmatmul__", "__imatmul__", "__pow__", "__rpow__", "__ipow__")
-# The __torch_function__ plumbing at a composite's entry: never reached in the unchecked copies.
-_PLUMBING = frozenset({"handle_torch_function", *_UNCHECKED_GLOBALS})
-_ALWAYS_REENTERED = frozenset({(torch.Tensor.unflatten.__module__, "unflatten")})
-
-
-def _code_names(code: types.CodeType) -> tuple[set[str], bool]:
-    """Names a code object (and the code nested in it) refers to; whether it uses ``@``/``**``."""
-    names = set(code.co_names)
-    operator = any(
-        ins.opname in _OPERATOR_OPCODES
-        or (ins.opname == "BINARY_OP" and ins.argrepr in _OPERATOR_ARGS)
-        for ins in dis.get_instructions(code)
-    )
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            inner, inner_operator = _code_names(const)
-            names |= inner
-            operator = operator or inner_operator
-    return names, operator
-
-
-def _reentered(table: dict[Any, Any]) -> dict[tuple[str, str], Any]:
-    """The Python composites whose body may reach an op of ``table``.
-
-    Re-entering a composite costs a second trip through the mode for every torch call inside
-    it; a thin wrapper such as ``F.relu`` whose body names no listed op, calls no ``@``/``**``
-    and calls no other Python function that might, runs as called instead (the same result: its
-    inner ops are run as called either way). The check is conservative: any Python helper
-    other than a composite shown not to need it makes the composite re-entered.
-    """
-    if any(not isinstance(key, str) for key in table):
-        return dict(_COMPOSITES)  # ops given as callables: match them wherever they are called
-    listed = set(table)
-    operator_listed = any(name in listed for name in _OPERATOR_NAMES)
-    memo: dict[tuple[str, str], bool] = {}
-
-    def needs(key: tuple[str, str]) -> bool:
-        if key in memo:
-            return memo[key]
-        memo[key] = True  # a cycle counts as "may reach a listed op"
-        original = getattr(_COMPOSITES[key], "__wrapped__", None)
-        result = True
-        if isinstance(original, types.FunctionType) and key not in _ALWAYS_REENTERED:
-            names, operator = _code_names(original.__code__)
-            result = bool(names & listed) or (operator and operator_listed)
-            for name in names:
-                if result:
-                    break
-                value = original.__globals__.get(name)
-                if value is original or name in _PLUMBING:
-                    continue  # an attribute named like the function itself (torch.relu)
-                if isinstance(value, types.FunctionType):
-                    sub = (value.__module__, value.__name__)
-                    helper = _COMPOSITES.get(sub)
-                    if helper is None or getattr(helper, "__wrapped__", None) is not value:
-                        result = True  # a Python helper we know nothing about
-                    else:
-                        result = needs(sub)
-        memo[key] = result
-        return result
-
-    return {key: fn for key, fn in _COMPOSITES.items() if needs(key)}
 
 
 _FULL_PRECISION = _context(Policy(ops=OpPolicy.none()))

@@ -167,7 +167,7 @@ class _Recorder:
                 output_dtypes=_dtypes(out),
                 module=tracker.path if tracker is not None else None,
                 inplace=inplace,
-                out="out" in kwargs,
+                out=kwargs.get("out") is not None,
                 amax=stats[0],
                 nonfinite=stats[1],
                 subnormal=stats[2],

@@ -117,8 +117,9 @@ _CPU_FP32 = (
 _CPU_PROMOTE = "stack cat index_copy"
 
 # Composites that a function mode sees only from outside, while torch.autocast sees the listed
-# aten op they decompose into: C++ composites (CompositeImplicitAutograd ops such as einsum on
-# CPU), and Python wrappers whose inner builtin dynamo does not dispatch to function modes
+# aten op they decompose into: C++ composites without a Python twin (funcamp/casting/twins.py makes the
+# inner calls of einsum, tensordot, cov, pinv, the RNN cells ... visible instead), and Python
+# wrappers whose inner builtin dynamo does not dispatch to function modes
 # (builtins missing from torch.overrides.get_overridable_functions(), e.g.
 # torch._C._nn.cross_entropy_loss and upsample_*): listing the wrapper keeps eager and compiled
 # runs identical. The presets give them the rule their inner op gets, per device.
@@ -147,18 +148,12 @@ _CPU_COMPOSITES = {
     "concatenate": OpRule.PROMOTE,  # -> cat
     "linalg_matmul": OpRule.COMPUTE,  # -> matmul
     "nll_loss_nd": OpRule.FLOAT32,  # -> nll_loss / nll_loss2d
-    "einsum": OpRule.COMPUTE,  # -> bmm
-    "tensordot": OpRule.COMPUTE,  # -> mm
     "chain_matmul": OpRule.COMPUTE,  # -> mm
     "linalg_multi_dot": OpRule.COMPUTE,  # -> mm
     "lstm": OpRule.COMPUTE,  # -> mkldnn_rnn_layer / linear
     "gru": OpRule.COMPUTE,  # -> linear
     "rnn_tanh": OpRule.COMPUTE,
     "rnn_relu": OpRule.COMPUTE,
-    "lstm_cell": OpRule.COMPUTE,  # -> linear
-    "gru_cell": OpRule.COMPUTE,
-    "rnn_tanh_cell": OpRule.COMPUTE,
-    "rnn_relu_cell": OpRule.COMPUTE,
 }
 
 #: Ops that take ``dtype=`` and get ``dtype=torch.float32`` under ``OpRule.FLOAT32``.
@@ -467,3 +462,19 @@ def python_composites() -> frozenset[Any]:
         if isinstance(fn, types.FunctionType):
             found.add(fn)
     return frozenset(found)
+
+
+#: The tables a policy string can name (``ops=...``); the default table is named by omission.
+#: ``OpPolicy.default()`` holds CUDA's lists, so ``autocast_cuda`` names the default table too.
+OPS_BY_NAME = {"default": _DEFAULT, "autocast_cuda": _CUDA, "autocast_cpu": _CPU, "none": _NONE}
+
+
+def ops_name(ops: OpPolicy) -> str | None:
+    """The name a policy string gives ``ops``: None for the default table and for tables that
+    are not one of ``OPS_BY_NAME`` (a policy's op overrides, which only its repr shows)."""
+    if ops == _DEFAULT:
+        return None
+    for name, table in OPS_BY_NAME.items():
+        if ops == table:
+            return name
+    return None

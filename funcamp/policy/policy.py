@@ -11,7 +11,7 @@ import torch
 
 from funcamp._core.tree import map_tensors, tree_cast
 from funcamp.policy.fp8 import Fp8Config
-from funcamp.policy.ops import OpKey, OpPolicy, OpRule
+from funcamp.policy.ops import OPS_BY_NAME, OpKey, OpPolicy, OpRule, ops_name
 
 __all__ = ["ModuleKey", "Policy", "as_policy", "get_policy", "parse_dtype"]
 
@@ -52,7 +52,11 @@ _PRESETS = {
     "16-true": "params=float16,compute=float16,output=float16",
     "32-true": "params=float32,compute=float32,output=float32",
     "64-true": "params=float64,compute=float64,output=float64",
+    "autocast_cpu": "params=float32,compute=bfloat16,output=float32,ops=autocast_cpu",
+    "autocast_cuda": "params=float32,compute=float16,output=float32,ops=autocast_cuda",
 }
+#: Resolved when the policy is built: torch.autocast's own defaults on the device training runs on.
+_AUTOCAST = "autocast"
 
 #: A module override is keyed by an ``nn.Module`` subclass or a glob of module paths.
 ModuleKey = type | str
@@ -305,15 +309,17 @@ class Policy:
         return dataclasses.replace(self, fp8=Fp8Config.build(recipe, modules, exclude))
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"params={_CANONICAL_NAME[self.param_dtype]},"
             f"compute={_CANONICAL_NAME[self.compute_dtype]},"
             f"output={_CANONICAL_NAME[self.output_dtype]}"
         )
+        name = ops_name(self.ops)
+        return text if name is None else f"{text},ops={name}"
 
     def __repr__(self) -> str:
         parts = [f"Policy({str(self)!r}"]
-        if self.ops != OpPolicy.default():
+        if self.ops != OpPolicy.default() and ops_name(self.ops) is None:
             parts.append(f"ops={self.ops!r}")
         if self.module_policies:
             inner = ", ".join(
@@ -344,9 +350,15 @@ def get_policy(spec: str) -> Policy:
     ``spec`` is comma-separated ``key=value`` with keys ``p|params``, ``c|compute``,
     ``o|output`` and dtype names ``f32|float32|full``, ``f16|float16|half``,
     ``bf16|bfloat16``, ``f64|float64``. Params default to float32, compute follows params,
-    output follows compute. A bare dtype name sets all three. Presets:
+    output follows compute. A bare dtype name sets all three. An ``ops`` key names the op table:
+    ``default`` (torch's CUDA autocast lists, on every device: the default), ``autocast_cpu``
+    (torch's CPU lists), ``autocast_cuda`` (the same as ``default``) or ``none``. Presets:
     ``"mixed_float16"``/``"16-mixed"``, ``"mixed_bfloat16"``/``"bf16-mixed"``,
-    ``"bf16-true"``, ``"16-true"``, ``"float32"``/``"32-true"``.
+    ``"bf16-true"``, ``"16-true"``, ``"float32"``/``"32-true"``, and torch.autocast's own
+    defaults: ``"autocast_cpu"`` (bfloat16 compute, CPU's lists: bit-identical to
+    ``torch.autocast("cpu")``), ``"autocast_cuda"`` (float16 compute, CUDA's lists: equal to
+    ``"mixed_float16"``) and ``"autocast"``, which is ``"autocast_cuda"`` when
+    ``torch.cuda.is_available()`` at the time of the call and ``"autocast_cpu"`` otherwise.
 
     Raises:
         ValueError: naming the bad part of ``spec`` and listing what is valid.
@@ -357,6 +369,8 @@ def get_policy(spec: str) -> Policy:
         'params=float32,compute=bfloat16,output=bfloat16'
         >>> str(funcamp.get_policy("mixed_float16"))
         'params=float32,compute=float16,output=float32'
+        >>> str(funcamp.get_policy("autocast_cpu"))
+        'params=float32,compute=bfloat16,output=float32,ops=autocast_cpu'
     """
     if isinstance(spec, Policy):
         return spec
@@ -366,6 +380,8 @@ def get_policy(spec: str) -> Policy:
             f"'params=float32,compute=bfloat16', got {type(spec).__name__} {spec!r}"
         )
     text = spec.strip().lower()
+    if text == _AUTOCAST:
+        text = "autocast_cuda" if torch.cuda.is_available() else "autocast_cpu"
     text = _PRESETS.get(text, text)
     if not text:
         raise ValueError(_spec_help("empty policy spec"))
@@ -374,28 +390,36 @@ def get_policy(spec: str) -> Policy:
             raise ValueError(_unknown_name(spec, text))
         dtype = parse_dtype(text)
         return Policy(dtype, dtype, dtype)
-    values: dict[str, torch.dtype] = {}
+    values: dict[str, Any] = {}
     for part in text.split(","):
         part = part.strip()
         if "=" not in part:
             raise ValueError(_spec_help(f"bad part {part!r} in {spec!r}: expected key=value"))
         key, _, value = part.partition("=")
-        key = key.strip()
-        if key not in _KEYS:
+        key, value = key.strip(), value.strip()
+        if key not in _KEYS and key != "ops":
             raise ValueError(_spec_help(f"unknown key {key!r} in {spec!r}"))
-        field = _KEYS[key]
+        field = _KEYS.get(key, "ops")
         if field in values:
             raise ValueError(_spec_help(f"duplicate key {key!r} in {spec!r}"))
-        values[field] = parse_dtype(value)
+        if field == "ops":
+            if value not in OPS_BY_NAME:
+                raise ValueError(
+                    f"funcamp.get_policy: unknown op table {value!r} in {spec!r}; valid: "
+                    + ", ".join(f"ops={name}" for name in OPS_BY_NAME)
+                )
+            values[field] = OPS_BY_NAME[value]
+        else:
+            values[field] = parse_dtype(value)
     param = values.get("param_dtype", torch.float32)
     compute = values.get("compute_dtype", param)
     output = values.get("output_dtype", compute)
-    return Policy(param, compute, output)
+    return Policy(param, compute, output, ops=values.get("ops", OpPolicy.default()))
 
 
 def _unknown_name(spec: str, text: str) -> str:
     """A bare word that is neither a preset nor a dtype name: list both, suggest the closest."""
-    presets = sorted({*_PRESETS, "float32"})
+    presets = sorted({*_PRESETS, "float32", _AUTOCAST})
     close = difflib.get_close_matches(text, [*presets, *_DTYPE_NAMES], n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     half = "bfloat16" if "bf" in text else "float16" if "16" in text else None
@@ -418,10 +442,9 @@ def _unknown_name(spec: str, text: str) -> str:
 def _spec_help(problem: str) -> str:
     return (
         f"funcamp.get_policy: {problem}. Valid: comma-separated key=value with keys "
-        "p|params, c|compute, o|output and dtypes f32|float32|full, f16|float16|half, "
-        "bf16|bfloat16, f64|float64; a bare dtype; or a preset ("
-        + ", ".join(sorted({*_PRESETS, "float32"}))
-        + ")"
+        "p|params, c|compute, o|output (dtypes f32|float32|full, f16|float16|half, "
+        "bf16|bfloat16, f64|float64) and ops (" + "|".join(OPS_BY_NAME) + "); a bare dtype; "
+        "or a preset (" + ", ".join(sorted({*_PRESETS, "float32", _AUTOCAST})) + ")"
     )
 
 
