@@ -103,7 +103,13 @@ def all_reduce_grads(grads: PyTree, group: Any = None) -> PyTree:
 class Reduced(NamedTuple):
     """What :func:`all_reduce_step` returns: the mean gradients, the mean loss, the non-finite
     consensus (True on every rank when any rank's gradients held an inf or nan) and rank 0's
-    buffers."""
+    buffers.
+
+    Example:
+        >>> import torch, funcamp.distributed as fd
+        >>> fd.Reduced(grads={"w": torch.ones(1)}, loss=None, nonfinite=None, buffers={}).grads
+        {'w': tensor([1.])}
+    """
 
     grads: PyTree
     loss: torch.Tensor | None
