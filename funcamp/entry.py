@@ -201,5 +201,5 @@ def make_train_step(
     elif mesh is not None:
         parallel = Sharded(mesh, margin=margin, api=API)
     return build_train_step(
-        loss_fn, optimizer, pol, parallel=parallel, options=options, **compile_options
+        loss_fn, optimizer, pol, parallel=parallel, step_options=options, **compile_options
     )

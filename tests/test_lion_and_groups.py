@@ -101,7 +101,9 @@ def test_lion_under_inductor_is_the_reference_bit_for_bit():
 
 
 def test_lion_rejects_bad_hyperparameters():
-    with pytest.raises(ValueError, match=r"funcamp\.lion: `b1` must be in \[0.0, 1.0\)"):
+    with pytest.raises(
+        ValueError, match=r"funcamp\.lion: `b1` must be a finite real number in \[0.0, 1.0\)"
+    ):
         funcamp.lion(1e-3, b1=1.0)
     with pytest.raises(ValueError, match=r"funcamp\.lion: `weight_decay` must be >= 0"):
         funcamp.lion(1e-3, weight_decay=-1.0)

@@ -28,6 +28,7 @@ Example:
 
 from funcamp.testing.assertions import assert_trees_close, assert_trees_equal
 from funcamp.testing.strategies import (
+    FLOAT_DTYPES as FLOAT_DTYPES,
     Node,
     float_dtypes,
     policies,

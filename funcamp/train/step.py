@@ -219,14 +219,14 @@ def build_train_step(
     policy: Policy | str,
     *,
     parallel: Parallel | None = None,
-    options: StepOptions | None = None,
+    step_options: StepOptions | None = None,
     **compile_options: Any,
 ) -> StepFn:
     """``step(state, batch) -> (state, metrics)``: :func:`funcamp.make_train_step`'s step,
     spread over processes by ``parallel`` (default: one process). See ``make_train_step`` for
     the options."""
     parallel = Parallel() if parallel is None else parallel
-    opts = StepOptions() if options is None else options
+    opts = StepOptions() if step_options is None else step_options
     checked = check_step_options(loss_fn, optimizer, policy, parallel, opts, compile_options)
     pol = checked.policy
     run_loss = with_fp8_state(amp(loss_fn, pol))
