@@ -29,6 +29,8 @@ Example:
 from funcamp.testing.assertions import assert_trees_close, assert_trees_equal
 from funcamp.testing.strategies import (
     FLOAT_DTYPES as FLOAT_DTYPES,
+)
+from funcamp.testing.strategies import (
     Node,
     float_dtypes,
     policies,
