@@ -136,15 +136,18 @@ class _TqdmHandler(logging.Handler):
         tqdm.write(self.format(record))
 
 
-def _show_funcamp_log() -> None:
-    log = logging.getLogger("funcamp")
-    log.setLevel(logging.INFO)
-    if not any(isinstance(h, _TqdmHandler) for h in log.handlers):
-        log.addHandler(_TqdmHandler())
-
-
 def main(argv: list[str] | None = None) -> float:
-    """Train, evaluate, plot and checkpoint; return the test accuracy."""
+    """Train, evaluate, plot and checkpoint; return the test accuracy. funcamp's notices
+    ("compiling the train step ...") print above the progress bar while it runs."""
+    log, handler = logging.getLogger("funcamp"), _TqdmHandler()
+    log.addHandler(handler)
+    try:
+        return _main(argv)
+    finally:
+        log.removeHandler(handler)
+
+
+def _main(argv: list[str] | None) -> float:
     from tqdm import tqdm
 
     args = parse_args(argv)
@@ -160,7 +163,6 @@ def main(argv: list[str] | None = None) -> float:
     out.mkdir(parents=True, exist_ok=True)
     plot_path = args.plot or out / f"{name}.png"
     ckpt_path = args.checkpoint or out / f"{name}.pt"
-    _show_funcamp_log()
 
     x_tr, y_tr, x_te, y_te = load_digits(args.seed)
     model = make_model(args.seed)

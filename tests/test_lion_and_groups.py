@@ -105,7 +105,9 @@ def test_lion_rejects_bad_hyperparameters():
         ValueError, match=r"funcamp\.lion: `b1` must be a finite real number in \[0.0, 1.0\)"
     ):
         funcamp.lion(1e-3, b1=1.0)
-    with pytest.raises(ValueError, match=r"funcamp\.lion: `weight_decay` must be >= 0"):
+    with pytest.raises(
+        ValueError, match=r"funcamp\.lion: `weight_decay` must be a finite real number >= 0"
+    ):
         funcamp.lion(1e-3, weight_decay=-1.0)
     with pytest.raises(TypeError, match=r"funcamp\.lion: `state` must be a LionState"):
         funcamp.lion(1e-3).update({"w": torch.ones(1)}, (), {"w": torch.ones(1)})

@@ -234,12 +234,15 @@ def test_bad_strategy_arguments_raise():
 def test_import_needs_hypothesis_only_for_funcamp_testing(monkeypatch):
     # No other funcamp module imports hypothesis, so `import funcamp` works without it ...
     package = pathlib.Path(funcamp.__file__).parent
-    for path in package.glob("*.py"):
-        if path.name != "testing.py":
+    for path in package.rglob("*.py"):
+        if "testing" not in path.relative_to(package).parts:
             assert "hypothesis" not in path.read_text(), path
     # ... and importing funcamp.testing without it says what to install.
     monkeypatch.setitem(sys.modules, "hypothesis", None)
-    monkeypatch.delitem(sys.modules, "funcamp.testing")
+    for name in [
+        m for m in sys.modules if m == "funcamp.testing" or m.startswith("funcamp.testing.")
+    ]:
+        monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ImportError, match=re.escape("pip install funcamp[testing]")):
         importlib.import_module("funcamp.testing")
 
