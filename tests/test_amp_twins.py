@@ -20,7 +20,7 @@ from torch.func import grad, vmap
 
 import funcamp
 from funcamp import OpPolicy, OpRule, Policy
-from funcamp.casting.amp import _context
+from funcamp.casting.amp import mode_context
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 CPU = Policy(compute_dtype=BF16, ops=OpPolicy.autocast("cpu"))
@@ -156,8 +156,11 @@ def test_einsum_on_cudas_list_is_cast_as_a_whole() -> None:
 
 
 def test_twins_are_reentered_only_under_tables_that_list_their_inner_ops() -> None:
-    cpu, default = _context(CPU).composites, _context(funcamp.get_policy("float32")).composites
-    none = _context(Policy(ops=OpPolicy.none())).composites
+    cpu, default = (
+        mode_context(CPU).composites,
+        mode_context(funcamp.get_policy("float32")).composites,
+    )
+    none = mode_context(Policy(ops=OpPolicy.none())).composites
     assert ("torch", "cov") in cpu and ("torch", "cov") in default
     assert ("torch._C._nn", "pad") in cpu and ("torch._C._nn", "pad") not in default
     assert not any(key[1] in ("cov", "einsum", "pad", "pinverse") for key in none)

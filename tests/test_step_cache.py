@@ -324,7 +324,7 @@ def test_the_key_is_the_same_in_every_process():
 
 
 def test_descriptions_compare_values_not_only_types():
-    from funcamp.train.describe import _opaque, describe_value
+    from funcamp.train.describe import describe_value, is_opaque
 
     d = describe_value
     assert d({"half", "x"}) != d({"double", "x"})
@@ -334,25 +334,25 @@ def test_descriptions_compare_values_not_only_types():
     assert d(0.1) != d(0.1 + 2**-55) and d(float("nan")) == d(float("nan"))
     assert d(torch.zeros(2, 3)) != d(torch.zeros(3, 2)) != d(torch.zeros(3, 2).t())
     assert d(torch.nn.functional.gelu) == d(torch.nn.functional.gelu)
-    assert not _opaque(d({"a": [1, (2.0, "x")], "b": torch.float32}))
-    assert _opaque(d([1, object()])) and _opaque(d(torch.nn.Linear(1, 1)))
+    assert not is_opaque(d({"a": [1, (2.0, "x")], "b": torch.float32}))
+    assert is_opaque(d([1, object()])) and is_opaque(d(torch.nn.Linear(1, 1)))
 
 
 def test_checks_look_at_what_each_guard_looks_at():
-    from funcamp.train.describe import _NO_PARAM, _views
+    from funcamp.train.describe import NO_PARAM, guard_views
 
     env = {"A": "1", "B": "2", "PATH": "/bin"}
     contains = {"DICT_CONTAINS": ["A", "B"]}  # two keys guarded on one dict: both compared
-    assert _views(contains, env) == _views(contains, {**env, "PATH": "/usr/bin"})
-    assert _views(contains, env) != _views(contains, {"A": "1", "PATH": "/bin"})
-    type_only = {"TYPE_MATCH": [_NO_PARAM]}  # a type guard: the contents do not matter
-    assert _views(type_only, env) == _views(type_only, {"X": 3})
-    assert _views(type_only, env) != _views(type_only, [1])
-    value = {"CONSTANT_MATCH": [_NO_PARAM]}
-    assert _views(value, (1, 2.5)) != _views(value, (1, 2.25))
-    keys = {"DICT_KEYS_MATCH": [_NO_PARAM]}
-    assert _views(keys, {"a": 1, "b": 2}) == _views(keys, {"a": 5, "b": 6})
-    assert _views(keys, {"a": 1, "b": 2}) != _views(keys, {"b": 2, "a": 1})
+    assert guard_views(contains, env) == guard_views(contains, {**env, "PATH": "/usr/bin"})
+    assert guard_views(contains, env) != guard_views(contains, {"A": "1", "PATH": "/bin"})
+    type_only = {"TYPE_MATCH": [NO_PARAM]}  # a type guard: the contents do not matter
+    assert guard_views(type_only, env) == guard_views(type_only, {"X": 3})
+    assert guard_views(type_only, env) != guard_views(type_only, [1])
+    value = {"CONSTANT_MATCH": [NO_PARAM]}
+    assert guard_views(value, (1, 2.5)) != guard_views(value, (1, 2.25))
+    keys = {"DICT_KEYS_MATCH": [NO_PARAM]}
+    assert guard_views(keys, {"a": 1, "b": 2}) == guard_views(keys, {"a": 5, "b": 6})
+    assert guard_views(keys, {"a": 1, "b": 2}) != guard_views(keys, {"b": 2, "a": 1})
 
 
 def test_tensors_passed_twice_are_part_of_the_key(tmp_path):

@@ -116,13 +116,13 @@ def test_select_into_an_owned_leaf_is_where_bit_for_bit(dtype: torch.dtype, pred
     """The eager step's select into a leaf it owns (bit operations on large CPU leaves, where
     torch.where with a 0-d condition runs a scalar loop) gives torch.where's bits: signed zeros,
     infinities and NaN payloads included, on both sides of the size threshold."""
-    from funcamp._core.tree import _BIT_SELECT_MIN, _BITS, _select
+    from funcamp._core.tree import _BIT_SELECT_MIN, BITS, select_into
 
     g = torch.Generator().manual_seed(7)
     specials = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.5]
     leaves = {}
     for name, n in (("small", _BIT_SELECT_MIN - 1), ("large", _BIT_SELECT_MIN + 5)):
-        bits = _BITS[dtype]
+        bits = BITS[dtype]
         info = torch.iinfo(bits)
         # random bit patterns: every class of value, NaNs with payloads and signs
         a = torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64)
@@ -135,8 +135,8 @@ def test_select_into_an_owned_leaf_is_where_bit_for_bit(dtype: torch.dtype, pred
     on_false = {k: b.clone() for k, (_, b) in leaves.items()}
     expected = {k: torch.where(torch.tensor(pred), a, b) for k, (a, b) in leaves.items()}
     owned = {id(x) for x in on_false.values()}
-    out = _select(torch.tensor(pred), on_true, on_false, lambda x: id(x) in owned)
+    out = select_into(torch.tensor(pred), on_true, on_false, lambda x: id(x) in owned)
     for k in leaves:
         assert out[k] is on_false[k]  # written in place
-        assert torch.equal(out[k].view(_BITS[dtype]), expected[k].view(_BITS[dtype])), k
-        assert torch.equal(on_true[k].view(_BITS[dtype]), leaves[k][0].view(_BITS[dtype]))
+        assert torch.equal(out[k].view(BITS[dtype]), expected[k].view(BITS[dtype])), k
+        assert torch.equal(on_true[k].view(BITS[dtype]), leaves[k][0].view(BITS[dtype]))

@@ -137,10 +137,10 @@ def _write_into(new: PyTree, old: PyTree) -> PyTree:
     and device), which takes its place: the step's results live in the old state's memory.
     Compiled, inductor stores the results straight into those buffers (no fresh allocations);
     leaves that do not match are returned as they are."""
-    return _plan_write(new, old)()
+    return plan_write(new, old)()
 
 
-def _plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
+def plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
     """:func:`_write_into` in two phases, for an all-or-nothing donated step: the structure of
     ``new`` is checked against ``old`` now (raising before anything is written), and the returned
     function does the writes (plain copies between matched tensors) and returns the tree."""
@@ -167,14 +167,14 @@ def _plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
     return commit
 
 
-def _storage_key(x: torch.Tensor) -> int | None:
+def storage_key(x: torch.Tensor) -> int | None:
     """An id of the memory behind ``x`` (shared by all its views); None for empty tensors."""
     if x.numel() == 0:
         return None
     return x.untyped_storage().data_ptr()
 
 
-def _self_overlapping(x: torch.Tensor) -> bool:
+def self_overlapping(x: torch.Tensor) -> bool:
     """Whether elements of ``x`` share memory -- an expanded tensor, such as the grad of
     ``w.sum()`` from ``torch.func.grad`` (all strides 0): torch refuses to write into it in
     place, so it is never donated or owned. torch's own test; "too hard to tell" (a sliding
@@ -189,7 +189,7 @@ def _leaf_name(name: str, tree: PyTree, index: int) -> str:
     return name + ("" if path == "<root>" else path)
 
 
-def _first_leaf(trees: dict[str, PyTree], bad: Callable[[Any], bool]) -> str | None:
+def first_leaf(trees: dict[str, PyTree], bad: Callable[[Any], bool]) -> str | None:
     """The name (tree name + leaf path) of the first leaf of ``trees`` for which ``bad`` holds,
     or None. Paths are made only for the answer: this runs on every eager step."""
     for name, tree in trees.items():
@@ -199,13 +199,13 @@ def _first_leaf(trees: dict[str, PyTree], bad: Callable[[Any], bool]) -> str | N
     return None
 
 
-def _sharing_memory(trees: dict[str, PyTree]) -> tuple[str, str] | None:
+def sharing_memory(trees: dict[str, PyTree]) -> tuple[str, str] | None:
     """The names (tree name + leaf path) of the first two tensor leaves of ``trees`` that share
     memory, or None. Paths are made only for the answer: this runs on every eager step."""
     seen: dict[int, tuple[str, PyTree, int]] = {}
     for name, tree in trees.items():
         for i, x in enumerate(optree.tree_leaves(tree, namespace=NAMESPACE)):
-            key = _storage_key(x) if isinstance(x, torch.Tensor) else None
+            key = storage_key(x) if isinstance(x, torch.Tensor) else None
             if key is None:
                 continue
             if key in seen:
@@ -360,7 +360,7 @@ def tree_select(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree
         >>> funcamp.tree_select(torch.tensor(False), new, old)
         {'w': tensor([1.])}
     """
-    return _select(pred, on_true, on_false, None)
+    return select_into(pred, on_true, on_false, None)
 
 
 def _select_same_layout(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree | None:
@@ -393,7 +393,7 @@ def _select_same_layout(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -
     return out if same[0] else None
 
 
-def _select(
+def select_into(
     pred: torch.Tensor,
     on_true: PyTree,
     on_false: PyTree,
@@ -454,7 +454,7 @@ def _select(
 
 
 #: The integer dtype holding each floating dtype's bits (the same size, for ``Tensor.view``).
-_BITS = {
+BITS = {
     torch.float32: torch.int32,
     torch.float64: torch.int64,
     torch.bfloat16: torch.int16,
@@ -473,7 +473,7 @@ def _where_into(
     three vectorized in-place passes over ``b``'s integer view: ``b ^= a; b &= k; b ^= a``, with
     ``k`` all zeros where ``pred`` holds (giving ``a``) and all ones where not (giving ``b``).
     ``masks`` caches ``k`` per integer dtype for one select over a tree."""
-    bits = _BITS.get(b.dtype)
+    bits = BITS.get(b.dtype)
     if bits is None or not (b.is_cpu and pred.is_cpu) or b.numel() < _BIT_SELECT_MIN:
         return torch.where(pred, a, b, out=b)
     k = masks.get(bits)

@@ -27,8 +27,8 @@ from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, run_fp8
 from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
 from funcamp.casting.reentry import reentered
 from funcamp.policy.modules import glob_match
-from funcamp.policy.ops import DTYPE_ARG_OPS, OpPolicy, OpRule, _name_index, op_name
-from funcamp.policy.policy import Policy, _cast_floating, as_policy
+from funcamp.policy.ops import DTYPE_ARG_OPS, OpPolicy, OpRule, name_index, op_name
+from funcamp.policy.policy import Policy, as_policy, cast_floating
 
 __all__ = ["amp", "full_precision"]
 
@@ -54,13 +54,13 @@ class _Context(NamedTuple):
 
 
 @functools.lru_cache(maxsize=128)
-def _context(policy: Policy) -> _Context:
+def mode_context(policy: Policy) -> _Context:
     table: dict[Any, tuple[OpRule, str]] = {}
     for key, rule in policy.ops.dispatch_table().items():
         if rule is not OpRule.NONE:
             name = key if isinstance(key, str) else (op_name(key) or _qualname(key))
             table[key] = (rule, _NAME_TO_OP.get(name, name) if isinstance(key, str) else name)
-    modules = tuple((key, _context(sub)) for key, sub in policy.module_policies)
+    modules = tuple((key, mode_context(sub)) for key, sub in policy.module_policies)
     by_identity = any(not isinstance(k, str) for k in table)
     composites = reentered(table)
     return _Context(
@@ -73,7 +73,7 @@ def _qualname(fn: Any) -> str:
 
 
 # __name__ of an entry point -> canonical op name (e.g. "__rmatmul__" -> "matmul")
-_NAME_TO_OP = {getattr(fn, "__name__", ""): name for fn, name in _name_index().items()}
+_NAME_TO_OP = {getattr(fn, "__name__", ""): name for fn, name in name_index().items()}
 
 
 # -- casting ------------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ class _ModuleTracker:
         if ctx is None:
             return None
         self.mode.push(ctx)
-        return _cast_floating(args, ctx.compute_dtype)
+        return cast_floating(args, ctx.compute_dtype)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if not self.frames or not self._active():
@@ -214,7 +214,7 @@ class _ModuleTracker:
         if frame.ctx is None:
             return None
         self.mode.pop()
-        return _cast_floating(output, frame.ctx.output_dtype)
+        return cast_floating(output, frame.ctx.output_dtype)
 
     @property
     def path(self) -> str | None:
@@ -300,7 +300,7 @@ class _AmpMode(TorchFunctionMode):
         return out
 
 
-_FULL_PRECISION = _context(Policy(ops=OpPolicy.none()))
+_FULL_PRECISION = mode_context(Policy(ops=OpPolicy.none()))
 
 
 class _ActiveModes(threading.local):
@@ -311,7 +311,7 @@ class _ActiveModes(threading.local):
 _ACTIVE = _ActiveModes()
 
 
-def _run(
+def run_in_mode(
     ctx: _Context, fn: Callable[..., Any], args: Any, kwargs: Any, recorder: Any = None
 ) -> Any:
     """Run ``fn`` with ``ctx`` in force: in a new mode, or as a scope of the active one."""
@@ -337,7 +337,7 @@ def _run(
         stack.pop()
 
 
-def _check_fn(fn: Any, api: str) -> None:
+def check_fn(fn: Any, api: str) -> None:
     if not callable(fn):
         raise TypeError(
             f"funcamp.{api}: `fn` must be callable (the function to transform), got "
@@ -373,14 +373,14 @@ def amp(fn: F, policy: Policy | str) -> F:
         >>> g(torch.randn(2, 3), torch.randn(3, 3)).dtype   # matmul in bf16, softmax in f32
         torch.bfloat16
     """
-    _check_fn(fn, "amp")
+    check_fn(fn, "amp")
     pol = as_policy(policy, "amp")
-    ctx = _context(pol)
+    ctx = mode_context(pol)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        out = _run(ctx, fn, args, kwargs)
-        return _cast_floating(out, ctx.output_dtype)
+        out = run_in_mode(ctx, fn, args, kwargs)
+        return cast_floating(out, ctx.output_dtype)
 
     wrapped.policy = pol  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]
@@ -400,13 +400,13 @@ def full_precision(fn: F) -> F:
         >>> funcamp.amp(f, "mixed_bfloat16")(torch.randn(2, 2), torch.randn(2, 2)).dtype
         torch.float32
     """
-    _check_fn(fn, "full_precision")
+    check_fn(fn, "full_precision")
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _cast_floating((args, kwargs), _FLOAT32)
+        args, kwargs = cast_floating((args, kwargs), _FLOAT32)
         if not _ACTIVE.stack:
             return fn(*args, **kwargs)
-        return _run(_FULL_PRECISION, fn, args, kwargs)
+        return run_in_mode(_FULL_PRECISION, fn, args, kwargs)
 
     return wrapped  # type: ignore[return-value]

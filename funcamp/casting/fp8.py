@@ -235,7 +235,7 @@ def with_fp8_state(fn: F) -> Callable[..., Any]:
     return run
 
 
-def _site_state(site: str) -> tuple[torch.Tensor, torch.Tensor]:
+def site_state(site: str) -> tuple[torch.Tensor, torch.Tensor]:
     stack = _SCOPES.stack
     if not stack:
         raise RuntimeError(
@@ -266,7 +266,7 @@ def _fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def _amax(t: torch.Tensor) -> torch.Tensor:
+def tensor_amax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().abs().amax().to(torch.float32)
 
 
@@ -275,7 +275,7 @@ def current_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (_fp8_max(dtype) / torch.clamp(amax.to(torch.float64), min=_EPS)).to(torch.float32)
 
 
-def _inverse(scale: torch.Tensor) -> torch.Tensor:
+def inverse_scale(scale: torch.Tensor) -> torch.Tensor:
     # One rounding from float64: the same in eager and compiled code (inductor may lower a
     # float32 reciprocal differently).
     return (1.0 / scale.to(torch.float64)).to(torch.float32)

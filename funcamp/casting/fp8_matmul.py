@@ -11,12 +11,12 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp.casting.fp8 import (
-    _amax,
-    _inverse,
-    _site_state,
     current_scale,
     delayed_update,
+    inverse_scale,
     quantize,
+    site_state,
+    tensor_amax,
 )
 from funcamp.policy.fp8 import E4M3, E5M2, Fp8Config
 
@@ -65,7 +65,7 @@ class _CurrentLinear(torch.autograd.Function):
         x: torch.Tensor, w: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, out_dtype: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
-        return scaled_mm(xq, wq.t(), _inverse(sx), _inverse(sw), out_dtype), xq, wq
+        return scaled_mm(xq, wq.t(), inverse_scale(sx), inverse_scale(sw), out_dtype), xq, wq
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -80,7 +80,7 @@ class _CurrentLinear(torch.autograd.Function):
         xq, wq, sx, sw = ctx.saved_tensors
         x_dtype, w_dtype, out_dtype = ctx.dtypes
         g = g.detach()
-        sg = current_scale(_amax(g), E5M2)
+        sg = current_scale(tensor_amax(g), E5M2)
         dx, dw = _backward_mms(g, sg, xq, wq, sx, sw, out_dtype)
         return dx.to(x_dtype), dw.to(w_dtype), None, None, None
 
@@ -99,7 +99,7 @@ class _DelayedLinear(torch.autograd.Function):
         margin: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         xq, wq = quantize(x, scale[0], E4M3), quantize(w, scale[1], E4M3)
-        out = scaled_mm(xq, wq.t(), _inverse(scale[0]), _inverse(scale[1]), out_dtype)
+        out = scaled_mm(xq, wq.t(), inverse_scale(scale[0]), inverse_scale(scale[1]), out_dtype)
         return out, xq, wq
 
     @staticmethod
@@ -107,7 +107,7 @@ class _DelayedLinear(torch.autograd.Function):
         x, w, history, scale, out_dtype, margin = inputs
         _, xq, wq = output
         ctx.mark_non_differentiable(xq, wq)
-        amax = torch.stack([_amax(x), _amax(w)])
+        amax = torch.stack([tensor_amax(x), tensor_amax(w)])
         ctx.save_for_backward(xq, wq, amax, history.detach(), scale.detach())
         ctx.dtypes = (x.dtype, w.dtype, out_dtype)
         ctx.margin = margin
@@ -118,7 +118,7 @@ class _DelayedLinear(torch.autograd.Function):
         x_dtype, w_dtype, out_dtype = ctx.dtypes
         g = g.detach()
         dx, dw = _backward_mms(g, scale[2], xq, wq, scale[0], scale[1], out_dtype)
-        amaxes = torch.cat([amax, _amax(g)[None]])
+        amaxes = torch.cat([amax, tensor_amax(g)[None]])
         new_history, new_scale = delayed_update(history, scale, amaxes, ctx.margin)
         return dx.to(x_dtype), dw.to(w_dtype), new_history, new_scale, None, None
 
@@ -133,9 +133,9 @@ def _backward_mms(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gq = quantize(g, sg, E5M2)
-    inv_g = _inverse(sg)
-    dx = scaled_mm(gq, wq, inv_g, _inverse(sw), out_dtype)  # (m, n) @ (n, k)
-    dw = scaled_mm(gq.t(), xq, inv_g, _inverse(sx), out_dtype)  # (n, m) @ (m, k)
+    inv_g = inverse_scale(sg)
+    dx = scaled_mm(gq, wq, inv_g, inverse_scale(sw), out_dtype)  # (m, n) @ (n, k)
+    dw = scaled_mm(gq.t(), xq, inv_g, inverse_scale(sx), out_dtype)  # (n, m) @ (m, k)
     return dx, dw
 
 
@@ -327,18 +327,20 @@ def run_fp8(
     x2 = x.reshape(-1, x.shape[-1])
     recipe = config.recipe
     if recipe.stateful:
-        history, scale = _site_state(site)
+        history, scale = site_state(site)
         out, xq, wq = _delayed_linear(x2, w, history, scale, compute_dtype, recipe.margin)
         scales = (scale[0].detach(), scale[1].detach(), scale[2].detach())
     else:
-        sx = current_scale(_amax(x2), E4M3)
-        sw = current_scale(_amax(w), E4M3)
+        sx = current_scale(tensor_amax(x2), E4M3)
+        sw = current_scale(tensor_amax(w), E4M3)
         out, xq, wq = _current_linear(x2, w, sx, sw, compute_dtype)
         scales = (sx, sw, None)
     out = out.reshape(*x.shape[:-1], w.shape[0])
     if b is not None:
         out = out + b.to(compute_dtype)
     if on_record is not None:
-        record = Fp8Record(site, -1, recipe.kind, *scales, _amax(x2), _amax(w), compute_dtype)
+        record = Fp8Record(
+            site, -1, recipe.kind, *scales, tensor_amax(x2), tensor_amax(w), compute_dtype
+        )
         on_record((xq, wq), out, record)
     return out

@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcamp.casting.amp import _check_fn, _context, _run
+from funcamp.casting.amp import check_fn, mode_context, run_in_mode
 from funcamp.policy.ops import OpRule, op_name
-from funcamp.policy.policy import Policy, _cast_floating, as_policy
+from funcamp.policy.policy import Policy, as_policy, cast_floating
 
 __all__ = ["AmpTrace", "OpRecord", "OpStats", "trace"]
 
@@ -355,17 +355,17 @@ def trace(
         >>> [(r.op, r.amax, r.nonfinite) for r in big]
         [('matmul', 600.0, 0.0), ('softmax', 0.3333333432674408, 0.0), ('sum', 2.0, 0.0)]
     """
-    _check_fn(fn, "trace")
+    check_fn(fn, "trace")
     if not isinstance(stats, bool):
         raise TypeError(f"funcamp.trace: `stats` must be a bool, got {type(stats).__name__}")
     pol = as_policy(policy, "trace")
-    ctx = _context(pol)
+    ctx = mode_context(pol)
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> AmpTrace:
         recorder = _Recorder(stats)
-        out = _run(ctx, fn, args, kwargs, recorder)
-        out = _cast_floating(out, pol.output_dtype)
+        out = run_in_mode(ctx, fn, args, kwargs, recorder)
+        out = cast_floating(out, pol.output_dtype)
         return AmpTrace(out, recorder.records, pol, stats, recorder.fp8, recorder.fp8_fallbacks)
 
     return traced

@@ -14,12 +14,12 @@ from funcamp._core.numerics import is_half
 from funcamp._core.rounding import round_nearest
 from funcamp._core.tree import (
     NAMESPACE,
-    _self_overlapping,
-    _storage_key,
     describe,
     flatten,
     leaf_path,
+    self_overlapping,
     spec_text,
+    storage_key,
     unflatten,
 )
 
@@ -164,13 +164,13 @@ def update_tensors(tree: PyTree) -> list[torch.Tensor]:
 def exclusive(candidates: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> list[bool]:
     """For each candidate: whether its memory is shared with no other candidate, none of
     ``others``, and not between its own elements."""
-    taken = {_storage_key(x) for x in others}
-    keys = [_storage_key(x) for x in candidates]
+    taken = {storage_key(x) for x in others}
+    keys = [storage_key(x) for x in candidates]
     counts: dict[int | None, int] = {}
     for k in keys:
         counts[k] = counts.get(k, 0) + 1
     return [
-        k is not None and k not in taken and counts[k] == 1 and not _self_overlapping(x)
+        k is not None and k not in taken and counts[k] == 1 and not self_overlapping(x)
         for k, x in zip(keys, candidates)
     ]
 

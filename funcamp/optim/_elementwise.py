@@ -28,11 +28,11 @@ from funcamp._core.context import compiling
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import (
     NAMESPACE,
-    _self_overlapping,
     describe,
     flatten,
     leaf_path,
     path_str,
+    self_overlapping,
     unflatten,
 )
 from funcamp.optim._base import Capabilities, Optimizer
@@ -396,4 +396,4 @@ def _owned_grads(gs: Tensors, owned: Sequence[torch.Tensor]) -> Tensors:
     if not owned:
         return []
     ids = {id(o) for o in owned}
-    return [g for g in gs if id(g) in ids and not _self_overlapping(g)]
+    return [g for g in gs if id(g) in ids and not self_overlapping(g)]

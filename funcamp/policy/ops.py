@@ -232,7 +232,7 @@ def _entry_points(name: str) -> list[Callable[..., Any]]:
 
 
 @functools.cache
-def _name_index() -> dict[Any, str]:
+def name_index() -> dict[Any, str]:
     """Map every known entry point to its canonical op name."""
     index: dict[Any, str] = {}
     for name in sorted(set(_CUDA_TABLE) | set(_CPU_TABLE)):
@@ -254,7 +254,7 @@ def op_name(op: OpKey) -> str | None:
     """
     if isinstance(op, str):
         return op
-    return _name_index().get(op)
+    return name_index().get(op)
 
 
 def _normalize_key(op: Any, api: str) -> OpKey:

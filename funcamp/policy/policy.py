@@ -93,7 +93,7 @@ def _check_dtype(value: Any, field: str) -> None:
         )
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Cast float16/bfloat16/float32 leaves to ``dtype``; float64 only when ``dtype`` is float64."""
     if dtype == torch.float64:
         return tree_cast(tree, dtype)
@@ -156,7 +156,7 @@ class Policy:
                     "funcamp.Policy: `module_policies` entries must be (key, Policy) pairs, got "
                     f"{entry!r}"
                 )
-            _check_module_key(entry[0], "Policy")
+            check_module_key(entry[0], "Policy")
             if not isinstance(entry[1], Policy):
                 raise TypeError(
                     f"funcamp.Policy: the module policy for {entry[0]!r} must be a Policy, got "
@@ -180,7 +180,7 @@ class Policy:
             >>> funcamp.get_policy("bf16-true").cast_to_param([torch.ones(1)])[0].dtype
             torch.bfloat16
         """
-        return _cast_floating(tree, self.param_dtype)
+        return cast_floating(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: Any) -> Any:
         """Cast the floating tensor leaves of ``tree`` to ``compute_dtype`` (see
@@ -192,7 +192,7 @@ class Policy:
             >>> p.cast_to_compute((torch.ones(1), torch.ones(1, dtype=torch.float64)))[1].dtype
             torch.float64
         """
-        return _cast_floating(tree, self.compute_dtype)
+        return cast_floating(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: Any) -> Any:
         """Cast the floating tensor leaves of ``tree`` to ``output_dtype`` (see
@@ -204,7 +204,7 @@ class Policy:
             >>> p.cast_to_output(torch.ones(1, dtype=torch.bfloat16)).dtype
             torch.float32
         """
-        return _cast_floating(tree, self.output_dtype)
+        return cast_floating(tree, self.output_dtype)
 
     # -- derived policies ----------------------------------------------------------------------
     def with_op_rules(self, rules: Mapping[OpKey, OpRule]) -> Policy:
@@ -258,7 +258,7 @@ class Policy:
             )
         merged: dict[ModuleKey, Policy] = dict(self.module_policies)
         for key, value in policies.items():
-            _check_module_key(key, "Policy.with_module_policies")
+            check_module_key(key, "Policy.with_module_policies")
             if isinstance(value, str):
                 value = get_policy(value)
             elif not isinstance(value, Policy):
@@ -331,7 +331,7 @@ class Policy:
         return ", ".join(parts) + ")"
 
 
-def _check_module_key(key: Any, api: str) -> None:
+def check_module_key(key: Any, api: str) -> None:
     if isinstance(key, str):
         if not key:
             raise ValueError(f"funcamp.{api}: a module path glob must not be empty")

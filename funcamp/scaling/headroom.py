@@ -149,7 +149,7 @@ def _result(
     )
 
 
-def _headroom(
+def headroom_of(
     grads: Any,
     scale: torch.Tensor,
     dtype: torch.dtype,
@@ -194,7 +194,7 @@ def _headroom(
     return _result(overall, total, scale, lim, per_leaf)
 
 
-def _headroom_dtype(policy: Any) -> torch.dtype:
+def headroom_dtype(policy: Any) -> torch.dtype:
     """The dtype ``make_train_step(..., headroom=True)`` measures against."""
     dtype = policy.compute_dtype
     return dtype if dtype in _DTYPES else torch.float16
@@ -250,4 +250,4 @@ def headroom(grads: Any, scaler_state: ScalerState, dtype: torch.dtype = torch.f
             f"use ScalerState.static(scale)), got {describe(scaler_state)}"
         )
     _check_dtype(dtype, api)
-    return _headroom(grads, scaler_state.scale, dtype, scaled=False)
+    return headroom_of(grads, scaler_state.scale, dtype, scaled=False)

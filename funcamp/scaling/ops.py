@@ -18,12 +18,12 @@ from funcamp._core.context import eager_path
 from funcamp._core.numerics import hoist_scalar, math_dtype, spread
 from funcamp._core.tree import (
     NAMESPACE,
-    _self_overlapping,
-    _storage_key,
     flatten,
+    self_overlapping,
+    storage_key,
     unflatten,
 )
-from funcamp.scaling.state import ScalerState, _check_found_inf, _check_scaler
+from funcamp.scaling.state import ScalerState, check_found_inf, check_scaler
 
 __all__ = ["scale", "unscale", "update"]
 
@@ -43,7 +43,7 @@ def scale(state: ScalerState, tree: PyTree) -> PyTree:
         >>> funcamp.scale(s, torch.tensor(0.5, dtype=torch.float16))
         tensor(4.)
     """
-    _check_scaler("scale", state)
+    check_scaler("scale", state)
 
     def mul(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -53,7 +53,7 @@ def scale(state: ScalerState, tree: PyTree) -> PyTree:
     return optree.tree_map(mul, tree, namespace=NAMESPACE)
 
 
-def _fused_unscale(leaves: list[torch.Tensor]) -> bool:
+def fused_unscale(leaves: list[torch.Tensor]) -> bool:
     """Whether unscaling runs on the eager path: torch's fused
     ``_amp_foreach_non_finite_check_and_unscale_`` on copies of the leaves (one pass for the
     check and the multiply). It mutates in place, has no autograd formula, no vmap rule, and
@@ -62,7 +62,7 @@ def _fused_unscale(leaves: list[torch.Tensor]) -> bool:
     return hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_") and eager_path(leaves)
 
 
-def _floating(
+def floating_leaves(
     grads: PyTree, flat: tuple[list[Any], Any] | None = None
 ) -> tuple[list[Any], Any, list[int]]:
     """``(leaves, treespec, indices of the floating tensor leaves)`` of ``grads`` (``flat``:
@@ -76,7 +76,7 @@ def _floating(
     return leaves, spec, idx
 
 
-def _refill(leaves: list[Any], idx: list[int], out: list[torch.Tensor]) -> list[Any]:
+def refill(leaves: list[Any], idx: list[int], out: list[torch.Tensor]) -> list[Any]:
     """``leaves`` with the floating ones (at ``idx``) replaced by ``out``."""
     new_leaves = list(leaves)
     for i, x in zip(idx, out):
@@ -84,7 +84,7 @@ def _refill(leaves: list[Any], idx: list[int], out: list[torch.Tensor]) -> list[
     return new_leaves
 
 
-def _unscale_leaves(
+def unscale_leaves(
     leaves: list[torch.Tensor], scale_tensor: torch.Tensor, fused: bool, *, donate: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     # torch's rule: the reciprocal is taken in float64, then rounded to float32.
@@ -156,14 +156,14 @@ def unscale(
         >>> funcamp.unscale(s, mine, donate_grads=True)[0]["w"] is mine["w"]
         True
     """
-    _check_scaler("unscale", state)
+    check_scaler("unscale", state)
     check_flag("unscale", "donate_grads", donate_grads)
-    leaves, spec, idx = _floating(grads)
+    leaves, spec, idx = floating_leaves(grads)
     floating = [leaves[i] for i in idx]
-    fused = _fused_unscale(floating)
-    donate = donate_grads and fused and _disjoint(floating, set())
-    out, found_inf = _unscale_leaves(floating, state.scale, fused, donate=donate)
-    return unflatten(spec, _refill(leaves, idx, out)), found_inf
+    fused = fused_unscale(floating)
+    donate = donate_grads and fused and disjoint(floating, set())
+    out, found_inf = unscale_leaves(floating, state.scale, fused, donate=donate)
+    return unflatten(spec, refill(leaves, idx, out)), found_inf
 
 
 def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
@@ -194,8 +194,8 @@ def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
         32.0 0
         16.0 0
     """
-    _check_scaler("update", state)
-    _check_found_inf("update", found_inf)
+    check_scaler("update", state)
+    check_found_inf("update", found_inf)
     found_inf = found_inf.to(state.scale.device)
     skipped = state.skipped + found_inf.to(state.skipped.dtype)
     if state.kind != "dynamic":
@@ -282,13 +282,13 @@ def _update_with_kernel(
     return state._with_leaves(scale, tracker, hysteresis, skipped)
 
 
-def _disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
+def disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
     """Whether no two of ``leaves`` share memory, none shares memory with ``taken``, and none
     with itself (an expanded grad)."""
     seen: set[int | None] = set()
     for x in leaves:
-        key = _storage_key(x)
-        if key is not None and (key in seen or key in taken or _self_overlapping(x)):
+        key = storage_key(x)
+        if key is not None and (key in seen or key in taken or self_overlapping(x)):
             return False
         seen.add(key)
     return True

@@ -480,13 +480,13 @@ def _validate_config(
         )
 
 
-def _check_scaler(api: str, state: Any) -> None:
+def check_scaler(api: str, state: Any) -> None:
     if not isinstance(state, ScalerState):
         raise TypeError(f"funcamp.{api}: `state` must be a ScalerState, got {describe(state)}")
     check_scaler_leaves(api, state)  # metadata only: 0-d tensors of the right dtypes
 
 
-def _check_found_inf(api: str, found_inf: Any) -> None:
+def check_found_inf(api: str, found_inf: Any) -> None:
     if (
         not isinstance(found_inf, torch.Tensor)
         or found_inf.dtype != torch.bool

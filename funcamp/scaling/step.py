@@ -13,12 +13,12 @@ from funcamp._core.checks import check_flag, check_grads_match
 from funcamp._core.collectives import Across, any_across, summing_across
 from funcamp._core.context import compiling, eager_path
 from funcamp._core.tree import (
-    _BITS,
-    _plan_write,
-    _select,
-    _sharing_memory,
-    _storage_key,
+    BITS,
     describe,
+    plan_write,
+    select_into,
+    sharing_memory,
+    storage_key,
     tree_select,
     unflatten,
 )
@@ -30,13 +30,13 @@ from funcamp.optim._base import (
     update_tensors,
 )
 from funcamp.scaling.ops import (
-    _disjoint,
-    _floating,
-    _fused_unscale,
-    _refill,
-    _unscale_leaves,
+    disjoint,
+    floating_leaves,
+    fused_unscale,
+    refill,
+    unscale_leaves,
 )
-from funcamp.scaling.state import ScalerState, _check_scaler
+from funcamp.scaling.state import ScalerState, check_scaler
 
 __all__ = ["StepInfo", "unscale_and_step"]
 
@@ -91,7 +91,7 @@ def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
     cpu_exact: list[bool] = []
 
     def mask(delta: torch.Tensor) -> bool:
-        int_dtype = _BITS.get(delta.dtype)  # deltas owned here are float32/float64
+        int_dtype = BITS.get(delta.dtype)  # deltas owned here are float32/float64
         if int_dtype is None:
             return False
         if delta.device.type == "cpu":
@@ -214,14 +214,14 @@ def unscale_and_step(
     # is checked against the params, and the learning rate evaluated, here.
     bad_lr = None if caps.preflight is None else caps.preflight(grads, opt_state, params)
     if donate_state and not compiling():
-        shared = _sharing_memory({"params": params, "opt_state": opt_state})
+        shared = sharing_memory({"params": params, "opt_state": opt_state})
         if shared is not None:
             raise ValueError(
                 f"funcamp.{api}: with donate_state=True the new values are written into the "
                 f"tensors of `params` and `opt_state`, but {shared[0]} and {shared[1]} share "
                 "memory; give each its own tensor (clone) or pass donate_state=False"
             )
-    leaves, spec, idx = _floating(grads, flat)
+    leaves, spec, idx = floating_leaves(grads, flat)
     floating = [leaves[i] for i in idx]
     # The execution path, chosen once: eager (torch's fused unscale kernel, in-place reuse of
     # this step's temporaries, the optimizer's fused kernel on a donated state) or traced (pure
@@ -231,16 +231,16 @@ def unscale_and_step(
     inputs = (
         [] if traced else update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
     )
-    eager = not traced and _fused_unscale(floating + inputs)
+    eager = not traced and fused_unscale(floating + inputs)
     taken: set[int | None] = set()
     donate = False
     if eager:
-        taken = {_storage_key(x) for x in inputs}
-        donate = donate_grads and _disjoint(floating, taken)
+        taken = {storage_key(x) for x in inputs}
+        donate = donate_grads and disjoint(floating, taken)
         if not donate:
-            taken.update(_storage_key(x) for x in floating)
-    out, found_inf = _unscale_leaves(floating, state.scale, eager, donate=donate)
-    unscaled = unflatten(spec, _refill(leaves, idx, out))
+            taken.update(storage_key(x) for x in floating)
+    out, found_inf = unscale_leaves(floating, state.scale, eager, donate=donate)
+    unscaled = unflatten(spec, refill(leaves, idx, out))
     if group is not None:
         found_inf = any_across(found_inf, group)
     if bad_lr is not None:  # a NaN/inf/negative tensor learning rate: the step is skipped
@@ -267,8 +267,8 @@ def unscale_and_step(
             )
     if donate_state:
         # Both trees are matched before either is written: all or nothing.
-        write_params = _plan_write(params_out, params)
-        write_opt_state = _plan_write(opt_state_out, opt_state)
+        write_params = plan_write(params_out, params)
+        write_opt_state = plan_write(opt_state_out, opt_state)
         params_out, opt_state_out = write_params(), write_opt_state()
     return params_out, opt_state_out, info
 
@@ -284,7 +284,7 @@ def _check_step_args(
 ) -> tuple[Any, tuple[list[Any], Any]]:
     """Validate :func:`unscale_and_step`'s arguments; returns the optimizer's capabilities and
     the grads flattened (leaves, treespec)."""
-    _check_scaler(api, state)
+    check_scaler(api, state)
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got {describe(optimizer)}"
@@ -333,13 +333,13 @@ def _step_eager(
             taken_now = taken
 
             def owned(x: torch.Tensor) -> bool:
-                return id(x) in ours and _storage_key(x) not in taken_now
+                return id(x) in ours and storage_key(x) not in taken_now
 
     new_params, fresh, done = apply_updates_owned(
         params, updates, owned, _skip_mask(found_inf) if owned is not None else None
     )
-    params_out = _select(
+    params_out = select_into(
         found_inf, params, new_params, lambda x: id(x) in fresh, lambda x: id(x) in done
     )
-    opt_state_out = _select(found_inf, opt_state, new_opt_state, owned or (lambda x: False))
+    opt_state_out = select_into(found_inf, opt_state, new_opt_state, owned or (lambda x: False))
     return params_out, opt_state_out

@@ -66,26 +66,26 @@ except ImportError:  # pragma: no cover - other torch versions
 from funcamp._core.atomic import atomic_write
 from funcamp._core.progress import COMPILING, logger
 from funcamp.train.describe import (
-    _CONTEXT_GUARDS,
-    _FORMAT,
-    _NO_PARAM,
-    _OPAQUE_OK,
-    _PORTABLE,
-    _SAME,
-    _SUFFIX,
-    _check,
-    _on_inputs,
-    _opaque,
-    _read,
-    _same_object,
-    _same_param,
-    _short,
-    _structure,
-    _views,
-    _where,
+    CACHE_FORMAT,
+    CONTEXT_GUARDS,
+    NO_PARAM,
+    OPAQUE_OK,
+    PORTABLE,
+    SAME,
+    SUFFIX,
+    check_source,
     describe_value,
+    guard_views,
+    input_structure,
     is_mode_flag,
+    is_opaque,
+    on_inputs,
+    read_source,
+    same_object,
+    same_param,
+    shorten,
     step_key,
+    where_defined,
 )
 
 __all__ = ["CachedStep"]
@@ -98,7 +98,7 @@ class _Recorder:
 
     def __init__(self) -> None:
         # source name -> ({guard kind: [its attributes or keys]}, the value dynamo saw or
-        # _NO_PARAM): one dict may be guarded to contain several keys
+        # NO_PARAM): one dict may be guarded to contain several keys
         self.dropped: dict[str, tuple[dict[str, list[Any]], Any]] = {}
         self.same: list[tuple[str, str | None]] = []  # DUPLICATE_INPUT: two sources, one object
         self.modes: dict[str, bool] = {}  # source of a module's `training` flag -> its value
@@ -107,20 +107,20 @@ class _Recorder:
         out = []
         for entry in entries:
             ok = (
-                entry.guard_type in _PORTABLE
+                entry.guard_type in PORTABLE
                 and not entry.is_global
-                and _on_inputs(entry.orig_guard.originating_source)
+                and on_inputs(entry.orig_guard.originating_source)
             )
             if not ok:
                 name = entry.orig_guard.originating_source.name
-                seen = entry.value if entry.has_value else _NO_PARAM
+                seen = entry.value if entry.has_value else NO_PARAM
                 if is_mode_flag(entry.orig_guard.originating_source) and isinstance(seen, bool):
                     self.modes[name] = seen
                 kinds, _ = self.dropped.setdefault(name, ({}, seen))
                 keywords = getattr(entry.orig_guard.create_fn, "keywords", None) or {}
-                param = keywords.get("attr", keywords.get("key", _NO_PARAM))
+                param = keywords.get("attr", keywords.get("key", NO_PARAM))
                 params = kinds.setdefault(entry.guard_type, [])
-                if not any(_same_param(p, param) for p in params):
+                if not any(same_param(p, param) for p in params):
                     params.append(param)
                 if entry.guard_type == "DUPLICATE_INPUT":
                     other = keywords.get("source_b")
@@ -226,7 +226,7 @@ class CachedStep:
         return {f"closure:{n}": c.cell_contents for n, c in zip(code.co_freevars, cells)}
 
     def __call__(self, state: Any, batch: Any) -> Any:
-        structure = _structure(state, batch)
+        structure = input_structure(state, batch)
         if structure is None:
             if not self.said_uncached:
                 self.said_uncached = True
@@ -281,12 +281,12 @@ class CachedStep:
         the trace tells, so the flags' digest ends the file name."""
         key = step_key(self.loss_fn, self.settings, self.options, state, batch)
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:40]
-        name = "".join(c if c.isalnum() else "_" for c in _where(self.loss_fn)[1])[:40]
+        name = "".join(c if c.isalnum() else "_" for c in where_defined(self.loss_fn)[1])[:40]
         return key, os.path.join(self.directory, f"{name}-{digest}")
 
     def _load_or_compile(self, state: Any, batch: Any) -> tuple[Any, Any, bool]:
         key, stem = self._key_and_stem(state, batch)
-        paths = glob.glob(glob.escape(stem) + "*" + _SUFFIX)
+        paths = glob.glob(glob.escape(stem) + "*" + SUFFIX)
         for path in sorted(paths, key=_modified, reverse=True):
             start = time.perf_counter()
             compiled, modes, why = self._load(path, key, state, batch)
@@ -306,7 +306,7 @@ class CachedStep:
         try:
             with open(path, "rb") as f:
                 record = pickle.load(f)
-            if not isinstance(record, dict) or record.get("format") != _FORMAT:
+            if not isinstance(record, dict) or record.get("format") != CACHE_FORMAT:
                 return None, (), "written by another funcamp version"
             if record["key"] != key:
                 return None, (), "its key differs (a hash collision or an edited file)"
@@ -326,13 +326,13 @@ class CachedStep:
             return None, (), changed
         scope = _scope(compiled, self.train_step, state, batch)
         for name, kinds, expected in record["checks"]:
-            if expected == _SAME:
-                if not _same_object(*name, scope):
+            if expected == SAME:
+                if not same_object(*name, scope):
                     return None, (), f"{name[0]} is no longer {name[1]}"
                 continue
-            now = _check(name, kinds, scope)
+            now = check_source(name, kinds, scope)
             if now != expected:
-                return None, (), f"{name} is {_short(now)}, was {_short(expected)}"
+                return None, (), f"{name} is {shorten(now)}, was {shorten(expected)}"
         if not compiled.guard_check(state, batch):
             return None, (), "its guards reject this state and batch"
         modes = _mode_flags(record["modes"], scope)
@@ -370,7 +370,7 @@ class CachedStep:
                 next((n for n, _ in flags if n is not None), "a module"),
             )
             return None, ()
-        path = stem + _modes_tag(flags) + _SUFFIX
+        path = stem + _modes_tag(flags) + SUFFIX
         try:
             if folded:
                 raise RuntimeError(
@@ -407,7 +407,7 @@ class CachedStep:
         checks = []
         for traced, (kinds, seen) in sorted(recorder.dropped.items()):
             if not traced:  # torch's global state: the key and every call compare _context()
-                unknown = sorted(set(kinds) - _CONTEXT_GUARDS)
+                unknown = sorted(set(kinds) - CONTEXT_GUARDS)
                 if unknown:
                     raise RuntimeError(
                         f"the step depends on torch state funcamp cannot compare ({unknown[0]})"
@@ -416,17 +416,17 @@ class CachedStep:
             name = _portable(traced, scope["G"])
             if name is None:
                 continue
-            params = [p for ps in kinds.values() for p in ps if p is not _NO_PARAM]
-            if any(_opaque(describe_value(p)) for p in params):
+            params = [p for ps in kinds.values() for p in ps if p is not NO_PARAM]
+            if any(is_opaque(describe_value(p)) for p in params):
                 raise RuntimeError(f"a guard on {name} tests an object funcamp cannot save")
-            now = _check(name, kinds, scope)
-            if seen is not _NO_PARAM and now != _views(kinds, seen):
+            now = check_source(name, kinds, scope)
+            if seen is not NO_PARAM and now != guard_views(kinds, seen):
                 raise RuntimeError(
-                    f"the guard source {name} cannot be re-read ({_short(now)}, dynamo saw "
-                    f"{_short(_views(kinds, seen))}), so a later process could not check it"
+                    f"the guard source {name} cannot be re-read ({shorten(now)}, dynamo saw "
+                    f"{shorten(guard_views(kinds, seen))}), so a later process could not check it"
                 )
             for kind, view in now if now[0] != "error" else ():
-                if _opaque(view) and kind not in _OPAQUE_OK:
+                if is_opaque(view) and kind not in OPAQUE_OK:
                     raise RuntimeError(
                         f"the step is specialised on {name} ({kind}), which holds an object "
                         "another process can only compare by its type"
@@ -434,17 +434,17 @@ class CachedStep:
             checks.append((name, kinds, now))
         for a, b in recorder.same:
             names = (_portable(a, scope["G"]), _portable(b, scope["G"]) if b else None)
-            if None in names or not _same_object(*names, scope):
+            if None in names or not same_object(*names, scope):
                 raise RuntimeError(
                     f"the step is specialised on {a} being {b}, which cannot be re-read"
                 )
-            checks.append((names, None, _SAME))
+            checks.append((names, None, SAME))
         files = [(name, path, _file_digest(path)) for name, path in _module_files()]
         buf = io.BytesIO()
         artifact = type(compiled).serialize(compiled, self._external()).serialized_data
         pickle.dump(
             {
-                "format": _FORMAT,
+                "format": CACHE_FORMAT,
                 "key": key,
                 "checks": checks,
                 "modes": modes,
@@ -482,7 +482,7 @@ def _mode_flags(
     for name, flag in flags:
         if name is None or not name.endswith(".training"):
             return None
-        ok, module = _read(name[: -len(".training")], scope)
+        ok, module = read_source(name[: -len(".training")], scope)
         if not ok or not isinstance(getattr(module, "training", None), bool):
             return None
         out.append((module, flag))

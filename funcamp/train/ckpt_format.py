@@ -23,15 +23,15 @@ __all__ = ["CheckpointInfo"]
 PyTree = Any
 
 
-_FORMAT = "funcamp.checkpoint"
+FORMAT = "funcamp.checkpoint"
 
-_FORMAT_VERSION = 1
+FORMAT_VERSION = 1
 
-_HEADER = "funcamp.pt"  # the commit record of a multi-rank checkpoint directory
+HEADER = "funcamp.pt"  # the commit record of a multi-rank checkpoint directory
 
-_DATA_PREFIX = "data-"
+DATA_PREFIX = "data-"
 
-_TENSOR = "funcamp.tensor"  # placeholder tag in a multi-rank checkpoint's structure
+TENSOR = "funcamp.tensor"  # placeholder tag in a multi-rank checkpoint's structure
 
 _SCALER_KEYS = frozenset((*LEAVES, *CONFIG))
 
@@ -81,7 +81,7 @@ def _scaler_kinds(sd: Any, path: tuple[str, ...] = ()) -> dict[str, str]:
     return out
 
 
-def _info(sd: Any, policy: Policy, metadata: dict[str, Any], world: int) -> dict[str, Any]:
+def header_info(sd: Any, policy: Policy, metadata: dict[str, Any], world: int) -> dict[str, Any]:
     return {
         "policy": str(policy),
         "policy_repr": repr(policy),
@@ -93,7 +93,7 @@ def _info(sd: Any, policy: Policy, metadata: dict[str, Any], world: int) -> dict
     }
 
 
-def _as_info(raw: dict[str, Any]) -> CheckpointInfo:
+def as_info(raw: dict[str, Any]) -> CheckpointInfo:
     scalers = dict(raw["scalers"])
     kinds = set(scalers.values())
     return CheckpointInfo(
@@ -108,7 +108,7 @@ def _as_info(raw: dict[str, Any]) -> CheckpointInfo:
     )
 
 
-def _checksum(value: Any, crc: int = 0) -> int:
+def state_checksum(value: Any, crc: int = 0) -> int:
     """CRC-32 over every value of a nested state dict, in order (dtype, shape and bytes of each
     tensor; ``repr`` of everything else)."""
     if isinstance(value, torch.Tensor):
@@ -121,17 +121,17 @@ def _checksum(value: Any, crc: int = 0) -> int:
     if isinstance(value, dict):
         crc = zlib.crc32(b"{", crc)
         for k, v in value.items():
-            crc = _checksum(v, zlib.crc32(repr(k).encode(), crc))
+            crc = state_checksum(v, zlib.crc32(repr(k).encode(), crc))
         return zlib.crc32(b"}", crc)
     if isinstance(value, (list, tuple)):
         crc = zlib.crc32(b"[" if isinstance(value, list) else b"(", crc)
         for v in value:
-            crc = _checksum(v, crc)
+            crc = state_checksum(v, crc)
         return zlib.crc32(b"]", crc)
     return zlib.crc32(repr(value).encode(), crc)
 
 
-def _read(p: Path, api: str, *, mmap: bool = False) -> dict[str, Any]:
+def read_checkpoint(p: Path, api: str, *, mmap: bool = False) -> dict[str, Any]:
     """The checkpoint's top-level dict, or a clear error for anything that is not one."""
     if not p.exists():
         raise FileNotFoundError(f"funcamp.{api}: no checkpoint at {str(p)!r}")
@@ -143,25 +143,25 @@ def _read(p: Path, api: str, *, mmap: bool = False) -> dict[str, Any]:
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); "
             "load an earlier one"
         ) from e
-    if not isinstance(raw, dict) or raw.get("format") != _FORMAT:
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ValueError(
             f"funcamp.{api}: {str(p)!r} is not a funcamp checkpoint (written by funcamp.save); "
             "for a plain funcamp.state_dict use torch.load and funcamp.load_state_dict"
         )
     version = raw.get("version")
-    if not isinstance(version, int) or version > _FORMAT_VERSION:
+    if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ValueError(
             f"funcamp.{api}: {str(p)!r} has checkpoint format version {version!r}, newer than "
-            f"this funcamp reads ({_FORMAT_VERSION}); upgrade funcamp"
+            f"this funcamp reads ({FORMAT_VERSION}); upgrade funcamp"
         )
     return raw
 
 
-def _header_path(p: Path) -> Path:
-    return p / _HEADER if p.is_dir() else p
+def header_path(p: Path) -> Path:
+    return p / HEADER if p.is_dir() else p
 
 
-def _check_policy(info: CheckpointInfo, policy: Any, convert: bool, where: str) -> None:
+def check_policy(info: CheckpointInfo, policy: Any, convert: bool, where: str) -> None:
     if policy is None:
         if convert:
             raise TypeError(
@@ -228,12 +228,12 @@ def _rebuild(template: PyTree, sd: dict[str, Any], where: str) -> PyTree:
         raise type(e)(f"funcamp.load: {where} does not fit `template`: {msg}") from e
 
 
-def _check_and_rebuild(
+def check_and_rebuild(
     info: CheckpointInfo, sd: Any, template: PyTree, policy: Any, convert: bool, where: str
 ) -> PyTree:
     """The loaded state dict ``sd`` as ``template``'s tree: policy checked, newer-version warning,
     converted (``convert``) or scaler configs checked, then rebuilt leaf by leaf."""
-    _check_policy(info, policy, convert, where)
+    check_policy(info, policy, convert, where)
     _warn_newer(info, where)
     template_sd = state_dict(template)
     if convert:

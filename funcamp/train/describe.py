@@ -45,9 +45,9 @@ __all__ = [
     "step_key",
 ]
 
-_FORMAT = 2  # 2: entries record the training flags they follow
+CACHE_FORMAT = 2  # 2: entries record the training flags they follow
 
-_SUFFIX = ".funcamp-step"
+SUFFIX = ".funcamp-step"
 
 
 def cache_support() -> str | None:
@@ -87,7 +87,7 @@ def _function_digest(fn: Any) -> str:
     return _code_hex(code if isinstance(code, types.CodeType) else None)
 
 
-def _where(obj: Any) -> tuple[str, str]:
+def where_defined(obj: Any) -> tuple[str, str]:
     return (
         str(getattr(obj, "__module__", None)),
         str(getattr(obj, "__qualname__", getattr(obj, "__name__", None))),
@@ -117,7 +117,7 @@ def describe_value(value: Any, depth: int = 0) -> tuple[Any, ...]:
     if isinstance(value, _TORCH_PLAIN):
         return ("t", type(value).__name__, str(value))
     if isinstance(value, enum.Enum):
-        return ("e", *_where(type(value)), value.name)
+        return ("e", *where_defined(type(value)), value.name)
     if isinstance(value, torch.Tensor):
         try:
             stride: Any = tuple(value.stride())
@@ -125,7 +125,7 @@ def describe_value(value: Any, depth: int = 0) -> tuple[Any, ...]:
             stride = None
         return (
             "T",
-            *_where(type(value)),
+            *where_defined(type(value)),
             tuple(value.shape),
             stride,
             str(value.dtype),
@@ -136,29 +136,37 @@ def describe_value(value: Any, depth: int = 0) -> tuple[Any, ...]:
     if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return ("op", type(value).__name__, str(value))
     if isinstance(value, types.FunctionType):
-        return ("fn", *_where(value), _function_digest(value))
+        return ("fn", *where_defined(value), _function_digest(value))
     if isinstance(value, types.CodeType):
         return ("code", getattr(value, "co_qualname", value.co_name), _code_hex(value))
     if isinstance(value, types.MethodType):
-        return ("m", describe_value(value.__func__, depth), *_where(type(value.__self__)))
+        return ("m", describe_value(value.__func__, depth), *where_defined(type(value.__self__)))
     if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
         owner = getattr(value, "__self__", None)
-        kind = _where(owner) if isinstance(owner, (type, types.ModuleType)) else _where(type(owner))
+        kind = (
+            where_defined(owner)
+            if isinstance(owner, (type, types.ModuleType))
+            else where_defined(type(owner))
+        )
         return ("b", str(getattr(value, "__name__", None)), *kind)
     if isinstance(value, type):
-        return ("cls", *_where(value))
+        return ("cls", *where_defined(value))
     if isinstance(value, types.ModuleType):
         return ("mod", value.__name__)
     if depth >= _DEPTH:
-        return ("o", *_where(type(value)))
+        return ("o", *where_defined(type(value)))
     if isinstance(value, functools.partial):
         parts = (value.func, value.args, value.keywords)
         return ("p", *(describe_value(x, depth + 1) for x in parts))
     if isinstance(value, (tuple, list)):
-        return ("s", *_where(type(value)), tuple(describe_value(v, depth + 1) for v in value))
+        return (
+            "s",
+            *where_defined(type(value)),
+            tuple(describe_value(v, depth + 1) for v in value),
+        )
     if isinstance(value, (set, frozenset)):
         items = sorted((describe_value(v, depth + 1) for v in value), key=repr)
-        return ("u", *_where(type(value)), tuple(items))
+        return ("u", *where_defined(type(value)), tuple(items))
     if isinstance(value, dict):  # by key, sorted: a dict built by iterating a set is ordered
         # differently in each process (string hashing is salted per process)
         items = sorted(
@@ -168,27 +176,27 @@ def describe_value(value: Any, depth: int = 0) -> tuple[Any, ...]:
             ),
             key=lambda kv: repr(kv[0]),
         )
-        return ("d", *_where(type(value)), tuple(items))
-    return ("o", *_where(type(value)))
+        return ("d", *where_defined(type(value)), tuple(items))
+    return ("o", *where_defined(type(value)))
 
 
-def _opaque(desc: Any) -> bool:
+def is_opaque(desc: Any) -> bool:
     """Whether a description holds an object known only by its type."""
     if not isinstance(desc, tuple) or not desc:
         return False
-    return desc[0] == "o" or any(_opaque(x) for x in desc if isinstance(x, tuple))
+    return desc[0] == "o" or any(is_opaque(x) for x in desc if isinstance(x, tuple))
 
 
-def _short(desc: Any, limit: int = 160) -> str:
+def shorten(desc: Any, limit: int = 160) -> str:
     text = repr(desc)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-_SAME = ("same object",)
+SAME = ("same object",)
 
 
-def _same_object(a: str, b: str, scope: dict[str, Any]) -> bool:
-    (ok_a, value_a), (ok_b, value_b) = _read(a, scope), _read(b, scope)
+def same_object(a: str, b: str, scope: dict[str, Any]) -> bool:
+    (ok_a, value_a), (ok_b, value_b) = read_source(a, scope), read_source(b, scope)
     return ok_a and ok_b and value_a is value_b
 
 
@@ -246,7 +254,7 @@ def _machine(leaves: list[Any]) -> tuple[Any, ...]:
 def _options_text(options: dict[str, Any]) -> str:
     def text(v: Any) -> str:
         if callable(v):
-            module, name = _where(v)
+            module, name = where_defined(v)
             return f"{module}.{name}:{_function_digest(v)}"
         if isinstance(v, dict):
             return "{" + ",".join(f"{k!r}:{text(x)}" for k, x in sorted(v.items())) + "}"
@@ -268,7 +276,7 @@ def step_key(
     if signature is None:  # CachedStep runs such inputs uncached, never asking for a key
         raise ValueError("inputs holding objects known only by their type have no key")
     return (
-        _FORMAT,
+        CACHE_FORMAT,
         __version__,
         torch.__version__,
         str(getattr(torch.version, "git_version", "")),
@@ -279,7 +287,7 @@ def step_key(
         _config_text("torch._functorch.config"),
         _config_text("torch._dynamo.config"),
         settings,
-        (*_where(loss_fn), _function_digest(loss_fn)),
+        (*where_defined(loss_fn), _function_digest(loss_fn)),
         str(spec),
         tuple(describe_value(x) for x in leaves if isinstance(x, torch.Tensor)),
         signature[1:],  # constants, tensors passed twice, torch's context
@@ -334,10 +342,10 @@ def is_mode_flag(source: Any) -> bool:
 # What torch.compiler.keep_portable_guards_unsafe keeps: with only these, torch's saved guard
 # state holds no reference to the closure (its dict-key-order and global scopes are pruned), so
 # another process can rebuild it.
-_PORTABLE = ("TENSOR_MATCH", "GLOBAL_STATE", "SHAPE_ENV")
+PORTABLE = ("TENSOR_MATCH", "GLOBAL_STATE", "SHAPE_ENV")
 
 
-def _on_inputs(source: Any) -> bool:
+def on_inputs(source: Any) -> bool:
     """A guard source rooted in the step's inputs or in torch's global state: what the saved
     step checks on every call. Guards rooted elsewhere (closures, globals) cannot be rebuilt
     in another process from torch's saved guard state; they become load-time checks."""
@@ -348,7 +356,7 @@ def _on_inputs(source: Any) -> bool:
     return kind in GLOBAL_STATE_SOURCES
 
 
-def _structure(state: Any, batch: Any) -> tuple[Any, ...] | None:
+def input_structure(state: Any, batch: Any) -> tuple[Any, ...] | None:
     """What the saved step's tensor guards do not see, compared on every call: the inputs'
     treespec, their non-tensor leaves (by value), which tensor leaves are the same tensor
     (dynamo's duplicate-input guard), and the torch state a trace depends on (function modes,
@@ -368,7 +376,7 @@ def _signature(leaves: list[Any], spec: Any) -> tuple[Any, ...] | None:
                 same.append((i, first))
         else:
             desc = describe_value(x)
-            if _opaque(desc):
+            if is_opaque(desc):
                 return None
             constants.append((i, desc))
     return spec, tuple(constants), tuple(same), _context()
@@ -377,7 +385,7 @@ def _signature(leaves: list[Any], spec: Any) -> tuple[Any, ...] | None:
 def _context() -> tuple[Any, ...]:
     hooks = top_saved_tensors_hooks()
     return (
-        tuple(_where(type(m)) for m in torch.overrides._get_current_function_mode_stack()),
+        tuple(where_defined(type(m)) for m in torch.overrides._get_current_function_mode_stack()),
         torch._C._is_torch_function_enabled(),
         str(getattr(torch.utils._device, "CURRENT_DEVICE", None)),
         transform_level(),
@@ -389,7 +397,7 @@ def _context() -> tuple[Any, ...]:
 # guard checks (grad mode, deterministic algorithms, FSDP's training state: no-ops of their
 # own in dynamo); any other guard with no source (dynamo may add kinds) makes an entry
 # unsaveable.
-_CONTEXT_GUARDS = frozenset(
+CONTEXT_GUARDS = frozenset(
     (
         "TORCH_FUNCTION_STATE",
         "DEFAULT_DEVICE",
@@ -423,7 +431,7 @@ _CONTAINS_KINDS = frozenset(
 
 # Value guards may see an object known only by its type where the value is a dict that
 # dynamo watches for mutation (DICT_VERSION): compared by content, values by type.
-_OPAQUE_OK = frozenset(("DICT_VERSION",))
+OPAQUE_OK = frozenset(("DICT_VERSION",))
 
 
 def _view(kind: str, param: Any, value: Any) -> tuple[Any, ...]:
@@ -433,7 +441,7 @@ def _view(kind: str, param: Any, value: Any) -> tuple[Any, ...]:
     and the whole value (:func:`describe_value`) for a value guard (ID_MATCH, CONSTANT_MATCH,
     FUNCTION_MATCH, TENSOR_MATCH, ... and any kind not named here)."""
     if kind in _TYPE_KINDS:
-        return ("type", *_where(type(value)))
+        return ("type", *where_defined(type(value)))
     if kind in ("NONE_MATCH", "NOT_NONE_MATCH"):
         return ("none", value is None)
     if kind == "HASATTR" and isinstance(param, str):
@@ -444,15 +452,15 @@ def _view(kind: str, param: Any, value: Any) -> tuple[Any, ...]:
         return ("len", len(value))
     if kind in _KEYS_KINDS:
         return ("keys", tuple(describe_value(k, _DEPTH - 1) for k in value))
-    if kind in _CONTAINS_KINDS and param is not _NO_PARAM:
+    if kind in _CONTAINS_KINDS and param is not NO_PARAM:
         return ("contains", describe_value(param), param in value)
     return describe_value(value)
 
 
-_NO_PARAM = object()
+NO_PARAM = object()
 
 
-def _views(kinds: dict[str, list[Any]], value: Any) -> tuple[Any, ...]:
+def guard_views(kinds: dict[str, list[Any]], value: Any) -> tuple[Any, ...]:
     out = []
     for kind, params in sorted(kinds.items()):
         for param in params:
@@ -463,7 +471,7 @@ def _views(kinds: dict[str, list[Any]], value: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _read(name: str, scope: dict[str, Any]) -> tuple[bool, Any]:
+def read_source(name: str, scope: dict[str, Any]) -> tuple[bool, Any]:
     """``(True, value)`` of a guard source in ``scope``, or ``(False, the exception)``."""
     try:
         helpers = dict(_get_closure_vars()) if _get_closure_vars is not None else {}
@@ -476,12 +484,12 @@ def _read(name: str, scope: dict[str, Any]) -> tuple[bool, Any]:
         return False, e
 
 
-def _check(name: str, kinds: dict[str, Any], scope: dict[str, Any]) -> tuple[Any, ...]:
-    ok, value = _read(name, scope)
-    return _views(kinds, value) if ok else ("error", type(value).__name__)
+def check_source(name: str, kinds: dict[str, Any], scope: dict[str, Any]) -> tuple[Any, ...]:
+    ok, value = read_source(name, scope)
+    return guard_views(kinds, value) if ok else ("error", type(value).__name__)
 
 
-def _same_param(a: Any, b: Any) -> bool:
+def same_param(a: Any, b: Any) -> bool:
     if a is b:
         return True
     try:

@@ -39,17 +39,17 @@ from funcamp._core.tree import NAMESPACE, describe
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.train.checkpoint import state_dict
 from funcamp.train.ckpt_format import (
-    _FORMAT,
-    _FORMAT_VERSION,
+    FORMAT,
+    FORMAT_VERSION,
     CheckpointInfo,
-    _as_info,
-    _check_and_rebuild,
-    _checksum,
-    _header_path,
-    _info,
-    _read,
+    as_info,
+    check_and_rebuild,
+    header_info,
+    header_path,
+    read_checkpoint,
+    state_checksum,
 )
-from funcamp.train.save_dcp import _load_distributed, _save_distributed
+from funcamp.train.save_dcp import load_distributed, save_distributed
 
 __all__ = ["checkpoint_info", "load", "save"]
 
@@ -152,7 +152,7 @@ def save(
         _check_metadata(key, value)
     sd = state_dict(state)
     if group is not None:
-        _save_distributed(p, sd, state, pol, metadata, group)
+        save_distributed(p, sd, state, pol, metadata, group)
         return
     if p.is_dir():
         raise IsADirectoryError(
@@ -161,13 +161,13 @@ def save(
         )
     if not p.parent.is_dir():
         raise FileNotFoundError(f"funcamp.save: the directory of `path` {str(p)!r} does not exist")
-    info = _info(sd, pol, metadata, 1)
+    info = header_info(sd, pol, metadata, 1)
     payload = {
-        "format": _FORMAT,
-        "version": _FORMAT_VERSION,
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
         "info": info,
         "state": sd,
-        "checksum": _checksum([info, sd]),
+        "checksum": state_checksum([info, sd]),
     }
     atomic_write(p, lambda f: torch.save(payload, f))
 
@@ -190,8 +190,8 @@ def checkpoint_info(path: PathLike) -> CheckpointInfo:
         100
     """
     p = _check_path(path, "checkpoint_info")
-    raw = _read(_header_path(p), "checkpoint_info", mmap=not p.is_dir())
-    return _as_info(raw["info"])
+    raw = read_checkpoint(header_path(p), "checkpoint_info", mmap=not p.is_dir())
+    return as_info(raw["info"])
 
 
 def load(
@@ -262,16 +262,16 @@ def load(
     if policy is not None:
         as_policy(policy, "load")
     if group is not None or p.is_dir():
-        return _load_distributed(p, template, policy, convert, group)
+        return load_distributed(p, template, policy, convert, group)
     where = repr(str(p))
-    raw = _read(p, "load")
+    raw = read_checkpoint(p, "load")
     try:
-        info, sd, checksum = _as_info(raw["info"]), raw["state"], raw["checksum"]
+        info, sd, checksum = as_info(raw["info"]), raw["state"], raw["checksum"]
     except (KeyError, TypeError) as e:
         raise ValueError(f"funcamp.load: {where} is corrupted (missing {e})") from e
-    if _checksum([raw["info"], sd]) != checksum:
+    if state_checksum([raw["info"], sd]) != checksum:
         raise ValueError(
             f"funcamp.load: {where} is corrupted (its contents do not match the CRC-32 stored "
             "when it was saved); load an earlier checkpoint"
         )
-    return _check_and_rebuild(info, sd, template, policy, convert, where)
+    return check_and_rebuild(info, sd, template, policy, convert, where)

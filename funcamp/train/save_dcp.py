@@ -19,17 +19,17 @@ from funcamp._core.tree import describe
 from funcamp.policy.policy import Policy
 from funcamp.train.checkpoint import state_dict
 from funcamp.train.ckpt_format import (
-    _DATA_PREFIX,
-    _FORMAT,
-    _FORMAT_VERSION,
-    _HEADER,
-    _TENSOR,
-    _as_info,
-    _check_and_rebuild,
-    _check_policy,
-    _checksum,
-    _info,
-    _read,
+    DATA_PREFIX,
+    FORMAT,
+    FORMAT_VERSION,
+    HEADER,
+    TENSOR,
+    as_info,
+    check_and_rebuild,
+    check_policy,
+    header_info,
+    read_checkpoint,
+    state_checksum,
 )
 
 __all__ = []
@@ -48,14 +48,14 @@ def _split_tensors(sd: Any, path: tuple[str, ...], tensors: dict[str, Any]) -> A
                 "rename a dict key containing '/'"
             )
         tensors[key] = sd
-        return (_TENSOR, key, str(sd.dtype).removeprefix("torch."), list(sd.shape))
+        return (TENSOR, key, str(sd.dtype).removeprefix("torch."), list(sd.shape))
     if isinstance(sd, dict):
         return {k: _split_tensors(v, (*path, str(k)), tensors) for k, v in sd.items()}
     return sd
 
 
 def _is_placeholder(x: Any) -> bool:
-    return isinstance(x, tuple) and len(x) == 4 and x[0] == _TENSOR
+    return isinstance(x, tuple) and len(x) == 4 and x[0] == TENSOR
 
 
 def _group_info(group: Any, api: str) -> tuple[int, int]:
@@ -69,7 +69,7 @@ def _group_info(group: Any, api: str) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _save_distributed(
+def save_distributed(
     p: Path, sd: dict[str, Any], state: PyTree, policy: Policy, metadata: dict, group: Any
 ) -> None:
     rank, world = _group_info(group, "save")
@@ -80,7 +80,7 @@ def _save_distributed(
     # Rank 0 picks the data directory's name and tells the others.
     token = [secrets.token_hex(8) if rank == 0 else None]
     dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-    data = f"{_DATA_PREFIX}{token[0]}"
+    data = f"{DATA_PREFIX}{token[0]}"
     if rank == 0:
         p.mkdir(parents=True, exist_ok=True)
     dist.barrier(group=group)
@@ -91,18 +91,18 @@ def _save_distributed(
     error: list[Any] = [None]
     if rank == 0:
         try:
-            info = _info(sd, policy, metadata, world)
+            info = header_info(sd, policy, metadata, world)
             header = {
-                "format": _FORMAT,
-                "version": _FORMAT_VERSION,
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
                 "info": info,
                 "structure": skeleton,
                 "data": data,
-                "checksum": _checksum([info, skeleton, data]),
+                "checksum": state_checksum([info, skeleton, data]),
             }
-            atomic_write(p / _HEADER, lambda f: torch.save(header, f))  # the commit
+            atomic_write(p / HEADER, lambda f: torch.save(header, f))  # the commit
             for old in p.iterdir():
-                if old.name.startswith(_DATA_PREFIX) and old.name != data and old.is_dir():
+                if old.name.startswith(DATA_PREFIX) and old.name != data and old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)
         except Exception as e:
             error[0] = f"{type(e).__name__}: {e}"
@@ -137,7 +137,7 @@ def _tensors_of(dest: Any, skeleton: Any, out: dict[str, Any]) -> None:
             _tensors_of(dest[k], v, out)
 
 
-def _load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, group: Any) -> PyTree:
+def load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, group: Any) -> PyTree:
     if group is not None:
         _group_info(group, "load")
     where = repr(str(p))
@@ -148,15 +148,15 @@ def _load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, gro
                 f"{where} is a file; load it without `group`"
             )
         raise FileNotFoundError(f"funcamp.load: no checkpoint at {where}")
-    raw = _read(p / _HEADER, "load")
+    raw = read_checkpoint(p / HEADER, "load")
     try:
-        info, skeleton, data = _as_info(raw["info"]), raw["structure"], raw["data"]
+        info, skeleton, data = as_info(raw["info"]), raw["structure"], raw["data"]
         checksum = raw["checksum"]
     except (KeyError, TypeError) as e:
         raise ValueError(f"funcamp.load: {where} is corrupted (missing {e})") from e
-    if _checksum([raw["info"], skeleton, data]) != checksum:
+    if state_checksum([raw["info"], skeleton, data]) != checksum:
         raise ValueError(f"funcamp.load: {where} is corrupted (its header fails its CRC-32)")
-    _check_policy(info, policy, convert, where)
+    check_policy(info, policy, convert, where)
     dest = _destinations(skeleton, state_dict(template), ())
     tensors: dict[str, Any] = {}
     _tensors_of(dest, skeleton, tensors)
@@ -170,4 +170,4 @@ def _load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, gro
             f"funcamp.load: the data of {where} could not be read (truncated or corrupted: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'})"
         ) from e
-    return _check_and_rebuild(info, dest, template, policy, convert, where)
+    return check_and_rebuild(info, dest, template, policy, convert, where)

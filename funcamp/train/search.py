@@ -21,11 +21,11 @@ import torch
 
 from funcamp._core.checks import flatten_params
 from funcamp._core.tree import NAMESPACE, describe
-from funcamp.casting.amp import _check_fn, amp
+from funcamp.casting.amp import amp, check_fn
 from funcamp.casting.trace import trace
 from funcamp.policy.ops import OpRule
-from funcamp.policy.policy import ModuleKey, Policy, _check_module_key, as_policy
-from funcamp.scaling.headroom import _headroom
+from funcamp.policy.policy import ModuleKey, Policy, as_policy, check_module_key
+from funcamp.scaling.headroom import headroom_of
 
 __all__ = ["PolicyDecision", "SearchReport", "search_policy"]
 
@@ -225,7 +225,7 @@ def _choose_scale(grads: Any, policy: Policy) -> float:
     """A power of two in the middle of the float32 gradients' safe range in float16."""
     if policy.compute_dtype != torch.float16 and policy.param_dtype != torch.float16:
         return 1.0
-    h = _headroom(grads, torch.ones(()), torch.float16, scaled=False, leaves=False)
+    h = headroom_of(grads, torch.ones(()), torch.float16, scaled=False, leaves=False)
     lo, hi = float(h.log2_scale_min), float(h.log2_scale_max)
     hi_k = math.ceil(hi) - 1 if math.isfinite(hi) else _MAX_LOG2_SCALE
     lo_k = math.floor(lo) + 1 if math.isfinite(lo) else -_MAX_LOG2_SCALE
@@ -257,7 +257,7 @@ def _check_candidates(candidates: Any) -> list[ModuleKey]:
         )
     out: list[ModuleKey] = []
     for c in candidates:
-        _check_module_key(c, _API)
+        check_module_key(c, _API)
         if c in out:
             raise ValueError(f"funcamp.{_API}: `candidates` lists {c!r} twice")
         out.append(c)
@@ -362,7 +362,7 @@ def search_policy(
         >>> policy.module_policies[0][0], str(policy.module_policies[0][1])
         ('0', 'params=float32,compute=float32,output=float32')
     """
-    _check_fn(loss_fn, _API)
+    check_fn(loss_fn, _API)
     pol = as_policy(base, _API)
     if (
         isinstance(tolerance, bool)

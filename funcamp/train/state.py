@@ -11,7 +11,7 @@ import torch
 
 from funcamp._core.checks import flatten_params
 from funcamp._core.hints import optimizer_type_error
-from funcamp._core.tree import NAMESPACE, _first_leaf, _sharing_memory, describe, path_str
+from funcamp._core.tree import NAMESPACE, describe, first_leaf, path_str, sharing_memory
 from funcamp.casting.fp8 import Fp8State, needs_state
 from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import init_from_exact
@@ -326,13 +326,13 @@ def check_donation(api: str, state: TrainState) -> None:
         "state.buffers": state.buffers,
         "state.opt_state": state.opt_state,
     }
-    grad_leaf = _first_leaf(trees, lambda x: isinstance(x, torch.Tensor) and x.requires_grad)
+    grad_leaf = first_leaf(trees, lambda x: isinstance(x, torch.Tensor) and x.requires_grad)
     if grad_leaf is not None:
         raise ValueError(
             f"funcamp.{api}: with donate_state=True the state's tensors are written in "
             f"place, but {grad_leaf} requires grad; detach it (params_and_buffers does)"
         )
-    shared = _sharing_memory(trees)
+    shared = sharing_memory(trees)
     if shared is not None:
         raise ValueError(
             f"funcamp.{api}: with donate_state=True the state's tensors are written in "

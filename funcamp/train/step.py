@@ -25,12 +25,12 @@ import torch
 
 from funcamp._core.checks import check_flag
 from funcamp._core.hints import optimizer_type_error
-from funcamp._core.tree import _plan_write, describe, tree_select
+from funcamp._core.tree import describe, plan_write, tree_select
 from funcamp.casting.amp import amp
 from funcamp.casting.fp8 import needs_state, with_fp8_state
 from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.policy.policy import Policy, as_policy
-from funcamp.scaling.headroom import _headroom, _headroom_dtype
+from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
@@ -109,7 +109,7 @@ def check_step_options(
     cache_dir = check_cache_dir(API, opts.cache_dir, opts.compile, compile_options)
     return _Checked(
         pol,
-        _headroom_dtype(pol) if opts.headroom is not False else None,
+        headroom_dtype(pol) if opts.headroom is not False else None,
         opts.headroom if callable(opts.headroom) else None,
         cache_dir,
     )
@@ -174,10 +174,10 @@ def _apply_step(
     grads, loss, new_buffers, nonfinite = parallel.exchange(grads, loss, new_buffers)
     # Donated state, all or nothing: every check and every computation that can fail runs
     # before the first write; the buffers are written last, by plain copies.
-    write_buffers = _plan_write(new_buffers, state.buffers) if opts.donate_state else None
+    write_buffers = plan_write(new_buffers, state.buffers) if opts.donate_state else None
     room = None
     if checked.headroom_dtype is not None:  # on the scaled grads, before they are unscaled
-        room = _headroom(
+        room = headroom_of(
             grads,
             state.scaler.scale,
             checked.headroom_dtype,
