@@ -80,9 +80,10 @@ def test_memory_benchmark_counts_torch_amp_state_exactly(tmp_path: Path) -> None
     params, grads and two Adam moments (4 P) and the batch; funcamp's donated eager step holds
     params and moments (3 P) and the batch: the accounting is exact to the byte."""
     out = tmp_path / "memory.json"
+    variants = "torch_eager,funcamp_eager_donated"
+    cmd = [sys.executable, "benchmarks/memory.py", "--models", "mlp", "--steps", "3"]
     done = subprocess.run(
-        [sys.executable, "benchmarks/memory.py", "--models", "mlp", "--steps", "3"]
-        + ["--variants", "torch_eager,funcamp_eager_donated", "--out", str(out)],
+        [*cmd, "--variants", variants, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
