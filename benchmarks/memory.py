@@ -34,8 +34,8 @@ measure two things:
     tensors  the bytes of live tensors from torch's CPU allocator as its profiler reports
              them (``torch.profiler.profile(profile_memory=True)`` from before the model is
              built): ``tensor_steady``, the peak over the steps after the warm-up, and
-             ``tensor_end``, what is live after the last step (the state at the step
-             boundary). No Python heap, no compiler, no allocator slack: the memory the
+             ``tensor_end``, what is live after the last step and a ``gc.collect()`` (the
+             state at the step boundary). No Python heap, no compiler, no allocator slack: the memory the
              design is responsible for (frees the profiler misses are accounted for: see
              :func:`tensor_numbers`). Nothing calls ``gc.collect()`` (unless asked, below):
              what Python's cyclic garbage keeps alive between the steps is counted, as a
