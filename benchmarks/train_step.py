@@ -282,6 +282,8 @@ def first_calls(step: Callable[[], Any], device: str, warmup: int) -> dict[str, 
         "compile_phases_s": phases,
         "graphs": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
+        # inductor's "skipping cudagraphs due to ..." (mode="reduce-overhead" on a GPU)
+        "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]),
     }
 
 
@@ -405,6 +407,9 @@ def print_table(name: str, result: dict[str, Any]) -> None:
         f"  donated (d) vs (b): {s['speedup_donated_over_b']:.2f}x   vs (c): "
         f"{s['speedup_donated_over_c']:.2f}x   /floor: {s['donated_over_floor']:.2f}"
     )
+    skips = {k: r["cudagraph_skips"] for k, r in result["rows"].items() if r.get("cudagraph_skips")}
+    if skips:
+        print(f"  CUDA graphs skipped (see inductor's warnings above): {skips}")
     for key, value in s.items():
         if "this tree /" in key:
             print(f"  {key}: {value:.3f} (time ratio, < 1 is faster)")
