@@ -210,8 +210,7 @@ def make_step(variant: str, model: Any, batch: Any, forward_loss: Any, device: s
     options: dict[str, Any] = {}
     if "eager" in variant:
         options["compile"] = False
-    if "donated" in variant:
-        options["donate_state"] = True
+    options["donate_state"] = "donated" in variant  # make_train_step's default is donated
     return funcamp_step(
         model, batch, forward_loss, device, variant == "funcamp_meta_module", **options
     )

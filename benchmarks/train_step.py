@@ -10,9 +10,11 @@ of:
     (a) eager float32 + torch.optim.Adam
     (b) eager torch.autocast(bf16) + GradScaler + Adam(foreach=True)
     (c) torch.compile(model) + autocast(bf16) + GradScaler + Adam(foreach=True)
-    (d) funcamp.make_train_step (compiled, mixed_bfloat16, dynamic loss scaling)
-    (d, donated) the same with donate_state=True (results written into the old state's tensors)
-    (e) the same funcamp step, eager
+    (d) funcamp.make_train_step (compiled, mixed_bfloat16, dynamic loss scaling), the pure step
+        (donate_state=False)
+    (d, donated) the same with donate_state=True, make_train_step's default (results written
+        into the old state's tensors)
+    (e) the same pure funcamp step, eager
     floor: the step's matmuls alone (recorded from one autocast forward/backward and replayed
         on ready-made tensors) plus one fused Adam pass over the params
 
@@ -315,24 +317,28 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "c_compiled_model_autocast_gradscaler": lambda: torch_variant(
             model, batch, criterion, device, amp=True, compiled=True
         ),
-        "d_funcamp_compiled": lambda: funcamp_variant(model, batch, criterion, device),
+        "d_funcamp_compiled": lambda: funcamp_variant(
+            model, batch, criterion, device, donate_state=False
+        ),
         "d_funcamp_compiled_donated": lambda: funcamp_variant(
             model, batch, criterion, device, donate_state=True
         ),
-        "e_funcamp_eager": lambda: funcamp_variant(model, batch, criterion, device, compile=False),
+        "e_funcamp_eager": lambda: funcamp_variant(
+            model, batch, criterion, device, compile=False, donate_state=False
+        ),
         "floor": lambda: floor_variant(model, batch, criterion, device),
     }
     if args.against:
         old = import_revision(args.against)
         tag = f"@{args.against}"
         makers[f"d_funcamp_compiled{tag}"] = lambda: funcamp_variant(
-            model, batch, criterion, device, old
+            model, batch, criterion, device, old, donate_state=False
         )
         makers[f"d_funcamp_compiled_donated{tag}"] = lambda: funcamp_variant(
             model, batch, criterion, device, old, donate_state=True
         )
         makers[f"e_funcamp_eager{tag}"] = lambda: funcamp_variant(
-            model, batch, criterion, device, old, compile=False
+            model, batch, criterion, device, old, compile=False, donate_state=False
         )
     if device == "cuda":
         makers["d_funcamp_compiled_reduce_overhead"] = lambda: funcamp_variant(

@@ -31,7 +31,7 @@ def make_train_step(
     returns_buffers: bool = False,
     compile: bool = True,
     group: Any = None,
-    donate_state: bool = False,
+    donate_state: bool = True,
     headroom: bool | Callable[[str], bool] = False,
     grad_norm: bool = True,
     mesh: Any = None,
@@ -102,17 +102,22 @@ def make_train_step(
     ``group`` or ``mesh`` (their graphs hold collectives bound to this process's group) and
     ``headroom`` with ``mesh`` (each rank holds only its shards of the gradients).
 
-    Donating the state (``donate_state=True``): the returned state's params, buffers and
-    optimizer-state tensors are the input state's own tensors, overwritten with the new values
-    (as ``torch.optim`` updates in place), so the compiled step allocates no new memory for
-    them and writes its results straight into it -- faster, and half the memory. The input state
-    must not be used afterwards (keep only the returned one: ``state, m = step(state, batch)``);
-    anything sharing memory with it changes too, such as a module's parameters when the params
-    came from :func:`params_and_buffers` (they then follow training, as with ``torch.optim``).
-    No two state tensors may share memory (checked on every call: a clear error). The scaler
-    state (a few scalars) is always returned fresh. All or nothing: every check and every
-    computation that can fail runs before the first write, so a step that raises leaves the
-    state as it was.
+    The state is donated by default (``donate_state=True``, as ``jax.jit(step,
+    donate_argnums=0)``): the returned state's params, buffers and optimizer-state tensors are
+    the input state's own tensors, overwritten with the new values (as ``torch.optim`` updates in
+    place), so the step allocates no new memory for them and writes its results straight into
+    them -- the peak memory of torch.amp's in-place step instead of two whole training states
+    (docs/benchmarks.md, "Memory"). Keep only the returned state: ``state, m = step(state,
+    batch)``. Passing a donated state to a train step again is an error naming the fix (the
+    last 16 donated states are remembered, as JAX refuses a donated buffer). Anything sharing
+    memory with the state changes too, such as a module's parameters when the params came from
+    :func:`params_and_buffers` with a float32 ``param_dtype`` (the module then follows training,
+    as with ``torch.optim``). No two state tensors may share memory and none may require grad
+    (checked on every call: a clear error). The scaler state (a few scalars) is always returned
+    fresh. All or nothing: every check and every computation that can fail runs before the first
+    write, so a step that raises leaves the state as it was. ``donate_state=False`` builds the
+    pure step, which never modifies its input (the caller then holds two states at the step
+    boundary).
 
     The first call of a compiled step traces and compiles it -- a minute or more on a small CPU
     (measured times per model in docs/benchmarks.md), much less with warm compile caches -- and
@@ -133,7 +138,8 @@ def make_train_step(
             ``None`` (default) trains in this process alone.
         donate_state: let the step write the new params, buffers and optimizer state into the
             tensors of the state it is given, like ``jax.jit(..., donate_argnums=0)`` (see
-            below). Default ``False``: the input state is never modified.
+            below). Default ``True``; ``False`` builds the pure step: the input state is never
+            modified.
         headroom: add ``metrics["headroom"]`` (see above): a few reductions over the gradients;
             ``True`` for every gradient leaf, or a predicate of the leaf path.
         grad_norm: report ``metrics["grad_norm"]`` (default True). ``False`` leaves the

@@ -39,7 +39,7 @@ def _setup():
         scaler = funcamp.ScalerState.dynamic(2.0**12, growth_interval=3)
         return funcamp.TrainState.create(params, opt, POLICY, buffers=buffers, scaler=scaler)
 
-    step = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False)
+    step = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False, donate_state=False)
     return template, step
 
 

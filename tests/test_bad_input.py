@@ -640,7 +640,9 @@ def test_buffer_in_place_updates_still_work():
         buffers["count"] = buffers["count"]  # rebinding to the same tensor is fine
         return _linear_loss(params, buffers, batch)
 
-    step = funcamp.make_train_step(loss_fn, funcamp.adam(0.1), "float32", compile=False)
+    step = funcamp.make_train_step(
+        loss_fn, funcamp.adam(0.1), "float32", compile=False, donate_state=False
+    )
     state = _train_state(buffers={"count": torch.zeros(2)})
     new, _ = step(state, BATCH)
     assert torch.equal(new.buffers["count"], torch.ones(2))
@@ -707,7 +709,7 @@ def test_runtime_bad_schedule_value_skips_in_the_train_step():
     # finite and >= 0 at count 0 (the build-time probe), negative from count 2 on
     schedule = funcamp.linear_schedule(0.1, -0.1, transition_steps=2)
     opt = funcamp.sgd(schedule)
-    step = funcamp.make_train_step(_linear_loss, opt, "float32", compile=False)
+    step = funcamp.make_train_step(_linear_loss, opt, "float32", compile=False, donate_state=False)
     state = funcamp.TrainState.create(_params(), opt, "float32")
     state, m0 = step(state, BATCH)  # lr 0.1
     state, m1 = step(state, BATCH)  # lr 0.0
@@ -820,14 +822,14 @@ def test_fault_in_schedule_at_run_time_leaves_donated_state_and_grads():
 def test_fault_in_buffer_write_back_leaves_donated_state(monkeypatch):
     import funcamp.train.step as train_mod
 
-    real = train_mod._plan_write
+    real = train_mod.plan_write
 
     def plan(new, old):
         if isinstance(old, dict) and "count" in old:
             raise Boom
         return real(new, old)
 
-    monkeypatch.setattr(train_mod, "_plan_write", plan)
+    monkeypatch.setattr(train_mod, "plan_write", plan)
     opt = funcamp.adam(0.1)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
     _assert_step_fault_leaves_state(step, _bn_state(opt))
@@ -848,7 +850,7 @@ def test_fault_in_buffer_check_leaves_donated_state(monkeypatch):
 def test_fault_in_params_write_plan_leaves_donated_state(monkeypatch):
     import funcamp.scaling.step as scaler_mod
 
-    real = scaler_mod._plan_write
+    real = scaler_mod.plan_write
     seen = []
 
     def plan(new, old):
@@ -857,7 +859,7 @@ def test_fault_in_params_write_plan_leaves_donated_state(monkeypatch):
             raise Boom
         return real(new, old)
 
-    monkeypatch.setattr(scaler_mod, "_plan_write", plan)
+    monkeypatch.setattr(scaler_mod, "plan_write", plan)
     opt = funcamp.adam(0.1)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
     _assert_step_fault_leaves_state(step, _bn_state(opt))
@@ -899,7 +901,9 @@ def test_donated_step_still_writes_on_success():
     opt = funcamp.adam(0.1)
     state = _bn_state(opt)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
-    ref_step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False)
+    ref_step = funcamp.make_train_step(
+        _counting_loss, opt, "float32", compile=False, donate_state=False
+    )
     expected, _ = ref_step(state, BATCH)
     w = state.params["w"]
     new, _ = step(state, BATCH)

@@ -38,7 +38,7 @@ def run(fc: ModuleType = funcamp) -> tuple[Any, Any]:
 
     opt = fc.adamw(1e-2, weight_decay=0.1)
     state = fc.TrainState.create(params, opt, "mixed_bfloat16", scaler=fc.ScalerState.dynamic())
-    step = fc.make_train_step(loss_fn, opt, "mixed_bfloat16", compile=False)
+    step = fc.make_train_step(loss_fn, opt, "mixed_bfloat16", compile=False, donate_state=False)
     for _ in range(2):
         state, _ = step(state, (x, y))
     return state, opt

@@ -33,7 +33,7 @@ def _setup():
     params, buffers = funcamp.params_and_buffers(model)
     scaler = funcamp.ScalerState.dynamic(2.0**14, growth_interval=3)  # overflows now and then
     state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers, scaler=scaler)
-    step = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False)
+    step = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False, donate_state=False)
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(30):

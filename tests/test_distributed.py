@@ -1,4 +1,4 @@
-"""make_train_step(..., group=pg): data-parallel training on gloo processes (CPU).
+"""make_train_step(..., group=pg, donate_state=False): data-parallel training on gloo processes (CPU).
 
 Process start-up (importing torch) costs seconds, so each world size is *one* spawned run whose
 workers go through every scenario and save what they saw; the tests below read those results
@@ -119,7 +119,7 @@ def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
             kw["backend"] = ranks.counting_backend(
                 _all_reduces, res["all_reduces"].setdefault(name, [])
             )
-        return funcamp.make_train_step(_loss_fn, opt, policy, group=pg, **kw)
+        return funcamp.make_train_step(_loss_fn, opt, policy, group=pg, donate_state=False, **kw)
 
     # Eager and compiled (aot_eager) runs with an overflow on the last rank.
     state, res["eager_metrics"] = _train(
@@ -178,8 +178,10 @@ def _fp8_problem():
 
 def _fp8_runs(pg, batches, rank: int, world: int) -> dict:
     policy, loss_fn, state = _fp8_problem()
-    dp = funcamp.make_train_step(loss_fn, _adam(), policy, group=pg, compile=False)
-    alone = funcamp.make_train_step(loss_fn, _adam(), policy, compile=False)
+    dp = funcamp.make_train_step(
+        loss_fn, _adam(), policy, group=pg, compile=False, donate_state=False
+    )
+    alone = funcamp.make_train_step(loss_fn, _adam(), policy, compile=False, donate_state=False)
     first = _shard(batches[0], rank, world)
     out = {
         "fp8_first_dp": funcamp.state_dict(dp(state, first)[0].fp8),
@@ -200,7 +202,9 @@ def _hang(rank: int, group, out_dir: str) -> dict:
             raise ValueError("rank failed")
         return _loss_fn(params, buffers, batch)
 
-    step = funcamp.make_train_step(loss_fn, _adam(), POLICY, group=group, compile=False)
+    step = funcamp.make_train_step(
+        loss_fn, _adam(), POLICY, group=group, compile=False, donate_state=False
+    )
     start = time.monotonic()
     try:
         step(_init(_adam()), _shard(_batches(1)[0], rank, dist.get_world_size()))
@@ -247,9 +251,11 @@ def three_ranks(runs):
 @pytest.fixture(scope="module")
 def reference():
     """One process, the full batch, eager."""
-    step = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False)
+    step = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False, donate_state=False)
     state, metrics = _train(step, _init(_adam()), _batches())
-    acc = funcamp.make_train_step(_loss_fn, _accumulated(), POLICY, compile=False)
+    acc = funcamp.make_train_step(
+        _loss_fn, _accumulated(), POLICY, compile=False, donate_state=False
+    )
     astate, ametrics = _train(acc, _init(_accumulated()), _batches())
     return {"state": state, "metrics": metrics, "acc": astate, "acc_metrics": ametrics}
 
@@ -319,7 +325,7 @@ def test_checkpoint_of_rank_0_resumes_in_one_process(two_ranks):
     template = _init(_adam())
     state = funcamp.load_state_dict(template, two_ranks[0]["compiled"])
     assert_bitwise(funcamp.state_dict(state), two_ranks[1]["compiled"])
-    step = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False)
+    step = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False, donate_state=False)
     state, _ = _train(step, state, _batches(CONT, seed=5))
     got, want = funcamp.state_dict(state), two_ranks[0]["continued"]
     assert_trees_close(got["params"], want["params"], atol=ATOL, rtol=0)
@@ -372,8 +378,10 @@ def test_one_graph_one_all_reduce(two_ranks, three_ranks):
 
 def test_one_rank_group_is_bit_identical_to_no_group(single_rank_group):
     batches = _batches()
-    plain = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False)
-    dp = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False, group=single_rank_group)
+    plain = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False, donate_state=False)
+    dp = funcamp.make_train_step(
+        _loss_fn, _adam(), POLICY, compile=False, group=single_rank_group, donate_state=False
+    )
     a, ma = _train(plain, _init(_adam()), batches)
     b, mb = _train(dp, _init(_adam()), batches)
     assert_trees_equal(a, b)
@@ -401,14 +409,14 @@ def test_donated_data_parallel_step(single_rank_group, make_opt):
 
 def test_group_is_checked_when_the_step_is_built(single_rank_group):
     with pytest.raises(TypeError, match=r"`group` must be a torch\.distributed\.ProcessGroup"):
-        funcamp.make_train_step(_loss_fn, _adam(), POLICY, group="world")
+        funcamp.make_train_step(_loss_fn, _adam(), POLICY, group="world", donate_state=False)
 
 
 def test_group_needs_an_initialized_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialized"):
-        funcamp.make_train_step(_loss_fn, _adam(), POLICY, group=object())
+        funcamp.make_train_step(_loss_fn, _adam(), POLICY, group=object(), donate_state=False)
 
 
 def test_train_ddp_example_runs_in_one_process(tmp_path):

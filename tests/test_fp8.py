@@ -398,7 +398,7 @@ def test_train_state_create_builds_fp8_state_and_positional_construction_works()
 def test_make_train_step_threads_fp8_state_like_the_manual_loop() -> None:
     """make_train_step == amp + torch.func.grad + with_fp8_state + fp8_update, bit for bit."""
     _, policy, loss_fn, opt, state, batches = make_problem()
-    step = funcamp.make_train_step(loss_fn, opt, policy, compile=False)
+    step = funcamp.make_train_step(loss_fn, opt, policy, compile=False, donate_state=False)
     s, m = step(state, batches[0])
     assert not m["found_inf"]
 
@@ -434,9 +434,11 @@ def test_compiled_step_is_one_graph_no_recompile_and_matches_eager(recipe: str) 
     _, policy, loss_fn, opt, state, batches = make_problem(recipe=r)
     torch._dynamo.reset()
     step, graphs = counting_compile(
-        lambda backend: funcamp.make_train_step(loss_fn, opt, policy, backend=backend)
+        lambda backend: funcamp.make_train_step(
+            loss_fn, opt, policy, backend=backend, donate_state=False
+        )
     )
-    eager = funcamp.make_train_step(loss_fn, opt, policy, compile=False)
+    eager = funcamp.make_train_step(loss_fn, opt, policy, compile=False, donate_state=False)
     s, e = state, state
     for i in range(4):
         s, m = step(s, batches[i % 2])
@@ -448,7 +450,7 @@ def test_compiled_step_is_one_graph_no_recompile_and_matches_eager(recipe: str) 
 
 def test_skipped_step_keeps_fp8_state_and_checkpoint_resumes_bit_for_bit(tmp_path) -> None:
     _, policy, loss_fn, opt, state, batches = make_problem("mixed_float16")
-    step = funcamp.make_train_step(loss_fn, opt, policy, compile=False)
+    step = funcamp.make_train_step(loss_fn, opt, policy, compile=False, donate_state=False)
     s, _ = step(state, batches[0])
     # a nan input (an inf one would saturate at +-448 in a delayed-scaled linear, as in
     # TransformerEngine, and not reach the loss)
@@ -482,8 +484,10 @@ def test_delayed_fp8_with_a_one_rank_group_equals_no_group(single_rank_group) ->
     # The amax max-reduction over one rank is the identity: the state is bit for bit the same
     # (2 ranks: tests/test_distributed.py).
     _, policy, loss_fn, opt, state, batches = make_problem()
-    alone = funcamp.make_train_step(loss_fn, opt, policy, compile=False)
-    grouped = funcamp.make_train_step(loss_fn, opt, policy, compile=False, group=single_rank_group)
+    alone = funcamp.make_train_step(loss_fn, opt, policy, compile=False, donate_state=False)
+    grouped = funcamp.make_train_step(
+        loss_fn, opt, policy, compile=False, group=single_rank_group, donate_state=False
+    )
     a = b = state
     for i in range(3):
         a, _ = alone(a, batches[i % 2])

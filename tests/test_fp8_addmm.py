@@ -371,7 +371,7 @@ def gpt2_eager() -> dict[str, Any]:
     torch.set_num_threads(1)  # tiny model on shared cores: one intra-op thread is faster
     try:
         _, policy, loss_fn, opt, state, batches = gpt2_problem()
-        step = funcamp.make_train_step(loss_fn, opt, policy, compile=False)
+        step = funcamp.make_train_step(loss_fn, opt, policy, compile=False, donate_state=False)
         final, losses, seconds = train(step, state, batches)
         return {"initial": state, "final": final, "losses": losses, "seconds": seconds}
     finally:
@@ -393,7 +393,7 @@ def gpt2_compiled() -> dict[str, Any]:
             graphs.append(gm)
             return aot_eager(gm, example_inputs)
 
-        step = funcamp.make_train_step(loss_fn, opt, policy, backend=backend)
+        step = funcamp.make_train_step(loss_fn, opt, policy, backend=backend, donate_state=False)
         final, losses, seconds = train(step, state, batches)
         return {"final": final, "losses": losses, "seconds": seconds, "graphs": graphs}
     finally:

@@ -19,7 +19,7 @@ def _run(scaler, batches, guard, every):
     time (as a loop that reads its metrics every N steps). Returns the number of steps run."""
     opt = funcamp.sgd(0.01)
     state = funcamp.TrainState.create({"w": torch.ones(2, 1)}, opt, "float32", scaler=scaler)
-    step = funcamp.make_train_step(_loss, opt, "float32", compile=False)
+    step = funcamp.make_train_step(_loss, opt, "float32", compile=False, donate_state=False)
     pending, done = [], 0
     for x in batches:
         state, metrics = step(state, x)

@@ -1,5 +1,5 @@
 """headroom: exact under/subnormal/overflow fractions, the safe scale range, compiled, and
-make_train_step(headroom=True)."""
+make_train_step(headroom=True, donate_state=False)."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def test_compiled_fullgraph_matches_eager() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-# ---------------------------------------------------------------- make_train_step(headroom=True)
+# ---------------------------------------------------------------- make_train_step(headroom=True, donate_state=False)
 
 
 def _step_setup():
@@ -189,7 +189,9 @@ def test_train_step_metrics(policy: str, dtype: torch.dtype) -> None:
     """Eager; measured against the policy's compute dtype."""
     loss_fn, opt, scaler, params = _step_setup()
     state = funcamp.TrainState.create(params, opt, policy, scaler=scaler)
-    step = funcamp.make_train_step(loss_fn, opt, policy, compile=False, headroom=True)
+    step = funcamp.make_train_step(
+        loss_fn, opt, policy, compile=False, headroom=True, donate_state=False
+    )
     batch = _batch()
     _, metrics = step(state, batch)
     want = funcamp.headroom({"w": batch}, scaler, dtype).summary()
@@ -201,7 +203,7 @@ def test_train_step_metrics(policy: str, dtype: torch.dtype) -> None:
     n_flush, n_over = (4, 4) if dtype == F16 else (0, 0)
     assert torch.equal(metrics["headroom"]["underflow"], _frac(n_flush, 22))
     assert torch.equal(metrics["headroom"]["overflow"], _frac(n_over, 22))
-    plain = funcamp.make_train_step(loss_fn, opt, policy, compile=False)
+    plain = funcamp.make_train_step(loss_fn, opt, policy, compile=False, donate_state=False)
     assert "headroom" not in plain(state, batch)[1]
 
 
@@ -217,12 +219,16 @@ def test_train_step_headroom_of_some_leaves() -> None:
     state = funcamp.TrainState.create(params, opt, "mixed_float16", scaler=scaler)
     batch = _batch()
     keep = lambda path: not path.startswith("fp32.")  # noqa: E731
-    step = funcamp.make_train_step(loss_fn, opt, "mixed_float16", compile=False, headroom=keep)
+    step = funcamp.make_train_step(
+        loss_fn, opt, "mixed_float16", compile=False, headroom=keep, donate_state=False
+    )
     _, metrics = step(state, batch)
     want = funcamp.headroom({"fp16.w": batch}, scaler).summary()
     for k, v in want.items():
         assert torch.equal(metrics["headroom"][k], v), k
-    every = funcamp.make_train_step(loss_fn, opt, "mixed_float16", compile=False, headroom=True)
+    every = funcamp.make_train_step(
+        loss_fn, opt, "mixed_float16", compile=False, headroom=True, donate_state=False
+    )
     grads = {"fp16.w": batch, "fp32.w": batch * 2.0**-20}
     want = funcamp.headroom(grads, scaler).summary()
     for k, v in every(state, batch)[1]["headroom"].items():
@@ -236,7 +242,7 @@ def test_train_step_compiled_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> No
     loss_fn, opt, scaler, params = _step_setup()
     state = funcamp.TrainState.create(params, opt, "mixed_float16", scaler=scaler)
     step = funcamp.make_train_step(
-        loss_fn, opt, "mixed_float16", headroom=True, backend="aot_eager"
+        loss_fn, opt, "mixed_float16", headroom=True, backend="aot_eager", donate_state=False
     )
     batch = _batch()
     state, _ = step(state, batch)  # traced, compiled and validated before the patch
@@ -259,4 +265,4 @@ def test_train_step_headroom_must_be_bool() -> None:
     with pytest.raises(
         TypeError, match=r"funcamp.make_train_step: `headroom` must be a bool or a callable"
     ):
-        funcamp.make_train_step(loss_fn, opt, "mixed_float16", headroom=1)  # type: ignore[arg-type]
+        funcamp.make_train_step(loss_fn, opt, "mixed_float16", headroom=1, donate_state=False)  # type: ignore[arg-type]

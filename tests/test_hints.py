@@ -25,7 +25,7 @@ def test_torch_adamw_names_funcamp_adamw_with_its_values(api):
     )
     with pytest.raises(TypeError) as info:
         if api == "make_train_step":
-            funcamp.make_train_step(_loss, opt, "bf16-mixed")
+            funcamp.make_train_step(_loss, opt, "bf16-mixed", donate_state=False)
         else:
             funcamp.TrainState.create({"w": torch.ones(2)}, opt, "bf16-mixed")
     msg = str(info.value)
@@ -46,39 +46,50 @@ def test_torch_adam_and_sgd_are_mapped():
         TypeError, match=r"funcamp.adam\(0.01, b1=0.9, b2=0.999, eps=1e-08, weight_decay=0.001\)"
     ):
         funcamp.make_train_step(
-            _loss, torch.optim.Adam(params, lr=0.01, weight_decay=1e-3), "float32"
+            _loss,
+            torch.optim.Adam(params, lr=0.01, weight_decay=1e-3),
+            "float32",
+            donate_state=False,
         )
     with pytest.raises(TypeError, match=r"amsgrad=True has no funcamp equivalent"):
-        funcamp.make_train_step(_loss, torch.optim.Adam(params, amsgrad=True), "float32")
+        funcamp.make_train_step(
+            _loss, torch.optim.Adam(params, amsgrad=True), "float32", donate_state=False
+        )
     decoupled = torch.optim.Adam(params, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)
     with pytest.raises(TypeError, match=r"funcamp.adamw\(0.01, "):
-        funcamp.make_train_step(_loss, decoupled, "float32")
+        funcamp.make_train_step(_loss, decoupled, "float32", donate_state=False)
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
     with pytest.raises(
         TypeError,
         match=r"funcamp.sgd\(0.1, momentum=0.9, nesterov=True, weight_decay=0.0001, dampening=0\)",
     ):
-        funcamp.make_train_step(_loss, sgd, "float32")
+        funcamp.make_train_step(_loss, sgd, "float32", donate_state=False)
 
 
 def test_param_groups_and_unsupported_optimizers():
     m = _model()
     groups = [{"params": [m.weight], "lr": 0.1}, {"params": [m.bias], "lr": 0.01}]
     with pytest.raises(TypeError, match=r"funcamp.sgd\(0.1, .*it has 2 param groups"):
-        funcamp.make_train_step(_loss, torch.optim.SGD(groups, lr=1.0), "float32")
+        funcamp.make_train_step(
+            _loss, torch.optim.SGD(groups, lr=1.0), "float32", donate_state=False
+        )
     with pytest.raises(
         TypeError, match=r"got a torch.optim.RMSprop; funcamp has no RMSprop: use funcamp.sgd"
     ):
-        funcamp.make_train_step(_loss, torch.optim.RMSprop(m.parameters()), "float32")
+        funcamp.make_train_step(
+            _loss, torch.optim.RMSprop(m.parameters()), "float32", donate_state=False
+        )
     with pytest.raises(
         TypeError,
         match=r"`optimizer` must be a funcamp.Optimizer \(e.g. funcamp.adamw\(1e-3\)\), got str",
     ):
-        funcamp.make_train_step(_loss, "adamw", "float32")
+        funcamp.make_train_step(_loss, "adamw", "float32", donate_state=False)
 
 
 def test_first_compiled_call_says_it_compiles(caplog):
-    step = funcamp.make_train_step(_loss, funcamp.sgd(0.1), "float32", backend="eager")
+    step = funcamp.make_train_step(
+        _loss, funcamp.sgd(0.1), "float32", backend="eager", donate_state=False
+    )
     state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), "float32")
     with caplog.at_level(logging.INFO, logger="funcamp"):
         state, _ = step(state, torch.ones(2))
@@ -93,7 +104,9 @@ def test_first_compiled_call_says_it_compiles(caplog):
 
 
 def test_eager_step_logs_nothing(caplog):
-    step = funcamp.make_train_step(_loss, funcamp.sgd(0.1), "float32", compile=False)
+    step = funcamp.make_train_step(
+        _loss, funcamp.sgd(0.1), "float32", compile=False, donate_state=False
+    )
     state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), "float32")
     with caplog.at_level(logging.INFO, logger="funcamp"):
         step(state, torch.ones(2))

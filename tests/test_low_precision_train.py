@@ -139,7 +139,7 @@ def test_plain_bf16_stalls_through_make_train_step_while_modes_keep_improving():
     opt = by_mode({k: funcamp.sgd(lr, **kw) for k, kw in MODES.items()})
     params = {k: torch.ones(n) for k in MODES}
     state = funcamp.TrainState.create(params, opt, "bf16-true")
-    step = funcamp.make_train_step(linear_loss, opt, "bf16-true", compile=False)
+    step = funcamp.make_train_step(linear_loss, opt, "bf16-true", compile=False, donate_state=False)
     grad = torch.ones(n)
     losses = []
     for _ in range(steps):
@@ -191,7 +191,7 @@ def test_16_true_step_unscales_float16_grads():
     with pytest.raises(ValueError, match="FP16 gradients"):
         gs.unscale_(torch.optim.SGD(tparams, lr=0.1))
 
-    step = funcamp.make_train_step(loss_fn, opt, "16-true", compile=False)
+    step = funcamp.make_train_step(loss_fn, opt, "16-true", compile=False, donate_state=False)
     losses, scales, found = [], [], []
     for i in range(40):
         batch = (x, y) if i != 7 else (torch.full_like(x, float("inf")), y)
@@ -257,8 +257,8 @@ def mode_steps():
     """The compiled (default inductor, default options) and eager steps over all four modes,
     run once side by side; the tests below check what they produced."""
     opt = _mode_optimizer()
-    eager = funcamp.make_train_step(_mlp_loss, opt, "bf16-true", compile=False)
-    compiled = funcamp.make_train_step(_mlp_loss, opt, "bf16-true")
+    eager = funcamp.make_train_step(_mlp_loss, opt, "bf16-true", compile=False, donate_state=False)
+    compiled = funcamp.make_train_step(_mlp_loss, opt, "bf16-true", donate_state=False)
     state = funcamp.TrainState.create(_mode_params(), opt, "bf16-true")
     counters.clear()
     s_e = s_c = state
@@ -275,7 +275,9 @@ def mode_steps():
             "compiled_state": s_c, "metrics": metrics, "stats": stats}  # fmt: skip
 
 
-def test_every_mode_bit_identical_eager_and_inductor_through_make_train_step(mode_steps):
+def test_every_mode_bit_identical_eager_and_inductor_through_make_train_step(
+    mode_steps, donate_state=False
+):
     s_e, s_c = mode_steps["eager_state"], mode_steps["compiled_state"]
     _assert_bit_identical(s_e, s_c)  # params, optimizer states (masters, buffers, counts), scaler
     assert mode_steps["stats"] == {"graphs": 1, "breaks": 0}
@@ -325,7 +327,7 @@ def test_stochastic_rounding_resumes_bit_identically():
         return torch.nn.functional.cross_entropy(out.float(), y)
 
     opt = funcamp.adamw(3e-3, stochastic_rounding=True, seed=11)
-    step = funcamp.make_train_step(loss_fn, opt, "bf16-true", compile=False)
+    step = funcamp.make_train_step(loss_fn, opt, "bf16-true", compile=False, donate_state=False)
     g = torch.Generator().manual_seed(2)
     batches = [
         (torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(8)

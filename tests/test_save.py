@@ -42,7 +42,7 @@ def _trained(policy="mixed_float16"):
         buffers["seen"].add_(1)
         return torch.nn.functional.mse_loss(x @ params["w"] + params["b"], y)
 
-    step = funcamp.make_train_step(loss_fn, opt, policy, compile=False)
+    step = funcamp.make_train_step(loss_fn, opt, policy, compile=False, donate_state=False)
     gen = torch.Generator().manual_seed(3)
     for i in range(4):
         x, y = torch.randn(5, 4, generator=gen), torch.randn(5, 3, generator=gen)

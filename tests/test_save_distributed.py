@@ -66,7 +66,9 @@ def _init() -> funcamp.TrainState:
 def _worker(rank: int, ckpt: str, out_dir: str, phase: str) -> None:
     ranks.init_rank(rank, WORLD, out_dir, TIMEOUT_S, tag=phase)
     pg = dist.group.WORLD
-    step = funcamp.make_train_step(_loss_fn, _opt(), POLICY, group=pg, compile=False)
+    step = funcamp.make_train_step(
+        _loss_fn, _opt(), POLICY, group=pg, compile=False, donate_state=False
+    )
     res: dict = {}
     if phase == "train":
         state = _init()

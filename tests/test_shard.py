@@ -1,4 +1,4 @@
-"""make_train_step(..., mesh=): sharded params and optimizer state on gloo processes (CPU).
+"""make_train_step(..., mesh=, donate_state=False): sharded params and optimizer state on gloo processes (CPU).
 
 One spawned run per world size (2, then 4: the 4-rank run loads the 2-rank run's checkpoint);
 the workers go through every scenario and save what they saw, and the tests compare it with a
@@ -141,7 +141,7 @@ def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
         clock[0] = now
 
     def sharded(opt, **kw):
-        return funcamp.make_train_step(_loss_fn, opt, POLICY, mesh=mesh, **kw)
+        return funcamp.make_train_step(_loss_fn, opt, POLICY, mesh=mesh, donate_state=False, **kw)
 
     state = fd.shard(_init(_adamw()), mesh)
     res["placements"] = {k: str(v.placements) for k, v in state.params.items()}
@@ -179,7 +179,7 @@ def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
     if world == 2:
         # The same ranks, data parallel (group=): the same reductions, so the same bits.
         dp = funcamp.make_train_step(
-            _loss_fn, _adamw(), POLICY, group=dist.group.WORLD, compile=False
+            _loss_fn, _adamw(), POLICY, group=dist.group.WORLD, compile=False, donate_state=False
         )
         dstate, _ = _train(dp, _init(_adamw()), batches, rank, world)
         res["dp"] = funcamp.state_dict(dstate)
@@ -223,10 +223,10 @@ def reference():
     """One process, the global batch, eager."""
     out = {}
     for name, make in (("eager", _adamw), ("clipped", _clipped)):
-        step = funcamp.make_train_step(_loss_fn, make(), POLICY, compile=False)
+        step = funcamp.make_train_step(_loss_fn, make(), POLICY, compile=False, donate_state=False)
         state, metrics = _train(step, _init(make()), _batches())
         out[name], out[f"{name}_metrics"] = funcamp.state_dict(state), metrics
-    step = funcamp.make_train_step(_loss_fn, _adamw(), POLICY, compile=False)
+    step = funcamp.make_train_step(_loss_fn, _adamw(), POLICY, compile=False, donate_state=False)
     state, metrics = _train(step, _init(_adamw()), _batches()[:COMPILED_STEPS])
     out["compiled"], out["compiled_metrics"] = funcamp.state_dict(state), metrics
     return out
@@ -325,7 +325,7 @@ def test_checkpoint_saved_on_two_ranks_loads_on_four_and_on_one(runs):
         assert_bitwise(res["loaded"], saved)
     # resumed on 4 ranks: the same as one process resuming from the same state
     state = funcamp.load_state_dict(_init(_adamw()), saved)
-    step = funcamp.make_train_step(_loss_fn, _adamw(), POLICY, compile=False)
+    step = funcamp.make_train_step(_loss_fn, _adamw(), POLICY, compile=False, donate_state=False)
     state, _ = _train(step, state, _batches(2, 9))
     want = funcamp.state_dict(state)
     assert_trees_close(runs[4][0]["resumed"]["params"], want["params"], atol=ATOL, rtol=RTOL)
@@ -371,8 +371,10 @@ def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh, make, policy):
             )
         return state
 
-    plain = funcamp.make_train_step(_loss_fn, make(), policy, compile=False)
-    sharded = funcamp.make_train_step(_loss_fn, make(), policy, compile=False, mesh=mesh)
+    plain = funcamp.make_train_step(_loss_fn, make(), policy, compile=False, donate_state=False)
+    sharded = funcamp.make_train_step(
+        _loss_fn, make(), policy, compile=False, mesh=mesh, donate_state=False
+    )
     a, _ = _train(plain, init(), _batches(8))
     b, mb = _train(sharded, fd.shard(init(), mesh), _batches(8))
     a, b = funcamp.state_dict(a), funcamp.state_dict(_full(b))
@@ -383,7 +385,7 @@ def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh, make, policy):
     if policy == POLICY:
         assert [bool(m["found_inf"]) for m in mb] == [i == BAD_STEP for i in range(8)]
     quiet = funcamp.make_train_step(
-        _loss_fn, make(), policy, compile=False, mesh=mesh, grad_norm=False
+        _loss_fn, make(), policy, compile=False, mesh=mesh, grad_norm=False, donate_state=False
     )
     _, mq = quiet(fd.shard(init(), mesh), _batches(1)[0])
     assert "grad_norm" not in mq and torch.equal(mq["loss"], mb[0]["loss"])
@@ -411,15 +413,25 @@ def test_sharded_step_checks_its_arguments(mesh):
     from torch.distributed.device_mesh import init_device_mesh
 
     with pytest.raises(ValueError, match=r"give `mesh` or `group`, not both"):
-        funcamp.make_train_step(_loss_fn, _adamw(), POLICY, mesh=mesh, group=dist.group.WORLD)
+        funcamp.make_train_step(
+            _loss_fn, _adamw(), POLICY, mesh=mesh, group=dist.group.WORLD, donate_state=False
+        )
     with pytest.raises(ValueError, match=r"make_train_step: `mesh` must be a 1-D DeviceMesh"):
-        funcamp.make_train_step(_loss_fn, _adamw(), POLICY, mesh=init_device_mesh("cpu", (1, 1)))
+        funcamp.make_train_step(
+            _loss_fn, _adamw(), POLICY, mesh=init_device_mesh("cpu", (1, 1)), donate_state=False
+        )
     # what does not compose is refused in one place, with the reason
     with pytest.raises(ValueError, match=r"headroom does not compose with mesh= .*its shards"):
-        funcamp.make_train_step(_loss_fn, _adamw(), POLICY, mesh=mesh, headroom=True)
+        funcamp.make_train_step(
+            _loss_fn, _adamw(), POLICY, mesh=mesh, headroom=True, donate_state=False
+        )
     with pytest.raises(ValueError, match=r"cache_dir does not compose with mesh= .*collectives"):
-        funcamp.make_train_step(_loss_fn, _adamw(), POLICY, mesh=mesh, cache_dir="c")
-    step = funcamp.make_train_step(_loss_fn, _adamw(), POLICY, mesh=mesh, compile=False)
+        funcamp.make_train_step(
+            _loss_fn, _adamw(), POLICY, mesh=mesh, cache_dir="c", donate_state=False
+        )
+    step = funcamp.make_train_step(
+        _loss_fn, _adamw(), POLICY, mesh=mesh, compile=False, donate_state=False
+    )
     with pytest.raises(TypeError, match=r"`state.params` leaf \['b1'\] must be a DTensor"):
         step(_init(_adamw()), _batches(1)[0])
     state = fd.shard(_init(_adamw()), mesh)
@@ -440,7 +452,7 @@ def test_donated_sharded_step_writes_the_shards_in_place(mesh, backend):
     """donate_state with `mesh`: the same bits as the pure sharded step, the new params and
     optimizer state in the input state's own local shards (as the plain donated step)."""
     kw = {"compile": False} if backend is None else {"backend": backend}
-    pure = funcamp.make_train_step(_loss_fn, _adamw(), POLICY, mesh=mesh, **kw)
+    pure = funcamp.make_train_step(_loss_fn, _adamw(), POLICY, mesh=mesh, donate_state=False, **kw)
     donated = funcamp.make_train_step(
         _loss_fn, _adamw(), POLICY, mesh=mesh, donate_state=True, **kw
     )
@@ -480,8 +492,10 @@ def test_delayed_fp8_sharded_step_is_the_plain_step_on_one_rank(mesh):
     batches = [
         (torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(4)
     ]
-    plain = funcamp.make_train_step(loss, _adamw(), policy, compile=False)
-    sharded = funcamp.make_train_step(loss, _adamw(), policy, compile=False, mesh=mesh)
+    plain = funcamp.make_train_step(loss, _adamw(), policy, compile=False, donate_state=False)
+    sharded = funcamp.make_train_step(
+        loss, _adamw(), policy, compile=False, mesh=mesh, donate_state=False
+    )
     a, b = init(), fd.shard(init(), mesh)
     for batch in batches:
         a, _ = plain(a, batch)

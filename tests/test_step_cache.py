@@ -1,4 +1,4 @@
-"""make_train_step(..., cache_dir=...): a compiled step saved to disk and loaded by a later
+"""make_train_step(..., cache_dir=..., donate_state=False): a compiled step saved to disk and loaded by a later
 process without dynamo's trace -- and never loaded where it no longer fits."""
 
 import importlib
@@ -41,13 +41,19 @@ def _step(model, cache_dir, loss_fn=None, **kw):
     kw.setdefault("backend", "aot_eager")
     opt = kw.pop("optimizer", None) or funcamp.adam(1e-3)
     return funcamp.make_train_step(
-        loss_fn or cm.make_loss(model), opt, POLICY, cache_dir=cache_dir, **kw
+        loss_fn or cm.make_loss(model),
+        opt,
+        POLICY,
+        cache_dir=cache_dir,
+        **{"donate_state": False, **kw},
     )
 
 
 def _eager(model, loss_fn=None, **kw):
     opt = kw.pop("optimizer", None) or funcamp.adam(1e-3)
-    return funcamp.make_train_step(loss_fn or cm.make_loss(model), opt, POLICY, compile=False, **kw)
+    return funcamp.make_train_step(
+        loss_fn or cm.make_loss(model), opt, POLICY, compile=False, **{"donate_state": False, **kw}
+    )
 
 
 def _same(a, b):
@@ -256,23 +262,38 @@ def test_bad_cache_dir(tmp_path, single_rank_group):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(ValueError, match="`cache_dir` must be a directory"):
-        funcamp.make_train_step(loss, opt, POLICY, cache_dir=str(a_file))
+        funcamp.make_train_step(loss, opt, POLICY, cache_dir=str(a_file), donate_state=False)
     with pytest.raises(TypeError, match="`cache_dir` must be a directory path"):
-        funcamp.make_train_step(loss, opt, POLICY, cache_dir=3)
+        funcamp.make_train_step(loss, opt, POLICY, cache_dir=3, donate_state=False)
     with pytest.raises(ValueError, match="compile=False"):
-        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, compile=False)
+        funcamp.make_train_step(
+            loss, opt, POLICY, cache_dir=tmp_path, compile=False, donate_state=False
+        )
     with pytest.raises(ValueError, match="fullgraph=False"):
-        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, fullgraph=False)
-    with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
-        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, guard_filter_fn=None)
+        funcamp.make_train_step(
+            loss, opt, POLICY, cache_dir=tmp_path, fullgraph=False, donate_state=False
+        )
     with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
         funcamp.make_train_step(
-            loss, opt, POLICY, cache_dir=tmp_path, options={"guard_filter_fn": lambda e: e}
+            loss, opt, POLICY, cache_dir=tmp_path, guard_filter_fn=None, donate_state=False
+        )
+    with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
+        funcamp.make_train_step(
+            loss,
+            opt,
+            POLICY,
+            cache_dir=tmp_path,
+            options={"guard_filter_fn": lambda e: e},
+            donate_state=False,
         )
     with pytest.raises(ValueError, match="backend by name"):
-        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, backend=lambda gm, x: gm)
+        funcamp.make_train_step(
+            loss, opt, POLICY, cache_dir=tmp_path, backend=lambda gm, x: gm, donate_state=False
+        )
     with pytest.raises(ValueError, match=r"cache_dir does not compose with group= .*collectives"):
-        funcamp.make_train_step(loss, opt, POLICY, cache_dir=tmp_path, group=single_rank_group)
+        funcamp.make_train_step(
+            loss, opt, POLICY, cache_dir=tmp_path, group=single_rank_group, donate_state=False
+        )
 
 
 def test_a_torch_without_precompile_warns_and_compiles(tmp_path, monkeypatch):
@@ -366,8 +387,10 @@ def test_tensors_passed_twice_are_part_of_the_key(tmp_path):
         return torch.nn.functional.mse_loss(x @ params["a"] + 2 * (x @ params["b"]), y)
 
     opt = funcamp.adam(1e-2)
-    step = funcamp.make_train_step(loss_fn, opt, POLICY, cache_dir=cache, backend="aot_eager")
-    eager = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False)
+    step = funcamp.make_train_step(
+        loss_fn, opt, POLICY, cache_dir=cache, backend="aot_eager", donate_state=False
+    )
+    eager = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False, donate_state=False)
     for params in ({"a": w, "b": w}, {"a": w.clone(), "b": w.clone()}):
         s1 = s2 = funcamp.TrainState.create(params, opt, POLICY)
         for _ in range(2):  # the tied state unties after its first step
@@ -387,8 +410,10 @@ def test_object_leaves_run_uncached(tmp_path, caplog):
         return scale.k * torch.nn.functional.mse_loss(x @ params["w"], y)
 
     opt = funcamp.sgd(0.1)
-    step = funcamp.make_train_step(loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager")
-    eager = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False)
+    step = funcamp.make_train_step(
+        loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
+    )
+    eager = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False, donate_state=False)
     s1 = s2 = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
     with caplog.at_level(logging.INFO, logger="funcamp"):
         for k in (1.0, 5.0):
@@ -410,7 +435,12 @@ def test_code_without_a_source_file_is_not_saved(tmp_path, caplog):
     )
     opt = funcamp.sgd(0.1)
     step = funcamp.make_train_step(
-        namespace["loss_fn"], opt, POLICY, cache_dir=tmp_path, backend="aot_eager"
+        namespace["loss_fn"],
+        opt,
+        POLICY,
+        cache_dir=tmp_path,
+        backend="aot_eager",
+        donate_state=False,
     )
     state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
     with caplog.at_level(logging.INFO, logger="funcamp"):
@@ -450,7 +480,7 @@ def test_a_hugging_face_model_is_saved_and_loaded(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="funcamp"):
         for _ in range(2):  # a new step: the first saves, the second loads
             step = funcamp.make_train_step(
-                loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager"
+                loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
             )
             state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers)
             for _ in range(2):
@@ -476,7 +506,9 @@ def test_a_value_assumed_constant_is_not_saved(tmp_path, caplog):
         return _folded_factor() * torch.nn.functional.mse_loss(x @ params["w"], y)
 
     opt = funcamp.sgd(0.1)
-    step = funcamp.make_train_step(loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager")
+    step = funcamp.make_train_step(
+        loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
+    )
     state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
     with caplog.at_level(logging.INFO, logger="funcamp"):
         step(state, cm.make_batch())

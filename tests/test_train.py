@@ -81,18 +81,18 @@ def _assert_equal(a, b):
 @pytest.fixture(scope="module")
 def compiled_step():
     """A step compiled with aot_eager (tracing is what these tests check), shared."""
-    return funcamp.make_train_step(loss_fn, OPT, POLICY, backend="aot_eager")
+    return funcamp.make_train_step(loss_fn, OPT, POLICY, backend="aot_eager", donate_state=False)
 
 
 @pytest.fixture(scope="module")
 def inductor_step():
     """The default (inductor) compiled step, float32 compute so it matches eager to 1e-5."""
-    return funcamp.make_train_step(loss_fn, OPT, "float32")
+    return funcamp.make_train_step(loss_fn, OPT, "float32", donate_state=False)
 
 
 @pytest.fixture(scope="module")
 def eager_step():
-    return funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
+    return funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, donate_state=False)
 
 
 # ------------------------------------------------------------------------------ construction
@@ -162,7 +162,7 @@ def test_compiled_one_graph_no_recompiles_matches_eager(compiled_step, eager_ste
 
 
 def test_inductor_matches_eager(inductor_step):
-    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False)
+    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
     s_c = s_e = _state("float32")
     counters.clear()
     for b in _batches(12, bad_every=5):
@@ -177,7 +177,11 @@ def test_inductor_matches_eager(inductor_step):
 def test_steps_do_not_share_graphs(compiled_step):
     """Each step has its own compiled code even though closure guards are filtered out."""
     doubled = funcamp.make_train_step(
-        lambda p, b, batch: 2.0 * loss_fn(p, b, batch), OPT, POLICY, backend="aot_eager"
+        lambda p, b, batch: 2.0 * loss_fn(p, b, batch),
+        OPT,
+        POLICY,
+        backend="aot_eager",
+        donate_state=False,
     )
     batch = _batches(1)[0]
     _, m1 = compiled_step(_state(), batch)
@@ -235,7 +239,7 @@ def test_no_host_sync(inductor_step, monkeypatch):
     state = _state("float32")
     batches = _batches(4, bad_every=2)
     compiled_step(state, batches[0])  # traced and compiled before the patch
-    eager = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
+    eager = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, donate_state=False)
     eager(state, batches[0])  # first-call validation runs outside the patch
     with monkeypatch.context() as mp:
         _forbid_sync(mp)
@@ -259,7 +263,7 @@ def test_no_host_sync_cuda():  # pragma: no cover - needs a GPU
     state = funcamp.TrainState.create(params, OPT, POLICY, buffers=buffers)
     batches = [tuple(t.cuda() for t in b) for b in _batches(4, bad_every=2)]
     for compile in (False, True):
-        step = funcamp.make_train_step(cuda_loss, OPT, POLICY, compile=compile)
+        step = funcamp.make_train_step(cuda_loss, OPT, POLICY, compile=compile, donate_state=False)
         s, _ = step(state, batches[0])
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -301,7 +305,7 @@ def test_batchnorm_buffers_match_torch(returns_buffers):
         torch_opt.step()
     for kw in ({"compile": False}, {"backend": "aot_eager"}):
         step = funcamp.make_train_step(
-            bn_loss, opt, "float32", returns_buffers=returns_buffers, **kw
+            bn_loss, opt, "float32", returns_buffers=returns_buffers, donate_state=False, **kw
         )
         state = funcamp.TrainState.create(params, opt, "float32", buffers=buffers)
         for b in batches:
@@ -321,7 +325,9 @@ def test_has_aux():
         logits = functional_call(MODEL, (p, b), (x,))
         return nn.functional.cross_entropy(logits, y), {"acc": (logits.argmax(1) == y).float()}
 
-    step = funcamp.make_train_step(aux_loss, OPT, POLICY, has_aux=True, compile=False)
+    step = funcamp.make_train_step(
+        aux_loss, OPT, POLICY, has_aux=True, compile=False, donate_state=False
+    )
     _, m = step(_state(), _batches(1)[0])
     assert m["aux"]["acc"].shape == (8,)
 
@@ -331,8 +337,8 @@ def test_has_aux():
 
 def _eager_and_compiled(fn, **kw):
     return [
-        funcamp.make_train_step(fn, OPT, POLICY, compile=False, **kw),
-        funcamp.make_train_step(fn, OPT, POLICY, backend="aot_eager", **kw),
+        funcamp.make_train_step(fn, OPT, POLICY, compile=False, donate_state=False, **kw),
+        funcamp.make_train_step(fn, OPT, POLICY, backend="aot_eager", donate_state=False, **kw),
     ]
 
 
@@ -368,11 +374,13 @@ def test_mismatched_opt_state():
             step(bad, _batches(1)[0])
     bad = state._replace(params={**state.params, "0.weight": torch.zeros(16, 7)})
     with pytest.raises(ValueError, match=r"`state.opt_state` leaf .*shape \(16, 7\)"):
-        funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)(bad, _batches(1)[0])
+        funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, donate_state=False)(
+            bad, _batches(1)[0]
+        )
 
 
 def test_batch_structure_change():
-    step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
+    step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, donate_state=False)
     x, y = _batches(1)[0]
     state, _ = step(_state(), (x, y))
     with pytest.raises(ValueError, match="`batch` must keep the structure of the first batch"):
@@ -383,17 +391,19 @@ def test_batch_structure_change():
 
 def test_argument_errors():
     with pytest.raises(TypeError, match=r"funcamp.make_train_step: `loss_fn` must be callable"):
-        funcamp.make_train_step(3, OPT, POLICY)
+        funcamp.make_train_step(3, OPT, POLICY, donate_state=False)
     with pytest.raises(TypeError, match=r"`optimizer` must be a funcamp.Optimizer"):
-        funcamp.make_train_step(loss_fn, torch.optim.SGD, POLICY)
+        funcamp.make_train_step(loss_fn, torch.optim.SGD, POLICY, donate_state=False)
     with pytest.raises(TypeError, match="`has_aux` must be a bool"):
-        funcamp.make_train_step(loss_fn, OPT, POLICY, has_aux=1)
+        funcamp.make_train_step(loss_fn, OPT, POLICY, has_aux=1, donate_state=False)
     with pytest.raises(TypeError, match="compile options"):
-        funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, mode="max-autotune")
+        funcamp.make_train_step(
+            loss_fn, OPT, POLICY, compile=False, mode="max-autotune", donate_state=False
+        )
     if not torch.distributed.is_initialized():  # group= is tested in test_distributed.py
         with pytest.raises(RuntimeError, match=r"`group` needs torch\.distributed initialized"):
-            funcamp.make_train_step(loss_fn, OPT, POLICY, group=object())
-    step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
+            funcamp.make_train_step(loss_fn, OPT, POLICY, group=object(), donate_state=False)
+    step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, donate_state=False)
     with pytest.raises(TypeError, match=r"`state` must be a funcamp.TrainState"):
         step(tuple(_state()), _batches(1)[0])
 
@@ -415,7 +425,7 @@ def test_donated_step_matches_and_reuses_the_input_tensors(backend, inductor_ste
     if backend == "inductor":  # against the module's float32 inductor step: one compile less
         policy, plain = "float32", inductor_step
     else:
-        plain = funcamp.make_train_step(loss_fn, OPT, policy, **kw)
+        plain = funcamp.make_train_step(loss_fn, OPT, policy, donate_state=False, **kw)
     donated = funcamp.make_train_step(loss_fn, OPT, policy, donate_state=True, **kw)
     s_p, s_d = _own(_state(policy)), _own(_state(policy))
     module_params = [p.detach().clone() for p in MODEL.parameters()]
@@ -445,7 +455,9 @@ def test_donated_step_writes_batchnorm_buffers_in_place():
     params, buffers = funcamp.params_and_buffers(model)
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(16, 5, generator=g), torch.randn(16, 2, generator=g)) for _ in range(4)]
-    plain = funcamp.make_train_step(bn_loss, opt, "float32", backend="aot_eager")
+    plain = funcamp.make_train_step(
+        bn_loss, opt, "float32", backend="aot_eager", donate_state=False
+    )
     donated = funcamp.make_train_step(
         bn_loss, opt, "float32", backend="aot_eager", donate_state=True
     )
@@ -491,7 +503,9 @@ def _shape_bug_loss(params, buffers, batch):
 def test_graph_break_in_loss_fn_is_one_paragraph_naming_the_call_and_the_ways_out():
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create({"w": torch.randn(3, 2)}, opt, "float32")
-    step = funcamp.make_train_step(_graph_breaking_loss, opt, "float32", backend="eager")
+    step = funcamp.make_train_step(
+        _graph_breaking_loss, opt, "float32", backend="eager", donate_state=False
+    )
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError) as info:
         step(state, batch)
@@ -503,7 +517,9 @@ def test_graph_break_in_loss_fn_is_one_paragraph_naming_the_call_and_the_ways_ou
     assert "\n" not in message  # one paragraph; dynamo's report is chained
     assert isinstance(info.value.__cause__, torch._dynamo.exc.Unsupported)
     # the ways out it names work
-    eager = funcamp.make_train_step(_graph_breaking_loss, opt, "float32", compile=False)
+    eager = funcamp.make_train_step(
+        _graph_breaking_loss, opt, "float32", compile=False, donate_state=False
+    )
     _, metrics = eager(state, batch)
     assert torch.isfinite(metrics["loss"])
 
@@ -566,7 +582,7 @@ def test_every_compile_failure_is_one_paragraph(loss, backend, cause, what, wher
     params = params or {"w": torch.randn(3, 2)}
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create(params, opt, "float32")
-    step = funcamp.make_train_step(loss, opt, "float32", backend=backend)
+    step = funcamp.make_train_step(loss, opt, "float32", backend=backend, donate_state=False)
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError) as info:
         step(state, batch)
@@ -577,7 +593,9 @@ def test_every_compile_failure_is_one_paragraph(loss, backend, cause, what, wher
         assert "test_train.py" in message and where in message
     assert "\n" not in message
     assert isinstance(info.value.__cause__, cause)
-    _, metrics = funcamp.make_train_step(loss, opt, "float32", compile=False)(state, batch)
+    _, metrics = funcamp.make_train_step(loss, opt, "float32", compile=False, donate_state=False)(
+        state, batch
+    )
     assert torch.isfinite(metrics["loss"])  # the eager step, the way out named, runs
 
 
@@ -639,9 +657,11 @@ def test_a_model_torch_func_refuses_trains_compiled_in_one_graph(loss, caplog):
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda p: loss(p, {}, batch))(params)
-    eager = funcamp.make_train_step(loss, opt, "mixed_bfloat16", compile=False)
+    eager = funcamp.make_train_step(loss, opt, "mixed_bfloat16", compile=False, donate_state=False)
     counters.clear()
-    compiled = funcamp.make_train_step(loss, opt, "mixed_bfloat16", backend="aot_eager")
+    compiled = funcamp.make_train_step(
+        loss, opt, "mixed_bfloat16", backend="aot_eager", donate_state=False
+    )
     a = b = funcamp.TrainState.create(params, opt, "mixed_bfloat16")
     with caplog.at_level("INFO", logger="funcamp"):
         for _ in range(3):
@@ -675,9 +695,16 @@ def test_fullgraph_false_compiles_a_breaking_loss_fn_in_pieces_equal_to_eager():
     batch = (torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g))
     opt = funcamp.adamw(1e-2)
     state = funcamp.TrainState.create(params, opt, "mixed_bfloat16")
-    eager = funcamp.make_train_step(_mlp_loss_with_break, opt, "mixed_bfloat16", compile=False)
+    eager = funcamp.make_train_step(
+        _mlp_loss_with_break, opt, "mixed_bfloat16", compile=False, donate_state=False
+    )
     pieces = funcamp.make_train_step(
-        _mlp_loss_with_break, opt, "mixed_bfloat16", fullgraph=False, backend="aot_eager"
+        _mlp_loss_with_break,
+        opt,
+        "mixed_bfloat16",
+        fullgraph=False,
+        backend="aot_eager",
+        donate_state=False,
     )
     counters.clear()
     a = b = state
@@ -693,7 +720,9 @@ def test_fullgraph_false_compiles_a_breaking_loss_fn_in_pieces_equal_to_eager():
 def test_shape_error_in_compiled_step_is_the_plain_torch_error(capfd):
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create({"w": torch.randn(3, 2)}, opt, "float32")
-    step = funcamp.make_train_step(_shape_bug_loss, opt, "float32", backend="eager")
+    step = funcamp.make_train_step(
+        _shape_bug_loss, opt, "float32", backend="eager", donate_state=False
+    )
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError, match=r"^mat1 and mat2 shapes cannot be multiplied"):
         step(state, batch)
@@ -713,8 +742,10 @@ def test_grad_norm_false_leaves_the_metric_out_and_changes_nothing_else(compile:
     opt = funcamp.chain(funcamp.clip_by_global_norm(0.5), funcamp.adamw(1e-2))
     kw = {"backend": "aot_eager"} if compile else {"compile": False}
     state = funcamp.TrainState.create(params, opt, "mixed_bfloat16")
-    with_norm = funcamp.make_train_step(loss_fn, opt, "mixed_bfloat16", **kw)
-    without = funcamp.make_train_step(loss_fn, opt, "mixed_bfloat16", grad_norm=False, **kw)
+    with_norm = funcamp.make_train_step(loss_fn, opt, "mixed_bfloat16", donate_state=False, **kw)
+    without = funcamp.make_train_step(
+        loss_fn, opt, "mixed_bfloat16", grad_norm=False, donate_state=False, **kw
+    )
     a = b = state
     for _ in range(2):
         a, ma = with_norm(a, batch)
@@ -726,7 +757,7 @@ def test_grad_norm_false_leaves_the_metric_out_and_changes_nothing_else(compile:
     ):  # clipping unaffected
         assert torch.equal(x, y)
     with pytest.raises(TypeError, match=r"`grad_norm` must be a bool"):
-        funcamp.make_train_step(loss_fn, opt, "float32", grad_norm="no")
+        funcamp.make_train_step(loss_fn, opt, "float32", grad_norm="no", donate_state=False)
 
 
 def _tied_bn_loss(params, buffers, batch):
@@ -757,7 +788,7 @@ def test_eager_step_takes_grads_from_autograd_equal_to_torch_func(monkeypatch, p
         return real(*args, **kwargs)
 
     monkeypatch.setattr(funcamp.train.loss, "autograd_grad_and_value", spy)
-    fast = funcamp.make_train_step(_tied_bn_loss, opt, policy, compile=False)
+    fast = funcamp.make_train_step(_tied_bn_loss, opt, policy, compile=False, donate_state=False)
     a = state
     for _ in range(3):
         a, ma = fast(a, batch)
@@ -767,7 +798,9 @@ def test_eager_step_takes_grads_from_autograd_equal_to_torch_func(monkeypatch, p
         "autograd_grad_and_value",
         lambda fn, **kw: torch.func.grad_and_value(fn, **kw),
     )
-    reference = funcamp.make_train_step(_tied_bn_loss, opt, policy, compile=False)
+    reference = funcamp.make_train_step(
+        _tied_bn_loss, opt, policy, compile=False, donate_state=False
+    )
     b = state
     for _ in range(3):
         b, mb = reference(b, batch)
@@ -783,7 +816,9 @@ def test_eager_step_takes_grads_from_autograd_equal_to_torch_func(monkeypatch, p
 def test_eager_step_of_a_loss_that_ignores_the_params_has_zero_grads():
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create({"w": torch.ones(3)}, opt, "float32")
-    step = funcamp.make_train_step(lambda p, b, batch: batch.sum(), opt, "float32", compile=False)
+    step = funcamp.make_train_step(
+        lambda p, b, batch: batch.sum(), opt, "float32", compile=False, donate_state=False
+    )
     new, metrics = step(state, torch.ones(2))
     assert torch.equal(new.params["w"], state.params["w"]) and float(metrics["grad_norm"]) == 0.0
 
@@ -833,7 +868,7 @@ def test_metrics_report_the_learning_rate_each_step_applied(compile):
     params, buffers = funcamp.params_and_buffers(MODEL)
     state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers)
     kw = {"backend": "aot_eager"} if compile else {"compile": False}
-    step = funcamp.make_train_step(loss_fn, opt, POLICY, **kw)
+    step = funcamp.make_train_step(loss_fn, opt, POLICY, donate_state=False, **kw)
     lrs, applied = [], 0
     for batch in _batches(6, bad_every=3):
         state, m = step(state, batch)
@@ -849,9 +884,37 @@ def test_metrics_lr_by_label_and_none_without_a_rate():
     )
     params, buffers = funcamp.params_and_buffers(MODEL)
     state = funcamp.TrainState.create(params, opt, "float32", buffers=buffers)
-    _, m = funcamp.make_train_step(loss_fn, opt, "float32", compile=False)(state, _batches(1)[0])
+    _, m = funcamp.make_train_step(loss_fn, opt, "float32", compile=False, donate_state=False)(
+        state, _batches(1)[0]
+    )
     assert {k: float(v) for k, v in m["lr"].items()} == {"a": 0.5, "b": 0.25}
     clip = funcamp.clip_by_global_norm(1.0)
     state = funcamp.TrainState.create(params, clip, "float32", buffers=buffers)
-    _, m = funcamp.make_train_step(loss_fn, clip, "float32", compile=False)(state, _batches(1)[0])
+    _, m = funcamp.make_train_step(loss_fn, clip, "float32", compile=False, donate_state=False)(
+        state, _batches(1)[0]
+    )
     assert "lr" not in m and funcamp.optim.learning_rate(clip, state.opt_state) is None
+
+
+def test_the_default_step_donates_and_refuses_a_donated_state_again():
+    """make_train_step donates its input by default (jax.jit's donate_argnums=0): the new state
+    lives in the old tensors, and handing the old state to a train step again -- this one or
+    another -- is an error naming the fix, as JAX refuses a donated buffer."""
+    state = _own(_state())
+    step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False)
+    other = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, donate_state=False)
+    batch = _batches(1)[0]
+    w = state.params["0.weight"]
+    new, _ = step(state, batch)
+    assert new.params["0.weight"] is w  # written in place
+    for again in (step, other):
+        with pytest.raises(
+            ValueError,
+            match=r"`state` was donated to an earlier train step.*"
+            r"donate_state=False",
+        ):
+            again(state, batch)
+    newer, _ = step(new, batch)  # the returned state is the one to use
+    pure_a, _ = other(newer, batch)
+    pure_b, _ = other(newer, batch)  # the pure step leaves its input alone: reusable
+    _assert_equal(pure_a.params, pure_b.params)

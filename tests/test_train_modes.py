@@ -84,8 +84,10 @@ def _check_modes(model, states, losses, modes, start):
 def test_compiled_step_follows_the_mode_bit_for_bit(modes):
     model = _model()
     loss_fn = _loss(model)
-    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False)
-    compiled = funcamp.make_train_step(loss_fn, OPT, "float32", backend="aot_eager")
+    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
+    compiled = funcamp.make_train_step(
+        loss_fn, OPT, "float32", backend="aot_eager", donate_state=False
+    )
     want_states, want = _run(model, eager, _state(model), modes)
     counters.clear()
     got_states, got = _run(model, compiled, _state(model), modes * 2)
@@ -102,8 +104,8 @@ def test_inductor_step_follows_the_mode():
     same batch (dropout is on)."""
     model = _model()
     loss_fn = _loss(model)
-    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False)
-    compiled = funcamp.make_train_step(loss_fn, OPT, "float32")
+    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
+    compiled = funcamp.make_train_step(loss_fn, OPT, "float32", donate_state=False)
     modes = ("train", "eval", "train", "eval")
     state = _state(model)
     for i, mode in enumerate(modes):
@@ -129,12 +131,12 @@ def test_step_on_disk_follows_the_mode(tmp_path, caplog):
     a new process) loads the entry of the mode the model is in."""
     model = _model()
     loss_fn = _loss(model)
-    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False)
+    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
     want_states, want = _run(model, eager, _state(model), TRAIN_EVAL)
 
     def cached():
         return funcamp.make_train_step(
-            loss_fn, OPT, "float32", backend="aot_eager", cache_dir=tmp_path
+            loss_fn, OPT, "float32", backend="aot_eager", cache_dir=tmp_path, donate_state=False
         )
 
     got_states, got = _run(model, cached(), _state(model), TRAIN_EVAL)
@@ -154,9 +156,9 @@ def test_step_on_disk_follows_the_mode(tmp_path, caplog):
 def test_data_parallel_step_follows_the_mode(single_rank_group):
     model = _model()
     loss_fn = _loss(model)
-    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False)
+    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
     step = funcamp.make_train_step(
-        loss_fn, OPT, "float32", group=single_rank_group, backend="aot_eager"
+        loss_fn, OPT, "float32", group=single_rank_group, backend="aot_eager", donate_state=False
     )
     want_states, want = _run(model, eager, _state(model), EVAL_TRAIN)
     got_states, got = _run(model, step, _state(model), EVAL_TRAIN)
@@ -170,8 +172,10 @@ def test_sharded_step_follows_the_mode(single_rank_group):
     mesh = init_device_mesh("cpu", (1,))
     model = _model()
     loss_fn = _loss(model)
-    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False)
-    step = funcamp.make_train_step(loss_fn, OPT, "float32", mesh=mesh, backend="aot_eager")
+    eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
+    step = funcamp.make_train_step(
+        loss_fn, OPT, "float32", mesh=mesh, backend="aot_eager", donate_state=False
+    )
     _, want = _run(model, eager, _state(model), TRAIN_EVAL)
     _, got = _run(model, step, fd.shard(_state(model), mesh), TRAIN_EVAL)
     assert [float(x) for x in got] == [float(x) for x in want]

@@ -12,7 +12,9 @@ the on-disk cache (``cache_dir``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -180,6 +182,26 @@ def check_cache_dir(
     return path
 
 
+# The states donated to train steps lately (their tensors now hold newer states): handed to a
+# train step again, they are refused, as JAX refuses a donated buffer. Holding them costs no
+# memory (their tensors are the newer states' own) but their few scaler scalars.
+_DONATED: collections.deque[TrainState] = collections.deque(maxlen=16)
+
+
+def check_not_donated(api: str, state: TrainState) -> None:
+    """Refuse a state an earlier call donated (``donate_state=True``, the default)."""
+    for old in _DONATED:
+        # By identity of the TrainState: the returned state may hold the very same params
+        # dict (its tensors written in place), so the containers cannot tell them apart.
+        if state is old:
+            raise ValueError(
+                f"funcamp.{api}: `state` was donated to an earlier train step: its tensors now "
+                "hold the state that call returned. Keep only the returned state "
+                "(`state, metrics = step(state, batch)`), or build the step with "
+                "donate_state=False to keep the input state unchanged"
+            )
+
+
 def run_compiled(
     api: str,
     run: Callable[..., Any],
@@ -252,6 +274,7 @@ def wrap_step(
                 f"funcamp.{api}: `state` must be a funcamp.TrainState (see "
                 f"TrainState.create), got {describe(state)}"
             )
+        check_not_donated(api, state)
         local = parallel.local(api, state)
         structure = optree.tree_structure(batch, namespace=NAMESPACE)
         if not expected:
@@ -273,6 +296,11 @@ def wrap_step(
             new, metrics = run_compiled(
                 api, run, (local, batch), lambda: train_step(rerun, batch), engine
             )
+            if len(expected) == 1:  # the first compiled call: free what its trace still holds
+                expected.append("compiled")
+                gc.collect()
+        if donate_state:
+            _DONATED.append(state)
         return parallel.wrap(new), metrics
 
     step.train_step = train_step  # type: ignore[attr-defined]

@@ -329,13 +329,14 @@ def check_donation(api: str, state: TrainState) -> None:
     grad_leaf = first_leaf(trees, lambda x: isinstance(x, torch.Tensor) and x.requires_grad)
     if grad_leaf is not None:
         raise ValueError(
-            f"funcamp.{api}: with donate_state=True the state's tensors are written in "
-            f"place, but {grad_leaf} requires grad; detach it (params_and_buffers does)"
+            f"funcamp.{api}: with donate_state=True (the default) the state's tensors are "
+            f"written in place, but {grad_leaf} requires grad; detach it (params_and_buffers "
+            "does) or build the step with donate_state=False"
         )
     shared = sharing_memory(trees)
     if shared is not None:
         raise ValueError(
-            f"funcamp.{api}: with donate_state=True the state's tensors are written in "
-            f"place, but {shared[0]} and {shared[1]} share memory; give each its own tensor "
+            f"funcamp.{api}: with donate_state=True (the default) the state's tensors are "
+            f"written in place, but {shared[0]} and {shared[1]} share memory; give each its own tensor "
             "(clone one) or build the step with donate_state=False"
         )

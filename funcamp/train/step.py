@@ -54,7 +54,7 @@ class StepOptions(NamedTuple):
     has_aux: Any = False
     returns_buffers: Any = False
     compile: Any = True
-    donate_state: Any = False
+    donate_state: Any = True
     headroom: Any = False
     grad_norm: Any = True
     cache_dir: Any = None
