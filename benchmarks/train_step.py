@@ -45,9 +45,10 @@ order reversed every other round (``--cold-rounds``):
     python benchmarks/train_step.py --models gpt2,llama,bert,t5,vit,resnet,swin,mixtral
     python benchmarks/train_step.py --models gpt2 --cold-rounds 1 --variants funcamp,torch_model
 
-It prints, per model, the median first call, the step itself (the median of the next three calls) and where the
-compile went, and the ratios funcamp / torch_model_opt (the same work) and funcamp /
-torch_model, cold and warm (funcamp_cache's warm start against the torch variants' warm starts).
+It prints, per model, the median first call, the step itself (the median of the next three
+calls) and where the compile went, and the ratios funcamp / torch_model_opt (the same work) and
+funcamp / torch_model, cold and warm (funcamp_cache's warm start against the torch variants'
+warm starts).
 ``--backend`` compiles every variant with another backend (``eager``: a quick check that the
 script runs, no compile times).
 """
