@@ -31,6 +31,28 @@ its compile time went (torch's own timers: dynamo tracing, AOT autograd, inducto
 scheduling/fusion, code generation and the C++ compiler). A cold compile needs an empty
 ``TORCHINDUCTOR_CACHE_DIR``; a warm start is a second process on the same cache directory.
 Writes JSON to --out.
+
+Real models (``--models gpt2,llama,bert,t5,vit,resnet,swin,mixtral``, and ``cnn``: small
+Hugging Face configs from ``_real_models.py``) get first-call rows instead: each variant's first
+call (the cold compile) in a fresh process on an empty ``TORCHINDUCTOR_CACHE_DIR`` of its own,
+then a warm start (a second process on the same directory), the variants interleaved and their
+order reversed every other round (``--cold-rounds``):
+
+    funcamp          funcamp.make_train_step with its default options (inductor, fullgraph)
+    funcamp_cache    the same with cache_dir= (warm: the compiled step is loaded, not traced)
+    torch_model_opt  torch.compile(model) + compiled optimizer.step + autocast + GradScaler
+                     (torch's "compile the optimizer" recipe: the same work as funcamp's step)
+    torch_model      torch.compile(model) + autocast + GradScaler, eager AdamW(foreach=True)
+
+    python benchmarks/train_step.py --models gpt2,llama,bert,t5,vit,resnet,swin,mixtral
+    python benchmarks/train_step.py --models gpt2 --cold-rounds 1 --variants funcamp,torch_model
+
+It prints, per model, the median first call, the step itself (the median of the next three
+calls) and where the compile went, and the ratios funcamp / torch_model_opt (the same work) and
+funcamp / torch_model, cold and warm (funcamp_cache's warm start against the torch variants'
+warm starts).
+``--backend`` compiles every variant with another backend (``eager``: a quick check that the
+script runs, no compile times).
 """
 
 from __future__ import annotations
@@ -39,8 +61,12 @@ import argparse
 import copy
 import json
 import math
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +84,11 @@ import funcamp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _machine
 from _revision import import_revision
+
+try:
+    import _real_models
+except ImportError:  # transformers is not installed: the real-model rows are not available
+    _real_models = None  # type: ignore[assignment]
 
 LOWP = torch.bfloat16
 
@@ -421,10 +452,155 @@ def print_table(name: str, result: dict[str, Any]) -> None:
             print(f"  {key}: {value:.3f} (time ratio, < 1 is faster)")
 
 
+# ---------------------------------------------------------------------- real models: first calls
+
+
+def first_call_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One fresh process, one variant (``--first-call-child``): the first call, and the step
+    itself (the median of the next three calls; ``compile_s`` is the difference)."""
+    model, batch = _real_models.build(args.model)
+    options: dict[str, Any] = {}
+    if args.first_call_child == "funcamp_cache":
+        options["cache_dir"] = str(Path(args.dir) / "steps")
+    if args.backend != "inductor":
+        options["backend"] = args.backend
+    step = _real_models.VARIANTS[args.first_call_child](model, batch, **options)
+    counters.clear()
+    before = _phase_totals()
+    t0 = time.perf_counter()
+    loss = step()
+    first = time.perf_counter() - t0
+    after = _phase_totals()
+    graphs = int(counters["stats"]["unique_graphs"])
+    breaks = int(sum(counters["graph_break"].values()))
+    skipped = bool(step.skipped())  # type: ignore[attr-defined]
+    later = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        step()
+        later.append(time.perf_counter() - t0)
+    second = statistics.median(later)  # the step itself
+    result = {
+        "first_s": first,
+        "step_s": second,
+        "compile_s": first - second,
+        "phases_s": {k: after[k] - before[k] for k in PHASES},
+        "graphs": graphs,
+        "graph_breaks": breaks,
+        "loss": float(loss),
+        "first_step_skipped": skipped,  # then a compiled optimizer compiled on the second call
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+def run_first_call(
+    variant: str, model: str, directory: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """``variant``'s first call in a fresh process whose compile caches live in ``directory``."""
+    cmd = [sys.executable, __file__, "--first-call-child", variant, "--model", model]
+    cmd += ["--dir", str(directory), "--backend", args.backend]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor")}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        return {"error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    values = [r[key] for r in runs if "error" not in r]
+    return statistics.median(values) if values and len(values) == len(runs) else math.nan
+
+
+def first_call_summary(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, float]:
+    """Ratios of median first calls: funcamp against the same work and against the model alone,
+    cold, warm, and funcamp's warm start from ``cache_dir``."""
+    med = {(v, kind): _median(r[kind], "first_s") for v, r in runs.items() for kind in r}
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> float:
+        return med.get(a, math.nan) / med.get(b, math.nan)
+
+    return {
+        "cold funcamp / torch_model_opt": ratio(("funcamp", "cold"), ("torch_model_opt", "cold")),
+        "cold funcamp / torch_model": ratio(("funcamp", "cold"), ("torch_model", "cold")),
+        "warm funcamp / torch_model_opt": ratio(("funcamp", "warm"), ("torch_model_opt", "warm")),
+        "warm funcamp / torch_model": ratio(("funcamp", "warm"), ("torch_model", "warm")),
+        "warm funcamp_cache / torch_model_opt": ratio(
+            ("funcamp_cache", "warm"), ("torch_model_opt", "warm")
+        ),
+        "warm funcamp_cache / torch_model": ratio(
+            ("funcamp_cache", "warm"), ("torch_model", "warm")
+        ),
+    }
+
+
+def bench_first_calls(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--cold-rounds`` rounds of every variant's cold (and warm) first call, interleaved."""
+    variants = [v for v in args.variants.split(",") if v]
+    kinds = ("cold", "warm") if args.warm else ("cold",)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {v: {k: [] for k in kinds} for v in variants}
+    machine = _machine.check(args.require_quiet)
+    for r in range(args.cold_rounds):
+        for v in variants if r % 2 == 0 else variants[::-1]:
+            directory = Path(tempfile.mkdtemp(prefix=f"funcamp-first-call-{name}-"))
+            try:
+                for kind in kinds:
+                    res = run_first_call(v, name, directory, args)
+                    runs[v][kind].append(res)
+                    said = res.get("error") or f"first call {res['first_s']:.1f} s"
+                    print(f"  {name} round {r + 1} {v} {kind}: {said}", flush=True)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+    return {
+        "kind": "first_call",
+        "runs": runs,
+        "summary": first_call_summary(runs),
+        "machine": machine,
+    }
+
+
+def print_first_calls(name: str, result: dict[str, Any]) -> None:
+    runs = result["runs"]
+    n = max(len(k) for r in runs.values() for k in r.values())
+    print(f"\n{name}: first call in s, median of {n} processes (cold: an empty compile cache each)")
+    for v in runs:
+        print(f"  {v}: {_real_models.DESCRIPTIONS[v]}")
+    print("| variant | cold first call (each) | compile | step | dynamo | graphs | breaks | warm |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for v, r in runs.items():
+        failed = [x["error"] for x in r["cold"] + r.get("warm", []) if "error" in x]
+        if failed:
+            print(f"| {v} | failed: {failed[0]} |")
+            continue
+        cold = r["cold"]
+        each = ", ".join(f"{x['first_s']:.1f}" for x in cold)
+        dyn = statistics.median(x["phases_s"]["dynamo"] for x in cold)
+        warm = f"{_median(r['warm'], 'first_s'):.1f}" if "warm" in r else "-"
+        print(
+            f"| {v} | {_median(cold, 'first_s'):.1f} ({each}) | {_median(cold, 'compile_s'):.1f} | "
+            f"{_median(cold, 'step_s'):.2f} | {dyn:.1f} | {cold[0]['graphs']} | "
+            f"{cold[0]['graph_breaks']} | {warm} |"
+        )
+    loaded = runs.get("funcamp_cache", {}).get("warm")
+    if loaded and all("error" not in x for x in loaded):
+        print(
+            f"  funcamp_cache warm starts traced nothing: {all(x['graphs'] == 0 for x in loaded)}"
+        )
+    for key, value in result["summary"].items():
+        if not math.isnan(value):
+            print(f"  {key}: {value:.2f}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description="funcamp train-step benchmark")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt, gpt12")
+    p.add_argument(
+        "--models",
+        default="mlp,gpt",
+        help="comma-separated: mlp, gpt, gpt12 (step time); gpt2, llama, bert, t5, vit, resnet, "
+        "swin, mixtral, cnn (first calls)",
+    )
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=20, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=15)
@@ -439,8 +615,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="stop (exit 3) instead of timing when other processes keep the machine busy",
     )
+    p.add_argument(
+        "--cold-rounds", type=int, default=2, help="real models: fresh processes per variant"
+    )
+    p.add_argument(
+        "--variants",
+        default="funcamp,funcamp_cache,torch_model_opt,torch_model",
+        help="real models: the first-call variants",
+    )
+    p.add_argument(
+        "--no-warm",
+        dest="warm",
+        action="store_false",
+        help="real models: no warm start after each cold process",
+    )
+    p.add_argument(
+        "--backend", default="inductor", help="real models: torch.compile backend of every variant"
+    )
     p.add_argument("--out", type=Path, default=Path("build/bench/train_step.json"))
+    p.add_argument("--first-call-child", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.first_call_child:
+        return first_call_child(args)
+    real = [m for m in args.models.split(",") if m not in ("mlp", "gpt", "gpt12")]
+    if real and _real_models is None:
+        p.error(f"--models {','.join(real)}: needs transformers (pip install transformers)")
+    if real:
+        unknown = [m for m in real if m not in _real_models.MODELS]
+        if unknown:
+            p.error(f"--models: unknown {unknown}; real models are {sorted(_real_models.MODELS)}")
+        bad = [v for v in args.variants.split(",") if v and v not in _real_models.VARIANTS]
+        if bad:
+            p.error(f"--variants: unknown {bad}; choose from {sorted(_real_models.VARIANTS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available")
     results: dict[str, Any] = {
@@ -451,6 +659,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "models": {},
     }
     for name in args.models.split(","):
+        if name in real:
+            print(f"{name}: first calls, each in a fresh process", flush=True)
+            results["models"][name] = bench_first_calls(name, args)
+            print_first_calls(name, results["models"][name])
+            continue
         print(f"{name}: compiling and warming up", flush=True)
         results["models"][name] = bench_model(name, args)
         print_table(name, results["models"][name])

@@ -82,6 +82,25 @@ def test_autocast_preset_is_the_cpu_table(name: str) -> None:
     assert all(torch.equal(grads[k], ref[k]) for k in ref)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_params_that_require_grad_bit_identical(name: str, seed: int) -> None:
+    """The other ``requires_grad`` state, as torch's recipe runs it: params that require grad on
+    both sides (torch's CPU sdpa picks its math kernel then, flash attention for detached inputs),
+    the forward under autocast or amp, ``backward`` outside it."""
+    _, params, loss, (x, y) = make_case(name, seed)
+    params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    ref = autocast_call(loss, params, x, y)
+    ref_grads = torch.autograd.grad(ref, list(params.values()))
+    out = funcamp.amp(loss, POLICY)(params, x, y)
+    grads = torch.autograd.grad(out, list(params.values()))
+
+    assert torch.equal(out, ref), (out.item(), ref.item())
+    for k, got, want in zip(params, grads, ref_grads):
+        assert got.dtype == want.dtype == torch.float32, k
+        assert torch.equal(got, want), k
+
+
 class _Calls(TorchFunctionMode):
     """Records each torch call with its original (uncast) arguments and its result.
 
