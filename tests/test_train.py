@@ -918,3 +918,40 @@ def test_the_default_step_donates_and_refuses_a_donated_state_again():
     pure_a, _ = other(newer, batch)
     pure_b, _ = other(newer, batch)  # the pure step leaves its input alone: reusable
     _assert_equal(pure_a.params, pure_b.params)
+
+
+class _SetsUpOnFirstCall(nn.Module):
+    """Sets itself up on its first call under a lock, as transformers installs the hooks that
+    record a model's outputs (Mixtral's router logits): dynamo cannot trace the lock."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.lock = __import__("threading").Lock()
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            with self.lock:
+                self.ready = True
+        return self.lin(x)
+
+
+def test_a_model_that_sets_itself_up_on_its_first_call_compiles_after_it():
+    model = _SetsUpOnFirstCall()
+
+    def loss(params, buffers, batch):
+        x, y = batch
+        return nn.functional.mse_loss(functional_call(model, (params, buffers), (x,)), y)
+
+    opt = funcamp.sgd(0.1)
+    params = {k: v.clone() for k, v in funcamp.params_and_buffers(model)[0].items()}
+    state = funcamp.TrainState.create(params, opt, "float32")
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    counters.clear()
+    step = funcamp.make_train_step(loss, opt, "float32", backend="aot_eager")
+    new, metrics = step(state, batch)  # traced again after the eager run set the model up
+    assert model.ready and counters["stats"]["unique_graphs"] == 1
+    assert torch.isfinite(metrics["loss"])
+    newer, _ = step(new, batch)  # and runs compiled from then on
+    assert counters["stats"]["unique_graphs"] == 1

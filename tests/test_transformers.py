@@ -261,6 +261,23 @@ def test_a_model_recording_outputs_compiles_after_one_eager_call() -> None:
     assert torch.equal(compiled, eager)
 
 
+def test_a_fresh_mixtral_trains_compiled_from_its_first_call() -> None:
+    """make_train_step's first call traces once more after the eager run that explains a
+    failure: that run installed the router-logit hooks, and the step then compiles as one graph
+    (no eager call needed first)."""
+    model, batch = build("mixtral")
+    params, buffers = funcamp.params_and_buffers(model)
+    opt = funcamp.adamw(1e-3)
+    state = funcamp.TrainState.create(params, opt, "mixed_bfloat16", buffers=buffers)
+    torch._dynamo.reset()
+    counters.clear()
+    step = funcamp.make_train_step(_loss_fn(model), opt, "mixed_bfloat16", backend="aot_eager")
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        assert torch.isfinite(metrics["loss"])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def _torch_amp_losses(model: torch.nn.Module, batch: dict[str, Any]) -> list[float]:
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)

@@ -208,11 +208,15 @@ def run_compiled(
     args: tuple[Any, ...],
     eagerly: Callable[[], Any],
     engine: Engine | None = None,
+    first: bool = False,
 ) -> Any:
     """``run(*args)`` (a compiled function), with a dynamo failure explained: a model torch.func
     refuses is traced again with torch.autograd (``engine``); otherwise ``eagerly()`` re-runs the
-    same computation with compilation off, so an error of the model itself is raised plainly,
-    and a failure only the compiler has becomes one paragraph naming the way out."""
+    same computation with compilation off, so an error of the model itself is raised plainly.
+    On the ``first`` call the trace is tried once more after that eager run: a model may set
+    itself up on its first call in a way dynamo cannot trace (transformers installs the hooks
+    that record a model's outputs -- Mixtral's router logits -- under a lock), and then
+    compiles. A failure only the compiler has becomes one paragraph naming the way out."""
     tracing = engine.tracing() if engine is not None else contextlib.nullcontext()
     try:
         # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
@@ -221,13 +225,20 @@ def run_compiled(
             return run(*args)
     except torch._dynamo.exc.TorchDynamoException as e:
         if engine is not None and engine.switch(e):
-            return run_compiled(api, run, args, eagerly, engine)
+            return run_compiled(api, run, args, eagerly, engine, first)
 
         def rerun() -> None:
             with torch.compiler.set_stance("force_eager"):
                 eagerly()
 
-        raise explain(api, e, rerun) from e
+        failure = explain(api, e, rerun)  # raises the model's own error, if it has one
+        if first:
+            try:
+                return run_compiled(api, run, args, eagerly, engine)
+            except RuntimeError as again:
+                if again.__cause__ is None:  # not the paragraph: raise it as it came
+                    raise
+        raise failure from e
 
 
 def wrap_step(
@@ -294,7 +305,12 @@ def wrap_step(
             # A donated state is re-run on copies: that run is only for the error message.
             rerun = clone_buffers(local) if donate_state else local
             new, metrics = run_compiled(
-                api, run, (local, batch), lambda: train_step(rerun, batch), engine
+                api,
+                run,
+                (local, batch),
+                lambda: train_step(rerun, batch),
+                engine,
+                first=len(expected) == 1,
             )
             if len(expected) == 1:  # the first compiled call: free what its trace still holds
                 expected.append("compiled")
