@@ -820,14 +820,14 @@ def test_fault_in_schedule_at_run_time_leaves_donated_state_and_grads():
 def test_fault_in_buffer_write_back_leaves_donated_state(monkeypatch):
     import funcamp.train.step as train_mod
 
-    real = train_mod._plan_write
+    real = train_mod.plan_write
 
     def plan(new, old):
         if isinstance(old, dict) and "count" in old:
             raise Boom
         return real(new, old)
 
-    monkeypatch.setattr(train_mod, "_plan_write", plan)
+    monkeypatch.setattr(train_mod, "plan_write", plan)
     opt = funcamp.adam(0.1)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
     _assert_step_fault_leaves_state(step, _bn_state(opt))
@@ -848,7 +848,7 @@ def test_fault_in_buffer_check_leaves_donated_state(monkeypatch):
 def test_fault_in_params_write_plan_leaves_donated_state(monkeypatch):
     import funcamp.scaling.step as scaler_mod
 
-    real = scaler_mod._plan_write
+    real = scaler_mod.plan_write
     seen = []
 
     def plan(new, old):
@@ -857,7 +857,7 @@ def test_fault_in_params_write_plan_leaves_donated_state(monkeypatch):
             raise Boom
         return real(new, old)
 
-    monkeypatch.setattr(scaler_mod, "_plan_write", plan)
+    monkeypatch.setattr(scaler_mod, "plan_write", plan)
     opt = funcamp.adam(0.1)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
     _assert_step_fault_leaves_state(step, _bn_state(opt))
