@@ -40,6 +40,10 @@ PyTree = Any
 Preflight = Callable[[PyTree, PyTree, PyTree], "torch.Tensor | None"]
 #: ``update_owned(grads, state, params, owned) -> (updates, state)``.
 UpdateOwned = Callable[[PyTree, PyTree, PyTree, Sequence[torch.Tensor]], tuple[PyTree, PyTree]]
+#: ``update_donated(grads, state, params, owned, found_inf) -> (updates, state)``.
+UpdateDonated = Callable[
+    [PyTree, PyTree, PyTree, Sequence[torch.Tensor], torch.Tensor], tuple[PyTree, PyTree]
+]
 #: ``fused_step(grad_leaves, state, params, found_inf) -> new_state | None``.
 FusedStep = Callable[[list[torch.Tensor], PyTree, PyTree, torch.Tensor], Any]
 #: ``learning_rate(state) -> Tensor | dict[str, Tensor] | None``.
@@ -65,6 +69,14 @@ class Capabilities:
         update_owned: ``(grads, state, params, owned) -> (updates, state)``: ``update``, allowed
             to overwrite the grad tensors in ``owned`` (temporaries of the caller that nobody
             else sees). Called in plain eager only.
+        update_donated: ``(grads, state, params, owned, found_inf) -> (updates, state)``:
+            ``update_owned`` on a donated state: each new state buffer is written into the
+            buffer of ``state`` it replaces as soon as it is known --
+            ``where(found_inf, old, new)``, bit for bit the old values on a skipped step --
+            after everything that can raise, and returned in the new state; the updates are
+            applied by the caller only where not ``found_inf``. This is how torch.optim's
+            in-place memory is reached without a host sync. Called in plain eager with
+            ``donate_state=True`` only.
         fused_step: ``(grad_leaves, state, params, found_inf) -> new_state | None``: apply the
             update to ``params`` (and the state's buffers) in place, or nothing where
             ``found_inf``, with ``update``'s results (torch's fused kernels); None when it does
@@ -86,6 +98,7 @@ class Capabilities:
     preflight: Preflight | None = None
     fresh: bool = False
     update_owned: UpdateOwned | None = None
+    update_donated: UpdateDonated | None = None
     fused_step: FusedStep | None = None
     learning_rate: LearningRate | None = None
 
@@ -338,13 +351,20 @@ def chain(*transforms: Optimizer) -> Optimizer:
         return tuple(t.init(params) for t in transforms)
 
     def run(
-        grads: PyTree, state: tuple[PyTree, ...], params: PyTree, owned: Sequence[torch.Tensor]
+        grads: PyTree,
+        state: tuple[PyTree, ...],
+        params: PyTree,
+        owned: Sequence[torch.Tensor],
+        found_inf: torch.Tensor | None = None,
     ) -> tuple[PyTree, tuple[PyTree, ...]]:
         check(state)
         new_states = []
         for i, (t, s) in enumerate(zip(transforms, state)):
             caps = t.capabilities
-            if owned and caps.update_owned is not None:
+            # only the last part writes its donated state early: after it nothing can raise
+            if found_inf is not None and i == n - 1 and caps.update_donated is not None:
+                out, s = caps.update_donated(grads, s, params, owned, found_inf)
+            elif owned and caps.update_owned is not None:
                 out, s = caps.update_owned(grads, s, params, owned)
             else:
                 out, s = t.update(grads, s, params)
@@ -390,6 +410,7 @@ def chain(*transforms: Optimizer) -> Optimizer:
             preflight=preflight,
             fresh=fresh,
             update_owned=run if fresh else None,
+            update_donated=run if fresh and caps and caps[-1].update_donated else None,
             learning_rate=rate if any(c.learning_rate is not None for c in caps) else None,
         ),
     )
