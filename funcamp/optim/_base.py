@@ -69,14 +69,6 @@ class Capabilities:
         update_owned: ``(grads, state, params, owned) -> (updates, state)``: ``update``, allowed
             to overwrite the grad tensors in ``owned`` (temporaries of the caller that nobody
             else sees). Called in plain eager only.
-        update_donated: ``(grads, state, params, owned, found_inf) -> (updates, state)``:
-            ``update_owned`` on a donated state: each new state buffer is written into the
-            buffer of ``state`` it replaces as soon as it is known --
-            ``where(found_inf, old, new)``, bit for bit the old values on a skipped step --
-            after everything that can raise, and returned in the new state; the updates are
-            applied by the caller only where not ``found_inf``. This is how torch.optim's
-            in-place memory is reached without a host sync. Called in plain eager with
-            ``donate_state=True`` only.
         fused_step: ``(grad_leaves, state, params, found_inf) -> new_state | None``: apply the
             update to ``params`` (and the state's buffers) in place, or nothing where
             ``found_inf``, with ``update``'s results (torch's fused kernels); None when it does
@@ -85,12 +77,22 @@ class Capabilities:
             applies (a 0-d tensor; a dict by label for :func:`funcamp.multi_transform`), or
             None. Read by :func:`funcamp.optim.learning_rate` and the train step's
             ``metrics["lr"]``.
+        update_donated: ``(grads, state, params, owned, found_inf) -> (updates, state)``:
+            ``update_owned`` on a donated state: each new state buffer is written into the
+            buffer of ``state`` it replaces as soon as it is known --
+            ``where(found_inf, old, new)``, bit for bit the old values on a skipped step --
+            after everything that can raise, and returned in the new state; the updates are
+            applied by the caller only where not ``found_inf``. This is how torch.optim's
+            in-place memory is reached without a host sync. Called in plain eager with
+            ``donate_state=True`` only.
 
     Example:
         >>> import funcamp
         >>> caps = funcamp.sgd(0.1).capabilities
         >>> caps.fresh, caps.fused_step is not None
         (True, True)
+        >>> funcamp.adam(0.1).capabilities.update_donated is not None
+        True
         >>> funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.sgd(0.1)).capabilities.fresh
         True
     """
@@ -98,9 +100,9 @@ class Capabilities:
     preflight: Preflight | None = None
     fresh: bool = False
     update_owned: UpdateOwned | None = None
-    update_donated: UpdateDonated | None = None
     fused_step: FusedStep | None = None
     learning_rate: LearningRate | None = None
+    update_donated: UpdateDonated | None = None  # last: positional construction keeps working
 
 
 def learning_rate(optimizer: Optimizer, opt_state: PyTree) -> Any:
