@@ -8,6 +8,7 @@ bit for bit (inputs are snapshotted with clones before the call and compared aft
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -860,9 +861,58 @@ def test_fault_in_params_write_plan_leaves_donated_state(monkeypatch):
         return real(new, old)
 
     monkeypatch.setattr(scaler_mod, "plan_write", plan)
-    opt = funcamp.adam(0.1)
+    # An optimizer that does not write its own donated state: these plans come before every
+    # write. (funcamp.adam's `update_donated` writes its buffers during the update, when only
+    # arithmetic on checked tensors is left, and its state's structure is its own: see
+    # test_fault_before_the_first_in_place_write_leaves_donated_state.)
+    inner = funcamp.adam(0.1)
+    caps = dataclasses.replace(inner.capabilities, update_donated=None)
+    opt = funcamp.Optimizer(inner.init, inner.update, caps)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
     _assert_step_fault_leaves_state(step, _bn_state(opt))
+
+
+_DONATING = {
+    "adam": lambda: funcamp.adam(0.1),
+    "adamw-mask": lambda: funcamp.adamw(0.1, mask={"w": True, "b": False}),
+    "sgd-momentum": lambda: funcamp.sgd(0.1, 0.9),
+    "lion": lambda: funcamp.lion(0.1),
+    "chain": lambda: funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.adamw(0.1)),
+}
+
+
+@pytest.mark.parametrize("opt_name", sorted(_DONATING))
+def test_fault_before_the_first_in_place_write_leaves_donated_state(monkeypatch, opt_name):
+    """An optimizer declaring ``update_donated`` writes each new buffer into the old one as the
+    algorithm keeps it: everything before that first write -- the step, the unscale, the update
+    up to it -- leaves the donated state as it was when the first write fails."""
+    import funcamp.optim._paths as paths_mod
+
+    opt = _DONATING[opt_name]()
+    assert opt.capabilities.update_donated is not None
+    calls = []
+
+    def where_into(*args):
+        calls.append(1)
+        raise Boom
+
+    monkeypatch.setattr(paths_mod, "where_into", where_into)
+    step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
+    _assert_step_fault_leaves_state(step, _bn_state(opt))
+    assert calls  # the in-place write was reached
+
+
+def test_fault_in_weight_decay_mask_leaves_donated_state():
+    """A callable mask runs inside the update, before its first in-place write."""
+
+    def mask(params):
+        raise Boom
+
+    opt = funcamp.adamw(0.1, mask=lambda p: {k: True for k in p})
+    state = _bn_state(opt)
+    opt = funcamp.adamw(0.1, mask=mask)  # the same state; this one's mask fails at run time
+    step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
+    _assert_step_fault_leaves_state(step, state)
 
 
 def test_optimizer_changing_its_state_structure_leaves_donated_state():

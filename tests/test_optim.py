@@ -310,7 +310,7 @@ def test_exact_sqrt_is_the_correctly_rounded_root():
     expected = torch.tensor([math.sqrt(v) for v in hard.tolist()], dtype=torch.float64)
     assert same_bits(exact_sqrt(hard), expected.to(torch.float32))
     g = torch.Generator().manual_seed(12)
-    # more than 2**20 elements: the root is taken in chunks (and a tail) through one scratch
+    # more than _SQRT_CHUNK elements: the root is taken in chunks (and a tail) through one scratch
     bits = torch.randint(-(2**31), 2**31 - 1, (2**21 + 4094,), generator=g, dtype=torch.int64)
     x = bits.to(torch.int32).view(torch.float32)
     got, ref = exact_sqrt(x), torch.sqrt(x.to(torch.float64)).to(torch.float32)

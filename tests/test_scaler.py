@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import types
+from typing import NamedTuple
 
 import optree
 import pytest
@@ -977,20 +978,28 @@ class _FreshTensors(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize(
-    ("name", "fresh"),
+    ("name", "fresh", "fresh_donated"),
     [
         # the new exp_avg_sq, the denominator, the new params, and the float64 copy the exact
-        # square root is taken in; the new exp_avg goes into the donated grads
-        ("adam", 4),
-        ("adamw", 4),
-        ("sgd_momentum", 1),  # the new momentum; the new params go into the grads
-        ("lion", 2),  # the new momentum and the update direction (then the new params)
+        # square root is taken in; the new exp_avg goes into the donated grads. On a donated
+        # state each new moment goes into its buffer as it is known: the exp_avg_sq temporary
+        # then takes the denominator and the grads the update (and the new params).
+        ("adam", 4, 2),
+        ("adamw", 4, 2),
+        # the new momentum (selected into the old buffer when donated); the new params go
+        # into the grads
+        ("sgd_momentum", 1, 1),
+        ("lion", 2, 2),  # the new momentum and the update direction (then the new params)
     ],
 )
-def test_eager_step_allocates_little_more_than_it_returns(name: str, fresh: int) -> None:
+@pytest.mark.parametrize("donate_state", [False, True])
+def test_eager_step_allocates_little_more_than_it_returns(
+    name: str, fresh: int, fresh_donated: int, donate_state: bool
+) -> None:
     """The eager loss-scaled step with donated grads (the train step's) puts its results and
     temporaries into memory it owns: each fresh tensor page-faults on CPU. Counted per leaf, for
-    leaves large enough that nothing else is that size; the results equal the undonated step's."""
+    leaves large enough that nothing else is that size; the results equal the undonated step's,
+    and a donated state comes back in its own tensors."""
     opt = {
         "adam": funcamp.adam(1e-3),
         "adamw": funcamp.adamw(1e-3, weight_decay=0.1),
@@ -1004,11 +1013,130 @@ def test_eager_step_allocates_little_more_than_it_returns(name: str, fresh: int)
     state = opt.update(grads, state, params)[1]  # a state that is not all zeros
     expected = funcamp.unscale_and_step(s, opt, grads, state, params)
     donated = {k: v.clone() for k, v in grads.items()}
+    mine = optree.tree_map(torch.clone, (params, state)) if donate_state else (params, state)
     with _FreshTensors(64 * 64) as mode:
-        got = funcamp.unscale_and_step(s, opt, donated, state, params, donate_grads=True)
-    assert len(mode.ops) == fresh * len(params), mode.ops
+        got = funcamp.unscale_and_step(
+            s, opt, donated, mine[1], mine[0], donate_grads=True, donate_state=donate_state
+        )
+    assert len(mode.ops) == (fresh_donated if donate_state else fresh) * len(params), mode.ops
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
         assert same_bits(a, b)
+    if donate_state:
+        for a, b in zip(optree.tree_leaves(got[:2]), optree.tree_leaves(mine)):
+            assert a is b
+
+
+class _SignumState(NamedTuple):
+    count: torch.Tensor
+    momentum: dict
+    low: tuple
+
+
+def _signum_step(ops, grads, params, buffers, lr, count):  # docs/guides/writing-an-optimizer.md
+    new = ops.fma(grads, 1.0 - 0.9, ops.mul(buffers["momentum"], 0.9))
+    momentum = ops.kept(new, replaces=buffers["momentum"])
+    direction = ops.sign(momentum)
+    return ops.mul(direction, ops.scalar(-lr), into=direction), {"momentum": momentum}
+
+
+_DONATING = {
+    "adam": lambda: funcamp.adam(1e-2),
+    "adam-l2": lambda: funcamp.adam(1e-2, weight_decay=0.1),
+    "adamw": lambda: funcamp.adamw(1e-2, weight_decay=0.1),
+    "adamw-mask": lambda: funcamp.adamw(1e-2, weight_decay=0.1, mask={"w": True, "v": False}),
+    "adam-kahan": lambda: funcamp.adam(1e-2, kahan=True),
+    "adamw-master": lambda: funcamp.adamw(1e-2, master_weights=True),
+    "sgd-momentum": lambda: funcamp.sgd(1e-2, momentum=0.9),
+    "sgd-nesterov": lambda: funcamp.sgd(1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "sgd-dampening": lambda: funcamp.sgd(1e-2, momentum=0.9, dampening=0.1),
+    "lion": lambda: funcamp.lion(1e-3),
+    "lion-mask-sr": lambda: funcamp.lion(
+        1e-3, mask={"w": True, "v": False}, stochastic_rounding=True
+    ),
+    "chain": lambda: funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.adamw(1e-2)),
+    "signum": lambda: funcamp.optim.elementwise("signum", _SignumState, _signum_step, 1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DONATING))
+def test_eager_donated_step_is_the_pure_step(name: str) -> None:
+    """On a donated state the eager step's optimizer writes each new buffer into the old one as
+    soon as it is known (``Capabilities.update_donated``): over four steps, one skipped (an inf
+    gradient), it gives the undonated step's params and state bit for bit, a skipped step leaves
+    them bit-identical, and the donated tensors come back holding the new values. bfloat16
+    params where a low-precision mode is on."""
+    opt = _DONATING[name]()
+    assert opt.capabilities.update_donated is not None
+    low = any(k in name for k in ("kahan", "master", "sr"))
+    dtype = torch.bfloat16 if low else torch.float32
+    g = torch.Generator().manual_seed(6)
+    params = {"w": torch.randn(40, 30, generator=g).to(dtype), "v": torch.randn(70, generator=g)}
+    state, s = opt.init(params), funcamp.ScalerState.dynamic(init_scale=4.0)
+    for i in range(4):
+        grads = {k: 4 * torch.randn(x.shape, generator=g).to(x.dtype) for k, x in params.items()}
+        if i == 2:
+            grads["w"][3, 4] = math.inf
+        want_p, want_s, info = funcamp.unscale_and_step(s, opt, grads, state, params)
+        mine = optree.tree_map(torch.clone, (params, state))
+        got_p, got_s, _ = funcamp.unscale_and_step(
+            s, opt, optree.tree_map(torch.clone, grads), mine[1], mine[0],
+            donate_grads=True, donate_state=True,
+        )  # fmt: skip
+        got, want = optree.tree_leaves((got_p, got_s)), optree.tree_leaves((want_p, want_s))
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert same_bits(a, b)
+        for a, b in zip(optree.tree_leaves((got_p, got_s)), optree.tree_leaves(mine)):
+            assert a is b
+        if i == 2:
+            assert bool(info.found_inf)
+            for a, b in zip(got, optree.tree_leaves((params, state))):
+                assert same_bits(a, b)
+        params, state = want_p, want_s
+
+
+class _FreshFloat32(_FreshTensors):
+    """Records the float32 tensors of at least ``n`` elements that ops return fresh."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        n = len(self.ops)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        floats = [o for o in outs if isinstance(o, torch.Tensor) and o.dtype == torch.float32]
+        self.ops[n:] = [name for name in self.ops[n:] if floats]
+        return out
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_eager_donated_adam_allocates_what_torch_optim_adam_does(weight_decay: float) -> None:
+    """Differential, against torch.optim: the eager step on a donated state (the train step's
+    with ``donate_state=True``) allocates as many params-sized float32 tensors as
+    ``torch.optim.AdamW(foreach=True).step()`` -- one a leaf, torch's square root, funcamp's
+    new exp_avg_sq that then takes the square root -- and nothing else params-sized: the
+    correctly rounded root's float64 scratch is one leaf at a time (chunked above 2**18
+    elements)."""
+    g = torch.Generator().manual_seed(4)
+    shapes = {"w": (64, 64), "v": (80, 64)}
+    params = {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
+    grads = [{k: torch.randn(shape, generator=g) for k, shape in shapes.items()} for _ in range(2)]
+    n = 64 * 64
+    torch_params = [torch.nn.Parameter(p.clone()) for p in params.values()]
+    ref = torch.optim.AdamW(torch_params, lr=1e-3, weight_decay=weight_decay, foreach=True)
+    opt = funcamp.adamw(1e-3, weight_decay=weight_decay)
+    state, s = opt.init(params), funcamp.ScalerState.noop()
+    for grad in grads:  # the second step: torch's state exists by then
+        for p, x in zip(torch_params, grad.values()):
+            p.grad = x.clone()
+        with _FreshFloat32(n) as torch_mode:
+            ref.step()
+        donated = {k: x.clone() for k, x in grad.items()}
+        with _FreshFloat32(n) as mode:
+            params, state, _ = funcamp.unscale_and_step(
+                s, opt, donated, state, params, donate_grads=True, donate_state=True
+            )
+    assert len(torch_mode.ops) == len(mode.ops) == len(shapes), (torch_mode.ops, mode.ops)
+    for p, q in zip(torch_params, params.values()):  # the same step (to torch's eager sqrt)
+        torch.testing.assert_close(p.detach(), q, rtol=2e-7, atol=0)
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lion"])

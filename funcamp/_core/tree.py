@@ -436,7 +436,7 @@ def select_into(
             elif done is not None and done(b):
                 out.append(b)
             elif a.stride() == b.stride() and a.device == b.device and writable(b):
-                out.append(_where_into(pred, a, b, masks))
+                out.append(where_into(pred, a, b, masks))
             else:
                 out.append(torch.where(pred, a, b))
         elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -465,7 +465,7 @@ BITS = {
 _BIT_SELECT_MIN = 16384
 
 
-def _where_into(
+def where_into(
     pred: torch.Tensor, a: torch.Tensor, b: torch.Tensor, masks: dict[torch.dtype, torch.Tensor]
 ) -> torch.Tensor:
     """``torch.where(pred, a, b, out=b)`` for a ``b`` the caller owns. On CPU torch's ``where``

@@ -40,6 +40,10 @@ PyTree = Any
 Preflight = Callable[[PyTree, PyTree, PyTree], "torch.Tensor | None"]
 #: ``update_owned(grads, state, params, owned) -> (updates, state)``.
 UpdateOwned = Callable[[PyTree, PyTree, PyTree, Sequence[torch.Tensor]], tuple[PyTree, PyTree]]
+#: ``update_donated(grads, state, params, owned, found_inf) -> (updates, state)``.
+UpdateDonated = Callable[
+    [PyTree, PyTree, PyTree, Sequence[torch.Tensor], torch.Tensor], tuple[PyTree, PyTree]
+]
 #: ``fused_step(grad_leaves, state, params, found_inf) -> new_state | None``.
 FusedStep = Callable[[list[torch.Tensor], PyTree, PyTree, torch.Tensor], Any]
 #: ``learning_rate(state) -> Tensor | dict[str, Tensor] | None``.
@@ -73,12 +77,22 @@ class Capabilities:
             applies (a 0-d tensor; a dict by label for :func:`funcamp.multi_transform`), or
             None. Read by :func:`funcamp.optim.learning_rate` and the train step's
             ``metrics["lr"]``.
+        update_donated: ``(grads, state, params, owned, found_inf) -> (updates, state)``:
+            ``update_owned`` on a donated state: each new state buffer is written into the
+            buffer of ``state`` it replaces as soon as it is known --
+            ``where(found_inf, old, new)``, bit for bit the old values on a skipped step --
+            after everything that can raise, and returned in the new state; the updates are
+            applied by the caller only where not ``found_inf``. This is how torch.optim's
+            in-place memory is reached without a host sync. Called in plain eager with
+            ``donate_state=True`` only.
 
     Example:
         >>> import funcamp
         >>> caps = funcamp.sgd(0.1).capabilities
         >>> caps.fresh, caps.fused_step is not None
         (True, True)
+        >>> funcamp.adam(0.1).capabilities.update_donated is not None
+        True
         >>> funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.sgd(0.1)).capabilities.fresh
         True
     """
@@ -88,6 +102,7 @@ class Capabilities:
     update_owned: UpdateOwned | None = None
     fused_step: FusedStep | None = None
     learning_rate: LearningRate | None = None
+    update_donated: UpdateDonated | None = None  # last: positional construction keeps working
 
 
 def learning_rate(optimizer: Optimizer, opt_state: PyTree) -> Any:
@@ -338,13 +353,20 @@ def chain(*transforms: Optimizer) -> Optimizer:
         return tuple(t.init(params) for t in transforms)
 
     def run(
-        grads: PyTree, state: tuple[PyTree, ...], params: PyTree, owned: Sequence[torch.Tensor]
+        grads: PyTree,
+        state: tuple[PyTree, ...],
+        params: PyTree,
+        owned: Sequence[torch.Tensor],
+        found_inf: torch.Tensor | None = None,
     ) -> tuple[PyTree, tuple[PyTree, ...]]:
         check(state)
         new_states = []
         for i, (t, s) in enumerate(zip(transforms, state)):
             caps = t.capabilities
-            if owned and caps.update_owned is not None:
+            # only the last part writes its donated state early: after it nothing can raise
+            if found_inf is not None and i == n - 1 and caps.update_donated is not None:
+                out, s = caps.update_donated(grads, s, params, owned, found_inf)
+            elif owned and caps.update_owned is not None:
                 out, s = caps.update_owned(grads, s, params, owned)
             else:
                 out, s = t.update(grads, s, params)
@@ -390,6 +412,7 @@ def chain(*transforms: Optimizer) -> Optimizer:
             preflight=preflight,
             fresh=fresh,
             update_owned=run if fresh else None,
+            update_donated=run if fresh and caps and caps[-1].update_donated else None,
             learning_rate=rate if any(c.learning_rate is not None for c in caps) else None,
         ),
     )

@@ -75,8 +75,9 @@ def elementwise(
     (:class:`~funcamp.optim.Ops`: ``add``, ``sub``, ``mul``, ``div``, ``fma``, ``lerp``,
     ``addcmul``, ``sqrt``, ``sign``, ``where``, ``scalar``), which runs it on the eager or the
     traced path; a Python scalar is rounded to float32 as torch's kernels round it.
-    ``ops.kept(xs)`` marks a list that goes into the new state, and ``into=xs`` lets an op
-    reuse a dead list's memory.
+    ``ops.kept(xs)`` marks a list that goes into the new state (``ops.kept(xs, replaces=buf)``:
+    the new value of buffer ``buf``, written into it at once on a donated eager step), and
+    ``into=xs`` lets an op reuse a dead list's memory.
 
     Args:
         name: the optimizer's name in error messages (``funcamp.<name>: ...``).
@@ -94,7 +95,7 @@ def elementwise(
 
     Returns:
         An :class:`~funcamp.Optimizer` whose state is a ``state``, with its capabilities
-        declared (a preflight check, fresh results, owned grads).
+        declared (a preflight check, fresh results, owned grads, a donated state).
 
     Example:
         >>> import torch, funcamp
@@ -185,6 +186,15 @@ def build(
     ) -> tuple[PyTree, Any]:
         return _run(cfg, grads, state, params, owned)
 
+    def run_donated(
+        grads: PyTree,
+        state: Any,
+        params: PyTree,
+        owned: Sequence[torch.Tensor],
+        found_inf: torch.Tensor,
+    ) -> tuple[PyTree, Any]:
+        return _run(cfg, grads, state, params, owned, found_inf)
+
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         return _run(cfg, grads, state, params, ())
 
@@ -216,6 +226,7 @@ def build(
             preflight=preflight,
             fresh=True,
             update_owned=run,
+            update_donated=run_donated,
             fused_step=fused_step,
             learning_rate=rate,
         ),
@@ -279,9 +290,16 @@ def _checked(
 
 
 def _run(
-    cfg: _Config, grads: PyTree, state: Any, params: PyTree, owned: Sequence[torch.Tensor]
+    cfg: _Config,
+    grads: PyTree,
+    state: Any,
+    params: PyTree,
+    owned: Sequence[torch.Tensor],
+    found_inf: torch.Tensor | None = None,
 ) -> tuple[PyTree, Any]:
-    """``update`` (``owned``: grads the caller donated, which the eager path may overwrite)."""
+    """``update`` (``owned``: grads the caller donated, which the eager path may overwrite;
+    ``found_inf``: the state is donated too, and its buffers receive their new values as the
+    algorithm keeps them, where not ``found_inf``)."""
     api = cfg.api
     gs, ps, spec = _checked(cfg, grads, state, params)
     count = state.count
@@ -290,15 +308,20 @@ def _run(
     lr = cfg.lr_fn(count)[0]
     bufs = {b: state_leaves(api, b, getattr(state, b), spec) for b in cfg.names}
     low_leaves = optree.tree_leaves(state.low)
+    buf_leaves = [x for v in bufs.values() for x in v]
     ops: Ops = choose_ops(
-        [*gs, *(ps or ()), *(x for v in bufs.values() for x in v), *low_leaves, count, lr],
+        [*gs, *(ps or ()), *buf_leaves, *low_leaves, count, lr],
         owned=_owned_grads(gs, owned),
         device=gs[0].device,
+        donated=buf_leaves,
+        found_inf=found_inf,
     )
     g = ops.to_math(gs)
     pm = math_params(api, cfg.mode, state.low, ps, spec) if ps is not None else None
+    flags = None
+    if cfg.mask is not None and ps is not None:  # a callable mask raises here, before the step
+        flags = mask_flags(api, cfg.mask, params)
     if cfg.mask is not None:
-        flags = mask_flags(api, cfg.mask, params) if ps is not None else None
         deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count, mask=flags)
     else:
         deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count)

@@ -119,13 +119,17 @@ def _sqrt_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
     return grad / (2 * out)
 
 
-#: Elements per chunk of :func:`exact_sqrt` on CPU: an 8 MB float64 scratch.
-_SQRT_CHUNK = 1 << 20
+#: Elements per chunk of :func:`exact_sqrt` on CPU: a 2 MB float64 scratch (the scratch is
+#: the only memory the eager donated Adam step holds beyond torch.optim's; as fast as 2**20
+#: elements, ~10 % faster than 2**16, ~3x faster than a whole 4M-element leaf at once:
+#: measured on an AMD EPYC, one thread, under load).
+_SQRT_CHUNK = 1 << 18
 
 
 def _plain_cpu(x: torch.Tensor) -> bool:
     """A plain eager dense CPU tensor nothing differentiates or transforms: in-place float64
-    work on a copy of it (rsqrt, reciprocal into ``out=``) is then invisible to everything."""
+    work on a copy of it (rsqrt, reciprocal, a copy into ``out``) is then invisible to
+    everything."""
     return (
         eager_path([x])
         and x.is_cpu
@@ -147,8 +151,8 @@ def exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     ``rsqrt`` takes ~1.3); ``1 / (1 / sqrt(x))`` -- ``rsqrt`` then ``reciprocal``, three float64
     roundings, within ``3 * 2**-53`` -- rounds the same and is ~1.6x faster (checked on all
     2**32 float32 bit patterns; the NaN of a negative input then has its sign bit set, as the
-    hardware square root inductor uses gives it). A contiguous CPU tensor of more than ``2**20``
-    elements goes through one 8 MB float64 scratch in chunks, so the root never holds a float64
+    hardware square root inductor uses gives it). A contiguous CPU tensor of more than ``2**18``
+    elements goes through one 2 MB float64 scratch in chunks, so the root never holds a float64
     copy of a whole large leaf. Anything but a plain eager dense CPU tensor -- one autograd
     differentiates (forward or reverse), under ``torch.func`` transforms or ``torch.compile``,
     sparse or nested, on CUDA -- takes torch's float64 ``sqrt`` (its derivative, batching rule
@@ -174,14 +178,15 @@ def plain_exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
         scratch = torch.empty(_SQRT_CHUNK, dtype=torch.float64)
         for i in range(0, n, _SQRT_CHUNK):
             j = min(i + _SQRT_CHUNK, n)
-            part = scratch[: j - i].copy_(flat_x[i:j]).rsqrt_()
-            torch.reciprocal(part, out=flat_out[i:j])
+            part = scratch[: j - i].copy_(flat_x[i:j]).rsqrt_().reciprocal_()
+            flat_out[i:j].copy_(part)
         return out
+    # In place on `wide`, a fresh float64 copy of ours, then rounded once into float32 (a
+    # float32 `out=` of a float64 op would take a float64 temporary of its own: torch's
+    # TensorIterator computes in the common dtype, then casts into `out`).
     wide = x.to(torch.float64)
-    wide.rsqrt_()  # in place: `wide` is a fresh float64 copy of ours
-    if out is None:
-        return torch.reciprocal(wide).to(torch.float32)
-    return torch.reciprocal(wide, out=out)  # taken in float64, rounded once into float32
+    wide.rsqrt_().reciprocal_()
+    return wide.to(torch.float32) if out is None else out.copy_(wide)
 
 
 def _sqrt_kernel(x: torch.Tensor) -> torch.Tensor:

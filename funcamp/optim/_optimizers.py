@@ -125,7 +125,7 @@ def _sgd_step(momentum: float, dampening: float, nesterov: bool, weight_decay: f
                 buf = ops.where(count == 0, d, ops.fma(d, 1.0 - dampening, buf))
             else:
                 buf = ops.add(buf, d, into=buf)
-            new["momentum"] = ops.kept(buf)
+            new["momentum"] = buf = ops.kept(buf, replaces=buffers["momentum"])
             if nesterov:
                 d = free = ops.fma(buf, momentum, d, into=d)
             else:  # the step is the kept buffer; the result goes into the dead grads
@@ -255,21 +255,22 @@ def _adam_step(b1: float, b2: float, eps: float, weight_decay: float, decoupled:
         # p.addcdiv_(exp_avg, denom, value=-step_size), that is p + (-step_size * m) / denom.
         if weight_decay > 0 and not decoupled:
             g = ops.fma(p, weight_decay, g, into=g)
-        m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
-        # v first: the new m then goes into the grads (when the eager path owns them)
-        vb = ops.mul(v, b2)
-        v = ops.kept(ops.addcmul(vb, g, g, 1.0 - b2, into=vb))
-        m = ops.kept(ops.lerp(m, g, 1.0 - b1, into=g))
-        del vb
         # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
         t = (count + 1).to(torch.float64)
         lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
         neg_step = ops.scalar(-(lr64 / (1.0 - torch.pow(b1, t))))
         bc2_sqrt = ops.scalar(torch.sqrt(1.0 - torch.pow(b2, t)))
-        denom = ops.sqrt(v)  # correctly rounded (torch's eager float32 sqrt is not always)
+        # v first, into a temporary, then m into the grads (when the eager path owns them). On
+        # a donated state each goes into its buffer as it is kept, leaving the temporary for
+        # the denominator and the grads for the step: torch.optim's memory (one temporary).
+        vb = ops.mul(buffers["exp_avg_sq"], b2)
+        v = ops.kept(ops.addcmul(vb, g, g, 1.0 - b2, into=vb), replaces=buffers["exp_avg_sq"])
+        m = ops.kept(ops.lerp(buffers["exp_avg"], g, 1.0 - b1, into=g), replaces=buffers["exp_avg"])
+        # correctly rounded (torch's eager float32 sqrt is not always)
+        denom = ops.sqrt(v, into=vb)
         denom = ops.div(denom, bc2_sqrt, into=denom)
         denom = ops.add(denom, eps, into=denom)
-        deltas = ops.mul(m, neg_step)
+        deltas = ops.mul(m, neg_step, into=g)
         deltas = ops.div(deltas, denom, into=deltas)
         on = _decayed(mask)  # the masked-off leaves keep the plain step (weight_decay=0)
         if weight_decay > 0 and decoupled and on != []:
@@ -445,7 +446,7 @@ def _lion_step(b1: float, b2: float, weight_decay: float) -> Any:
         direction = ops.fma(g, 1.0 - b1, direction, into=direction)
         direction = ops.sign(direction, into=direction)
         new_m = ops.mul(m, b2)
-        new_m = ops.kept(ops.fma(g, 1.0 - b2, new_m, into=new_m))
+        new_m = ops.kept(ops.fma(g, 1.0 - b2, new_m, into=new_m), replaces=m)
         neg_lr = ops.scalar(-lr)
         on = _decayed(mask) if weight_decay > 0 else []
         if on == []:  # -lr * (+-1 or 0) is exact: apply_updates adds it as torch does

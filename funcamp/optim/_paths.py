@@ -35,6 +35,7 @@ import torch
 
 from funcamp._core.context import compiling, dual_level_active, eager_path, tracks_grad
 from funcamp._core.numerics import f32, hoist_scalar, math_dtype, spread
+from funcamp._core.tree import where_into
 from funcamp.optim._numerics import EXACT_SQRT, FUSED_FMA, exact_sqrt, plain_exact_sqrt
 
 __all__ = ["EagerOps", "Ops", "TracedOps", "choose_ops"]
@@ -155,8 +156,16 @@ class Ops:
         """``xs`` in the math dtype (float32, float64 for float64 leaves)."""
         return [x.to(math_dtype(x.dtype)) for x in xs]
 
-    def kept(self, xs: Tensors) -> Tensors:
-        """Mark ``xs`` as kept (it goes into the new state): never written into afterwards."""
+    def kept(self, xs: Tensors, replaces: Tensors | None = None) -> Tensors:
+        """Mark ``xs`` as kept (it goes into the new state): never written into afterwards.
+
+        ``replaces``: the state buffer whose new value ``xs`` is. On a donated eager step (the
+        caller gave up its state, see :class:`~funcamp.optim.Capabilities`' ``update_donated``)
+        the new values are written into that buffer at once -- ``where(found_inf, old, new)``,
+        so a skipped step leaves it bit-identical -- and the buffer is returned, leaving
+        ``xs`` dead (free for ``into=``). Use only the returned list afterwards, never
+        ``replaces``, and call it once nothing that can raise is left. Elsewhere ``xs`` is
+        returned."""
         return xs
 
     def add(self, xs: Tensors, y: Scalar, into: Tensors | None = None) -> Tensors:
@@ -220,12 +229,23 @@ class EagerOps(Ops):
 
     path = "eager"
 
-    def __init__(self, device: torch.device, owned: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        owned: Iterable[torch.Tensor] = (),
+        donated: Iterable[torch.Tensor] = (),
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
         super().__init__(device)
         # Weak references: temporaries die as soon as the algorithm drops them, and a dead
         # one's id reused by another tensor is not mistaken for it.
         self._owned: dict[int, weakref.ref[torch.Tensor]] = {}
         self._own(owned)
+        # A donated state: its buffers receive their new values in `kept` (selected by
+        # `found_inf`); `_apply` is `not found_inf`, `_masks` the bit masks of that select.
+        self._donated = {id(x): x for x in donated} if found_inf is not None else {}
+        self._apply = None if found_inf is None else ~found_inf
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
 
     def _own(self, xs: Iterable[torch.Tensor]) -> None:
         for x in xs:
@@ -249,10 +269,33 @@ class EagerOps(Ops):
         self._own(m for m, x in zip(out, xs) if m is not x)
         return out
 
-    def kept(self, xs: Tensors) -> Tensors:
+    def kept(self, xs: Tensors, replaces: Tensors | None = None) -> Tensors:
+        apply = self._apply
+        if apply is not None and replaces is not None and self._commits(xs, replaces):
+            for old, new in zip(replaces, xs):  # old = where(found_inf, old, new), in place
+                where_into(apply.to(old.device), new, old, self._masks)
+                self._donated.pop(id(old))  # written once
+            return replaces
         for x in xs:
             self._owned.pop(id(x), None)
         return xs
+
+    def _commits(self, xs: Tensors, replaces: Tensors) -> bool:
+        """Whether ``xs`` goes into the donated buffers ``replaces`` now: every one of them
+        donated and not yet written, each new leaf of its buffer's dtype and shape on its
+        device, and no new leaf the buffer itself."""
+        if len(xs) != len(replaces) or not self._donated:
+            return False
+        for new, old in zip(xs, replaces):
+            if (
+                self._donated.get(id(old)) is not old
+                or new is old
+                or new.dtype != old.dtype
+                or new.shape != old.shape
+                or new.device != old.device
+            ):
+                return False
+        return True
 
     def _into(self, into: Tensors | None, *operands: Any) -> Tensors | None:
         """``into`` if this update owns it and each of its tensors can take its leaf's result
@@ -401,15 +444,23 @@ class TracedOps(Ops):
 
 
 def choose_ops(
-    tensors: Sequence[Any], *, owned: Sequence[torch.Tensor] = (), device: Any = None
+    tensors: Sequence[Any],
+    *,
+    owned: Sequence[torch.Tensor] = (),
+    device: Any = None,
+    donated: Sequence[torch.Tensor] = (),
+    found_inf: torch.Tensor | None = None,
 ) -> Ops:
     """The execution path for one update whose input tensors are ``tensors`` (grads, params,
     state leaves, the learning rate): :class:`EagerOps` when :func:`eager_path` holds (owning
-    ``owned``, grads donated by the caller), else :class:`TracedOps`.
+    ``owned``, grads donated by the caller; with ``found_inf``, the state buffers ``donated``
+    receive their new values in :meth:`Ops.kept`), else :class:`TracedOps`.
     """
     if device is None:
         first = next((x for x in tensors if isinstance(x, torch.Tensor)), None)
         device = first.device if first is not None else torch.device("cpu")
     if eager_path(tensors):
-        return EagerOps(device, owned)
+        if found_inf is not None and not eager_path([found_inf]):
+            found_inf = None  # then the caller selects and writes the new state itself
+        return EagerOps(device, owned, donated, found_inf)
     return TracedOps(device, fused=compiling())

@@ -169,7 +169,11 @@ def unscale_and_step(
             mode) then runs torch's fused SGD kernel, which skips on ``found_inf`` by itself
             (no host sync): one pass over the params, GradScaler's own cost, and
             ``torch.optim.SGD``'s params bit for bit (the out-of-place path adds a delta, which
-            can be an ulp off where a step nearly reaches zero). Tensors of
+            can be an ulp off where a step nearly reaches zero). The other built-in
+            optimizers (``adam``, ``adamw``, ``sgd`` with momentum, ``lion``; see
+            ``Capabilities.update_donated``) then write each new buffer into the old one as
+            soon as it is known, selected on ``found_inf``: Adam's eager step holds
+            ``torch.optim``'s memory (one params-sized temporary). Tensors of
             ``params``/``opt_state`` that share memory are refused (eager).
 
         grad_norm: compute ``info.grad_norm``, the global L2 norm of the unscaled gradients
@@ -259,7 +263,7 @@ def unscale_and_step(
     with summing_across(across):
         if eager:
             params_out, opt_state_out = _step_eager(
-                optimizer, unscaled, opt_state, params, found_inf, taken, out
+                optimizer, unscaled, opt_state, params, found_inf, taken, out, donate_state
             )
         else:
             params_out, opt_state_out = _step_traced(
@@ -314,14 +318,19 @@ def _step_eager(
     found_inf: torch.Tensor,
     taken: set[int | None],
     grads: list[torch.Tensor],
+    donate_state: bool,
 ) -> tuple[PyTree, PyTree]:
     """The eager path: the unscaled ``grads`` are this step's own (or donated), so an optimizer
-    that declares ``update_owned`` may overwrite them; one that declares ``fresh`` returns only
-    new tensors or its inputs' leaves, so each new tensor that shares memory with no input and no
-    other output is ours to reuse: a delta receives its new param (after the skip mask), a new
-    state leaf its selection."""
+    that declares ``update_owned`` may overwrite them (and with ``donate_state``, one that
+    declares ``update_donated`` writes its new buffers into the old ones, selected by
+    ``found_inf``: those leaves come back as the very tensors of ``opt_state``); one that
+    declares ``fresh`` returns only new tensors or its inputs' leaves, so each new tensor that
+    shares memory with no input and no other output is ours to reuse: a delta receives its new
+    param (after the skip mask), a new state leaf its selection."""
     caps = optimizer.capabilities
-    if caps.update_owned is not None:
+    if donate_state and caps.update_donated is not None:
+        updates, new_opt_state = caps.update_donated(unscaled, opt_state, params, grads, found_inf)
+    elif caps.update_owned is not None:
         updates, new_opt_state = caps.update_owned(unscaled, opt_state, params, grads)
     else:
         updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
