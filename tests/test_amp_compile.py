@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -203,6 +204,12 @@ def test_loss_module_built_inside_compiled_amp_keeps_its_float32_rule(
     assert out.dtype == torch.float32 and torch.equal(out, eager), (out.item(), eager.item())
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("FUNCAMP_TEST_ALL_MODELS") != "1",
+    reason="inductor's numerics of the routed loss module (30 s of compile on 2 cores; the "
+    "routing itself is tested above, compiled); FUNCAMP_TEST_ALL_MODELS=1",
+)
 def test_loss_module_built_inside_compiled_amp_inductor(ce_inputs: Any) -> None:
     eager = funcamp.amp(_ce_in_forward, "mixed_bfloat16")(*ce_inputs)
     out = torch.compile(funcamp.amp(_ce_in_forward, "mixed_bfloat16"), fullgraph=True)(*ce_inputs)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import optree
+import pytest
 import torch
 import torch.nn as nn
 from torch.func import functional_call
@@ -50,6 +51,7 @@ def resume(checkpoint: str, out: str) -> None:
     torch.save(funcamp.state_dict(state), out)
 
 
+@pytest.mark.slow
 def test_resume_in_fresh_process_is_bit_identical(tmp_path: Path):
     state, step, batches = _setup()
     straight = state

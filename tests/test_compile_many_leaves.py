@@ -74,6 +74,7 @@ def _run(step, opt, steps: int = 4):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make",
     [
@@ -121,6 +122,7 @@ def test_compiled_step_spreads_its_scalars_over_the_leaves() -> None:
     assert sorted({n.args[1] for n in copies}) == [4, 7], [n.args for n in copies]
 
 
+@pytest.mark.slow
 def test_compiled_vmapped_update_over_many_leaves_matches_eager() -> None:
     """funcamp::copies batches under vmap (an ensemble of optimizer states, compiled)."""
     opt = funcamp.adam(0.1, 0.8, 0.99)

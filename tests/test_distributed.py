@@ -22,7 +22,7 @@ from bitwise import assert_bitwise
 import funcamp
 from funcamp.testing import assert_trees_close, assert_trees_equal
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BATCH = 12  # divisible by 2 and 3: equal shards
 STEPS = 5

@@ -65,6 +65,7 @@ def _worker(rank: int, out_dir: str) -> None:
     ranks.leave()
 
 
+@pytest.mark.slow
 def test_two_ranks_skip_together_and_stay_identical(tmp_path):
     args = [(rank, str(tmp_path)) for rank in range(WORLD_SIZE)]
     run = ranks.start(_worker, args, tmp_path, preload=[__name__], timeout_s=TIMEOUT_S)
@@ -84,6 +85,7 @@ def test_two_ranks_skip_together_and_stay_identical(tmp_path):
     assert r0["scaler"]["scale"].item() == 256.0
 
 
+@pytest.mark.slow
 def test_step_with_collectives_compiles_to_one_graph(single_rank_group):
     """The collectives trace: one graph, no breaks, all-reduces in it, same result as eager.
 

@@ -27,6 +27,7 @@ def _load():
     return module
 
 
+@pytest.mark.slow
 def test_choose_policy_short_run(tmp_path: Path) -> None:
     example = _load()
     out = example.main(["--quiet", "--no-compile", "--epochs", "3", "--out", str(tmp_path)])

@@ -96,6 +96,7 @@ def test_train_digits_resume_refuses_another_policy(tmp_path: Path, capsys):
     assert "update kahan" not in out  # float32 params: the option does nothing, not printed
 
 
+@pytest.mark.slow
 def test_train_digits_says_it_compiles(tmp_path: Path, capsys):
     digits = _load("train_digits")
     args = ["--quiet", "--out", str(tmp_path), "--backend", "eager", "--steps", "3"]
@@ -128,6 +129,7 @@ def test_train_digits_other_policies(tmp_path: Path):
     ]
 
 
+@pytest.mark.slow
 def test_train_digits_bf16_params_match_float32(tmp_path: Path):
     """bfloat16 params with Kahan-compensated or stochastically rounded Adam updates reach the
     float32-params accuracy within 0.5 percentage points (5 epochs, eager: all three 0.9194; the
@@ -143,6 +145,7 @@ def test_train_digits_bf16_params_match_float32(tmp_path: Path):
     assert digits.parse_args([]).update == "kahan"  # the documented default
 
 
+@pytest.mark.slow
 def test_train_digits_fp8_tracks_bf16(tmp_path: Path):
     """FP8 linears with delayed scaling, compiled (dynamo + AOT autograd, the aot_eager backend
     to keep the suite fast): >= 0.94 test accuracy in 10 epochs, and the per-epoch mean loss
@@ -179,6 +182,7 @@ def test_public_names_exported():
         assert name in funcamp.__all__ and hasattr(funcamp, name)
 
 
+@pytest.mark.slow
 def test_train_gpt2_chars_learns(tmp_path: Path, capsys):
     """The transformers example, shortened (eager, 30 steps, a small batch): it learns."""
     pytest.importorskip("transformers")
@@ -191,6 +195,7 @@ def test_train_gpt2_chars_learns(tmp_path: Path, capsys):
     assert "| 30 steps in " in out and "sample: " in out and "plot: " in out
 
 
+@pytest.mark.slow
 def test_train_gpt2_chars_fp8_flag(tmp_path: Path):
     """--fp8 delayed runs GPT-2's 8 Conv1D layers and lm_head in FP8 (9 state entries) and
     learns; 6 eager steps of a small batch (~4-7 s). (60 eager steps at the default sizes, seed

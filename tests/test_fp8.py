@@ -428,6 +428,7 @@ def counting_compile(step_fn_builder):
     return step_fn_builder(backend), graphs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
 def test_compiled_step_is_one_graph_no_recompile_and_matches_eager(recipe: str) -> None:
     r = Fp8Recipe.current() if recipe == "current" else Fp8Recipe.delayed(4)

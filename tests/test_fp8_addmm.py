@@ -400,6 +400,7 @@ def gpt2_compiled() -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_gpt2_fp8_train_step_eager_threads_a_history_per_site(gpt2_eager) -> None:
     """make_train_step on GPT-2, delayed FP8: it trains, and state.fp8 holds one history per
     FP8 site (8 Conv1D, lm_head) with every step's amaxes and the scales TE's rule gives."""
@@ -427,6 +428,7 @@ def test_gpt2_fp8_train_step_compiled_equals_eager(gpt2_eager, gpt2_compiled) ->
     assert_states_equal(gpt2_compiled["final"], gpt2_eager["final"])
 
 
+@pytest.mark.slow
 def test_addmm_sites_and_fallbacks_compile_to_one_graph_equal_to_eager() -> None:
     """fullgraph compile (aot_eager) of the gradient through FP8 addmm sites, a linear site and
     the fallbacks of Odd: the same loss, gradients and FP8 state as eager."""

@@ -178,6 +178,7 @@ def trained():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_train_step_in_low_precision(trained, name):
     _, _, states = trained[name]
@@ -308,6 +309,7 @@ def test_lion_mask_is_the_reference_with_no_decay_where_false_eager_and_compiled
     _equal(cstate, state)
 
 
+@pytest.mark.slow
 def test_adamw_mask_compiled_is_eager_and_masks_broadcast_like_optax():
     """A compiled masked update (fullgraph: the mask resolves while tracing) gives the eager
     bits; a prefix mask (one bool per subtree, as optax allows) is the expanded mask; True

@@ -271,6 +271,7 @@ def inductor_step():
     return opts, step, torch.compile(step, fullgraph=True)  # default backend: inductor
 
 
+@pytest.mark.slow
 def test_every_mode_is_bit_identical_eager_and_inductor(inductor_step):
     opts, step, compiled = inductor_step
     params = {name: _params(i) for i, name in enumerate(opts)}

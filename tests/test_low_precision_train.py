@@ -16,6 +16,9 @@ import funcamp
 from funcamp.optim import KahanState, MasterWeightsState, StochasticRoundingState
 
 #: The optree namespace funcamp documents for its state types (docs/concepts.md).
+pytestmark = pytest.mark.slow  # inductor compiles of every mode: not in the quick subset
+
+
 NAMESPACE = "funcamp"
 
 MODES = {

@@ -347,6 +347,7 @@ def _make_step(opt):
     return step
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(
     shape_list=shapes,
@@ -382,6 +383,7 @@ def test_eager_and_compiled_agree_bit_for_bit(
             assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_inductor_agrees_with_eager_bit_for_bit():
     """Inductor lowers funcamp::fma to the hardware fused multiply-add and funcamp::sqrt to its
     exact square root: Adam, AdamW and SGD with momentum over 6 steps, every bit equal."""
@@ -529,6 +531,7 @@ def _compile_case():
     return opt, step
 
 
+@pytest.mark.slow
 def test_update_compiles_without_breaks_or_recompiles():
     opt, step = _compile_case()
     params = {"a": torch.randn(5, 3), "b": [torch.randn(7)]}
@@ -605,6 +608,7 @@ def test_update_vmaps_over_a_batch_of_states():
     assert isinstance(new, AdamState) and new.count.shape == (4,)
 
 
+@pytest.mark.slow
 def test_compiled_vmapped_update_matches_eager_bit_for_bit():
     """vmap (an ensemble of optimizer states) under inductor: funcamp::fma and funcamp::sqrt
     batch as themselves, so the compiled ensemble update is eager's, bit for bit."""

@@ -382,6 +382,7 @@ def test_sigkill_mid_run_then_resume_is_bit_identical_to_an_uninterrupted_run(tm
     assert int(want["opt_state"]["count"]) + int(want["scaler"]["skipped"]) == steps
 
 
+@pytest.mark.slow
 def test_a_later_save_removes_what_a_killed_save_left_behind(tmp_path):
     """A process killed in the middle of a save leaves its temporary file (up to the whole
     state's size). While the writer lives, other saves to that path leave its file alone; once it

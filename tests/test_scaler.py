@@ -1347,6 +1347,7 @@ def test_donated_sgd_runs_in_place_like_torch(weight_decay, schedule, monkeypatc
     assert len(calls) == 8  # the fused kernel ran every step, the skipped one included
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_donated_step_matches_the_pure_step(backend):
     """Any optimizer (Adam here: no in-place kernel): the same bits as without donation, and

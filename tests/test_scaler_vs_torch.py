@@ -140,6 +140,7 @@ class GradScalerMachine(RuleBasedStateMachine):
 
 
 TestGradScalerMachine = GradScalerMachine.TestCase
+TestGradScalerMachine.pytestmark = [pytest.mark.slow]  # a long stateful run
 TestGradScalerMachine.settings = settings(
     max_examples=200,
     stateful_step_count=8,

@@ -249,6 +249,7 @@ def _check(got: dict, got_metrics, want: dict, want_metrics, world: int, steps: 
     assert int(got["buffers"]["seen"]) == steps * (BATCH // world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "key"),
     [
@@ -280,6 +281,7 @@ def test_sharded_step_matches_one_process(runs, reference, world, key):
         assert_bitwise(res[key], runs[world][0][key])
 
 
+@pytest.mark.slow
 def test_two_sharded_ranks_are_bitwise_data_parallel(runs):
     """Sharded over 2 ranks, the reduce-scatter sums the same two gradients DP's all-reduce
     sums (and halving is exact): params, optimizer state and scaler come out bit for bit."""
@@ -289,6 +291,7 @@ def test_two_sharded_ranks_are_bitwise_data_parallel(runs):
             assert_bitwise(got[part], want[part])
 
 
+@pytest.mark.slow
 def test_the_state_stays_sharded_and_the_rule_holds(runs):
     for world in (2, 4):
         placements = runs[world][0]["placements"]
@@ -298,6 +301,7 @@ def test_the_state_stays_sharded_and_the_rule_holds(runs):
     assert runs[2][0]["placements"]["b2"] == runs[4][0]["placements"]["b2"] == "(Shard(dim=0),)"
 
 
+@pytest.mark.slow
 def test_params_and_optimizer_state_take_about_one_nth_per_rank(runs):
     """Measured: bytes of the local shards of params + AdamW state on each rank."""
     full = _local_bytes((_init(_adamw()).params, _init(_adamw()).opt_state))
@@ -308,6 +312,7 @@ def test_params_and_optimizer_state_take_about_one_nth_per_rank(runs):
         assert sum(per_rank) >= full  # nothing is lost; replicated leaves count N times
 
 
+@pytest.mark.slow
 def test_compiled_sharded_step_is_one_graph_with_the_collectives_inside(runs):
     """On 2 ranks, one graph per rank (fullgraph, never recompiled over 7 steps): one
     all-gather of the packed float32 params, its reduce-scatter in the backward, the packed
@@ -317,6 +322,7 @@ def test_compiled_sharded_step_is_one_graph_with_the_collectives_inside(runs):
         assert res["graphs"] == [{"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}]
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_on_two_ranks_loads_on_four_and_on_one(runs):
     saved = runs[2][0]["eager"]
     for res in runs[4]:
@@ -447,6 +453,7 @@ def test_sharded_step_checks_its_arguments(mesh):
 # ------------------------------------------------------- what composes with `mesh` now
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
 def test_donated_sharded_step_writes_the_shards_in_place(mesh, backend):
     """donate_state with `mesh`: the same bits as the pure sharded step, the new params and

@@ -65,6 +65,7 @@ def _run(name: str, text: str, replace: dict[str, str] | None = None) -> dict[st
     return namespace
 
 
+@pytest.mark.slow
 def test_readme_quick_start():
     blocks = _blocks(_readme_quick_start())
     assert len(blocks) == 1, "the README's quick start must be one standalone block"
@@ -77,6 +78,7 @@ def test_readme_and_docs_share_one_quick_start():
     assert readme[0] == index[0], "README.md and docs/index.md quick starts differ"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "page",
     [

@@ -89,6 +89,7 @@ def _guide_script() -> str:
     return block.replace(call, 'cache_dir="compiled-steps", backend="aot_eager")') + _DUMP
 
 
+@pytest.mark.slow
 def test_the_guide_run_twice_loads_the_step_without_tracing(tmp_path):
     """The guide's script, run as a file in two processes: the first compiles and saves, the
     second loads the step, traces nothing, and trains to the same bits (as eager does)."""
@@ -128,6 +129,7 @@ def test_the_guide_run_twice_loads_the_step_without_tracing(tmp_path):
     assert _same(namespace["state"].params, first["params"])
 
 
+@pytest.mark.slow
 def test_a_changed_constant_is_not_loaded(tmp_path, caplog, monkeypatch):
     cache = str(tmp_path)
     model = cm.make_model()
@@ -144,6 +146,7 @@ def test_a_changed_constant_is_not_loaded(tmp_path, caplog, monkeypatch):
     assert not _same(state.params, reference.params)
 
 
+@pytest.mark.slow
 def test_a_changed_model_attribute_or_optimizer_is_not_loaded(tmp_path, caplog):
     cache = str(tmp_path)
     model = cm.make_model()
@@ -162,6 +165,7 @@ def test_a_changed_model_attribute_or_optimizer_is_not_loaded(tmp_path, caplog):
     assert _same(state.params, eager_state.params)
 
 
+@pytest.mark.slow
 def test_changed_source_is_not_loaded(tmp_path, caplog, monkeypatch):
     """The model's forward is edited on disk between runs: the entry made from the old
     source is not loaded into the new one (the loss function itself is unchanged)."""
@@ -194,6 +198,7 @@ def test_changed_source_is_not_loaded(tmp_path, caplog, monkeypatch):
     sys.modules.pop("edited_net", None)
 
 
+@pytest.mark.slow
 def test_new_shapes_add_an_entry_and_both_are_reused(tmp_path, caplog):
     cache = str(tmp_path)
     model = cm.make_model()
@@ -217,6 +222,7 @@ def test_new_shapes_add_an_entry_and_both_are_reused(tmp_path, caplog):
     assert _same(big.params, _train(_eager(model), model, cm.make_batch(8))[0].params)
 
 
+@pytest.mark.slow
 def test_a_corrupt_entry_is_compiled_again_and_replaced(tmp_path, caplog):
     cache = str(tmp_path)
     model = cm.make_model()
@@ -236,6 +242,7 @@ def test_a_corrupt_entry_is_compiled_again_and_replaced(tmp_path, caplog):
     assert _same(state.params, reference.params)
 
 
+@pytest.mark.slow
 def test_donated_state_through_the_cache(tmp_path):
     cache = str(tmp_path)
     model = cm.make_model()
@@ -246,6 +253,7 @@ def test_donated_state_through_the_cache(tmp_path):
     assert len(_entries(cache)) == 1
 
 
+@pytest.mark.slow
 def test_inductor_entry_gives_the_compiled_bits(tmp_path, caplog):
     cache = str(tmp_path)
     model = cm.make_model()
@@ -326,6 +334,7 @@ print(hashlib.sha256(repr(key).encode()).hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_the_key_is_the_same_in_every_process():
     """Sets (in torch's configs, in a function's constants) iterate in a per-process order
     (string hashing is salted per process): the key must not depend on it."""
@@ -376,6 +385,7 @@ def test_checks_look_at_what_each_guard_looks_at():
     assert guard_views(keys, {"a": 1, "b": 2}) != guard_views(keys, {"b": 2, "a": 1})
 
 
+@pytest.mark.slow
 def test_tensors_passed_twice_are_part_of_the_key(tmp_path):
     """A state with two params that are one tensor (tied weights) compiles to a graph that
     reads it once; an untied state of the same shapes must not reuse it."""
@@ -400,6 +410,7 @@ def test_tensors_passed_twice_are_part_of_the_key(tmp_path):
     assert len(_entries(cache)) == 2
 
 
+@pytest.mark.slow
 def test_object_leaves_run_uncached(tmp_path, caplog):
     class Scale:
         def __init__(self, k):
@@ -450,6 +461,7 @@ def test_code_without_a_source_file_is_not_saved(tmp_path, caplog):
     assert _entries(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_function_mode_is_part_of_the_key(tmp_path):
     model = cm.make_model()
     step = _step(model, str(tmp_path))
@@ -465,6 +477,7 @@ def test_a_function_mode_is_part_of_the_key(tmp_path):
     assert _same(again.params, plain.params)
 
 
+@pytest.mark.slow
 def test_a_hugging_face_model_is_saved_and_loaded(tmp_path, caplog):
     """What dynamo guards in a transformers model (a config object shared by the layers, code
     objects in closures, os.environ read by the attention dispatch) can all be checked."""

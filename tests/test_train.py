@@ -139,6 +139,7 @@ def test_train_state_is_a_pytree_for_both_registries():
 # ------------------------------------------------------------------------------ compiled step
 
 
+@pytest.mark.slow
 def test_compiled_one_graph_no_recompiles_matches_eager(compiled_step, eager_step):
     """100 steps: LR schedule, growing/backing-off scale, injected overflows, 1 graph."""
     batches = _batches(100, bad_every=17)
@@ -161,6 +162,7 @@ def test_compiled_one_graph_no_recompiles_matches_eager(compiled_step, eager_ste
     assert int(s_c.opt_state[1].count) == 100 - sum(found)
 
 
+@pytest.mark.slow
 def test_inductor_matches_eager(inductor_step):
     eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
     s_c = s_e = _state("float32")
@@ -418,6 +420,7 @@ def _own(state: funcamp.TrainState) -> funcamp.TrainState:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
 def test_donated_step_matches_and_reuses_the_input_tensors(backend, inductor_step):
     kw = {"compile": False} if backend is None else {"backend": backend}
@@ -444,6 +447,7 @@ def test_donated_step_matches_and_reuses_the_input_tensors(backend, inductor_ste
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow
 def test_donated_step_writes_batchnorm_buffers_in_place():
     model = _bn_model()
 
@@ -681,6 +685,7 @@ def _mlp_loss_with_break(params, buffers, batch):
     return torch.nn.functional.mse_loss(h @ params["w2"], y)
 
 
+@pytest.mark.slow
 def test_fullgraph_false_compiles_a_breaking_loss_fn_in_pieces_equal_to_eager():
     # The way out the graph-break message names: compiled in pieces around the break, with
     # gradients from torch.autograd (dynamo cannot resume inside torch.func.grad), bit for
@@ -730,6 +735,7 @@ def test_shape_error_in_compiled_step_is_the_plain_torch_error(capfd):
     assert "fake_tensor" not in err and "Traceback" not in err, err[:500]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True])
 def test_grad_norm_false_leaves_the_metric_out_and_changes_nothing_else(compile: bool) -> None:
     g = torch.Generator().manual_seed(0)
@@ -859,6 +865,7 @@ def test_load_into_module_checks_names_and_shapes_before_writing():
     assert all(torch.equal(params[k], original[k]) for k in params)  # nothing was written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "aot_eager"])
 def test_metrics_report_the_learning_rate_each_step_applied(compile):
     """``metrics["lr"]`` is the schedule at the count of updates applied before the step (a

@@ -80,6 +80,7 @@ def _check_modes(model, states, losses, modes, start):
         before = state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("modes", [TRAIN_EVAL, EVAL_TRAIN], ids=["train-first", "eval-first"])
 def test_compiled_step_follows_the_mode_bit_for_bit(modes):
     model = _model()
@@ -98,6 +99,7 @@ def test_compiled_step_follows_the_mode_bit_for_bit(modes):
     _check_modes(model, got_states, got, modes * 2, _state(model))
 
 
+@pytest.mark.slow
 def test_inductor_step_follows_the_mode():
     """The default backend: evaluation losses equal eager's, running statistics move only in
     training (and as eager moves them); a training loss differs from the evaluation loss of the
@@ -126,6 +128,7 @@ def test_inductor_step_follows_the_mode():
         state = ref
 
 
+@pytest.mark.slow
 def test_step_on_disk_follows_the_mode(tmp_path, caplog):
     """``cache_dir``: an entry per mode on disk, each checked on every call; a new step (as in
     a new process) loads the entry of the mode the model is in."""
@@ -153,6 +156,7 @@ def test_step_on_disk_follows_the_mode(tmp_path, caplog):
         assert not any("compiling" in r.message for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_data_parallel_step_follows_the_mode(single_rank_group):
     model = _model()
     loss_fn = _loss(model)
@@ -166,6 +170,7 @@ def test_data_parallel_step_follows_the_mode(single_rank_group):
     assert_bitwise(funcamp.state_dict(got_states[-1]), funcamp.state_dict(want_states[-1]))
 
 
+@pytest.mark.slow
 def test_sharded_step_follows_the_mode(single_rank_group):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -182,6 +187,7 @@ def test_sharded_step_follows_the_mode(single_rank_group):
 
 
 # ------------------------------------------------------------------------------- the eval step
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_eval_step_follows_the_mode_and_changes_nothing(backend):
     """The eval step is the model's functional call under amp without gradients: in eval mode
