@@ -113,14 +113,20 @@ def compile_fn(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[...,
 _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
 
+def _drop(record: logging.LogRecord) -> bool:
+    return False
+
+
 @contextlib.contextmanager
 def _quiet(logger: logging.Logger) -> Any:
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    """Hold back what ``logger`` itself logs. A filter, not ``setLevel``: this runs on every
+    call of a compiled step, and each ``setLevel`` clears the level cache of every logger
+    (~0.2 ms with torch's loggers)."""
+    logger.addFilter(_drop)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(_drop)
 
 
 def describe_option(value: Any) -> Any:
@@ -302,13 +308,14 @@ def wrap_step(
         if run is train_step:
             new, metrics = train_step(local, batch)
         else:
-            # A donated state is re-run on copies: that run is only for the error message.
-            rerun = clone_buffers(local) if donate_state else local
+            # A failed trace re-runs the step eagerly, only for the error message: a donated
+            # state on copies (made then: a failed trace wrote nothing, and copying the whole
+            # state on every call cost 0.5 ms of a 3 ms step).
             new, metrics = run_compiled(
                 api,
                 run,
                 (local, batch),
-                lambda: train_step(rerun, batch),
+                lambda: train_step(clone_buffers(local) if donate_state else local, batch),
                 engine,
                 first=len(expected) == 1,
             )
