@@ -524,9 +524,52 @@ def test_a_value_assumed_constant_is_not_saved(tmp_path, caplog):
     )
     state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
     with caplog.at_level(logging.INFO, logger="funcamp"):
-        step(state, cm.make_batch())
+        first, _ = step(state, cm.make_batch())
     assert any("assume_constant_result" in m for m in _messages(caplog)), _messages(caplog)
     assert _entries(tmp_path) == []
+    (note,) = [f for f in os.listdir(tmp_path) if f.endswith(".funcamp-unsaved")]
+    assert "assume_constant_result" in (tmp_path / note).read_text()
+    # A later process with the same key reads the note and compiles as usual at once: no
+    # precompile (which misses torch's compile caches) only to fail to save again.
+    caplog.clear()
+    again = funcamp.make_train_step(
+        loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
+    )
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        second, _ = again(state, cm.make_batch())
+    messages = _messages(caplog)
+    assert any("an earlier process found that it cannot be saved" in m for m in messages)
+    assert not any("did not save it" in m for m in messages), messages
+    assert _same(first.params, second.params)
+
+
+def test_a_note_that_a_step_cannot_be_saved_is_respected_until_deleted(tmp_path, caplog):
+    def loss_fn(params, buffers, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(x @ params["w"], y)
+
+    opt = funcamp.sgd(0.1)
+    state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
+
+    def run():
+        step = funcamp.make_train_step(
+            loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
+        )
+        return step(state, cm.make_batch())
+
+    run()
+    (entry,) = _entries(tmp_path)
+    (tmp_path / entry).unlink()
+    note = tmp_path / (entry[: -len(".funcamp-step")] + ".funcamp-unsaved")
+    note.write_text("a reason from an earlier process")
+    with caplog.at_level(logging.INFO, logger="funcamp"):
+        run()
+    assert any("a reason from an earlier process" in m for m in _messages(caplog))
+    assert _entries(tmp_path) == []
+    note.unlink()  # deleted: the next process saves the step again
+    run()
+    assert _entries(tmp_path) == [entry]
+    assert not note.exists()
 
 
 def test_values_dynamo_folds_without_a_guard_are_in_the_key():

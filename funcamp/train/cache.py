@@ -65,6 +65,14 @@ except ImportError:  # pragma: no cover - other torch versions
 
 from funcamp._core.atomic import atomic_write
 from funcamp._core.progress import COMPILING, logger
+from funcamp.train.cache_files import (
+    changed_file,
+    file_digest,
+    modified,
+    module_files,
+    note_unsaved,
+    unsaved_reason,
+)
 from funcamp.train.describe import (
     CACHE_FORMAT,
     CONTEXT_GUARDS,
@@ -73,6 +81,7 @@ from funcamp.train.describe import (
     PORTABLE,
     SAME,
     SUFFIX,
+    UNSAVED_SUFFIX,
     check_source,
     describe_value,
     guard_views,
@@ -287,7 +296,7 @@ class CachedStep:
     def _load_or_compile(self, state: Any, batch: Any) -> tuple[Any, Any, bool]:
         key, stem = self._key_and_stem(state, batch)
         paths = glob.glob(glob.escape(stem) + "*" + SUFFIX)
-        for path in sorted(paths, key=_modified, reverse=True):
+        for path in sorted(paths, key=modified, reverse=True):
             start = time.perf_counter()
             compiled, modes, why = self._load(path, key, state, batch)
             if compiled is not None:
@@ -298,6 +307,17 @@ class CachedStep:
                 )
                 return compiled, modes, True
             logger.info("funcamp: not using the cached train step %s: %s", path, why)
+        unsaved = unsaved_reason(stem)
+        if unsaved is not None:
+            # torch's precompile misses its own compile caches: an unsaveable step compiled
+            # that way again would cost a whole cold compile in every process.
+            logger.info(
+                "funcamp: cache_dir: compiling this step as usual, not saved: an earlier process "
+                "found that it cannot be saved (%s; delete %s to try again)",
+                unsaved,
+                stem + UNSAVED_SUFFIX,
+            )
+            return None, (), False
         return (*self._compile(key, stem, state, batch), False)
 
     def _load(self, path: str, key: Any, state: Any, batch: Any) -> tuple[Any, Any, str]:
@@ -310,7 +330,7 @@ class CachedStep:
                 return None, (), "written by another funcamp version"
             if record["key"] != key:
                 return None, (), "its key differs (a hash collision or an edited file)"
-            changed = _changed_file(record["files"])
+            changed = changed_file(record["files"])
             if changed is not None:
                 return None, (), changed
             with _guard_loading():
@@ -358,17 +378,20 @@ class CachedStep:
                 type(e).__name__,
                 e,
             )
+            note_unsaved(stem, f"torch could not precompile it: {type(e).__name__}: {e}")
             return None, ()
         elapsed = time.perf_counter() - start
         scope = _scope(compiled, self.train_step, state, batch)
         flags = sorted((_portable(n, scope["G"]), v) for n, v in recorder.modes.items())
         modes = _mode_flags(flags, scope)
         if modes is None:
+            module = next((n for n, _ in flags if n is not None), "a module")
             logger.warning(
                 "funcamp: cache_dir: the step follows a module's training flag that cannot be "
                 "read back (%s); it is compiled as usual and not saved",
-                next((n for n, _ in flags if n is not None), "a module"),
+                module,
             )
+            note_unsaved(stem, f"it follows a training flag that cannot be read back ({module})")
             return None, ()
         path = stem + _modes_tag(flags) + SUFFIX
         try:
@@ -391,7 +414,10 @@ class CachedStep:
                 path,
                 e,
             )
+            note_unsaved(stem, str(e))
             return compiled, modes
+        with contextlib.suppress(OSError):  # saved after all (another mode, an edit undone)
+            os.remove(stem + UNSAVED_SUFFIX)
         logger.info("funcamp: compiled the train step in %.1f s and saved it to %s", elapsed, path)
         return compiled, modes
 
@@ -439,7 +465,7 @@ class CachedStep:
                     f"the step is specialised on {a} being {b}, which cannot be re-read"
                 )
             checks.append((names, None, SAME))
-        files = [(name, path, _file_digest(path)) for name, path in _module_files()]
+        files = [(name, path, file_digest(path)) for name, path in module_files()]
         buf = io.BytesIO()
         artifact = type(compiled).serialize(compiled, self._external()).serialized_data
         pickle.dump(
@@ -456,13 +482,6 @@ class CachedStep:
         )
         os.makedirs(self.directory, exist_ok=True)
         atomic_write(path, lambda f: f.write(buf.getbuffer()))
-
-
-def _modified(path: str) -> float:
-    try:
-        return os.path.getmtime(path)
-    except OSError:
-        return 0.0
 
 
 def _modes_tag(flags: list[tuple[str, bool]]) -> str:
@@ -501,49 +520,6 @@ def _generated(code: types.CodeType) -> bool:
     if code.co_name == "<lambda>" and code.co_varnames[:1] == ("_cls",):
         return "_tuple_new" in code.co_names  # collections.namedtuple
     return getattr(code, "co_qualname", "").startswith("__create_fn__.<locals>.")
-
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-
-_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
-
-_SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-
-
-def _module_files() -> list[tuple[str, str]]:
-    """The source files of the Python modules loaded now, except the standard library, torch
-    (both pinned by version in the key) and ``__main__`` (checked line by line where the step
-    traced it): code that runs while compiling without being traced (a kernel written in
-    Python, a ``nonstrict_trace`` helper, a tensor subclass) is in one of them."""
-    out = []
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        if name == "__main__" or not isinstance(path, str) or not path.endswith(".py"):
-            continue
-        path = os.path.abspath(path)
-        if path.startswith(_TORCH_DIR + os.sep):
-            continue
-        if path.startswith(_STDLIB_DIR + os.sep) and not any(
-            part in path[len(_STDLIB_DIR) :] for part in _SITE
-        ):
-            continue
-        out.append((name, path))
-    return sorted(out)
-
-
-def _file_digest(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
-
-
-def _changed_file(files: list[tuple[str, str, str | None]]) -> str | None:
-    for name, path, digest in files:
-        if _file_digest(path) != digest:
-            return f"{name} ({path}) changed"
-    return None
 
 
 @contextlib.contextmanager

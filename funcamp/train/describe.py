@@ -48,6 +48,9 @@ __all__ = [
 CACHE_FORMAT = 2  # 2: entries record the training flags they follow
 
 SUFFIX = ".funcamp-step"
+#: Beside the entries: a step that cannot be saved, and why (so that later processes do not
+#: precompile it only to find that out again; they compile it as usual, on torch's caches).
+UNSAVED_SUFFIX = ".funcamp-unsaved"
 
 
 def cache_support() -> str | None:
