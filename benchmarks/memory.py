@@ -8,10 +8,10 @@ Variants (Adam, lr 1e-4, bfloat16 compute, dynamic loss scaling on both sides):
 
     torch_eager            torch.autocast + GradScaler + torch.optim.Adam(foreach=True)
     torch_compiled         the same with torch.compile(model) (inductor)
-    funcamp                funcamp.make_train_step, default (compiled, inductor, pure)
-    funcamp_donated        the same with donate_state=True
-    funcamp_eager          make_train_step(compile=False)
-    funcamp_eager_donated  make_train_step(compile=False, donate_state=True)
+    funcamp                funcamp.make_train_step(donate_state=False): compiled (inductor), pure
+    funcamp_donated        make_train_step's default: compiled, the input state donated
+    funcamp_eager          make_train_step(compile=False, donate_state=False)
+    funcamp_eager_donated  make_train_step(compile=False): eager, donated (the default)
     funcamp_meta_module    (not run by default) funcamp, with the module's own parameters
                            released after params_and_buffers (model.to("meta")): what the
                            pure step costs when nothing else holds the first state

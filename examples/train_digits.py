@@ -26,8 +26,8 @@ master weights, 4 more bytes) or ``plain`` (round to nearest, which loses update
 ulp). It changes nothing for float32 params (and is then not printed).
 
 The whole train step (amp casting, scaled grads, Adam, skip-on-overflow, scale update) is one
-compiled graph with no host sync; the first step compiles it (a minute or more on a small CPU,
-said on screen). The loop reads the metrics back once per epoch, and there a ``funcamp.ScaleCollapseGuard`` stops
+compiled graph with no host sync; the first step compiles it (said on screen: tens of seconds on a
+2-core CPU, docs/benchmarks.md). The loop reads the metrics back once per epoch, and there a ``funcamp.ScaleCollapseGuard`` stops
 the run if the loss scale sits at its floor and every step is skipped (``--patience``). The
 float16 scaler tries a larger scale every ``--growth-interval`` steps (100 here, GradScaler's
 2000 would never move in this short run), so the plot shows it finding its level. Needs the
