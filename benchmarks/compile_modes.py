@@ -6,7 +6,7 @@
 
 Each (mode, revision) compiles in a fresh process (this script with ``--child``) on an empty
 ``TORCHINDUCTOR_CACHE_DIR`` of its own: the first call of ``funcamp.make_train_step(loss, opt,
-"bf16-true")`` with AdamW in bfloat16 params (``--policy 16-true``: float16 params), where
+"bf16-true", donate_state=False)`` (the pure step, in every revision) with AdamW in bfloat16 params (``--policy 16-true``: float16 params), where
 ``opt`` is plain, ``master_weights=True``, ``kahan=True`` or ``stochastic_rounding=True``. The
 processes are interleaved (every mode of every revision, then the next round); the table gives
 the median first call, where it went (torch's compile timers) and its ratio to the plain mode of
@@ -57,7 +57,9 @@ def child(args: argparse.Namespace) -> None:
         out = torch.func.functional_call(model, (p, b), (x,))
         return torch.nn.functional.mse_loss(out.float(), y)
 
-    step = fc.make_train_step(loss_fn, opt, args.policy)
+    # The pure step on both sides: make_train_step donates by default since 2a19e44, and a
+    # revision from before would compile another graph.
+    step = fc.make_train_step(loss_fn, opt, args.policy, donate_state=False)
     state = fc.TrainState.create(params, opt, args.policy, buffers=buffers)
     batch = (torch.randn(32, args.width), torch.randn(32, args.width))
     before = ts._phase_totals()
