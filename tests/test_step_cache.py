@@ -519,21 +519,22 @@ def test_a_value_assumed_constant_is_not_saved(tmp_path, caplog):
         return _folded_factor() * torch.nn.functional.mse_loss(x @ params["w"], y)
 
     opt = funcamp.sgd(0.1)
+    cache = tmp_path / "steps"  # not there yet: the note makes it
     step = funcamp.make_train_step(
-        loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
+        loss_fn, opt, POLICY, cache_dir=cache, backend="aot_eager", donate_state=False
     )
     state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
     with caplog.at_level(logging.INFO, logger="funcamp"):
         first, _ = step(state, cm.make_batch())
     assert any("assume_constant_result" in m for m in _messages(caplog)), _messages(caplog)
-    assert _entries(tmp_path) == []
-    (note,) = [f for f in os.listdir(tmp_path) if f.endswith(".funcamp-unsaved")]
-    assert "assume_constant_result" in (tmp_path / note).read_text()
+    assert _entries(cache) == []
+    (note,) = [f for f in os.listdir(cache) if f.endswith(".funcamp-unsaved")]
+    assert "assume_constant_result" in (cache / note).read_text()
     # A later process with the same key reads the note and compiles as usual at once: no
     # precompile (which misses torch's compile caches) only to fail to save again.
     caplog.clear()
     again = funcamp.make_train_step(
-        loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
+        loss_fn, opt, POLICY, cache_dir=cache, backend="aot_eager", donate_state=False
     )
     with caplog.at_level(logging.INFO, logger="funcamp"):
         second, _ = again(state, cm.make_batch())

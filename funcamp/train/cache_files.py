@@ -28,6 +28,7 @@ def note_unsaved(stem: str, why: str) -> None:
     options and input shapes) cannot be saved, and why; a note that cannot be written is
     skipped (the next process finds out again)."""
     with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)  # no entry made it yet
         atomic_write(stem + UNSAVED_SUFFIX, lambda f: f.write(why.encode("utf-8", "replace")))
 
 
