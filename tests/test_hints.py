@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import funcamp
+from funcamp._core.progress import COMPILING
 
 
 def _loss(params, buffers, batch):
@@ -98,7 +99,7 @@ def test_first_compiled_call_says_it_compiles(caplog):
         state, _ = step(state, torch.ones(2))
         second = [r.getMessage() for r in caplog.records if r.name == "funcamp"]
     assert len(first) == 2
-    assert first[0].startswith("funcamp: compiling the train step (first call; this can take a")
+    assert first[0] == COMPILING
     assert first[1].startswith("funcamp: compiled the train step in ")
     assert second == []
 

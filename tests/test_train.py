@@ -499,6 +499,24 @@ def _graph_breaking_loss(params, buffers, batch):
     return ((x @ params["w"]) - y).pow(2).mean()
 
 
+def test_a_failed_trace_leaves_a_donated_state_as_it_was():
+    """The eager re-run that explains a failed trace runs on copies of a donated state (made
+    only then, not on every call): the caller's state is untouched and can be used again."""
+    opt = funcamp.adam(0.1)
+    state = funcamp.TrainState.create({"w": torch.randn(3, 2)}, opt, "float32")
+    before = [x.clone() for x in _leaves(state)]
+    w = state.params["w"].clone()
+    step = funcamp.make_train_step(_graph_breaking_loss, opt, "float32", backend="eager")
+    batch = (torch.randn(4, 3), torch.randn(4, 2))
+    with pytest.raises(RuntimeError, match="cannot be compiled as one graph"):
+        step(state, batch)
+    for x, y in zip(before, _leaves(state)):
+        assert torch.equal(x, y)
+    eager = funcamp.make_train_step(_graph_breaking_loss, opt, "float32", compile=False)
+    new, _ = eager(state, batch)  # not refused as donated: the failed call wrote nothing
+    assert not torch.equal(new.params["w"], w)
+
+
 def _shape_bug_loss(params, buffers, batch):
     x, y = batch
     return ((x @ params["w"].T) - y).pow(2).mean()
