@@ -6,8 +6,8 @@
 
 Each (mode, revision) compiles in a fresh process (this script with ``--child``) on an empty
 ``TORCHINDUCTOR_CACHE_DIR`` of its own: the first call of ``funcamp.make_train_step(loss, opt,
-"bf16-true", donate_state=False)`` (the pure step, in every revision) with AdamW in bfloat16 params (``--policy 16-true``: float16 params), where
-``opt`` is plain, ``master_weights=True``, ``kahan=True`` or ``stochastic_rounding=True``. The
+"bf16-true", donate_state=False)`` (the pure step, in every revision) with AdamW in bfloat16
+params (``--policy 16-true``: float16 params), where ``opt`` is plain, ``master_weights=True``, ``kahan=True`` or ``stochastic_rounding=True``. The
 processes are interleaved (every mode of every revision, then the next round); the table gives
 the median first call, where it went (torch's compile timers) and its ratio to the plain mode of
 the same revision. ``--against REV`` also compiles funcamp as it is at git revision ``REV``
