@@ -84,7 +84,36 @@ def fresh_code(code: types.CodeType) -> types.CodeType:
     return code.replace(co_name=name)  # pragma: no cover - Python 3.10
 
 
-def compile_fn(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+#: Inductor options a train step compiled for the CPU gets unless the caller sets them. The
+#: search for fusions that reordering a node's loops would allow ("loop ordering after fusion")
+#: tries the step's update nodes against the backward's, whose gradients arrive in other loop
+#: orders; on the CPU it found nothing to fuse in the real-model suite (the same output code on
+#: every model measured, docs/benchmarks.md) and cost 0.6-2.5 s of a 38-46 s first call.
+CPU_STEP_OPTIONS = {"loop_ordering_after_fusion": False}
+
+
+def step_options_for(device_type: str, backend: Any) -> dict[str, Any]:
+    """The inductor options funcamp adds for a step on ``device_type`` (see
+    :data:`CPU_STEP_OPTIONS`); none for another backend or an option this torch lacks."""
+    if backend != "inductor" or device_type != "cpu":
+        return {}
+    config = torch._inductor.config
+    return {k: v for k, v in CPU_STEP_OPTIONS.items() if hasattr(config, k)}
+
+
+def state_device_type(state: TrainState) -> str:
+    """The device type of the first tensor among the params ("cpu" when there is none)."""
+    for x in optree.tree_leaves(state.params, namespace=NAMESPACE):
+        if isinstance(x, torch.Tensor):
+            return x.device.type
+    return "cpu"
+
+
+def compile_fn(
+    fn: Callable[..., Any], options: dict[str, Any], device_type: str | None = None
+) -> Callable[..., Any]:
+    """``torch.compile(fn, fullgraph=True, ...)`` with funcamp's guard filter; ``device_type``
+    (the step's device, when known) adds :func:`step_options_for` under the caller's options."""
     opts = dict(options)
     backend = opts.pop("backend", "inductor")
     mode = opts.pop("mode", None)
@@ -105,6 +134,8 @@ def compile_fn(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[...,
             pass
     if mode is not None and inner:
         inner = {}
+    if device_type is not None and mode is None:
+        inner = {**step_options_for(device_type, backend), **inner}
     return torch.compile(
         fn, fullgraph=fullgraph, backend=backend, mode=mode, options=inner or None, **opts
     )
@@ -268,21 +299,25 @@ def wrap_step(
     checked against the params. ``cache``, ``(directory, loss_fn, settings)``, keeps the
     compiled step on disk (:class:`funcamp.train.cache.CachedStep`)."""
     train_step.__code__ = fresh_code(train_step.__code__)
-    if not compile:
-        run = train_step
-    elif cache is None:
-        run = announce_first_call(compile_fn(train_step, compile_options))
-    else:
+
+    def compiled_for(device_type: str) -> Callable[..., Any]:
+        # Built on the first call, when the state's device is known (see step_options_for).
+        if cache is None:
+            return announce_first_call(compile_fn(train_step, compile_options, device_type))
         directory, loss_fn, settings = cache
-        run = CachedStep(
+        return CachedStep(
             train_step,
-            lambda keep: compile_fn(train_step, {**compile_options, "guard_filter_fn": keep}),
-            announce_first_call(compile_fn(train_step, compile_options)),
+            lambda keep: compile_fn(
+                train_step, {**compile_options, "guard_filter_fn": keep}, device_type
+            ),
+            announce_first_call(compile_fn(train_step, compile_options, device_type)),
             directory,
             loss_fn,
             settings,
-            compile_options,
+            {**compile_options, "device_options": step_options_for(device_type, "inductor")},
         )
+
+    runs: list[Callable[..., Any]] = []
     expected: list[Any] = []
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -305,9 +340,12 @@ def wrap_step(
             )
         if donate_state:
             check_donation(api, local)
-        if run is train_step:
+        if not compile:
             new, metrics = train_step(local, batch)
         else:
+            if not runs:
+                runs.append(compiled_for(state_device_type(local)))
+            run = runs[0]
             # A failed trace re-runs the step eagerly, only for the error message: a donated
             # state on copies (made then: a failed trace wrote nothing, and copying the whole
             # state on every call cost 0.5 ms of a 3 ms step).
