@@ -166,7 +166,7 @@ def make_train_step(
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
             keeps only the guards on the step's inputs (``None`` keeps every guard). A step
             compiled by inductor for the CPU turns inductor's ``loop_ordering_after_fusion`` off
-            (the same output code on the real-model suite, a first call 0.6-2.5 s shorter;
+            (the same output code on the real-model suite, a first call up to 2.6 s shorter;
             docs/benchmarks.md) unless ``options=`` sets it.
             ``fullgraph=False`` compiles a ``loss_fn`` with graph breaks in pieces: the
             gradients then come from ``torch.autograd.grad`` (dynamo cannot resume a frame

@@ -1,7 +1,7 @@
 """The inductor options funcamp gives a train step it compiles for the CPU.
 
 A step compiled for the CPU turns off inductor's loop ordering after fusion (measured: the same
-output code on every model of the real-model suite, and 0.6-2.5 s less of a 38-46 s first call;
+output code on all nine models of the real-model suite, and up to 2.6 s less of a 26-97 s first call;
 docs/benchmarks.md). The option is chosen on the first call, from the state's device; an
 option the caller gives wins, and other backends get none.
 """

@@ -88,7 +88,7 @@ def fresh_code(code: types.CodeType) -> types.CodeType:
 #: search for fusions that reordering a node's loops would allow ("loop ordering after fusion")
 #: tries the step's update nodes against the backward's, whose gradients arrive in other loop
 #: orders; on the CPU it found nothing to fuse in the real-model suite (the same output code on
-#: every model measured, docs/benchmarks.md) and cost 0.6-2.5 s of a 38-46 s first call.
+#: all nine models, docs/benchmarks.md) and cost up to 2.6 s of a 26-97 s first call.
 CPU_STEP_OPTIONS = {"loop_ordering_after_fusion": False}
 
 
