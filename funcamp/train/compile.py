@@ -92,7 +92,7 @@ def fresh_code(code: types.CodeType) -> types.CodeType:
 CPU_STEP_OPTIONS = {"loop_ordering_after_fusion": False}
 
 
-def step_options_for(device_type: str, backend: Any) -> dict[str, Any]:
+def step_options_for(device_type: str | None, backend: Any) -> dict[str, Any]:
     """The inductor options funcamp adds for a step on ``device_type`` (see
     :data:`CPU_STEP_OPTIONS`); none for another backend or an option this torch lacks."""
     if backend != "inductor" or device_type != "cpu":
@@ -134,8 +134,8 @@ def compile_fn(
             pass
     if mode is not None and inner:
         inner = {}
-    if device_type is not None and mode is None:
-        inner = {**step_options_for(device_type, backend), **inner}
+    # a mode is left only for another backend, which gets no inductor options
+    inner = {**step_options_for(device_type, backend), **inner}
     return torch.compile(
         fn, fullgraph=fullgraph, backend=backend, mode=mode, options=inner or None, **opts
     )
@@ -314,7 +314,7 @@ def wrap_step(
             directory,
             loss_fn,
             settings,
-            {**compile_options, "device_options": step_options_for(device_type, "inductor")},
+            compile_options,  # the device's options are in the key already: its tensors' device
         )
 
     runs: list[Callable[..., Any]] = []
