@@ -19,6 +19,7 @@ __all__ = [
     "dual_level_active",
     "eager_path",
     "in_transform",
+    "kernel_path",
     "plain_eager",
     "tracks_grad",
     "transform_level",
@@ -74,6 +75,30 @@ def eager_path(xs: Sequence[Any]) -> bool:
             continue
         # is_cpu/is_cuda: reading x.device.type costs ~8x as much, and this runs per tensor
         if type(x) is not torch.Tensor or not (x.is_cpu or x.is_cuda):
+            return False
+        if grad_on and x.requires_grad:
+            return False
+    return True
+
+
+def kernel_path(xs: Sequence[Any]) -> bool:
+    """Where torch's multi-tensor kernels (the fused unscale, ``_foreach_norm``, the optimizer's
+    eager update) may run: the eager path (:func:`eager_path`), or dynamo tracing plain CPU/CUDA
+    tensors that autograd does not track and ``vmap`` does not batch. Compiled, inductor calls
+    such a kernel as it is (an extern kernel) instead of generating code for it: on the CPU
+    every generated kernel costs ~0.7 s of C++ compile on the first call.
+
+    Dynamo cannot trace the functorch level (``in_transform``), and inside a compiled
+    ``torch.func.grad`` it reports ``requires_grad=False``: a compiled ``grad`` or ``jvp``
+    *through* the step's update is not detected here (a compiled ``vmap`` is)."""
+    if not compiling():
+        return eager_path(xs)
+    grad_on = torch.is_grad_enabled()
+    batched = torch._C._functorch.is_batchedtensor
+    for x in xs:
+        if not isinstance(x, torch.Tensor):
+            continue
+        if type(x) is not torch.Tensor or not (x.is_cpu or x.is_cuda) or batched(x):
             return False
         if grad_on and x.requires_grad:
             return False

@@ -14,7 +14,7 @@ import optree
 import torch
 
 from funcamp._core.checks import check_flag
-from funcamp._core.context import eager_path
+from funcamp._core.context import compiling, eager_path, kernel_path
 from funcamp._core.numerics import hoist_scalar, math_dtype, spread
 from funcamp._core.tree import (
     NAMESPACE,
@@ -54,12 +54,13 @@ def scale(state: ScalerState, tree: PyTree) -> PyTree:
 
 
 def fused_unscale(leaves: list[torch.Tensor]) -> bool:
-    """Whether unscaling runs on the eager path: torch's fused
-    ``_amp_foreach_non_finite_check_and_unscale_`` on copies of the leaves (one pass for the
-    check and the multiply). It mutates in place, has no autograd formula, no vmap rule, and
-    inductor cannot fuse it: the traced path's pure ops, which give identical results, run
-    under compile, functorch transforms and autograd."""
-    return hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_") and eager_path(leaves)
+    """Whether unscaling runs torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
+    copies of the leaves (one pass for the check and the multiply): on the
+    :func:`~funcamp._core.context.kernel_path` -- plain eager, or compiled, where inductor calls
+    the kernel's functional form instead of generating a check and a multiply per leaf. It has
+    no autograd formula and no vmap rule: the traced path's pure ops, which give identical
+    results, run under functorch transforms and autograd."""
+    return hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_") and kernel_path(leaves)
 
 
 def floating_leaves(
@@ -131,9 +132,10 @@ def unscale(
     tensor, True when any *scaled* gradient is inf or nan (torch's rule). Integer and non-tensor
     leaves pass through. The input tensors are never modified; no host sync.
 
-    Eager CPU/CUDA tensors use torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
-    fresh copies; under ``torch.compile``, ``torch.func`` transforms or autograd a pure-torch
-    path with bit-identical results runs instead.
+    Plain CPU/CUDA tensors use torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
+    fresh copies, in eager code and under ``torch.compile`` (where inductor calls the kernel's
+    functional form rather than generating a check and a multiply per leaf); under ``torch.func``
+    transforms or autograd a pure-torch path with bit-identical results runs instead.
 
     Args:
         state: the scaler state the loss was scaled with.
@@ -161,7 +163,7 @@ def unscale(
     leaves, spec, idx = floating_leaves(grads)
     floating = [leaves[i] for i in idx]
     fused = fused_unscale(floating)
-    donate = donate_grads and fused and disjoint(floating, set())
+    donate = donate_grads and fused and not compiling() and disjoint(floating, set())
     out, found_inf = unscale_leaves(floating, state.scale, fused, donate=donate)
     return unflatten(spec, refill(leaves, idx, out)), found_inf
 

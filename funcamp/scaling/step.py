@@ -232,10 +232,17 @@ def unscale_and_step(
     # ops; under compile inductor fuses the whole step anyway). Results are identical.
     # (Under torch.compile the answer is "traced" without looking at the inputs.)
     traced = compiling()
-    inputs = (
-        [] if traced else update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
-    )
-    eager = not traced and fused_unscale(floating + inputs)
+    if traced:
+        # Compiled, the step still calls torch's multi-tensor kernels (the fused unscale,
+        # _foreach_norm, the optimizer's fused kernel) where the tensors are plain: inductor
+        # calls them as they are rather than generating C++ for a check, a multiply, a norm
+        # and an update per leaf -- most of a step's first-call compile on the CPU.
+        inputs = []
+        kernels = fused_unscale(floating + update_tensors(params))
+    else:
+        inputs = update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
+        kernels = fused_unscale(floating + inputs)
+    eager = kernels and not traced
     taken: set[int | None] = set()
     donate = False
     if eager:
@@ -243,7 +250,7 @@ def unscale_and_step(
         donate = donate_grads and disjoint(floating, taken)
         if not donate:
             taken.update(storage_key(x) for x in floating)
-    out, found_inf = unscale_leaves(floating, state.scale, eager, donate=donate)
+    out, found_inf = unscale_leaves(floating, state.scale, kernels, donate=donate)
     unscaled = unflatten(spec, refill(leaves, idx, out))
     if group is not None:
         found_inf = any_across(found_inf, group)
@@ -254,7 +261,7 @@ def unscale_and_step(
         found_inf, total = across.reduce(found_inf, [x.float().square().sum() for x in out])
         norm = total.sqrt() if grad_norm else None
     else:
-        norm = _global_norm(out, state.scale.device, eager) if grad_norm else None
+        norm = _global_norm(out, state.scale.device, kernels) if grad_norm else None
     info = StepInfo(found_inf, norm)
     if eager and donate_state and caps.fused_step is not None:
         new_state = caps.fused_step(out, opt_state, params, found_inf)
