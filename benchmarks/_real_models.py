@@ -173,11 +173,14 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any]]:
     return model, batch
 
 
-def funcamp_step(model: nn.Module, batch: dict[str, Any], **options: Any) -> Callable[[], Any]:
+def funcamp_step(
+    model: nn.Module, batch: dict[str, Any], fused: bool = False, **options: Any
+) -> Callable[[], Any]:
     """``funcamp.make_train_step`` (compiled; default options unless ``options``, e.g.
-    ``cache_dir=`` or ``backend=``). ``step.skipped()``: whether the last step was skipped."""
+    ``cache_dir=`` or ``backend=``), with ``funcamp.adamw(..., fused=fused)``.
+    ``step.skipped()``: whether the last step was skipped."""
     policy = funcamp.get_policy("mixed_bfloat16")
-    opt = funcamp.adamw(LR, weight_decay=WEIGHT_DECAY)
+    opt = funcamp.adamw(LR, weight_decay=WEIGHT_DECAY, fused=fused)
 
     def loss_fn(params: Any, buffers: Any, batch: dict[str, Any]) -> torch.Tensor:
         return functional_call(model, (params, buffers), args=(), kwargs=batch).loss
@@ -198,14 +201,21 @@ def funcamp_step(model: nn.Module, batch: dict[str, Any], **options: Any) -> Cal
 
 
 def torch_step(
-    model: nn.Module, batch: dict[str, Any], *, compile_optimizer: bool, backend: str = "inductor"
+    model: nn.Module,
+    batch: dict[str, Any],
+    *,
+    compile_optimizer: bool,
+    fused: bool = False,
+    backend: str = "inductor",
 ) -> Callable[[], Any]:
     """``torch.compile(model)`` + autocast(bf16) + GradScaler + AdamW(foreach=True); with
     ``compile_optimizer``, ``optimizer.step`` compiled too (torch's "compile the optimizer"
-    recipe: ``GradScaler.step`` unscales and checks eagerly, then calls the compiled step).
+    recipe: ``GradScaler.step`` unscales and checks eagerly, then calls the compiled step); with
+    ``fused``, AdamW(fused=True) (GradScaler hands it the scale and the overflow flag).
     ``step.skipped()``: whether GradScaler skipped the last step (the optimizer did not run)."""
     forward = torch.compile(model, backend=backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+    kind = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **kind)
     if compile_optimizer:
         opt.step = torch.compile(opt.step, backend=backend)  # type: ignore[method-assign]
     scaler = torch.amp.GradScaler("cpu")
@@ -236,10 +246,18 @@ VARIANTS: dict[str, Callable[..., Callable[[], Any]]] = {
     "torch_model": lambda model, batch, **options: torch_step(
         model, batch, compile_optimizer=False, **options
     ),
+    "funcamp_fused": lambda model, batch, **options: funcamp_step(
+        model, batch, fused=True, **options
+    ),
+    "torch_model_fused": lambda model, batch, **options: torch_step(
+        model, batch, compile_optimizer=False, fused=True, **options
+    ),
 }
 DESCRIPTIONS = {
     "funcamp": "funcamp.make_train_step (default options)",
     "funcamp_cache": "the same with cache_dir= (warm: the compiled step is loaded)",
     "torch_model_opt": "torch.compile(model) + compiled optimizer.step + autocast + GradScaler",
     "torch_model": "torch.compile(model) + autocast + GradScaler, eager AdamW(foreach)",
+    "funcamp_fused": "funcamp.make_train_step with funcamp.adamw(..., fused=True)",
+    "torch_model_fused": "torch.compile(model) + autocast + GradScaler + AdamW(fused=True)",
 }

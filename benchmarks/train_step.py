@@ -43,6 +43,10 @@ order reversed every other round (``--cold-rounds``):
     torch_model_opt  torch.compile(model) + compiled optimizer.step + autocast + GradScaler
                      (torch's "compile the optimizer" recipe: the same work as funcamp's step)
     torch_model      torch.compile(model) + autocast + GradScaler, eager AdamW(foreach=True)
+    funcamp_fused    funcamp's step with funcamp.adamw(..., fused=True): torch's fused kernel,
+                     called by the compiled step (opt-in: --variants ...,funcamp_fused)
+    torch_model_fused  torch.compile(model) + autocast + GradScaler + AdamW(fused=True) (torch
+                     does not compile a fused optimizer: the same work as funcamp_fused)
 
     python benchmarks/train_step.py --models gpt2,llama,bert,t5,vit,resnet,swin,mixtral
     python benchmarks/train_step.py --models gpt2 --cold-rounds 1 --variants funcamp,torch_model
@@ -531,6 +535,12 @@ def first_call_summary(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict
         ),
         "warm funcamp_cache / torch_model": ratio(
             ("funcamp_cache", "warm"), ("torch_model", "warm")
+        ),
+        "cold funcamp_fused / torch_model_opt": ratio(
+            ("funcamp_fused", "cold"), ("torch_model_opt", "cold")
+        ),
+        "cold funcamp_fused / torch_model_fused": ratio(
+            ("funcamp_fused", "cold"), ("torch_model_fused", "cold")
         ),
     }
 

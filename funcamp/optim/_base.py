@@ -72,7 +72,9 @@ class Capabilities:
         fused_step: ``(grad_leaves, state, params, found_inf) -> new_state | None``: apply the
             update to ``params`` (and the state's buffers) in place, or nothing where
             ``found_inf``, with ``update``'s results (torch's fused kernels); None when it does
-            not apply to these inputs. Called in plain eager with ``donate_state=True`` only.
+            not apply to these inputs. Called with ``donate_state=True`` on plain tensors only,
+            in eager code or compiled (where it must trace as ops inductor can call: torch's
+            fused kernels are wrapped as funcamp custom ops for that).
         learning_rate: ``state -> lr``: the learning rate the next ``update`` from ``state``
             applies (a 0-d tensor; a dict by label for :func:`funcamp.multi_transform`), or
             None. Read by :func:`funcamp.optim.learning_rate` and the train step's

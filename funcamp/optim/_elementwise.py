@@ -24,7 +24,7 @@ from funcamp._core.checks import (
     learning_rate_fn,
     state_leaves,
 )
-from funcamp._core.context import compiling
+from funcamp._core.context import compiling, in_transform
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import (
     NAMESPACE,
@@ -35,19 +35,23 @@ from funcamp._core.tree import (
     self_overlapping,
     unflatten,
 )
-from funcamp.optim._base import Capabilities, Optimizer
+from funcamp.optim._base import Capabilities, Optimizer, SetParam
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._paths import Ops, choose_ops
 
-__all__ = ["Step", "elementwise", "mask_flags"]
+__all__ = ["FusedUpdate", "Step", "elementwise", "mask_flags"]
 
 PyTree = Any
 Tensors = list[torch.Tensor]
 #: ``step(ops, grads, params, buffers, lr, count) -> (deltas, new_buffers)``.
 Step = Callable[..., tuple[Tensors, dict[str, Tensors]]]
-#: ``kernel(param_leaves, grad_leaves, state, lr, found_inf) -> new_state | None``: an in-place
-#: fused kernel for float32 params on one CPU/CUDA device (see ``Capabilities.fused_step``).
-FusedKernel = Callable[[Tensors, Tensors, Any, Any, torch.Tensor], Any]
+#: ``kernel(param_leaves, grad_leaves, state, lr, found_inf, mask) -> new_state | None``: an
+#: in-place fused kernel for float32 params on one CPU/CUDA device (see
+#: ``Capabilities.fused_step``); ``mask``: the weight-decay mask's flags per leaf, or None.
+FusedKernel = Callable[[Tensors, Tensors, Any, Any, torch.Tensor, Any], Any]
+#: ``update(param_leaves, grad_leaves, state, lr, mask) -> (new param leaves, new state)``: an
+#: optimizer whose update *is* a fused kernel (``adamw(fused=True)``), run on copies.
+FusedUpdate = Callable[[Tensors, Tensors, Any, Any, Any], tuple[Tensors, Any]]
 
 
 def elementwise(
@@ -139,10 +143,14 @@ def build(
     seed: int,
     fused_kernel: FusedKernel | None = None,
     mask: Any = None,
+    fused_update: FusedUpdate | None = None,
 ) -> Optimizer:
     """:func:`elementwise`, plus a fused in-place kernel and a weight-decay mask for the
     built-in optimizers. With ``mask`` (see :func:`mask_flags`), ``step`` also gets
-    ``mask=``: one Python bool per leaf, or None when ``update`` got no params."""
+    ``mask=``: one Python bool per leaf, or None when ``update`` got no params. With
+    ``fused_update`` the update is that kernel (float32 params, no ``torch.func`` transforms;
+    its update leaves are :class:`SetParam`) and ``step`` only names the algorithm it matches
+    to within rounding."""
     if not isinstance(api, str) or not api:
         raise TypeError(f"funcamp.optim.elementwise: `name` must be a non-empty str, got {api!r}")
     fields = getattr(state_type, "_fields", None)
@@ -176,6 +184,7 @@ def build(
         needs_params or mode is not None,
         seed,
         mask,
+        fused_update,
     )
 
     def init(params: PyTree) -> Any:
@@ -219,14 +228,15 @@ def build(
         def fused_step(grads: Tensors, state: Any, params: PyTree, found_inf: torch.Tensor) -> Any:
             return _fused(cfg, kernel, grads, state, params, found_inf)
 
+    fused = fused_update is not None  # its update is the kernel: no in-place variants of it
     return Optimizer(
         init,
         update,
         Capabilities(
             preflight=preflight,
             fresh=True,
-            update_owned=run,
-            update_donated=run_donated,
+            update_owned=None if fused else run,
+            update_donated=None if fused else run_donated,
             fused_step=fused_step,
             learning_rate=rate,
         ),
@@ -246,10 +256,13 @@ class _Config(NamedTuple):
     need_params: bool
     seed: int
     mask: Any  # the weight-decay mask, or None
+    fused_update: FusedUpdate | None  # the update is this kernel (``fused=True``)
 
 
 def _init(cfg: _Config, params: PyTree) -> Any:
     leaves, spec = flatten_params(cfg.api, params)
+    if cfg.fused_update is not None:
+        _check_fused(cfg, leaves, spec, "params")
     if cfg.mask is not None:
         mask_flags(cfg.api, cfg.mask, params, strict=True)  # a mask that does not fit fails here
     device = leaves[0].device if leaves else torch.device("cpu")
@@ -306,6 +319,8 @@ def _run(
     if not gs:
         return unflatten(spec, []), state._replace(count=count + 1)
     lr = cfg.lr_fn(count)[0]
+    if cfg.fused_update is not None:
+        return _run_fused(cfg, gs, ps, spec, state, params, lr)
     bufs = {b: state_leaves(api, b, getattr(state, b), spec) for b in cfg.names}
     low_leaves = optree.tree_leaves(state.low)
     buf_leaves = [x for v in bufs.values() for x in v]
@@ -348,7 +363,61 @@ def _fused(
             return None
     if len({p.get_device() for p in ps}) != 1:  # x.device costs more, per leaf
         return None
-    return kernel(ps, grads, state, cfg.lr_fn(state.count)[0], found_inf)
+    for name in cfg.names:  # the kernel writes the buffers too
+        for x in flatten(getattr(state, name))[0]:
+            if x.dtype != torch.float32 or not x.is_contiguous():
+                return None
+    mask = None if cfg.mask is None else mask_flags(cfg.api, cfg.mask, params)
+    return kernel(ps, grads, state, cfg.lr_fn(state.count)[0], found_inf, mask)
+
+
+def _check_fused(cfg: _Config, leaves: Tensors, spec: Any, what: str) -> None:
+    """``fused=True``: float32 params and grads on one device, outside ``torch.func``
+    transforms, or a clear refusal (the kernel has no other dtype's rounding here, no derivative
+    and no batching rule)."""
+    api = cfg.api
+    if (not compiling() and in_transform()) or any(_batched(x) for x in leaves):
+        raise ValueError(
+            f"funcamp.{api}: `fused=True` runs torch's fused kernel, which torch.func "
+            "transforms (grad, vmap, jvp) cannot trace; build the optimizer with fused=False"
+        )
+    devices = set()
+    for i, x in zip(range(len(leaves)), leaves):
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(
+                f"funcamp.{api}: `fused=True` needs contiguous float32 {what}; "
+                f"{leaf_path(unflatten(spec, leaves), i)} is a "
+                f"{'non-contiguous ' if x.dtype == torch.float32 else ''}{x.dtype} tensor "
+                "(use fused=False, with master_weights=True for half params)"
+            )
+        devices.add(x.get_device())
+    if len(devices) > 1:
+        raise ValueError(
+            f"funcamp.{api}: `fused=True` needs every param on one device; use fused=False"
+        )
+
+
+def _batched(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and torch._C._functorch.is_batchedtensor(x)
+
+
+def _run_fused(
+    cfg: _Config,
+    gs: Tensors,
+    ps: Tensors | None,
+    spec: Any,
+    state: Any,
+    params: PyTree,
+    lr: Any,
+) -> tuple[PyTree, Any]:
+    """``update`` of a ``fused=True`` optimizer: the kernel on copies of the params and the
+    buffers; the update leaves are the new params (:class:`SetParam`), installed as they are."""
+    assert cfg.fused_update is not None and ps is not None  # needs_params: checked by the caller
+    _check_fused(cfg, ps, spec, "params")
+    _check_fused(cfg, gs, spec, "grads")
+    mask = None if cfg.mask is None else mask_flags(cfg.api, cfg.mask, params)
+    new_ps, new_state = cfg.fused_update(ps, gs, state, lr, mask)
+    return unflatten(spec, [SetParam(p) for p in new_ps]), new_state
 
 
 def mask_flags(api: str, mask: Any, params: PyTree, *, strict: bool = False) -> list[bool]:

@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcamp._core.checks import check_number
+from funcamp._core.checks import check_flag, check_number
 from funcamp.optim._base import Optimizer
 from funcamp.optim._elementwise import build
+from funcamp.optim._fused import FUSED_ADAM, fused_adam, fused_sgd
 from funcamp.optim._paths import Ops
 
 __all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]
@@ -139,40 +140,6 @@ def _sgd_step(momentum: float, dampening: float, nesterov: bool, weight_decay: f
     return step
 
 
-def _fused_sgd(weight_decay: float) -> Any:
-    """torch's fused SGD kernel: the params updated in one pass, or not at all where found_inf
-    (read by the kernel: no host sync). Plain SGD only (weight decay allowed), where it gives
-    torch.optim.SGD's params bit for bit; with momentum the kernel's rounding differs from
-    torch.optim's foreach path."""
-    if not hasattr(torch, "_fused_sgd_"):  # pragma: no cover - older torch
-        return None
-
-    def kernel(ps: Tensors, grads: Tensors, state: SgdState, lr: Any, found_inf: Any) -> Any:
-        if isinstance(lr, torch.Tensor):
-            lr = lr.to(device=ps[0].device, dtype=torch.float32)
-        try:  # a torch whose fused SGD has no kernel for this device raises before writing
-            torch._fused_sgd_(
-                ps,
-                grads,
-                [],
-                weight_decay=weight_decay,
-                momentum=0.0,
-                lr=lr,
-                dampening=0.0,
-                nesterov=False,
-                maximize=False,
-                is_first_step=False,
-                grad_scale=None,
-                found_inf=found_inf.to(device=ps[0].device, dtype=torch.float32),
-            )
-        except NotImplementedError:  # pragma: no cover - depends on the torch build
-            return None
-        count = torch.where(found_inf, state.count, state.count + 1)
-        return state._replace(count=count.to(state.count.dtype))
-
-    return kernel
-
-
 def sgd(
     learning_rate: LearningRate,
     momentum: float = 0.0,
@@ -237,7 +204,7 @@ def sgd(
         kahan=kahan,
         stochastic_rounding=stochastic_rounding,
         seed=seed,
-        fused_kernel=None if momentum > 0 else _fused_sgd(weight_decay),
+        fused_kernel=None if momentum > 0 else fused_sgd(weight_decay),
     )
 
 
@@ -298,19 +265,34 @@ def _adam(
     decoupled: bool,
     modes: dict[str, Any],
     mask: Mask = None,
+    fused: bool = False,
 ) -> Optimizer:
     b1 = check_number(api, "b1", b1, maximum=1.0)
     b2 = check_number(api, "b2", b2, maximum=1.0)
     eps = check_number(api, "eps", eps)
     weight_decay = check_number(api, "weight_decay", weight_decay)
+    check_flag(api, "fused", fused)
+    kernels: tuple[Any, Any] = (None, None)
+    if fused:
+        on = [m for m in ("master_weights", "kahan", "stochastic_rounding") if modes[m]]
+        if on:
+            raise ValueError(
+                f"funcamp.{api}: `fused=True` runs torch's fused kernel on float32 params and "
+                f"does not compose with {on[0]}=True (a low-precision mode); pass one or the other"
+            )
+        if FUSED_ADAM is None:  # pragma: no cover - older torch
+            raise ValueError(f"funcamp.{api}: `fused=True` needs torch._fused_adamw_ (torch>=2.4)")
+        kernels = fused_adam(b1, b2, eps, weight_decay, decoupled)
     return build(
         api,
         AdamState,
         _adam_step(b1, b2, eps, weight_decay, decoupled),
         learning_rate,
         buffers=None,
-        needs_params=weight_decay > 0,
+        needs_params=weight_decay > 0 or fused,
         mask=mask,
+        fused_kernel=kernels[0],
+        fused_update=kernels[1],
         **modes,
     )
 
@@ -326,6 +308,7 @@ def adam(
     kahan: bool = False,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    fused: bool = False,
 ) -> Optimizer:
     """Adam with torch.optim.Adam's semantics (``weight_decay`` is an L2 term added to the
     gradient; ``eps`` is added after the bias-corrected square root).
@@ -344,6 +327,14 @@ def adam(
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash.
+        fused: run torch's fused Adam kernel (what ``torch.optim.Adam(fused=True)`` runs):
+            one pass a leaf, ``torch.optim.Adam(fused=True)``'s params and moments bit for bit
+            (its rounding differs from the default's in the last bit of a few elements a step).
+            Float32 params on one CPU/CUDA device; the update leaves are
+            :class:`funcamp.optim.SetParam` (the new params), so it is the last transform of a
+            ``chain``; not under ``torch.func`` transforms (the kernel has no derivative and no
+            batching rule). Compiled, the kernel is called as it is (an extern kernel) instead
+            of generated: a shorter first call and a faster step (docs/benchmarks.md).
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.
@@ -360,7 +351,7 @@ def adam(
         master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
         seed=seed,
     )  # fmt: skip
-    return _adam("adam", learning_rate, b1, b2, eps, weight_decay, False, modes)
+    return _adam("adam", learning_rate, b1, b2, eps, weight_decay, False, modes, None, fused)
 
 
 def adamw(
@@ -375,6 +366,7 @@ def adamw(
     kahan: bool = False,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    fused: bool = False,
 ) -> Optimizer:
     """AdamW with torch.optim.AdamW's semantics: decoupled weight decay
     ``p -= lr * weight_decay * p`` next to the Adam step.
@@ -400,6 +392,14 @@ def adamw(
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash.
+        fused: run torch's fused AdamW kernel (what ``torch.optim.AdamW(fused=True)`` runs):
+            one pass a leaf, ``torch.optim.AdamW(fused=True)``'s params and moments bit for bit
+            (its rounding differs from the default's in the last bit of a few elements a step).
+            Float32 params on one CPU/CUDA device; the update leaves are
+            :class:`funcamp.optim.SetParam` (the new params), so it is the last transform of a
+            ``chain``; not under ``torch.func`` transforms (the kernel has no derivative and no
+            batching rule). Compiled, the kernel is called as it is (an extern kernel) instead
+            of generated: a shorter first call and a faster step (docs/benchmarks.md).
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.
@@ -422,12 +422,24 @@ def adamw(
         >>> updates, _ = opt.update(grads, opt.init(params), params)
         >>> funcamp.apply_updates(params, updates)
         {'weight': tensor([[0.9500]]), 'bias': tensor([1.])}
+
+        torch's fused kernel, bit for bit ``torch.optim.AdamW(fused=True)``:
+
+        >>> opt = funcamp.adamw(0.1, weight_decay=0.5, fused=True)
+        >>> p = torch.nn.Parameter(torch.ones(3))
+        >>> ref = torch.optim.AdamW([p], lr=0.1, weight_decay=0.5, fused=True)
+        >>> p.grad = torch.tensor([1.0, -2.0, 0.5])
+        >>> ref.step()
+        >>> params = {"w": torch.ones(3)}
+        >>> updates, _ = opt.update({"w": p.grad}, opt.init(params), params)
+        >>> torch.equal(funcamp.apply_updates(params, updates)["w"], p.detach())
+        True
     """
     modes = dict(
         master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
         seed=seed,
     )  # fmt: skip
-    return _adam("adamw", learning_rate, b1, b2, eps, weight_decay, True, modes, mask)
+    return _adam("adamw", learning_rate, b1, b2, eps, weight_decay, True, modes, mask, fused)
 
 
 # --------------------------------------------------------------------------------------------

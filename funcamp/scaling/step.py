@@ -164,12 +164,14 @@ def unscale_and_step(
         donate_state: opt-in, for callers that keep only the returned params and optimizer
             state (``params, opt_state, info = unscale_and_step(...)``): the new values are
             written into the tensors of ``params`` and ``opt_state``, which are returned, as
-            ``torch.optim`` updates in place (compiled, inductor stores straight into them). In
-            plain eager, :func:`funcamp.sgd` without momentum (float32 params, no low-precision
-            mode) then runs torch's fused SGD kernel, which skips on ``found_inf`` by itself
-            (no host sync): one pass over the params, GradScaler's own cost, and
-            ``torch.optim.SGD``'s params bit for bit (the out-of-place path adds a delta, which
-            can be an ulp off where a step nearly reaches zero). The other built-in
+            ``torch.optim`` updates in place (compiled, inductor stores straight into them). On
+            plain float32 tensors, eager or compiled, :func:`funcamp.sgd` without momentum (no
+            low-precision mode) and ``adam``/``adamw`` with ``fused=True`` then run torch's fused
+            kernel, which skips on ``found_inf`` by itself (no host sync): one pass over the
+            params, GradScaler's own cost, and ``torch.optim``'s fused results bit for bit
+            (plain SGD's out-of-place path adds a delta, which can be an ulp off where a step
+            nearly reaches zero); compiled, inductor calls the kernel rather than generating
+            code for the update. The other built-in
             optimizers (``adam``, ``adamw``, ``sgd`` with momentum, ``lion``; see
             ``Capabilities.update_donated``) then write each new buffer into the old one as
             soon as it is known, selected on ``found_inf``: Adam's eager step holds
@@ -263,7 +265,7 @@ def unscale_and_step(
     else:
         norm = _global_norm(out, state.scale.device, kernels) if grad_norm else None
     info = StepInfo(found_inf, norm)
-    if eager and donate_state and caps.fused_step is not None:
+    if kernels and donate_state and caps.fused_step is not None:
         new_state = caps.fused_step(out, opt_state, params, found_inf)
         if new_state is not None:
             return params, new_state, info

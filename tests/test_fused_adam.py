@@ -1,0 +1,186 @@
+"""``adam``/``adamw`` with ``fused=True``: torch's fused kernel, in eager and compiled code.
+
+Compared with torch.optim's ``fused=True`` optimizers driven by a real ``torch.amp.GradScaler``,
+bit for bit, through :func:`funcamp.unscale_and_step` (donated or not, with or without the
+optimizer's capabilities) and through the compiled train step, which calls the kernel as an
+extern call (``funcamp::fused_adam_``) instead of tracing the update.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcamp
+from funcamp.testing import assert_trees_equal
+
+INIT_SCALE = 2.0**10
+SHAPES = {"w": (8, 5), "b": (5,), "v": (3, 2, 4)}
+
+
+def _grads(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    out = {k: torch.randn(s, generator=g) * INIT_SCALE for k, s in SHAPES.items()}
+    if step == 2:  # an overflow: the step is skipped everywhere
+        out["w"][0, 0] = float("inf")
+    return out
+
+
+def _params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+
+
+def _torch_run(make_opt, steps: int, groups=None):
+    """torch.optim (fused=True) with a GradScaler, fed the same scaled gradients."""
+    ps = {k: torch.nn.Parameter(v) for k, v in _params().items()}
+    opt = make_opt(list(ps.values()) if groups is None else groups(ps))
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2)
+    for i in range(steps):
+        scaler.scale(torch.zeros(()))  # GradScaler makes its scale on the first scale()
+        for k, g in _grads(i).items():
+            ps[k].grad = g.clone()
+        scaler.step(opt)  # fused: the kernel takes the scale and found_inf itself
+        scaler.update()
+    return {k: v.detach() for k, v in ps.items()}, opt
+
+
+def _funcamp_run(opt, steps: int, *, donate_state: bool = True):
+    params = _params()
+    state = opt.init(params)
+    scaler = funcamp.ScalerState.dynamic(init_scale=INIT_SCALE, growth_interval=2)
+    for i in range(steps):
+        params, state, info = funcamp.unscale_and_step(
+            scaler, opt, _grads(i), state, params, donate_state=donate_state
+        )
+        scaler = funcamp.update(scaler, info.found_inf)
+    return params, state
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+@pytest.mark.parametrize("donate_state", [True, False])
+def test_fused_adam_is_torch_fused_bit_for_bit(name, donate_state):
+    torch_cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    ref, topt = _torch_run(lambda ps: torch_cls(ps, lr=3e-3, weight_decay=0.1, fused=True), 5)
+    opt = getattr(funcamp, name)(3e-3, weight_decay=0.1, fused=True)
+    params, state = _funcamp_run(opt, 5, donate_state=donate_state)
+    assert_trees_equal(params, ref)
+    first = topt.state[topt.param_groups[0]["params"][0]]
+    assert int(first["step"]) == int(state.count) == 4  # one of five steps was skipped
+    assert torch.equal(state.exp_avg["w"], first["exp_avg"])
+    assert torch.equal(state.exp_avg_sq["w"], first["exp_avg_sq"])
+    # the same bits without the optimizer's capabilities (update + apply_updates + select)
+    plain = funcamp.Optimizer(opt.init, opt.update)
+    assert_trees_equal(_funcamp_run(plain, 5, donate_state=donate_state), (params, state))
+
+
+def test_fused_adamw_mask_is_two_torch_param_groups():
+    def groups(ps):
+        return [
+            {"params": [ps["w"], ps["v"]], "weight_decay": 0.5},
+            {"params": [ps["b"]], "weight_decay": 0.0},
+        ]
+
+    ref, _ = _torch_run(lambda gs: torch.optim.AdamW(gs, lr=1e-2, fused=True), 4, groups)
+    opt = funcamp.adamw(1e-2, weight_decay=0.5, mask={"w": True, "b": False, "v": True}, fused=True)
+    assert_trees_equal(_funcamp_run(opt, 4)[0], ref)
+
+
+def test_fused_schedule_is_torch_tensor_lr():
+    """A schedule's value goes to the kernel as a tensor, as torch.optim's tensor ``lr``."""
+    sched = funcamp.linear_schedule(1e-2, 1e-3, 4)
+    opt = funcamp.adamw(sched, weight_decay=0.1, fused=True)
+    params, _ = _funcamp_run(opt, 1)
+    ref, _ = _torch_run(
+        lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2), weight_decay=0.1, fused=True), 1
+    )
+    assert_trees_equal(params, ref)
+
+
+def test_fused_refuses_what_the_kernel_cannot_do():
+    with pytest.raises(ValueError, match=r"fused=True.*master_weights"):
+        funcamp.adamw(1e-3, fused=True, master_weights=True)
+    opt = funcamp.adamw(1e-3, fused=True)
+    with pytest.raises(ValueError, match=r"contiguous float32 params; \['h'\] is a torch.bfloat16"):
+        opt.init({"h": torch.ones(2, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match="non-contiguous"):
+        opt.init({"w": torch.ones(3, 2).t()})
+    params = {"w": torch.ones(3)}
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"torch\.func transforms"):
+        torch.func.grad(lambda p: opt.update({"w": p}, state, {"w": p})[0]["w"].value.sum())(
+            torch.ones(3)
+        )
+    with pytest.raises(TypeError, match="fused"):
+        funcamp.adam(1e-3, fused=1)
+
+
+# --------------------------------------------------------------------------------------------
+# compiled: the kernel is called, not traced
+
+
+def _model_step(opt, compile, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    params, buffers = funcamp.params_and_buffers(model)
+
+    def loss_fn(p, b, batch):
+        x, y = batch
+        out = torch.func.functional_call(model, (p, b), (x,))
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+    policy = funcamp.get_policy("mixed_bfloat16")
+    scaler = funcamp.ScalerState.dynamic(init_scale=2.0**8, growth_interval=1)
+    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers, scaler=scaler)
+    return funcamp.make_train_step(loss_fn, opt, policy, compile=compile, **kw), state
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    out = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(4)]
+    out[2] = (out[2][0], torch.full((4, 3), 1e30))  # inf in the scaled grads: skipped
+    return out
+
+
+def _recording_backend(seen: list[str]):
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    return backend
+
+
+@pytest.mark.parametrize("donate_state", [True, False])
+def test_compiled_step_calls_the_kernel_and_matches_eager(donate_state):
+    def opt():
+        return funcamp.adamw(funcamp.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1, fused=True)
+
+    seen: list[str] = []
+    compiled, state = _model_step(
+        opt(), True, donate_state=donate_state, backend=_recording_backend(seen)
+    )
+    eager, state2 = _model_step(opt(), False, donate_state=donate_state)
+    for batch in _batches():
+        state, got = compiled(state, batch)
+        state2, want = eager(state2, batch)
+        assert_trees_equal(got, want)
+    assert_trees_equal(state.params, state2.params)
+    assert_trees_equal(state.opt_state, state2.opt_state)
+    kernel = "funcamp.fused_adam_" if donate_state else "funcamp.fused_adam.default"
+    assert sum(kernel in s for s in seen) == 1, seen
+
+
+def test_inductor_calls_the_fused_kernel_in_place():
+    """Inductor puts the custom op back in place on the donated state (no copies) and calls
+    it as an extern kernel: the update generates no C++."""
+    from torch._inductor.utils import run_and_get_code
+
+    opt = funcamp.adamw(1e-2, weight_decay=0.1, fused=True)
+    step, state = _model_step(opt, True)
+    batch = _batches()[0]
+    (new, _), codes = run_and_get_code(step, state, batch)
+    code = "\n".join(codes)
+    assert "torch.ops.funcamp.fused_adam_.default(" in code
+    assert "auto_functionalized" not in code
+    assert new.params["0.weight"] is state.params["0.weight"]  # written in place (donated)
+    assert int(new.opt_state.count) == 1
