@@ -126,9 +126,11 @@ def _like_adam(
 
 
 def _define(name: str, kernel: Any, fake: Any, torch_op: str, mutates: tuple[str, ...]) -> Any:
-    """``funcamp::<name>``, a custom op mutating ``mutates`` (torch's schemas mark the grads
-    mutable, so every op declares them: the callers pass their own unscaled copies); None on a
-    torch without ``torch.<torch_op>``."""
+    """``funcamp::<name>``, a custom op mutating ``mutates``; None on a torch without
+    ``torch.<torch_op>``. torch's schemas mark the grads mutable, but its kernels write them only
+    when given a ``grad_scale`` (to store the unscaled grads: CPU and CUDA), which these ops never
+    pass: the grads are inputs only. (Declared mutated, they also broke inductor's scheduler on a
+    ResNet step: ``KeyError`` in ``compute_ancestors``, torch 2.13.)"""
     if not hasattr(torch, torch_op):  # pragma: no cover - older torch
         return None
     try:
@@ -140,13 +142,13 @@ def _define(name: str, kernel: Any, fake: Any, torch_op: str, mutates: tuple[str
     return getattr(torch.ops.funcamp, name).default
 
 
-_ADAM_STATE = ("params", "grads", "exp_avgs", "exp_avg_sqs")
+_ADAM_STATE = ("params", "exp_avgs", "exp_avg_sqs")
 #: ``funcamp::fused_adam_``: torch's fused Adam/AdamW kernel in place (None on an older torch).
 FUSED_ADAM = _define("fused_adam_", _adam_kernel, _nothing, "_fused_adamw_", _ADAM_STATE)
 #: ``funcamp::fused_adam``: the same on copies; returns new params + exp_avgs + exp_avg_sqs.
-FUSED_ADAM_COPIES = _define("fused_adam", _adam_copies, _like_adam, "_fused_adamw_", ("grads",))
+FUSED_ADAM_COPIES = _define("fused_adam", _adam_copies, _like_adam, "_fused_adamw_", ())
 #: ``funcamp::fused_sgd_``: torch's fused SGD kernel without momentum, in place.
-FUSED_SGD = _define("fused_sgd_", _sgd_kernel, _nothing, "_fused_sgd_", ("params", "grads"))
+FUSED_SGD = _define("fused_sgd_", _sgd_kernel, _nothing, "_fused_sgd_", ("params",))
 
 
 # --------------------------------------------------------------------------------------------
