@@ -120,9 +120,10 @@ def make_train_step(
     boundary).
 
     The first call of a compiled step traces and compiles it -- measured on a 2-core Intel Xeon
-    (torch 2.13 CPU): 23-86 s for small Hugging Face and CNN models, 1.3-1.5x torch.compile of
-    the model and of ``optimizer.step`` (docs/benchmarks.md), 5-12 s with warm compile caches,
-    2-4 s with ``cache_dir`` -- and
+    (torch 2.13 CPU): 25-79 s for small Hugging Face and CNN models, 1.06-1.36x torch.compile of
+    the model and of ``optimizer.step`` (0.90-1.08x with ``adamw(..., fused=True)``, whose
+    update the step calls as torch's kernel instead of generating it: docs/benchmarks.md), 5-12 s
+    with warm compile caches, 2-4 s with ``cache_dir`` -- and
     says so on stderr by default, with the time it took (``FUNCAMP_QUIET=1`` or the
     ``"funcamp"`` logger's level silences it; with logging configured the lines go through your
     handlers). With ``cache_dir`` a later process loads the compiled step instead of tracing it
