@@ -113,6 +113,13 @@ def test_fused_refuses_what_the_kernel_cannot_do():
         )
     with pytest.raises(TypeError, match="fused"):
         funcamp.adam(1e-3, fused=1)
+    # a state whose moments are not contiguous (a hand-made one) is refused, not misread
+    bent = state._replace(exp_avg={"w": torch.zeros(2, 3).t()[:, 0].contiguous()[[0, 1, 0]]})
+    odd = state._replace(exp_avg_sq={"w": torch.zeros(6)[::2]})
+    with pytest.raises(ValueError, match=r"contiguous float32 exp_avg_sq; \['w'\] is a non-"):
+        opt.update({"w": torch.ones(3)}, odd, params)
+    new, _ = opt.update({"w": torch.ones(3)}, bent, params)  # a contiguous copy is fine
+    assert torch.isfinite(new["w"].value).all()
 
 
 # --------------------------------------------------------------------------------------------

@@ -415,6 +415,8 @@ def _run_fused(
     assert cfg.fused_update is not None and ps is not None  # needs_params: checked by the caller
     _check_fused(cfg, ps, spec, "params")
     _check_fused(cfg, gs, spec, "grads")
+    for name in cfg.names:  # the kernel reads and writes them as flat arrays too
+        _check_fused(cfg, state_leaves(cfg.api, name, getattr(state, name), spec), spec, name)
     mask = None if cfg.mask is None else mask_flags(cfg.api, cfg.mask, params)
     new_ps, new_state = cfg.fused_update(ps, gs, state, lr, mask)
     return unflatten(spec, [SetParam(p) for p in new_ps]), new_state
