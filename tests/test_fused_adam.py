@@ -191,3 +191,34 @@ def test_inductor_calls_the_fused_kernel_in_place():
     assert "auto_functionalized" not in code
     assert new.params["0.weight"] is state.params["0.weight"]  # written in place (donated)
     assert int(new.opt_state.count) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, True])
+def test_fused_adamw_on_cuda_is_torch_fused(compile):
+    """On CUDA the same kernel runs (found_inf read on the device: no host sync), eager and in
+    a compiled donated step, with torch.optim.AdamW(fused=True)'s bits."""
+    dev = torch.device("cuda")
+    shapes = {"w": (64, 32), "b": (32,)}
+    g = torch.Generator().manual_seed(0)
+    p0 = {k: torch.randn(s, generator=g).to(dev) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=g).to(dev) for k, s in shapes.items()} for _ in range(3)]
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in p0.items()}
+    topt = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.1, fused=True)
+    for gr in grads:
+        for k in ref:
+            ref[k].grad = gr[k].clone()
+        topt.step()
+    opt = funcamp.adamw(1e-2, weight_decay=0.1, fused=True)
+    scaler = funcamp.ScalerState.noop()
+
+    def step(params, state, gr):
+        return funcamp.unscale_and_step(scaler, opt, gr, state, params, donate_state=True)[:2]
+
+    run = torch.compile(step, fullgraph=True) if compile else step
+    params = {k: v.clone() for k, v in p0.items()}
+    state = opt.init(params)
+    for gr in grads:
+        params, state = run(params, state, {k: v.clone() for k, v in gr.items()})
+    assert_trees_equal(params, {k: v.detach() for k, v in ref.items()})
