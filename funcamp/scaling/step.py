@@ -15,6 +15,7 @@ from funcamp._core.context import compiling, eager_path
 from funcamp._core.tree import (
     BITS,
     describe,
+    flatten,
     plan_write,
     select_into,
     sharing_memory,
@@ -240,7 +241,7 @@ def unscale_and_step(
         # calls them as they are rather than generating C++ for a check, a multiply, a norm
         # and an update per leaf -- most of a step's first-call compile on the CPU.
         inputs = []
-        kernels = fused_unscale(floating + update_tensors(params))
+        kernels = fused_unscale(floating + flatten(params)[0])  # dynamo: a dict fast path
     else:
         inputs = update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
         kernels = fused_unscale(floating + inputs)
