@@ -101,7 +101,9 @@ def test_fused_refuses_what_the_kernel_cannot_do():
     with pytest.raises(ValueError, match=r"fused=True.*master_weights"):
         funcamp.adamw(1e-3, fused=True, master_weights=True)
     opt = funcamp.adamw(1e-3, fused=True)
-    with pytest.raises(ValueError, match=r"contiguous float32 params; \['h'\] is a torch.bfloat16"):
+    with pytest.raises(
+        ValueError, match=r"float32 params \(plain torch.Tensor\); \['h'\] is a torch.bfloat16"
+    ):
         opt.init({"h": torch.ones(2, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match="non-contiguous"):
         opt.init({"w": torch.ones(3, 2).t()})
@@ -116,7 +118,9 @@ def test_fused_refuses_what_the_kernel_cannot_do():
     # a state whose moments are not contiguous (a hand-made one) is refused, not misread
     bent = state._replace(exp_avg={"w": torch.zeros(2, 3).t()[:, 0].contiguous()[[0, 1, 0]]})
     odd = state._replace(exp_avg_sq={"w": torch.zeros(6)[::2]})
-    with pytest.raises(ValueError, match=r"contiguous float32 exp_avg_sq; \['w'\] is a non-"):
+    with pytest.raises(
+        ValueError, match=r"float32 exp_avg_sq \(plain torch.Tensor\); \['w'\] is a non-"
+    ):
         opt.update({"w": torch.ones(3)}, odd, params)
     new, _ = opt.update({"w": torch.ones(3)}, bent, params)  # a contiguous copy is fine
     assert torch.isfinite(new["w"].value).all()
@@ -222,3 +226,69 @@ def test_fused_adamw_on_cuda_is_torch_fused(compile):
     for gr in grads:
         params, state = run(params, state, {k: v.clone() for k, v in gr.items()})
     assert_trees_equal(params, {k: v.detach() for k, v in ref.items()})
+
+
+def _transposed_grad_loss(p, b, x):
+    return (x * p["w"].t()).sum()  # torch.func.grad gives w a non-contiguous (transposed) grad
+
+
+@pytest.mark.parametrize("name", ["adamw_fused", "sgd"])
+@pytest.mark.parametrize("donate_state", [True, False])
+def test_non_contiguous_grads_are_read_right(name, donate_state):
+    """A grad with a transposed layout is read through a contiguous copy: the fused kernels
+    read flat arrays (found by review: the donated path used to scramble such a grad)."""
+    make = {
+        "adamw_fused": lambda: funcamp.adamw(0.1, fused=True),
+        "sgd": lambda: funcamp.sgd(0.1),
+    }[name]
+    x = torch.arange(6.0).reshape(3, 2)
+    results = []
+    for opt in (make(), funcamp.Optimizer(make().init, make().update)):
+        params = {"w": torch.ones(2, 3)}
+        state = opt.init(params)
+        grads = torch.func.grad(_transposed_grad_loss)(params, {}, x)
+        assert not grads["w"].is_contiguous()
+        scaler = funcamp.ScalerState.noop()
+        new, _, _ = funcamp.unscale_and_step(
+            scaler, opt, grads, state, params, donate_state=donate_state
+        )
+        results.append(new["w"].clone())
+    want = torch.nn.Parameter(torch.ones(2, 3))
+    cls = torch.optim.AdamW if name == "adamw_fused" else torch.optim.SGD
+    ref = cls([want], lr=0.1, **({"fused": True} if name == "adamw_fused" else {}))
+    want.grad = x.t().contiguous()
+    ref.step()
+    for got in results:
+        assert torch.equal(got, want.detach())
+
+
+def test_compiled_donated_step_refuses_a_short_state():
+    """Compiled, the preflight does not compare the state's shapes: the fused path must, or the
+    kernel would write past a short buffer (found by review)."""
+    opt = funcamp.adamw(1e-2, fused=True)
+    params = {"w": torch.ones(6)}
+    state = opt.init(params)
+    bad = state._replace(exp_avg_sq={"w": torch.zeros(3)})
+    grads = {"w": torch.ones(6)}
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(params, state, grads):
+        scaler = funcamp.ScalerState.noop()
+        return funcamp.unscale_and_step(scaler, opt, grads, state, params, donate_state=True)
+
+    with pytest.raises(Exception, match=r"exp_avg_sq"):
+        step(params, bad, grads)
+
+
+def test_update_on_parameters_is_torch_optims_no_grad():
+    """``update`` with params that require grad (``dict(model.named_parameters())``) runs the
+    kernel as torch.optim's step does, under no_grad: the new state carries no autograd
+    history."""
+    model = torch.nn.Linear(3, 2)
+    opt = funcamp.adamw(1e-2, fused=True)
+    params = dict(model.named_parameters())
+    state = opt.init({k: v.detach() for k, v in params.items()})
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    updates, new_state = opt.update(grads, state, params)
+    assert not new_state.exp_avg["weight"].requires_grad
+    assert not updates["weight"].value.requires_grad

@@ -40,7 +40,7 @@ steps (tested with Hypothesis-generated shapes and hyperparameters).
 ``torch.optim.Adam``/``AdamW(fused=True)`` run), eager and compiled, and give its params and
 moments bit for bit; a compiled step calls the kernel as it is rather than generating code for
 the update (a shorter first call on the CPU, where every generated kernel is ~0.7 s of C++).
-Float32 params only, outside ``torch.func`` transforms.
+Contiguous float32 params only, outside ``torch.func`` transforms.
 
 Low-precision parameters
 ------------------------

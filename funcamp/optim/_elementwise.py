@@ -353,28 +353,44 @@ def _fused(
     params: PyTree,
     found_inf: torch.Tensor,
 ) -> Any:
-    """The fused in-place kernel, where it applies: float32 tensors on one device (checked per
-    step, after the caller's checks, so cheap); None elsewhere."""
+    """The fused in-place kernel, where it applies: contiguous float32 params and buffers of
+    the params' shapes on one device (checked per step, after the caller's checks, so cheap;
+    compiled, on the traced metadata, where the caller's preflight does not check the state's
+    shapes: a kernel reading flat arrays must never see a short buffer); None elsewhere. The
+    grads are inputs only: a non-contiguous one (``torch.func.grad`` of ``x @ w.t()``) is read
+    through a contiguous copy."""
     ps = flatten(params)[0]
     if not ps or len(grads) != len(ps):
         return None
-    for x in ps + grads:  # a float32 tensor is a floating one
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+    for x in ps:  # a float32 tensor is a floating one
+        if type(x) is not torch.Tensor or x.dtype != torch.float32 or not x.is_contiguous():
             return None
-    if len({p.get_device() for p in ps}) != 1:  # x.device costs more, per leaf
-        return None
+    device = ps[0].get_device()
+    for p in ps:  # x.device costs more, per leaf
+        if p.get_device() != device:
+            return None
+    for p, g in zip(ps, grads):
+        if g.dtype != torch.float32 or g.shape != p.shape or g.get_device() != device:
+            return None
     for name in cfg.names:  # the kernel writes the buffers too
-        for x in flatten(getattr(state, name))[0]:
-            if x.dtype != torch.float32 or not x.is_contiguous():
+        leaves = flatten(getattr(state, name))[0]
+        if len(leaves) != len(ps):
+            return None
+        for p, x in zip(ps, leaves):
+            if x.dtype != torch.float32 or x.shape != p.shape or not x.is_contiguous():
                 return None
+            if x.get_device() != device:
+                return None
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     mask = None if cfg.mask is None else mask_flags(cfg.api, cfg.mask, params)
     return kernel(ps, grads, state, cfg.lr_fn(state.count)[0], found_inf, mask)
 
 
-def _check_fused(cfg: _Config, leaves: Tensors, spec: Any, what: str) -> None:
-    """``fused=True``: float32 params and grads on one device, outside ``torch.func``
-    transforms, or a clear refusal (the kernel has no other dtype's rounding here, no derivative
-    and no batching rule)."""
+def _check_fused(cfg: _Config, leaves: Tensors, spec: Any, what: str) -> int | None:
+    """``fused=True``: contiguous float32 plain tensors on one device, outside ``torch.func``
+    transforms, or a clear refusal (the kernel has no other dtype's rounding here, reads flat
+    arrays, and has no derivative and no batching rule); returns the device index (None for no
+    leaves)."""
     api = cfg.api
     if (not compiling() and in_transform()) or any(_batched(x) for x in leaves):
         raise ValueError(
@@ -383,18 +399,24 @@ def _check_fused(cfg: _Config, leaves: Tensors, spec: Any, what: str) -> None:
         )
     devices = set()
     for i, x in zip(range(len(leaves)), leaves):
-        if x.dtype != torch.float32 or not x.is_contiguous():
+        plain = type(x) is torch.Tensor or type(x) is torch.nn.Parameter
+        if not plain or x.dtype != torch.float32 or not x.is_contiguous():
+            kind = (
+                type(x).__name__
+                if not plain
+                else f"{'non-contiguous ' if x.dtype == torch.float32 else ''}{x.dtype} tensor"
+            )
             raise ValueError(
-                f"funcamp.{api}: `fused=True` needs contiguous float32 {what}; "
-                f"{leaf_path(unflatten(spec, leaves), i)} is a "
-                f"{'non-contiguous ' if x.dtype == torch.float32 else ''}{x.dtype} tensor "
-                "(use fused=False, with master_weights=True for half params)"
+                f"funcamp.{api}: `fused=True` needs contiguous float32 {what} (plain "
+                f"torch.Tensor); {leaf_path(unflatten(spec, leaves), i)} is a {kind} (use "
+                "fused=False, with master_weights=True for half params)"
             )
         devices.add(x.get_device())
     if len(devices) > 1:
         raise ValueError(
             f"funcamp.{api}: `fused=True` needs every param on one device; use fused=False"
         )
+    return devices.pop() if devices else None
 
 
 def _batched(x: Any) -> bool:
@@ -413,12 +435,21 @@ def _run_fused(
     """``update`` of a ``fused=True`` optimizer: the kernel on copies of the params and the
     buffers; the update leaves are the new params (:class:`SetParam`), installed as they are."""
     assert cfg.fused_update is not None and ps is not None  # needs_params: checked by the caller
-    _check_fused(cfg, ps, spec, "params")
-    _check_fused(cfg, gs, spec, "grads")
+    device = _check_fused(cfg, ps, spec, "params")
+    # the grads are inputs only: a non-contiguous one is read through a contiguous copy
+    gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
+    used = {device, _check_fused(cfg, gs, spec, "grads")}
     for name in cfg.names:  # the kernel reads and writes them as flat arrays too
-        _check_fused(cfg, state_leaves(cfg.api, name, getattr(state, name), spec), spec, name)
+        leaves = state_leaves(cfg.api, name, getattr(state, name), spec)
+        used.add(_check_fused(cfg, leaves, spec, name))
+    if len(used - {None}) > 1:
+        raise ValueError(
+            f"funcamp.{cfg.api}: `fused=True` needs the params, grads and optimizer state on one "
+            "device; move them there or use fused=False"
+        )
     mask = None if cfg.mask is None else mask_flags(cfg.api, cfg.mask, params)
-    new_ps, new_state = cfg.fused_update(ps, gs, state, lr, mask)
+    with torch.no_grad():  # as torch.optim's step: the kernel has no derivative
+        new_ps, new_state = cfg.fused_update(ps, gs, state, lr, mask)
     return unflatten(spec, [SetParam(p) for p in new_ps]), new_state
 
 
