@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_step import batches, model_step, recording_backend
 
 import funcamp
 from funcamp.testing import assert_trees_equal
@@ -130,48 +131,17 @@ def test_fused_refuses_what_the_kernel_cannot_do():
 # compiled: the kernel is called, not traced
 
 
-def _model_step(opt, compile, **kw):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    params, buffers = funcamp.params_and_buffers(model)
-
-    def loss_fn(p, b, batch):
-        x, y = batch
-        out = torch.func.functional_call(model, (p, b), (x,))
-        return torch.nn.functional.mse_loss(out.float(), y)
-
-    policy = funcamp.get_policy("mixed_bfloat16")
-    scaler = funcamp.ScalerState.dynamic(init_scale=2.0**8, growth_interval=1)
-    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers, scaler=scaler)
-    return funcamp.make_train_step(loss_fn, opt, policy, compile=compile, **kw), state
-
-
-def _batches():
-    g = torch.Generator().manual_seed(1)
-    out = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(4)]
-    out[2] = (out[2][0], torch.full((4, 3), 1e30))  # inf in the scaled grads: skipped
-    return out
-
-
-def _recording_backend(seen: list[str]):
-    def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    return backend
-
-
 @pytest.mark.parametrize("donate_state", [True, False])
 def test_compiled_step_calls_the_kernel_and_matches_eager(donate_state):
     def opt():
         return funcamp.adamw(funcamp.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1, fused=True)
 
     seen: list[str] = []
-    compiled, state = _model_step(
-        opt(), True, donate_state=donate_state, backend=_recording_backend(seen)
+    compiled, state = model_step(
+        opt(), True, donate_state=donate_state, backend=recording_backend(seen)
     )
-    eager, state2 = _model_step(opt(), False, donate_state=donate_state)
-    for batch in _batches():
+    eager, state2 = model_step(opt(), False, donate_state=donate_state)
+    for batch in batches():
         state, got = compiled(state, batch)
         state2, want = eager(state2, batch)
         assert_trees_equal(got, want)
@@ -187,8 +157,8 @@ def test_inductor_calls_the_fused_kernel_in_place():
     from torch._inductor.utils import run_and_get_code
 
     opt = funcamp.adamw(1e-2, weight_decay=0.1, fused=True)
-    step, state = _model_step(opt, True)
-    batch = _batches()[0]
+    step, state = model_step(opt, True)
+    batch = batches()[0]
     (new, _), codes = run_and_get_code(step, state, batch)
     code = "\n".join(codes)
     assert "torch.ops.funcamp.fused_adam_.default(" in code

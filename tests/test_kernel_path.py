@@ -10,46 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_step import batches, model_step, recording_backend
 
 import funcamp
 from funcamp._core.context import kernel_path
 from funcamp.testing import assert_trees_equal
 
 
-def _recording_backend(seen: list[str]):
-    def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    return backend
-
-
-def _model_step(opt, compile, **kw):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    params, buffers = funcamp.params_and_buffers(model)
-
-    def loss_fn(p, b, batch):
-        x, y = batch
-        out = torch.func.functional_call(model, (p, b), (x,))
-        return torch.nn.functional.mse_loss(out.float(), y)
-
-    policy = funcamp.get_policy("mixed_bfloat16")
-    scaler = funcamp.ScalerState.dynamic(init_scale=2.0**8, growth_interval=1)
-    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers, scaler=scaler)
-    return funcamp.make_train_step(loss_fn, opt, policy, compile=compile, **kw), state
-
-
-def _batches():
-    g = torch.Generator().manual_seed(1)
-    out = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(4)]
-    out[2] = (out[2][0], torch.full((4, 3), 1e30))  # an overflow in float16 terms: a big loss
-    return out
-
-
 def _run(step, state):
     history = []
-    for batch in _batches():
+    for batch in batches():
         state, metrics = step(state, batch)
         history.append({k: v.clone() for k, v in metrics.items()})
     return state, history
@@ -73,11 +43,11 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("donate_state", [True, False])
 def test_compiled_step_calls_the_kernels_and_matches_eager(name, donate_state):
     seen: list[str] = []
-    compiled, state = _model_step(
-        OPTIMIZERS[name](), True, donate_state=donate_state, backend=_recording_backend(seen)
+    compiled, state = model_step(
+        OPTIMIZERS[name](), True, donate_state=donate_state, backend=recording_backend(seen)
     )
     got, got_metrics = _run(compiled, state)
-    eager, state = _model_step(OPTIMIZERS[name](), False, donate_state=donate_state)
+    eager, state = model_step(OPTIMIZERS[name](), False, donate_state=donate_state)
     want, want_metrics = _run(eager, state)
     assert_trees_equal(got.params, want.params)
     assert_trees_equal(got.opt_state, want.opt_state)
@@ -109,9 +79,9 @@ def test_inductor_calls_the_unscale_kernel():
     and backward (fused bfloat16 kernels)."""
     from torch._inductor.utils import run_and_get_code
 
-    step, state = _model_step(funcamp.adamw(1e-2, weight_decay=0.1), True)
-    eager, state2 = _model_step(funcamp.adamw(1e-2, weight_decay=0.1), False)
-    batch = _batches()[0]
+    step, state = model_step(funcamp.adamw(1e-2, weight_decay=0.1), True)
+    eager, state2 = model_step(funcamp.adamw(1e-2, weight_decay=0.1), False)
+    batch = batches()[0]
     (new, _), codes = run_and_get_code(step, state, batch)
     code = "\n".join(codes)
     assert "aten._amp_foreach_non_finite_check_and_unscale.default(" in code

@@ -62,13 +62,9 @@ def tracks_grad(xs: Iterable[Any]) -> bool:
     return False
 
 
-def eager_path(xs: Sequence[Any]) -> bool:
-    """The one predicate behind every eager fast path (foreach kernels, in-place writes into
-    owned temporaries, the fused unscale kernel, torch's fused optimizer kernels): plain eager,
-    and every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not
-    track."""
-    if not plain_eager():
-        return False
+def _plain_untracked(xs: Sequence[Any], batched: Any = None) -> bool:
+    """Every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not track
+    (and, given ``batched``, that it does not report batched)."""
     grad_on = torch.is_grad_enabled()
     for x in xs:
         if not isinstance(x, torch.Tensor):
@@ -78,28 +74,29 @@ def eager_path(xs: Sequence[Any]) -> bool:
             return False
         if grad_on and x.requires_grad:
             return False
+        if batched is not None and batched(x):
+            return False
     return True
 
 
+def eager_path(xs: Sequence[Any]) -> bool:
+    """The one predicate behind every eager fast path (foreach kernels, in-place writes into
+    owned temporaries, the fused unscale kernel, torch's fused optimizer kernels): plain eager,
+    and every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not
+    track."""
+    return plain_eager() and _plain_untracked(xs)
+
+
 def kernel_path(xs: Sequence[Any]) -> bool:
-    """Where torch's multi-tensor kernels (the fused unscale, ``_foreach_norm``, the optimizer's
-    eager update) may run: the eager path (:func:`eager_path`), or dynamo tracing plain CPU/CUDA
-    tensors that autograd does not track and ``vmap`` does not batch. Compiled, inductor calls
-    such a kernel as it is (an extern kernel) instead of generating code for it: on the CPU
-    every generated kernel costs ~0.7 s of C++ compile on the first call.
+    """Where torch's multi-tensor kernels (the fused unscale, ``_foreach_norm``, torch's fused
+    optimizer kernels) may run: the eager path (:func:`eager_path`), or dynamo tracing plain
+    CPU/CUDA tensors that autograd does not track and ``vmap`` does not batch. Compiled,
+    inductor calls such a kernel as it is (an extern kernel) instead of generating code for it:
+    on the CPU every generated kernel costs ~0.7 s of C++ compile on the first call.
 
     Dynamo cannot trace the functorch level (``in_transform``), and inside a compiled
     ``torch.func.grad`` it reports ``requires_grad=False``: a compiled ``grad`` or ``jvp``
     *through* the step's update is not detected here (a compiled ``vmap`` is)."""
     if not compiling():
         return eager_path(xs)
-    grad_on = torch.is_grad_enabled()
-    batched = torch._C._functorch.is_batchedtensor
-    for x in xs:
-        if not isinstance(x, torch.Tensor):
-            continue
-        if type(x) is not torch.Tensor or not (x.is_cpu or x.is_cuda) or batched(x):
-            return False
-        if grad_on and x.requires_grad:
-            return False
-    return True
+    return _plain_untracked(xs, torch._C._functorch.is_batchedtensor)

@@ -185,20 +185,7 @@ def fused_sgd(weight_decay: float) -> Any:
             FUSED_SGD(ps, grads, lr_value, lr_tensor, weight_decay, found)
             return _advance(state, found_inf)
         try:  # a torch whose fused SGD has no kernel for this device raises before writing
-            torch._fused_sgd_(
-                ps,
-                grads,
-                [],
-                weight_decay=weight_decay,
-                momentum=0.0,
-                lr=lr_value if lr_tensor is None else lr_tensor,
-                dampening=0.0,
-                nesterov=False,
-                maximize=False,
-                is_first_step=False,
-                grad_scale=None,
-                found_inf=found,
-            )
+            _sgd_kernel(ps, grads, lr_value, lr_tensor, weight_decay, found)
         except NotImplementedError:  # pragma: no cover - depends on the torch build
             return None
         return _advance(state, found_inf)
@@ -220,39 +207,38 @@ def fused_adam(
         off = [i for i, flag in zip(range(n), mask) if not flag]
         return [(idx, wd) for idx, wd in ((on, weight_decay), (off, 0.0)) if idx]
 
-    def args(ps: Tensors, grads: Tensors, state: Any, lr: Any, found: Any) -> Any:
+    def calls(ps: Tensors, grads: Tensors, state: Any, lr: Any, found_inf: Any, mask: Any) -> Any:
+        """``(leaf indices, the op's arguments)`` for each weight-decay group."""
         device = ps[0].device
         lr_value, lr_tensor = _lr_args(lr, device)
         step = (state.count + 1).to(device=device, dtype=torch.float32)
         ms, vs = flatten(state.exp_avg)[0], flatten(state.exp_avg_sq)[0]
-        return ms, vs, step, lr_value, lr_tensor, found.to(device=device, dtype=torch.float32)
+        found = found_inf.to(device=device, dtype=torch.float32)
+        return [
+            (idx, (
+                [ps[i] for i in idx], [grads[i] for i in idx], [ms[i] for i in idx],
+                [vs[i] for i in idx], step, lr_value, lr_tensor, b1, b2, wd, eps, decoupled,
+                found,
+            ))
+            for idx, wd in groups(len(ps), mask)
+        ]  # fmt: skip
 
     def in_place(
         ps: Tensors, grads: Tensors, state: Any, lr: Any, found_inf: Any, mask: Any
     ) -> Any:
-        ms, vs, step, lr_value, lr_tensor, found = args(ps, grads, state, lr, found_inf)
-        for idx, wd in groups(len(ps), mask):
-            FUSED_ADAM(
-                [ps[i] for i in idx], [grads[i] for i in idx], [ms[i] for i in idx],
-                [vs[i] for i in idx], step, lr_value, lr_tensor, b1, b2, wd, eps, decoupled,
-                found,
-            )  # fmt: skip
+        for _, args in calls(ps, grads, state, lr, found_inf, mask):
+            FUSED_ADAM(*args)
         return _advance(state, found_inf)
 
     def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
         no_inf = torch.zeros((), dtype=torch.bool, device=state.count.device)
-        ms, vs, step, lr_value, lr_tensor, found = args(ps, grads, state, lr, no_inf)
-        new_ps, new_ms, new_vs = list(ps), list(ms), list(vs)
-        for idx, wd in groups(len(ps), mask):
-            out = FUSED_ADAM_COPIES(
-                [ps[i] for i in idx], [grads[i] for i in idx], [ms[i] for i in idx],
-                [vs[i] for i in idx], step, lr_value, lr_tensor, b1, b2, wd, eps, decoupled,
-                found,
-            )  # fmt: skip
+        ms, spec = flatten(state.exp_avg)
+        new_ps, new_ms, new_vs = list(ps), list(ms), flatten(state.exp_avg_sq)[0]
+        for idx, args in calls(ps, grads, state, lr, no_inf, mask):
+            out = FUSED_ADAM_COPIES(*args)
             k = len(idx)
             for j, i in zip(range(k), idx):
                 new_ps[i], new_ms[i], new_vs[i] = out[j], out[k + j], out[2 * k + j]
-        spec = flatten(state.exp_avg)[1]
         return new_ps, _advance(
             state, no_inf, exp_avg=unflatten(spec, new_ms), exp_avg_sq=unflatten(spec, new_vs)
         )
