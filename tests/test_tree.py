@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any, NamedTuple
+from unittest import mock
 
 import optree
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcamp
+import funcamp._core.specs as T
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 
@@ -164,10 +166,6 @@ def test_compiled_flatten_specs_match_optree(tree: Any) -> None:
     """Under compile ``flatten`` makes its own specs for dicts, lists, tuples, NamedTuples and
     None: the same leaves in the same order, equal to optree's treespec (both ways), printed
     alike, rebuilt to the same structure, and ``flatten_up_to`` takes what optree's takes."""
-    from unittest import mock
-
-    import funcamp._core.tree as T
-
     want_leaves, want = optree.tree_flatten(tree, namespace=T.NAMESPACE)
     with mock.patch.object(T, "compiling", lambda: True):
         leaves, spec = T.flatten(tree)
@@ -192,8 +190,6 @@ def test_compiled_flatten_specs_match_optree(tree: Any) -> None:
 def test_nested_spec_traces_in_one_graph() -> None:
     """An optimizer state (a NamedTuple of dicts) flattened and rebuilt under
     torch.compile(fullgraph=True) gives the eager result, through a NestedSpec."""
-    import funcamp._core.tree as T
-
     state = funcamp.adamw(0.1).init({"w": torch.ones(2), "b": torch.zeros(1)})
 
     def roundtrip(s: Any) -> Any:

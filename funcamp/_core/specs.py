@@ -37,6 +37,12 @@ class DictSpec:
         self.keys = keys  # sorted: the leaf order
         self.order = order  # the dict's own key order: the order of the rebuilt dict
 
+    @classmethod
+    def of(cls, tree: dict[str, Any]) -> DictSpec:
+        """The spec of ``tree``, a dict whose keys are all ``str``."""
+        order = tuple(tree)
+        return cls(tuple(sorted(order)), order)
+
     def flatten_up_to(self, tree: PyTree) -> list[Any]:
         """The values of ``tree`` (a dict, ``OrderedDict`` or ``defaultdict`` with these keys,
         as optree's ``flatten_up_to`` takes) in leaf order; ValueError otherwise."""
@@ -120,8 +126,8 @@ class NestedSpec:
     __slots__ = ("children", "kind", "meta")
 
     def __init__(self, kind: str, meta: Any, children: tuple[Any, ...]) -> None:
-        self.kind = kind  # "dict" (meta: sorted keys, own order), "list", "tuple", "nt", "none"
-        self.meta = meta  # "nt": the class
+        self.kind = kind  # "dict", "list", "tuple", "nt" (a NamedTuple), "none"
+        self.meta = meta  # "dict": its DictSpec (keys, order); "nt": the class
         self.children = children  # a child spec, or None for a leaf
 
     def flatten_up_to(self, tree: PyTree) -> list[Any]:
@@ -135,13 +141,7 @@ class NestedSpec:
         # instead of being caught.
         kind = self.kind
         if kind == "dict":
-            keys = self.meta[0]
-            if not isinstance(tree, dict) or len(tree) != len(keys):
-                raise ValueError(f"expected a dict with the keys {list(keys)}")
-            for k in keys:
-                if k not in tree:
-                    raise ValueError(f"expected a dict with the keys {list(keys)}")
-            subtrees = [tree[k] for k in keys]
+            subtrees = self.meta.flatten_up_to(tree)
         elif kind == "none":
             if tree is not None:
                 raise ValueError("expected None")
@@ -176,9 +176,7 @@ class NestedSpec:
             next(leaves) if child is None else child._build(leaves) for child in self.children
         ]
         if self.kind == "dict":
-            keys, order = self.meta
-            by_key = {k: v for k, v in zip(keys, values)}  # not dict(zip()): traced in Python
-            return by_key if order == keys else {k: by_key[k] for k in order}
+            return self.meta.unflatten(values)
         if self.kind == "list":
             return values
         if self.kind == "tuple":
@@ -186,7 +184,7 @@ class NestedSpec:
         return self.meta(*values)
 
     def _key(self) -> Any:
-        meta = self.meta[0] if self.kind == "dict" else self.meta
+        meta = self.meta.keys if self.kind == "dict" else self.meta
         children = tuple(None if c is None else c._key() for c in self.children)
         return (self.kind, meta, children)
 
@@ -216,7 +214,7 @@ class NestedSpec:
     def _text(self) -> str:
         parts = ["*" if c is None else c._text() for c in self.children]
         if self.kind == "dict":
-            return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(self.meta[0], parts)) + "}"
+            return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(self.meta.keys, parts)) + "}"
         if self.kind == "list":
             return "[" + ", ".join(parts) + "]"
         if self.kind == "tuple":
@@ -235,13 +233,11 @@ def _nested(tree: PyTree, leaves: list[Any]) -> Any:
         return None
     cls = type(tree)
     if cls is dict:
-        order = tuple(tree)
-        for k in order:
+        for k in tree:
             if type(k) is not str:
                 return False
-        keys = tuple(sorted(order))
-        meta: Any = (keys, order)
-        kind, subtrees = "dict", [tree[k] for k in keys]
+        meta: Any = DictSpec.of(tree)
+        kind, subtrees = "dict", [tree[k] for k in meta.keys]
     elif cls is list or cls is tuple:
         kind, meta, subtrees = ("list" if cls is list else "tuple"), None, tree
     elif tree is None:
@@ -270,9 +266,8 @@ def flatten(tree: PyTree) -> tuple[list[Any], Any]:
                 if type(k) is not str or not isinstance(v, torch.Tensor):
                     break
             else:
-                order = tuple(tree)
-                keys = tuple(sorted(order))
-                return [tree[k] for k in keys], DictSpec(keys, order)
+                flat = DictSpec.of(tree)
+                return [tree[k] for k in flat.keys], flat
         if not isinstance(tree, torch.Tensor):
             leaves: list[Any] = []
             spec = _nested(tree, leaves)
