@@ -31,6 +31,7 @@ from torch._inductor import list_mode_options
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import NAMESPACE, describe
 from funcamp.train.cache import CachedStep
+from funcamp.train.cpp_bundle import bundling
 from funcamp.train.describe import (
     GLOBAL_STATE_SOURCES,
     STEP_INPUTS,
@@ -258,7 +259,7 @@ def run_compiled(
     try:
         # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
         # raises; the eager re-run gives the plain error, so that log is held back.
-        with _quiet(_FAKE_TENSOR_LOG), tracing:
+        with _quiet(_FAKE_TENSOR_LOG), tracing, bundling():
             return run(*args)
     except torch._dynamo.exc.TorchDynamoException as e:
         if engine is not None and engine.switch(e):
