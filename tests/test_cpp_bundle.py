@@ -108,15 +108,51 @@ def test_only_plain_kernel_sources_are_held():
     assert not cpp_bundle._plain_args(["float (*)[4]"])
 
 
-def test_units_split_by_size_deterministically():
-    sizes = [50, 10, 40, 30, 20, 5]
-    groups = cpp_bundle._split(sizes, 2)
-    assert sorted(i for g in groups for i in g) == list(range(6))
-    loads = [sum(sizes[i] for i in g) for g in groups]
-    assert max(loads) - min(loads) <= max(sizes)
-    assert groups == cpp_bundle._split(sizes, 2)
-    assert cpp_bundle._split(sizes, 1) == [list(range(6))]
-    assert len(cpp_bundle._split(sizes[:1], 4)) == 1
+def test_units_start_while_code_is_generated_and_a_cached_graph_makes_the_same_units(
+    per_kernel, monkeypatch
+):
+    """Small units: they are cut as inductor generates the kernels (each kernel found again when
+    the module loads); a second load of the same graph from inductor's cache, with no code
+    generation, asks for the same units (the same sources, so the same built files)."""
+    expected, alone = per_kernel
+    monkeypatch.setattr(cpp_bundle, "UNIT_BYTES", 1)  # a unit per kernel
+    units = []
+    submit = cpp_bundle._submit
+
+    def recording(slots):
+        units.append(cpp_bundle.unit_source([(s.argtypes, s.source) for s in slots]))
+        submit(slots)
+
+    monkeypatch.setattr(cpp_bundle, "_submit", recording)
+    codecache = torch._inductor.codecache
+    torch._dynamo.reset()
+    with fresh_cache():
+        with bundling(True):
+            out = torch.compile(f, fullgraph=True)(*inputs())
+        generated = list(units)
+        assert not cpp_bundle._EARLY and not cpp_bundle._HELD  # every kernel found again
+        units.clear()
+        torch._dynamo.reset()
+        codecache.PyCodeCache.cache_clear()  # the graph's module loads again from disk
+        codecache.CppPythonBindingsCodeCache.cache_clear()
+        with bundling(True):
+            again = torch.compile(f, fullgraph=True)(*inputs())
+    torch._dynamo.reset()
+    assert len(generated) == len(alone)
+    assert units == generated
+    for a, b, c in zip(out, again, expected):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
+def test_parse_reads_a_kernel_definition_as_python_does():
+    src = '#include <torch/csrc/inductor/cpp_prefix.h>\nextern "C" void kernel(float* p)\n{ }\n'
+    q = "'" * 3
+    body = f"async_compile.cpp_pybinding(['float*'], r{q}\n{src}{q})\n"
+    assert cpp_bundle._parse(body) == (["float*"], "\n" + src)
+    assert cpp_bundle._parse(f"async_compile.triton('k', {q}...{q})") is None
+    assert (
+        cpp_bundle._parse(f"async_compile.cpp_pybinding(['float*'], r{q}\n#define X\n{q})") is None
+    )
 
 
 def test_a_unit_names_one_function_per_kernel():

@@ -39,17 +39,6 @@ __all__ = [
 PyTree = Any
 
 
-def _donatable(new: Any, old: Any) -> bool:
-    return (
-        isinstance(new, torch.Tensor)
-        and isinstance(old, torch.Tensor)
-        and new is not old
-        and new.shape == old.shape
-        and new.dtype == old.dtype
-        and new.device == old.device
-    )
-
-
 def _write_into(new: PyTree, old: PyTree) -> PyTree:
     """``new`` with each tensor leaf written into the matching leaf of ``old`` (same shape, dtype
     and device), which takes its place: the step's results live in the old state's memory.
@@ -76,7 +65,16 @@ def plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
     def commit() -> PyTree:
         out = []
         for n, o in zip(new_leaves, old_leaves):
-            if _donatable(n, o):
+            # a tensor that can take n's place: checked inline, not in a helper (dynamo traces
+            # this loop for every leaf of the state, and inlines a call per leaf)
+            if (
+                isinstance(n, torch.Tensor)
+                and isinstance(o, torch.Tensor)
+                and n is not o
+                and n.shape == o.shape
+                and n.dtype == o.dtype
+                and n.device == o.device
+            ):
                 o.copy_(n)
                 n = o
             out.append(n)

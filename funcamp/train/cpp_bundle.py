@@ -5,17 +5,19 @@ process per kernel, each of which loads the precompiled ``cpp_prefix.h`` (~150 M
 against libtorch. That fixed part dominates: 1.3 s for a kernel of 5 KB, 2.1 s for one of 130 KB
 on a 2-core AMD EPYC (torch 2.13); a train step's 28 kernels (GPT-2 of the real-model suite) spend
 35 s of compiler time, 17 s of wall time on two compile threads. The same 28 kernels built as two
-translation units, one per compile thread, take 3.5 s (docs/benchmarks.md, "One build for a
-graph's kernels").
+translation units take 3.5 s (docs/benchmarks.md, "One build for many kernels").
 
-While :func:`bundling` is active, each kernel source that inductor hands to
-``AsyncCompile.cpp_pybinding`` is held back, and the first time one of them is needed (inductor's
-``async_compile.wait`` at the end of loading a graph) all held kernels are built together: in as
-many translation units as inductor has compile threads, each kernel in a namespace of its own,
-behind one Python extension per unit with one function per kernel. The code of every kernel, the
-compiler, its flags, the precompiled header and the on-disk cache (keyed by the unit's source) are
-inductor's own (``CppPythonBindingsCodeCache.load_async``), so the kernels compute the same bits
-and a later process that compiles the same graph finds the built units on disk.
+While :func:`bundling` is active, the kernels of a graph are built in *units*: consecutive
+kernels in the graph's order, cut once their sources reach :data:`UNIT_BYTES`, each kernel in a
+namespace of its own, behind one Python extension per unit with one function per kernel. A unit
+starts building as soon as inductor has generated its kernels (seen where it writes them into
+the graph's Python module), in inductor's compile pool, while inductor generates the rest of the
+graph on the other core; the last, partial unit starts when the graph's module asks for its
+kernels (``async_compile.wait``). The code of every kernel, the compiler, its flags, the
+precompiled header and the on-disk cache (keyed by the unit's source) are inductor's own
+(``CppPythonBindingsCodeCache.load_async``), so the kernels compute the same bits; and since the
+cuts depend only on the kernels' order and sizes, a later process that loads the graph from
+inductor's cache makes the same units and finds them built.
 
 A kernel whose source is not the plain shape this relies on (one ``extern "C" void kernel(``
 after the ``cpp_prefix.h`` include, no other preprocessor lines but ``#pragma``) is built the
@@ -24,6 +26,7 @@ usual way, as is everything when this torch's binding scheme is not the one mirr
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import functools
@@ -43,11 +46,12 @@ _PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>"
 _ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
 _DIRECTIVE = re.compile(r"^\s*#\s*(\w+)", re.M)
 
-try:  # inductor's async compile and C++ code cache (torch builds with inductor)
+try:  # inductor's async compile, C++ code cache and wrapper (torch builds with inductor)
     from torch._inductor import async_compile as _async_compile
     from torch._inductor import codecache as _codecache
+    from torch._inductor.codegen import wrapper as _wrapper
 except Exception:  # pragma: no cover - torch without inductor
-    _async_compile = _codecache = None
+    _async_compile = _codecache = _wrapper = None
 
 
 @functools.cache
@@ -195,17 +199,11 @@ def unit_source(kernels: list[tuple[list[str], str]]) -> str:
     return "".join(parts) + _HEAD + "".join(functions) + _TAIL.format(methods="\n".join(methods))
 
 
-def _split(sizes: list[int], parts: int) -> list[list[int]]:
-    """Indices ``0..len(sizes)-1`` in ``parts`` groups of about equal total size (largest
-    first, each to the lightest group); each group in index order. Deterministic, so that the
-    same graph makes the same units (and finds them in the on-disk cache)."""
-    groups: list[list[int]] = [[] for _ in range(max(1, min(parts, len(sizes))))]
-    loads = [0] * len(groups)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        g = loads.index(min(loads))
-        groups[g].append(i)
-        loads[g] += sizes[i]
-    return [sorted(g) for g in groups if g]
+#: A unit is cut once the sources held for it reach this many bytes: big enough that the fixed
+#: cost of a build (~1.2 s of the precompiled header and linking, on a 2-core AMD EPYC) is
+#: shared by several kernels, small enough that units build while inductor still generates
+#: the rest of the graph.
+UNIT_BYTES = 48 * 1024
 
 
 class _Slot:
@@ -220,6 +218,8 @@ class _Slot:
     def get(self) -> Any:
         if self.unit is None:
             _build()
+        if self.unit is None:  # held no more (a graph generated but never loaded): alone
+            _submit([self])
         try:
             module = self.unit()
         except Exception as e:  # a unit that does not build: its kernels one by one, as usual
@@ -236,57 +236,115 @@ class _Slot:
 
 
 _LOCK = threading.Lock()
-_HELD: list[_Slot] = []  # the kernels held back since the last build
+_HELD: list[_Slot] = []  # the kernels of the unit being filled
+_EARLY: dict[str, _Slot] = {}  # kernels met while inductor generated code, by source
 _FAILED: list[BaseException] = []  # the first failed unit (warned once)
 
 
-def _build() -> None:
-    """Build every held-back kernel: in as many units as inductor has compile threads,
-    submitted to its compile pool together."""
-    with _LOCK:
-        slots, _HELD[:] = list(_HELD), []
-    if not slots:
-        return
+def _submit(slots: list[_Slot]) -> None:
+    """Build ``slots`` as one unit, in inductor's compile pool."""
     threads = _async_compile.get_compile_threads()
     submit = _async_compile.AsyncCompile.submit if threads > 1 else None
-    cache = _codecache.CppPythonBindingsCodeCache
-    for group in _split([len(slot.source) for slot in slots], threads):
-        members = [slots[i] for i in group]
-        code = unit_source([(slot.argtypes, slot.source) for slot in members])
-        unit = cache.load_async(code, "cpu", submit_fn=submit)
-        for j, slot in enumerate(members):
-            slot.unit, slot.name = unit, f"kernel_{j}"
+    code = unit_source([(slot.argtypes, slot.source) for slot in slots])
+    unit = _codecache.CppPythonBindingsCodeCache.load_async(code, "cpu", submit_fn=submit)
+    for j, slot in enumerate(slots):
+        slot.unit, slot.name = unit, f"kernel_{j}"
 
 
-def _hold(argtypes: list[str], source_code: str) -> Any:
-    slot = _Slot(list(argtypes), source_code)
+def _add(slot: _Slot) -> None:
+    """Hold ``slot`` for the unit being filled; submit the unit once it reaches
+    :data:`UNIT_BYTES`. The cuts depend only on the kernels' order and sizes, so a process that
+    loads the graph from inductor's cache (no code generation) makes the same units as the one
+    that generated it, and finds them built on disk."""
     with _LOCK:
         _HELD.append(slot)
-    return _codecache.LambdaFuture(slot.get)
+        full = sum(len(s.source) for s in _HELD) >= UNIT_BYTES
+        slots = list(_HELD) if full else []
+        if full:
+            _HELD.clear()
+    if slots:
+        _submit(slots)
+
+
+def _build() -> None:
+    """Submit the unit being filled (the graph's last kernels: its module waits for them)."""
+    with _LOCK:
+        slots = list(_HELD)
+        _HELD.clear()
+    if slots:
+        _submit(slots)
+
+
+def _parse(kernel_body: str) -> tuple[list[str], str] | None:
+    """``(argtypes, source)`` of a kernel definition in inductor's Python wrapper
+    (``async_compile.cpp_pybinding([...], r'''...''')``), read as Python reads it; None for
+    anything else."""
+    text = kernel_body.strip()
+    if not text.startswith("async_compile.cpp_pybinding("):
+        return None
+    try:
+        node = ast.parse(text, mode="eval").body
+        if not isinstance(node, ast.Call) or len(node.args) != 2 or node.keywords:
+            return None
+        argtypes, source = ast.literal_eval(node.args[0]), ast.literal_eval(node.args[1])
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(source, str) or not _plain_args(argtypes) or not _plain(source):
+        return None
+    return list(argtypes), source
 
 
 _ORIGINAL: Any = None
 
 
 def _install() -> None:
-    """Route ``AsyncCompile.cpp_pybinding`` through :func:`_cpp_pybinding` (once). Outside
-    :func:`bundling` it calls inductor's own, unchanged."""
+    """Route ``AsyncCompile.cpp_pybinding`` (and the wrapper's ``define_kernel``, where inductor
+    writes a kernel into the graph's module as it generates it) through this module (once).
+    Outside :func:`bundling` both run inductor's own code only."""
     global _ORIGINAL
     if _ORIGINAL is not None:
         return
     cls = _async_compile.AsyncCompile
-    _ORIGINAL = cls.cpp_pybinding
+    _ORIGINAL = original = cls.cpp_pybinding
 
     def cpp_pybinding(self: Any, argtypes: list[str], source_code: str) -> Any:
         if _ACTIVE.get() and _plain_args(argtypes) and _plain(source_code):
             log = getattr(_async_compile, "kernel_code_log", None)
             if log is not None:
                 log.info("CPP+Bindings Kernel (funcamp bundle):\n%s", source_code)
-            return _hold(argtypes, source_code)
-        return _ORIGINAL(self, argtypes, source_code)
+            with _LOCK:
+                slot = _EARLY.pop(source_code, None)
+            if slot is None:
+                slot = _Slot(list(argtypes), source_code)
+                _add(slot)
+            return _codecache.LambdaFuture(slot.get)
+        return original(self, argtypes, source_code)
 
-    cpp_pybinding.__wrapped__ = _ORIGINAL  # type: ignore[attr-defined]
+    cpp_pybinding.__wrapped__ = original  # type: ignore[attr-defined]
     cls.cpp_pybinding = cpp_pybinding
+
+    wrapper = getattr(_wrapper, "PythonWrapperCodegen", None) if _wrapper is not None else None
+    define = getattr(wrapper, "define_kernel", None)
+    if define is None:  # pragma: no cover - another torch: units start when the graph loads
+        return
+
+    def define_kernel(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = define(self, *args, **kwargs)
+        if _ACTIVE.get():
+            body = args[1] if len(args) > 1 else kwargs.get("kernel_body")
+            parsed = _parse(body) if isinstance(body, str) else None
+            if parsed is not None:
+                slot = _Slot(*parsed)
+                with _LOCK:
+                    fresh = parsed[1] not in _EARLY
+                    if fresh:
+                        _EARLY[parsed[1]] = slot
+                if fresh:
+                    _add(slot)
+        return out
+
+    define_kernel.__wrapped__ = define  # type: ignore[attr-defined]
+    wrapper.define_kernel = define_kernel
 
 
 @contextlib.contextmanager
@@ -306,3 +364,6 @@ def bundling(enabled: bool | None = None) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+        if not _ACTIVE.get():
+            with _LOCK:
+                _EARLY.clear()  # generated but not loaded in the block: loaded later, if ever
