@@ -119,11 +119,11 @@ def make_train_step(
     pure step, which never modifies its input (the caller then holds two states at the step
     boundary).
 
-    The first call of a compiled step traces and compiles it -- measured on a 2-core Intel Xeon
-    (torch 2.13 CPU): 25-79 s for small Hugging Face and CNN models, 1.06-1.36x torch.compile of
-    the model and of ``optimizer.step`` (0.90-1.08x with ``adamw(..., fused=True)``, whose
-    update the step calls as torch's kernel instead of generating it: docs/benchmarks.md), 5-12 s
-    with warm compile caches, 2-4 s with ``cache_dir`` -- and
+    The first call of a compiled step traces and compiles it -- measured on a 2-core AMD EPYC
+    (torch 2.13 CPU): 32-130 s for small Hugging Face and CNN models, 0.77-1.12x torch.compile of
+    the model and of ``optimizer.step`` (the same work; funcamp builds the graph's C++ kernels in
+    a few units while inductor still generates code: docs/benchmarks.md), 8.5 s (the CNN) with
+    warm compile caches, 2-4 s with ``cache_dir`` -- and
     says so on stderr by default, with the time it took (``FUNCAMP_QUIET=1`` or the
     ``"funcamp"`` logger's level silences it; with logging configured the lines go through your
     handlers). With ``cache_dir`` a later process loads the compiled step instead of tracing it
@@ -168,7 +168,9 @@ def make_train_step(
             keeps only the guards on the step's inputs (``None`` keeps every guard). A step
             compiled by inductor for the CPU turns inductor's ``loop_ordering_after_fusion`` off
             (the same output code on the real-model suite, a first call up to 2.6 s shorter;
-            docs/benchmarks.md) unless ``options=`` sets it.
+            docs/benchmarks.md) unless ``options=`` sets it, and builds its CPU kernels in a few
+            C++ units instead of one build per kernel (the same code and bits;
+            ``FUNCAMP_CPP_BUNDLE=0`` in the environment gives torch's builds back).
             ``fullgraph=False`` compiles a ``loss_fn`` with graph breaks in pieces: the
             gradients then come from ``torch.autograd.grad`` (dynamo cannot resume a frame
             inside ``torch.func.grad``), the rest of the step is unchanged.
