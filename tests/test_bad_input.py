@@ -1165,3 +1165,37 @@ def test_oprule_by_value_and_error_message():
     assert funcamp.OpRule("float32") is funcamp.OpRule.FLOAT32
     err = expect_error(funcamp.OpRule, "bogus")
     assert "['compute', 'float32', 'promote', 'none']" in str(err)
+
+
+def test_new_buffers_of_another_shape_or_structure_are_named():
+    """restore_buffers: a returned buffer of another shape names its path and the shape it must
+    have; another structure prints both structures."""
+    params = {"w": torch.ones(3)}
+    buffers = {"stats": {"mean": torch.zeros(3), "count": torch.zeros((), dtype=torch.int64)}}
+    opt = funcamp.sgd(0.1)
+    policy = funcamp.get_policy("float32")
+    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
+
+    def step_returning(new_buffers):
+        def loss_fn(p, b, batch):
+            return (p["w"] * batch).sum(), new_buffers
+
+        return funcamp.make_train_step(
+            loss_fn, opt, policy, returns_buffers=True, compile=False, donate_state=False
+        )
+
+    wrong_shape = {"stats": {"mean": torch.zeros(4), "count": torch.zeros((), dtype=torch.int64)}}
+    with pytest.raises(
+        TypeError, match=r"buffer \['stats'\]\['mean'\] should be a tensor of shape \(3,\)"
+    ):
+        step_returning(wrong_shape)(state, torch.ones(3))
+    with pytest.raises(TypeError, match=r"with the structure of the state's buffers PyTreeSpec"):
+        step_returning({"stats": {"mean": torch.zeros(3)}})(state, torch.ones(3))
+    complex_mean = {
+        "stats": {
+            "mean": torch.zeros(3, dtype=torch.complex64),
+            "count": torch.zeros((), dtype=torch.int64),
+        }
+    }
+    with pytest.raises(TypeError, match=r"buffer \['stats'\]\['mean'\] should be torch.float32"):
+        step_returning(complex_mean)(state, torch.ones(3))

@@ -20,7 +20,7 @@ import torch
 
 from funcamp._core.context import plain_eager
 from funcamp._core.progress import logger
-from funcamp._core.tree import NAMESPACE, describe, path_str, unflatten
+from funcamp._core.tree import NAMESPACE, describe, flatten, path_str, spec_text, unflatten
 from funcamp.casting.fp8 import Fp8State, fp8_update
 from funcamp.scaling.ops import scale
 from funcamp.scaling.state import ScalerState
@@ -142,31 +142,39 @@ def restore_buffers(api: str, new: PyTree, old: PyTree, returned: bool = True) -
             f"{old!r}), got {got}; keep new values out of the buffers (return them as aux with "
             "has_aux=True) or add them to the state's buffers"
         )
-    paths, old_leaves, spec = optree.tree_flatten_with_path(old, namespace=NAMESPACE)
+    # funcamp's flatten: under compile a buffers dict gets a DictSpec, where optree's
+    # flattening with paths is traced in Python (~3,000 source lines on ResNet's buffers); the
+    # paths are read only for a message
+    old_leaves, spec = flatten(old)
     try:
         new_leaves = spec.flatten_up_to(new)
     except (ValueError, TypeError):
         raise TypeError(
-            f"funcamp.{api}: {what} with the structure of the state's buffers {spec}, got "
-            f"{optree.tree_structure(new, namespace=NAMESPACE)}; keep new values out of the "
+            f"funcamp.{api}: {what} with the structure of the state's buffers {spec_text(spec)}, "
+            f"got {optree.tree_structure(new, namespace=NAMESPACE)}; keep new values out of the "
             "buffers (return them as aux with has_aux=True) or add them to the state's buffers"
         ) from None
     out = []
-    for path, o, n in zip(paths, old_leaves, new_leaves):
+    for i, o, n in zip(range(len(old_leaves)), old_leaves, new_leaves):
         if isinstance(o, torch.Tensor):
             if not isinstance(n, torch.Tensor) or n.shape != o.shape:
                 raise TypeError(
-                    f"funcamp.{api}: {what} shaped like the old; buffer {path_str(path)} "
+                    f"funcamp.{api}: {what} shaped like the old; buffer {_buffer_path(old, i)} "
                     f"should be a tensor of shape {tuple(o.shape)}, got {describe(n)}"
                 )
             if n.is_complex() and not o.is_complex():
                 raise TypeError(
-                    f"funcamp.{api}: {what} of the old dtypes; buffer {path_str(path)} "
+                    f"funcamp.{api}: {what} of the old dtypes; buffer {_buffer_path(old, i)} "
                     f"should be {o.dtype}, got {describe(n)}"
                 )
             n = n.to(o.dtype)
         out.append(n)
     return unflatten(spec, out)
+
+
+def _buffer_path(buffers: PyTree, i: int) -> str:
+    """The path of the ``i``-th leaf of ``buffers``, for a message."""
+    return path_str(optree.tree_flatten_with_path(buffers, namespace=NAMESPACE)[0][i])
 
 
 def engine(kind: str) -> GradAndValue:
