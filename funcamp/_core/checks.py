@@ -349,10 +349,6 @@ def state_leaves(api: str, name: str, tree: PyTree, spec: Any) -> list[torch.Ten
 # optimizer state
 
 
-def _leaf_paths(tree: PyTree) -> list[str]:
-    return [path_str(p) for p in optree.tree_flatten_with_path(tree, namespace=NAMESPACE)[0]]
-
-
 def check_count(api: str, name: str, value: Any, dtype: torch.dtype = torch.int32) -> None:
     if not isinstance(value, torch.Tensor) or value.dim() != 0 or value.dtype != dtype:
         raise TypeError(
@@ -385,7 +381,7 @@ def check_state_like(
         ):
             continue
         shape = (0,) if empty is not None and empty[i] else tuple(ref.shape)
-        path = _leaf_paths(grads)[i]
+        path = leaf_path(grads, i)
         got = describe(x) + (f" on {x.device}" if isinstance(x, torch.Tensor) else "")
         raise ValueError(
             f"funcamp.{api}: `state.{name}` leaf {path} must be a {dtype} tensor of shape "

@@ -308,17 +308,19 @@ def _install() -> None:
     _ORIGINAL = original = cls.cpp_pybinding
 
     def cpp_pybinding(self: Any, argtypes: list[str], source_code: str) -> Any:
-        if _ACTIVE.get() and _plain_args(argtypes) and _plain(source_code):
-            log = getattr(_async_compile, "kernel_code_log", None)
-            if log is not None:
-                log.info("CPP+Bindings Kernel (funcamp bundle):\n%s", source_code)
-            with _LOCK:
-                slot = _EARLY.pop(source_code, None)
-            if slot is None:
-                slot = _Slot(list(argtypes), source_code)
-                _add(slot)
-            return _codecache.LambdaFuture(slot.get)
-        return original(self, argtypes, source_code)
+        if not _ACTIVE.get():
+            return original(self, argtypes, source_code)
+        with _LOCK:  # a kernel met while generating code was checked then
+            slot = _EARLY.pop(source_code, None)
+        if slot is None:
+            if not (_plain_args(argtypes) and _plain(source_code)):
+                return original(self, argtypes, source_code)
+            slot = _Slot(list(argtypes), source_code)
+            _add(slot)
+        log = getattr(_async_compile, "kernel_code_log", None)
+        if log is not None:
+            log.info("CPP+Bindings Kernel (funcamp bundle):\n%s", source_code)
+        return _codecache.LambdaFuture(slot.get)
 
     cpp_pybinding.__wrapped__ = original  # type: ignore[attr-defined]
     cls.cpp_pybinding = cpp_pybinding
@@ -364,6 +366,6 @@ def bundling(enabled: bool | None = None) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
-        if not _ACTIVE.get():
+        if _EARLY and not _ACTIVE.get():  # (on every step's call: no lock when empty)
             with _LOCK:
                 _EARLY.clear()  # generated but not loaded in the block: loaded later, if ever

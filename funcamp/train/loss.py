@@ -20,7 +20,7 @@ import torch
 
 from funcamp._core.context import plain_eager
 from funcamp._core.progress import logger
-from funcamp._core.tree import NAMESPACE, describe, flatten, path_str, spec_text, unflatten
+from funcamp._core.tree import NAMESPACE, describe, flatten, leaf_path, spec_text, unflatten
 from funcamp.casting.fp8 import Fp8State, fp8_update
 from funcamp.scaling.ops import scale
 from funcamp.scaling.state import ScalerState
@@ -159,22 +159,17 @@ def restore_buffers(api: str, new: PyTree, old: PyTree, returned: bool = True) -
         if isinstance(o, torch.Tensor):
             if not isinstance(n, torch.Tensor) or n.shape != o.shape:
                 raise TypeError(
-                    f"funcamp.{api}: {what} shaped like the old; buffer {_buffer_path(old, i)} "
+                    f"funcamp.{api}: {what} shaped like the old; buffer {leaf_path(old, i)} "
                     f"should be a tensor of shape {tuple(o.shape)}, got {describe(n)}"
                 )
             if n.is_complex() and not o.is_complex():
                 raise TypeError(
-                    f"funcamp.{api}: {what} of the old dtypes; buffer {_buffer_path(old, i)} "
+                    f"funcamp.{api}: {what} of the old dtypes; buffer {leaf_path(old, i)} "
                     f"should be {o.dtype}, got {describe(n)}"
                 )
             n = n.to(o.dtype)
         out.append(n)
     return unflatten(spec, out)
-
-
-def _buffer_path(buffers: PyTree, i: int) -> str:
-    """The path of the ``i``-th leaf of ``buffers``, for a message."""
-    return path_str(optree.tree_flatten_with_path(buffers, namespace=NAMESPACE)[0][i])
 
 
 def engine(kind: str) -> GradAndValue:
