@@ -1,9 +1,11 @@
 """The kernel path: a compiled step calls torch's multi-tensor kernels as they are.
 
 Under ``torch.compile``, on plain CPU tensors outside ``torch.func`` transforms,
-:func:`funcamp.unscale_and_step` runs the fused unscale-and-check and ``_foreach_norm`` (and, on
-the CPU, the optimizer's own eager update through ``funcamp::eager_update_``) as calls in the
-graph: inductor then generates no C++ for them. The results are the eager step's, bit for bit.
+:func:`funcamp.unscale_and_step` runs the fused unscale-and-check (torch's kernel, through
+``funcamp::unscale``) and ``_foreach_norm`` as calls in the graph: inductor then generates no
+C++ for them. The results are the eager step's, bit for bit. ``funcamp::unscale`` keeps the
+gradients in their traced layout, so a CNN's weight gradients reach the update in the params'
+layout although inductor runs the convolutions channels-last.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def test_compiled_step_calls_the_kernels_and_matches_eager(name, donate_state):
     assert_trees_equal(got.params, want.params)
     assert_trees_equal(got.opt_state, want.opt_state)
     assert_trees_equal(got_metrics, want_metrics)
-    assert sum("_amp_foreach_non_finite_check_and_unscale_" in s for s in seen) == 1, seen
+    assert sum("funcamp.unscale" in s for s in seen) == 1, seen
     assert sum("_foreach_norm" in s for s in seen) == 1, seen
 
 
@@ -84,7 +86,71 @@ def test_inductor_calls_the_unscale_kernel():
     batch = batches()[0]
     (new, _), codes = run_and_get_code(step, state, batch)
     code = "\n".join(codes)
-    assert "aten._amp_foreach_non_finite_check_and_unscale.default(" in code
+    assert "torch.ops.funcamp.unscale.default(" in code
     assert "aten._foreach_norm" in code
     want, _ = eager(state2, batch)
     torch.testing.assert_close(new.params, want.params, rtol=1e-5, atol=1e-7)
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def test_cnn_gradients_reach_the_update_in_the_params_layout():
+    """Inductor lays a CNN's convolutions out channels-last, and their weight gradients with
+    them; through torch's functional unscale (an op of flexible layout) they reached the update
+    channels-last against contiguous params and moments, and inductor generated each such
+    leaf's update as tiled transposes (ResNet's AdamW kernel: 193 KB of C++ against 136 KB).
+    ``funcamp::unscale`` asks for the traced strides: every gradient it returns is contiguous,
+    as its param. (Measured without it: the first conv's gradient came back with strides
+    (27, 1, 9, 3), and the step's C++ held 38 tiled transposes against 18.)"""
+    import copy
+    import re
+
+    from torch import nn
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(16, 4),
+    )  # fmt: skip
+    params = dict(model.named_parameters())
+
+    def loss_fn(p, b, batch):
+        x, y = batch
+        out = torch.func.functional_call(model, (p, b), (x,))
+        return torch.nn.functional.cross_entropy(out.float(), y)
+
+    opt = funcamp.adamw(1e-3, weight_decay=0.01)
+    policy = funcamp.get_policy("mixed_bfloat16")
+
+    def fresh_state():  # each step donates the state it is given
+        p, b = funcamp.params_and_buffers(copy.deepcopy(model))
+        return funcamp.TrainState.create(
+            p, opt, policy, buffers=b, scaler=funcamp.ScalerState.dynamic()
+        )
+
+    batch = (torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4,)))
+    step = funcamp.make_train_step(loss_fn, opt, policy)
+    (_, metrics), codes = run_and_get_code(step, fresh_state(), batch)
+    want = funcamp.make_train_step(loss_fn, opt, policy, compile=False)(fresh_state(), batch)[1]
+    assert not metrics["found_inf"]
+    torch.testing.assert_close(metrics["loss"], want["loss"], rtol=1e-4, atol=0)
+    layouts = re.findall(
+        r"assert_size_stride\(\w+, \(([\d, ]*)\), \(([\d, ]*)\), 'torch\.ops\.funcamp\.unscale",
+        "\n".join(codes),
+    )
+    sizes = {tuple(p.shape) for p in params.values()}
+    seen = set()
+    for size_text, stride_text in layouts:
+        size = tuple(int(v) for v in size_text.replace(" ", "").split(",") if v)
+        stride = tuple(int(v) for v in stride_text.replace(" ", "").split(",") if v)
+        assert stride == _contiguous_strides(size), (size, stride)
+        seen.add(size)
+    assert sizes <= seen, (sizes, seen)  # every gradient, the conv weights among them

@@ -248,6 +248,10 @@ def _nested(tree: PyTree, leaves: list[Any]) -> Any:
         return False
     children = []
     for sub in subtrees:
+        if isinstance(sub, torch.Tensor):  # a leaf, without a call (dynamo inlines each call)
+            leaves.append(sub)
+            children.append(None)
+            continue
         child = _nested(sub, leaves)
         if child is False:
             return False

@@ -85,6 +85,75 @@ def refill(leaves: list[Any], idx: list[int], out: list[torch.Tensor]) -> list[A
     return new_leaves
 
 
+def _unscale_fused(
+    leaves: list[torch.Tensor], inv_scale: torch.Tensor, found_device: torch.device, donate: bool
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on fresh copies of the
+    leaves (the caller's tensors only when donated, and then only those already in the
+    unscaled dtype), grouped by device and dtype as the kernel requires; it writes 1.0 into
+    ``found`` (a float, per device) on inf/nan. Returns ``(unscaled, found_inf)``, the flag a
+    0-d bool on ``found_device``."""
+    out = [
+        x if donate and x.dtype == math_dtype(x.dtype) else x.to(math_dtype(x.dtype), copy=True)
+        for x in leaves
+    ]
+    groups: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    for x in out:  # get_device (-1 on the CPU): reading x.device costs more, per leaf
+        groups.setdefault((x.get_device(), x.dtype), []).append(x)
+    flags = []
+    for group in groups.values():
+        device = group[0].device
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale.to(device))
+        flags.append(found.to(found_device))
+    found_inf = torch.stack(flags).sum() > 0 if len(flags) > 1 else flags[0] > 0
+    return out, found_inf
+
+
+def _define_unscale() -> Any:
+    """``funcamp::unscale(leaves, inv_scale) -> [*unscaled, found_inf]``: :func:`_unscale_fused`
+    as an op for compiled steps, in place of the kernel's functional form.
+
+    Why an op of our own: its inputs keep their traced (eager) strides. Inductor lays a CNN's
+    convolutions out channels-last, and the weight gradients with them; through torch's
+    functional unscale (an op of flexible layout) they reached the optimizer's update
+    channels-last while the params and moments are contiguous, and inductor generated each such
+    leaf's update as a tiled transpose, twice the code (ResNet's AdamW kernel: 193 KB of C++,
+    136 KB through this op, torch's compiled AdamW 132 KB; code generation, the largest part of
+    a CPU compile, grows with it). With ``needs_fixed_stride_order`` inductor writes the gradients in the params' order
+    where it casts them (one transposed copy, which it made anyway) and everything after
+    reads plain loops. Same kernel, same bits. It has no autograd formula and no vmap rule
+    (:func:`fused_unscale` keeps functorch transforms and autograd on the pure ops)."""
+    try:
+        return torch.ops.funcamp.unscale.default  # already defined (a reimported module)
+    except (AttributeError, RuntimeError):
+        pass
+
+    def kernel(leaves: list[torch.Tensor], inv_scale: torch.Tensor) -> list[torch.Tensor]:
+        out, found_inf = _unscale_fused(leaves, inv_scale, inv_scale.device, donate=False)
+        return [*out, found_inf]
+
+    def fake(leaves: list[torch.Tensor], inv_scale: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(x, dtype=math_dtype(x.dtype)) for x in leaves]
+        return [*out, torch.empty((), dtype=torch.bool, device=inv_scale.device)]
+
+    try:
+        op_def = torch.library.custom_op(
+            "funcamp::unscale",
+            kernel,
+            mutates_args=(),
+            tags=(torch.Tag.needs_fixed_stride_order,),
+        )
+    except TypeError:  # pragma: no cover - a torch whose custom_op takes no tags (custom
+        # ops there keep their traced stride order by default)
+        op_def = torch.library.custom_op("funcamp::unscale", kernel, mutates_args=())
+    op_def.register_fake(fake)
+    return torch.ops.funcamp.unscale.default
+
+
+_UNSCALE = _define_unscale()
+
+
 def unscale_leaves(
     leaves: list[torch.Tensor], scale_tensor: torch.Tensor, fused: bool, *, donate: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -93,25 +162,10 @@ def unscale_leaves(
     if not leaves:
         return [], torch.zeros((), dtype=torch.bool, device=scale_tensor.device)
     if fused:
-        # Fresh copies (the caller's tensors only when donated, and then only those already in
-        # the unscaled dtype), grouped by device and dtype as the kernel requires; it writes 1.0
-        # into found (a float, per device) on inf/nan.
-        out = [
-            x if donate and x.dtype == math_dtype(x.dtype) else
-            x.to(math_dtype(x.dtype), copy=True)
-            for x in leaves
-        ]  # fmt: skip
-        groups: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        for x in out:  # get_device (-1 on the CPU): reading x.device costs more, per leaf
-            groups.setdefault((x.get_device(), x.dtype), []).append(x)
-        flags = []
-        for group in groups.values():
-            device = group[0].device
-            found = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale.to(device))
-            flags.append(found.to(scale_tensor.device))
-        found_inf = torch.stack(flags).sum() > 0 if len(flags) > 1 else flags[0] > 0
-        return out, found_inf
+        if compiling():
+            *out, found_inf = _UNSCALE(leaves, inv_scale)
+            return out, found_inf
+        return _unscale_fused(leaves, inv_scale, scale_tensor.device, donate)
     finite = [torch.isfinite(x).all().to(scale_tensor.device) for x in leaves]
     found_inf = ~torch.stack(finite).all()
     out = [
