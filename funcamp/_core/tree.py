@@ -83,6 +83,56 @@ def plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
     return commit
 
 
+def plan_select_write(pred: torch.Tensor, new: PyTree, old: PyTree) -> Callable[[], PyTree]:
+    """``tree_select(pred, old, new)`` written into the tensors of ``old``, in two phases: the
+    trees are matched and checked now (raising before anything is written, with
+    :func:`tree_select`'s messages), and the returned function writes
+    ``where(pred, o, n)`` into each old tensor ``o`` whose new value ``n`` is another tensor,
+    and returns ``old`` itself (its tensors now hold the selection).
+
+    The traced donated step's select and write in one pass over flat leaves: compiled, it
+    replaces a select over both trees, a flatten of the selection and a rebuild (dynamo traces
+    every leaf of each, and a train step's state has a few hundred)."""
+    if isinstance(old, (dict, list, tuple)) and not old:  # no leaves (dynamo: no {} specs)
+        return lambda: old
+    old_leaves, spec = flatten(old)
+    try:
+        new_leaves = spec.flatten_up_to(new)
+    except (ValueError, TypeError):
+        raise ValueError(
+            "funcamp.tree_select: `on_true` and `on_false` must have the same structure, got "
+            f"{spec_text(spec)} and {spec_text(flatten(new)[1])}"
+        ) from None
+    olds: list[torch.Tensor] = []
+    news: list[torch.Tensor] = []
+    for i, o, n in zip(range(len(old_leaves)), old_leaves, new_leaves):
+        if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor):
+            if n is o:
+                continue
+            if n.shape != o.shape or n.dtype != o.dtype:
+                raise ValueError(
+                    f"funcamp.tree_select: leaf {leaf_path(old, i)} differs in shape or dtype: "
+                    f"{tuple(o.shape)}/{o.dtype} vs {tuple(n.shape)}/{n.dtype}"
+                )
+            olds.append(o)
+            news.append(n)
+        elif isinstance(o, torch.Tensor) or isinstance(n, torch.Tensor):
+            raise TypeError(
+                f"funcamp.tree_select: leaf {leaf_path(old, i)} is a tensor in only one tree"
+            )
+        elif o != n:
+            raise ValueError(
+                f"funcamp.tree_select: non-tensor leaf {leaf_path(old, i)} differs: {o!r} vs {n!r}"
+            )
+
+    def commit() -> PyTree:
+        for o, n, p in zip(olds, news, spread(pred, len(olds))):
+            o.copy_(torch.where(p, o, n))
+        return old
+
+    return commit
+
+
 def storage_key(x: torch.Tensor) -> int | None:
     """An id of the memory behind ``x`` (shared by all its views); None for empty tensors."""
     if x.numel() == 0:

@@ -16,6 +16,7 @@ from funcamp._core.tree import (
     BITS,
     describe,
     flatten,
+    plan_select_write,
     plan_write,
     select_into,
     sharing_memory,
@@ -275,6 +276,8 @@ def unscale_and_step(
             params_out, opt_state_out = _step_eager(
                 optimizer, unscaled, opt_state, params, found_inf, taken, out, donate_state
             )
+        elif donate_state:
+            return (*_step_traced_donated(optimizer, unscaled, opt_state, params, found_inf), info)
         else:
             params_out, opt_state_out = _step_traced(
                 optimizer, unscaled, opt_state, params, found_inf
@@ -318,6 +321,19 @@ def _step_traced(
         tree_select(found_inf, params, new_params),
         tree_select(found_inf, opt_state, new_opt_state),
     )
+
+
+def _step_traced_donated(
+    optimizer: Optimizer, unscaled: PyTree, opt_state: PyTree, params: PyTree, found_inf: Any
+) -> tuple[PyTree, PyTree]:
+    """The traced path with a donated state: update and apply, then the selection written into
+    the old params and state (both trees matched before either is written: all or nothing),
+    which come back holding the new values."""
+    updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
+    new_params = apply_updates(params, updates)
+    write_params = plan_select_write(found_inf, new_params, params)
+    write_opt_state = plan_select_write(found_inf, new_opt_state, opt_state)
+    return write_params(), write_opt_state()
 
 
 def _step_eager(
