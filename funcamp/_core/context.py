@@ -66,11 +66,15 @@ def _plain_untracked(xs: Sequence[Any], batched: Any = None) -> bool:
     """Every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not track
     (and, given ``batched``, that it does not report batched)."""
     grad_on = torch.is_grad_enabled()
+    traced = compiling()
     for x in xs:
         if not isinstance(x, torch.Tensor):
             continue
-        # is_cpu/is_cuda: reading x.device.type costs ~8x as much, and this runs per tensor
-        if type(x) is not torch.Tensor or not (x.is_cpu or x.is_cuda):
+        if type(x) is not torch.Tensor:
+            return False
+        # Eager, is_cpu/is_cuda: reading x.device.type costs ~8x as much, and this runs per
+        # tensor; traced, the device is a constant to dynamo, while is_cpu is a graph node.
+        if not (x.device.type in ("cpu", "cuda") if traced else (x.is_cpu or x.is_cuda)):
             return False
         if grad_on and x.requires_grad:
             return False

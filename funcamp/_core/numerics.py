@@ -40,6 +40,13 @@ def math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, written so that a tensor already of ``dtype`` is returned without a
+    call: the same tensor either way, but dynamo records every ``to`` in its graph (a node and a
+    fake-tensor run each, per leaf of a train step's trees) even when it is a no-op."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def is_half(p: torch.Tensor) -> bool:
     """Whether ``p`` is float16 or bfloat16 (a low-precision mode acts on it)."""
     return p.dtype in HALF_DTYPES

@@ -10,7 +10,7 @@ import optree
 import torch
 
 from funcamp._core.checks import any_flag
-from funcamp._core.numerics import is_half
+from funcamp._core.numerics import as_dtype, is_half
 from funcamp._core.rounding import round_nearest
 from funcamp._core.tree import (
     NAMESPACE,
@@ -307,7 +307,7 @@ def _apply_leaf(params: PyTree, i: int, p: Any, u: Any) -> Any:
     if is_half(p):
         return round_nearest(p.to(torch.float32) + u.to(torch.float32), p.dtype).to(p.dtype)
     md = torch.promote_types(p.dtype, torch.float32)
-    return (p.to(md) + u.to(md)).to(p.dtype)
+    return as_dtype(as_dtype(p, md) + as_dtype(u, md), p.dtype)
 
 
 # --------------------------------------------------------------------------------------------

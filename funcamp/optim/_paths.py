@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from funcamp._core.context import compiling, dual_level_active, eager_path, tracks_grad
-from funcamp._core.numerics import f32, hoist_scalar, math_dtype, spread
+from funcamp._core.numerics import as_dtype, f32, hoist_scalar, math_dtype, spread
 from funcamp._core.tree import where_into
 from funcamp.optim._numerics import EXACT_SQRT, FUSED_FMA, exact_sqrt, plain_exact_sqrt
 
@@ -154,7 +154,7 @@ class Ops:
     # -- interface (see the two paths)
     def to_math(self, xs: Tensors) -> Tensors:
         """``xs`` in the math dtype (float32, float64 for float64 leaves)."""
-        return [x.to(math_dtype(x.dtype)) for x in xs]
+        return [as_dtype(x, math_dtype(x.dtype)) for x in xs]
 
     def kept(self, xs: Tensors, replaces: Tensors | None = None) -> Tensors:
         """Mark ``xs`` as kept (it goes into the new state): never written into afterwards.

@@ -12,6 +12,7 @@ import torch
 from funcamp._core.checks import check_flag, check_grads_match
 from funcamp._core.collectives import Across, any_across, summing_across
 from funcamp._core.context import compiling, eager_path
+from funcamp._core.numerics import as_dtype
 from funcamp._core.tree import (
     BITS,
     describe,
@@ -118,7 +119,7 @@ def _global_norm(leaves: list[torch.Tensor], device: torch.device, eager: bool) 
         norms = list(torch._foreach_norm(leaves))
     else:
         norms = [torch.linalg.vector_norm(x) for x in leaves]
-    norms = [n.to(device=device, dtype=torch.float32) for n in norms]
+    norms = [as_dtype(n if n.device == device else n.to(device), torch.float32) for n in norms]
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
@@ -241,8 +242,10 @@ def unscale_and_step(
         # _foreach_norm, the optimizer's fused kernel) where the tensors are plain: inductor
         # calls them as they are rather than generating C++ for a check, a multiply, a norm
         # and an update per leaf -- most of a step's first-call compile on the CPU.
+        # The grads decide the unscale and the norm (the params' own check, a few graph nodes
+        # a leaf while dynamo traces, is asked only for the optimizer's fused kernel, below).
         inputs = []
-        kernels = fused_unscale(floating + flatten(params)[0])  # dynamo: a dict fast path
+        kernels = fused_unscale(floating)
     else:
         inputs = update_tensors(params) + update_tensors(opt_state) + update_tensors(state)
         kernels = fused_unscale(floating + inputs)
@@ -267,7 +270,12 @@ def unscale_and_step(
     else:
         norm = _global_norm(out, state.scale.device, kernels) if grad_norm else None
     info = StepInfo(found_inf, norm)
-    if kernels and donate_state and caps.fused_step is not None:
+    if (
+        kernels
+        and donate_state
+        and caps.fused_step is not None
+        and (not traced or fused_unscale(flatten(params)[0]))
+    ):
         new_state = caps.fused_step(out, opt_state, params, found_inf)
         if new_state is not None:
             return params, new_state, info

@@ -19,6 +19,7 @@ import optree
 import torch
 
 from funcamp._core.context import plain_eager
+from funcamp._core.numerics import as_dtype
 from funcamp._core.progress import logger
 from funcamp._core.tree import NAMESPACE, describe, flatten, leaf_path, spec_text, unflatten
 from funcamp.casting.fp8 import Fp8State, fp8_update
@@ -167,7 +168,7 @@ def restore_buffers(api: str, new: PyTree, old: PyTree, returned: bool = True) -
                     f"funcamp.{api}: {what} of the old dtypes; buffer {leaf_path(old, i)} "
                     f"should be {o.dtype}, got {describe(n)}"
                 )
-            n = n.to(o.dtype)
+            n = as_dtype(n, o.dtype)
         out.append(n)
     return unflatten(spec, out)
 
