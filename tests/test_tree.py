@@ -112,6 +112,53 @@ def test_tree_select_compiled_equals_eager_and_checks_the_same() -> None:
         )
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("pred", [False, True])
+def test_plan_select_write_is_tree_select_written_into_the_old_tensors(
+    compiled: bool, pred: bool
+) -> None:
+    """The traced donated step's select-and-write: the old tensors come back holding
+    ``tree_select(pred, old, new)`` bit for bit (NaNs, bfloat16 and a NamedTuple node
+    included), a leaf that is the same tensor in both trees is left alone, and non-tensor
+    leaves pass through."""
+    from funcamp._core.tree import plan_select_write
+
+    def trees():
+        old = {"b": torch.tensor([2.0, -0.0, 3.0]), "a": Pair(torch.zeros(2, dtype=BF16), 3)}
+        new = {"b": torch.tensor([1.0, float("nan"), 0.0]), "a": Pair(old["a"].a, 3)}
+        return old, new
+
+    def run(pred_t, new, old):
+        return plan_select_write(pred_t, new, old)()
+
+    fn = torch.compile(run, backend="aot_eager", fullgraph=True) if compiled else run
+    old, new = trees()
+    want = funcamp.tree_select(torch.tensor(pred), *trees())  # pred: keep the old
+    b, a = old["b"], old["a"].a
+    got = fn(torch.tensor(pred), new, old)
+    assert got["b"] is b and got["a"].a is a and got["a"].b == 3  # the old tensors, written
+    assert torch.equal(b.view(torch.int32), want["b"].view(torch.int32))
+    assert torch.equal(a.view(torch.int16), want["a"].a.view(torch.int16))
+
+
+def test_plan_select_write_checks_everything_before_writing() -> None:
+    """A mismatch anywhere is refused with tree_select's message when the write is planned:
+    nothing is written (the donated step is all or nothing)."""
+    from funcamp._core.tree import plan_select_write
+
+    old = {"a": torch.zeros(2), "b": torch.zeros(2), "n": 1}
+    for new, err, match in [
+        ({"a": torch.ones(2), "b": torch.ones(3), "n": 1}, ValueError, r"\['b'\] differs in shape"),
+        ({"a": torch.ones(2), "b": torch.ones(2, dtype=BF16), "n": 1}, ValueError, "or dtype"),
+        ({"a": torch.ones(2), "b": 2.0, "n": 1}, TypeError, r"\['b'\] is a tensor in only one"),
+        ({"a": torch.ones(2), "b": torch.ones(2), "n": 2}, ValueError, r"\['n'\] differs: 1 vs 2"),
+        ({"a": torch.ones(2)}, ValueError, "must have the same structure"),
+    ]:
+        with pytest.raises(err, match=match):
+            plan_select_write(torch.tensor(False), new, old)
+        assert torch.equal(old["a"], torch.zeros(2)) and torch.equal(old["b"], torch.zeros(2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pred", [False, True])
 def test_select_into_an_owned_leaf_is_where_bit_for_bit(dtype: torch.dtype, pred: bool) -> None:
