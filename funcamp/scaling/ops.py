@@ -57,7 +57,7 @@ def fused_unscale(leaves: list[torch.Tensor]) -> bool:
     """Whether unscaling runs torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
     copies of the leaves (one pass for the check and the multiply): on the
     :func:`~funcamp._core.context.kernel_path` -- plain eager, or compiled, where inductor calls
-    the kernel's functional form instead of generating a check and a multiply per leaf. It has
+    it (inside ``funcamp::unscale``) instead of generating a check and a multiply per leaf. It has
     no autograd formula and no vmap rule: the traced path's pure ops, which give identical
     results, run under functorch transforms and autograd."""
     return hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_") and kernel_path(leaves)
@@ -187,8 +187,8 @@ def unscale(
     leaves pass through. The input tensors are never modified; no host sync.
 
     Plain CPU/CUDA tensors use torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
-    fresh copies, in eager code and under ``torch.compile`` (where inductor calls the kernel's
-    functional form rather than generating a check and a multiply per leaf); under ``torch.func``
+    fresh copies, in eager code and under ``torch.compile`` (where inductor calls it, inside the
+    ``funcamp::unscale`` op, rather than generating a check and a multiply per leaf); under ``torch.func``
     transforms or autograd a pure-torch path with bit-identical results runs instead.
 
     Args:
