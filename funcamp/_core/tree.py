@@ -99,10 +99,7 @@ def plan_select_write(pred: torch.Tensor, new: PyTree, old: PyTree) -> Callable[
     try:
         new_leaves = spec.flatten_up_to(new)
     except (ValueError, TypeError):
-        raise ValueError(
-            "funcamp.tree_select: `on_true` and `on_false` must have the same structure, got "
-            f"{spec_text(spec)} and {spec_text(flatten(new)[1])}"
-        ) from None
+        raise _structure_mismatch(spec, flatten(new)[1]) from None
     olds: list[torch.Tensor] = []
     news: list[torch.Tensor] = []
     for i, o, n in zip(range(len(old_leaves)), old_leaves, new_leaves):
@@ -110,20 +107,11 @@ def plan_select_write(pred: torch.Tensor, new: PyTree, old: PyTree) -> Callable[
             if n is o:
                 continue
             if n.shape != o.shape or n.dtype != o.dtype:
-                raise ValueError(
-                    f"funcamp.tree_select: leaf {leaf_path(old, i)} differs in shape or dtype: "
-                    f"{tuple(o.shape)}/{o.dtype} vs {tuple(n.shape)}/{n.dtype}"
-                )
+                raise _leaf_mismatch(old, i, o, n)
             olds.append(o)
             news.append(n)
-        elif isinstance(o, torch.Tensor) or isinstance(n, torch.Tensor):
-            raise TypeError(
-                f"funcamp.tree_select: leaf {leaf_path(old, i)} is a tensor in only one tree"
-            )
-        elif o != n:
-            raise ValueError(
-                f"funcamp.tree_select: non-tensor leaf {leaf_path(old, i)} differs: {o!r} vs {n!r}"
-            )
+        elif isinstance(o, torch.Tensor) or isinstance(n, torch.Tensor) or o != n:
+            raise _leaf_mismatch(old, i, o, n)
 
     def commit() -> PyTree:
         for o, n, p in zip(olds, news, spread(pred, len(olds))):
@@ -382,19 +370,13 @@ def select_into(
     true_leaves, spec = flatten(on_true)
     false_leaves, false_spec = flatten(on_false)
     if spec != false_spec:
-        raise ValueError(
-            "funcamp.tree_select: `on_true` and `on_false` must have the same structure, got "
-            f"{spec_text(spec)} and {spec_text(false_spec)}"
-        )
+        raise _structure_mismatch(spec, false_spec)
     out = []
     masks: dict[torch.dtype, torch.Tensor] = {}
     for i, a, b in zip(range(len(true_leaves)), true_leaves, false_leaves):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             if a.shape != b.shape or a.dtype != b.dtype:
-                raise ValueError(
-                    f"funcamp.tree_select: leaf {leaf_path(on_true, i)} differs in shape or dtype: "
-                    f"{tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
-                )
+                raise _leaf_mismatch(on_true, i, a, b)
             if writable is None:
                 out.append(torch.where(pred, a, b))
             elif a is b:
@@ -405,18 +387,34 @@ def select_into(
                 out.append(where_into(pred, a, b, masks))
             else:
                 out.append(torch.where(pred, a, b))
-        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            raise TypeError(
-                f"funcamp.tree_select: leaf {leaf_path(on_true, i)} is a tensor in only one tree"
-            )
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+            raise _leaf_mismatch(on_true, i, a, b)
         else:
-            if a != b:
-                raise ValueError(
-                    f"funcamp.tree_select: non-tensor leaf {leaf_path(on_true, i)} differs: "
-                    f"{a!r} vs {b!r}"
-                )
             out.append(a)
     return unflatten(spec, out)
+
+
+def _structure_mismatch(spec: Any, other: Any) -> ValueError:
+    """:func:`tree_select`'s error for trees of two structures."""
+    return ValueError(
+        "funcamp.tree_select: `on_true` and `on_false` must have the same structure, got "
+        f"{spec_text(spec)} and {spec_text(other)}"
+    )
+
+
+def _leaf_mismatch(tree: PyTree, i: int, a: Any, b: Any) -> Exception:
+    """:func:`tree_select`'s error for leaf ``i`` of ``tree``, which the other tree's ``b``
+    cannot be selected against: tensors of another shape or dtype, a tensor against a
+    non-tensor, or unequal non-tensor leaves. Made only to be raised."""
+    path = leaf_path(tree, i)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return ValueError(
+            f"funcamp.tree_select: leaf {path} differs in shape or dtype: "
+            f"{tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+        )
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return TypeError(f"funcamp.tree_select: leaf {path} is a tensor in only one tree")
+    return ValueError(f"funcamp.tree_select: non-tensor leaf {path} differs: {a!r} vs {b!r}")
 
 
 #: The integer dtype holding each floating dtype's bits (the same size, for ``Tensor.view``).

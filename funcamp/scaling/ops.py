@@ -86,13 +86,13 @@ def refill(leaves: list[Any], idx: list[int], out: list[torch.Tensor]) -> list[A
 
 
 def _unscale_fused(
-    leaves: list[torch.Tensor], inv_scale: torch.Tensor, found_device: torch.device, donate: bool
+    leaves: list[torch.Tensor], inv_scale: torch.Tensor, donate: bool
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on fresh copies of the
     leaves (the caller's tensors only when donated, and then only those already in the
     unscaled dtype), grouped by device and dtype as the kernel requires; it writes 1.0 into
     ``found`` (a float, per device) on inf/nan. Returns ``(unscaled, found_inf)``, the flag a
-    0-d bool on ``found_device``."""
+    0-d bool on ``inv_scale``'s device (the scale's)."""
     out = [
         x if donate and x.dtype == math_dtype(x.dtype) else x.to(math_dtype(x.dtype), copy=True)
         for x in leaves
@@ -105,7 +105,7 @@ def _unscale_fused(
         device = group[0].device
         found = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale.to(device))
-        flags.append(found.to(found_device))
+        flags.append(found.to(inv_scale.device))
     found_inf = torch.stack(flags).sum() > 0 if len(flags) > 1 else flags[0] > 0
     return out, found_inf
 
@@ -120,9 +120,9 @@ def _define_unscale() -> Any:
     channels-last while the params and moments are contiguous, and inductor generated each such
     leaf's update as a tiled transpose, twice the code (ResNet's AdamW kernel: 193 KB of C++,
     136 KB through this op, torch's compiled AdamW 132 KB; code generation, the largest part of
-    a CPU compile, grows with it). With ``needs_fixed_stride_order`` inductor writes the gradients in the params' order
-    where it casts them (one transposed copy, which it made anyway) and everything after
-    reads plain loops. Same kernel, same bits. It has no autograd formula and no vmap rule
+    a CPU compile, grows with it). With ``needs_fixed_stride_order`` inductor writes the
+    gradients in the params' order where it casts them (one transposed copy, which it made
+    anyway) and everything after reads plain loops. Same kernel, same bits. It has no autograd formula and no vmap rule
     (:func:`fused_unscale` keeps functorch transforms and autograd on the pure ops)."""
     try:
         return torch.ops.funcamp.unscale.default  # already defined (a reimported module)
@@ -130,7 +130,7 @@ def _define_unscale() -> Any:
         pass
 
     def kernel(leaves: list[torch.Tensor], inv_scale: torch.Tensor) -> list[torch.Tensor]:
-        out, found_inf = _unscale_fused(leaves, inv_scale, inv_scale.device, donate=False)
+        out, found_inf = _unscale_fused(leaves, inv_scale, donate=False)
         return [*out, found_inf]
 
     def fake(leaves: list[torch.Tensor], inv_scale: torch.Tensor) -> list[torch.Tensor]:
@@ -165,7 +165,7 @@ def unscale_leaves(
         if compiling():
             *out, found_inf = _UNSCALE(leaves, inv_scale)
             return out, found_inf
-        return _unscale_fused(leaves, inv_scale, scale_tensor.device, donate)
+        return _unscale_fused(leaves, inv_scale, donate)
     finite = [torch.isfinite(x).all().to(scale_tensor.device) for x in leaves]
     found_inf = ~torch.stack(finite).all()
     out = [
@@ -188,8 +188,9 @@ def unscale(
 
     Plain CPU/CUDA tensors use torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
     fresh copies, in eager code and under ``torch.compile`` (where inductor calls it, inside the
-    ``funcamp::unscale`` op, rather than generating a check and a multiply per leaf); under ``torch.func``
-    transforms or autograd a pure-torch path with bit-identical results runs instead.
+    ``funcamp::unscale`` op, rather than generating a check and a multiply per leaf); under
+    ``torch.func`` transforms or autograd a pure-torch path with bit-identical results runs
+    instead.
 
     Args:
         state: the scaler state the loss was scaled with.
