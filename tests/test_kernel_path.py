@@ -74,6 +74,15 @@ def test_transforms_and_autograd_take_the_traced_path():
     assert torch.equal(torch.compile(torch.func.vmap(inside), backend="eager")(torch.ones(2, 2)),
                        torch.ones(2, 2))  # fmt: skip
 
+    # A compiled grad through it: dynamo reports requires_grad=False inside torch.func.grad,
+    # so the transform itself is asked (once, a constant of the graph).
+    def through(y):
+        return (y * 2 if kernel_path([y]) else y * 3).sum()
+
+    grad = torch.compile(torch.func.grad(through), backend="eager", fullgraph=True)
+    assert torch.equal(grad(torch.ones(2)), torch.full((2,), 3.0))
+    assert torch.equal(inside(torch.ones(2)), torch.full((2,), 2.0))  # plain again
+
 
 def test_inductor_calls_the_unscale_kernel():
     """Inductor calls the fused unscale-and-check as an extern kernel (no generated check and

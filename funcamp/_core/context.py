@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch._dynamo
 
 __all__ = [
     "compiling",
@@ -41,6 +42,14 @@ def in_transform() -> bool:
     return transform_level() is not None
 
 
+@torch._dynamo.assume_constant_result
+def _transform_while_tracing() -> bool:
+    """:func:`in_transform`, asked while dynamo traces: its answer at trace time becomes a
+    constant of the graph (dynamo cannot put the functorch level in a graph, and a graph traced
+    under a transform is only ever run under it: dynamo guards on the functorch stack)."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def plain_eager() -> bool:
     """Neither compiling nor inside a ``torch.func`` transform."""
     return not compiling() and not in_transform()
@@ -62,9 +71,9 @@ def tracks_grad(xs: Iterable[Any]) -> bool:
     return False
 
 
-def _plain_untracked(xs: Sequence[Any], batched: Any = None) -> bool:
-    """Every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not track
-    (and, given ``batched``, that it does not report batched)."""
+def _plain_untracked(xs: Sequence[Any]) -> bool:
+    """Every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not
+    track."""
     grad_on = torch.is_grad_enabled()
     traced = compiling()
     for x in xs:
@@ -77,8 +86,6 @@ def _plain_untracked(xs: Sequence[Any], batched: Any = None) -> bool:
         if not (x.device.type in ("cpu", "cuda") if traced else (x.is_cpu or x.is_cuda)):
             return False
         if grad_on and x.requires_grad:
-            return False
-        if batched is not None and batched(x):
             return False
     return True
 
@@ -94,13 +101,15 @@ def eager_path(xs: Sequence[Any]) -> bool:
 def kernel_path(xs: Sequence[Any]) -> bool:
     """Where torch's multi-tensor kernels (the fused unscale, ``_foreach_norm``, torch's fused
     optimizer kernels) may run: the eager path (:func:`eager_path`), or dynamo tracing plain
-    CPU/CUDA tensors that autograd does not track and ``vmap`` does not batch. Compiled,
+    CPU/CUDA tensors that autograd does not track, outside any ``torch.func`` transform. Compiled,
     inductor calls such a kernel as it is (an extern kernel) instead of generating code for it:
     on the CPU every generated kernel costs ~0.7 s of C++ compile on the first call.
 
-    Dynamo cannot trace the functorch level (``in_transform``), and inside a compiled
-    ``torch.func.grad`` it reports ``requires_grad=False``: a compiled ``grad`` or ``jvp``
-    *through* the step's update is not detected here (a compiled ``vmap`` is)."""
+    Traced, the transform is asked once, as a constant of the graph (a compiled ``grad``,
+    ``vmap`` or ``jvp`` through the update takes the per-leaf ops): foreach kernels have no vmap
+    rule, the fused unscale no derivative, and inside a traced ``torch.func.grad`` dynamo
+    reports ``requires_grad=False``. Asking each tensor ``is_batchedtensor`` instead put a graph node
+    per tensor in the step and let a compiled ``grad`` through the update reach the kernels."""
     if not compiling():
         return eager_path(xs)
-    return _plain_untracked(xs, torch._C._functorch.is_batchedtensor)
+    return not _transform_while_tracing() and _plain_untracked(xs)
