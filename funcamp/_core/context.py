@@ -24,6 +24,7 @@ __all__ = [
     "plain_eager",
     "tracks_grad",
     "transform_level",
+    "transform_while_tracing",
 ]
 
 
@@ -43,10 +44,11 @@ def in_transform() -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def _transform_while_tracing() -> bool:
+def transform_while_tracing() -> bool:
     """:func:`in_transform`, asked while dynamo traces: its answer at trace time becomes a
     constant of the graph (dynamo cannot put the functorch level in a graph, and a graph traced
-    under a transform is only ever run under it: dynamo guards on the functorch stack)."""
+    under a transform is only ever run under it: dynamo guards on the functorch stack; a step
+    saved to disk is run only outside transforms, see funcamp/train/cache.py)."""
     return torch._C._functorch.maybe_current_level() is not None
 
 
@@ -112,4 +114,4 @@ def kernel_path(xs: Sequence[Any]) -> bool:
     per tensor in the step and let a compiled ``grad`` through the update reach the kernels."""
     if not compiling():
         return eager_path(xs)
-    return not _transform_while_tracing() and _plain_untracked(xs)
+    return not transform_while_tracing() and _plain_untracked(xs)

@@ -64,6 +64,7 @@ except ImportError:  # pragma: no cover - other torch versions
     _get_closure_vars = None
 
 from funcamp._core.atomic import atomic_write
+from funcamp._core.context import in_transform, transform_while_tracing
 from funcamp._core.progress import COMPILING, logger
 from funcamp.train.cache_files import (
     changed_file,
@@ -235,6 +236,8 @@ class CachedStep:
         return {f"closure:{n}": c.cell_contents for n, c in zip(code.co_freevars, cells)}
 
     def __call__(self, state: Any, batch: Any) -> Any:
+        if in_transform():  # saved steps are traced outside torch.func transforms
+            return self.fallback(state, batch)
         structure = input_structure(state, batch)
         if structure is None:
             if not self.said_uncached:
@@ -525,12 +528,15 @@ def _generated(code: types.CodeType) -> bool:
 @contextlib.contextmanager
 def _constant_results() -> Any:
     """Collect the functions marked ``torch._dynamo.assume_constant_result`` that the trace
-    called: their results are folded into the graph and never checked again."""
+    called: their results are folded into the graph and never checked again. funcamp's own
+    question whether a ``torch.func`` transform is active (``kernel_path``) is not collected:
+    a saved step is only run outside transforms (:meth:`CachedStep.__call__`)."""
     called: list[str] = []
     original = dynamo_functions.invoke_and_store_as_constant
 
     def record(tx: Any, fn: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-        called.append(str(name))
+        if fn is not transform_while_tracing:
+            called.append(str(name))
         return original(tx, fn, name, *args, **kwargs)
 
     modules = [
