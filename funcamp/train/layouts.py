@@ -1,0 +1,121 @@
+"""An inductor graph pass for a whole train step on convolutions: saved activations stay
+channels-last.
+
+A compiled train step is one graph holding the forward *and* the backward (``torch.func.grad``
+traced inline), which inductor compiles as an inference graph. With its layout optimization on
+(the default for graphs with convolutions) inductor runs the convolutions channels-last, but it
+fixes the layout of every tensor that several ops read and that ``convolution_backward`` reads
+to the tensor's *traced* strides -- contiguous (NCHW) for a model fed NCHW images. So each
+activation the backward needs (a ReLU's output, a pooled residual) is stored twice, once NCHW
+for the backward and once channels-last for the next convolution, and the backward's
+elementwise kernels mix NCHW with channels-last gradients: tiled transposes, slow to generate
+and to run. torch's own training path escapes this by compiling the backward as a separate
+graph whose saved inputs arrive channels-last.
+
+:class:`ChannelsLastConvBackward` records channels-last strides on exactly those tensors before
+inductor lowers the graph, where inductor's layout optimization will run the convolutions
+channels-last anyway: the activation is stored once, channels-last, and read as it is by both.
+The same kernels compute the same values; only layouts change (ResNet's step: 87 tiled
+transposes -> 33 in its generated code, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:  # a pass inductor's FX graph cache can key on (torch >= 2.5)
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover - older torch
+    CustomGraphPass = object  # type: ignore[assignment,misc]
+
+__all__ = ["ChannelsLastConvBackward", "channels_last_strides"]
+
+_CONV_BACKWARD = torch.ops.aten.convolution_backward.default
+_AS_STRIDED = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default)
+
+
+def channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a dense 4-d tensor of ``shape`` in channels-last order."""
+    return torch.empty(shape, device="meta").contiguous(memory_format=torch.channels_last).stride()
+
+
+def _layout_optimized(gm: Any) -> bool:
+    """Whether inductor will run this graph's convolutions channels-last (its own decision)."""
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        return bool(GraphLowering.decide_layout_opt(gm, is_inference=True))
+    except Exception:  # another torch: leave the graph as it is
+        return False
+
+
+def _movable(node: torch.fx.Node) -> bool:
+    """A tensor whose layout inductor fixes from its traced strides only because
+    ``convolution_backward`` reads it: computed here (not a graph input), read by several ops,
+    dense, 4-d and contiguous, not a view, not returned and not the source of an ``as_strided``.
+    """
+    val = node.meta.get("val")
+    if (
+        node.op != "call_function"
+        or len(node.users) < 2
+        or not isinstance(val, torch.Tensor)
+        or val.dim() != 4
+        or not val.is_contiguous()
+        or val._is_view()
+        or node.meta.get("inductor_realize_to_strides", False)
+    ):
+        return False
+    return all(u.op != "output" and u.target not in _AS_STRIDED for u in node.users)
+
+
+class ChannelsLastConvBackward(CustomGraphPass):  # type: ignore[misc]
+    """Inductor's ``post_grad_custom_post_pass`` for a train step's graph: see the module
+    docstring. A no-op where inductor's layout optimization is off, and on graphs without
+    ``convolution_backward``.
+
+    Example:
+        >>> import torch
+        >>> from funcamp.train.layouts import ChannelsLastConvBackward
+        >>> conv = torch.nn.Conv2d(3, 8, 3)
+        >>> def grads(w, x):
+        ...     y = torch.relu(torch.nn.functional.conv2d(x, w))
+        ...     return torch.nn.functional.conv2d(y, w[:, :1].expand(8, 8, 3, 3)).sum()
+        >>> f = torch.compile(torch.func.grad(grads), backend="inductor",
+        ...                   options={"post_grad_custom_post_pass": ChannelsLastConvBackward()})
+        >>> f(conv.weight.detach(), torch.randn(2, 3, 12, 12)).shape
+        torch.Size([8, 3, 3, 3])
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        gm = graph.owning_module
+        nodes = [n for n in graph.nodes if n.target is _CONV_BACKWARD]
+        if not nodes or gm is None or not _layout_optimized(gm):
+            return
+        seen: set[torch.fx.Node] = set()
+        for conv in nodes:
+            for arg in conv.args[:2]:  # grad_output, input
+                if not isinstance(arg, torch.fx.Node) or arg in seen or not _movable(arg):
+                    continue
+                seen.add(arg)
+                val = arg.meta["val"]
+                mode = getattr(val, "fake_mode", None)
+                if mode is None:  # post-grad values are fake tensors; anything else: leave it
+                    continue
+                with mode:
+                    arg.meta["val"] = torch.empty_strided(
+                        val.shape,
+                        channels_last_strides(val.shape),
+                        dtype=val.dtype,
+                        device=val.device,
+                    )
+
+    def uuid(self) -> Any:
+        """The pass's identity in inductor's FX graph cache key: a digest of this file."""
+        try:
+            from torch._inductor.custom_graph_pass import get_hash_for_files
+
+            return get_hash_for_files((__file__,))
+        except Exception:  # pragma: no cover - another torch
+            return "funcamp.ChannelsLastConvBackward/1"

@@ -1,0 +1,142 @@
+"""The channels-last pass of a compiled train step (``funcamp/train/layouts.py``).
+
+A train step is one graph (forward and backward), in which inductor fixes every tensor that
+``convolution_backward`` and other ops both read to its traced, NCHW, strides, although it runs
+the convolutions channels-last: activations are stored twice and the backward's kernels
+transpose. :class:`ChannelsLastConvBackward` records channels-last strides on exactly those
+tensors. The step's results stay the same bits; its generated code transposes less.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+from torch import nn
+
+import funcamp
+from funcamp.testing import assert_trees_equal
+from funcamp.train.layouts import ChannelsLastConvBackward, channels_last_strides
+
+
+class Recording(ChannelsLastConvBackward):
+    """The pass, recording which nodes it moved (and never cached: ``uuid`` None)."""
+
+    def __init__(self) -> None:
+        self.moved: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.calls = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.calls += 1
+        before = {
+            n: n.meta["val"].stride()
+            for n in graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor)
+        }
+        super().__call__(graph)
+        for n, stride in before.items():
+            if n.meta["val"].stride() != stride:
+                self.moved.append((n.name, stride, n.meta["val"].stride()))
+
+    def uuid(self) -> None:  # type: ignore[override]
+        return None
+
+
+def _two_convs(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(nn.functional.conv2d(x, w1, padding=1))  # read by conv 2 and its backward
+    return nn.functional.conv2d(h, w2, padding=1).square().mean()
+
+
+def test_moves_only_activations_the_conv_backward_shares():
+    torch.manual_seed(0)
+    w1, w2, x = torch.randn(8, 3, 3, 3), torch.randn(8, 8, 3, 3), torch.randn(2, 3, 10, 10)
+    want = torch.func.grad(_two_convs, argnums=(0, 1))(w1, w2, x)
+    recording = Recording()
+    f = torch.compile(
+        torch.func.grad(_two_convs, argnums=(0, 1)),
+        fullgraph=True,
+        options={"post_grad_custom_post_pass": recording},
+    )
+    got = f(w1, w2, x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert recording.calls == 1
+    # one activation: the ReLU's output, NCHW as traced, now channels-last; nothing returned
+    # (the grads) and no graph input (x) is touched
+    assert len(recording.moved) == 1, recording.moved
+    _, before, after = recording.moved[0]
+    assert before == torch.empty(2, 8, 10, 10).stride()
+    assert after == channels_last_strides(torch.Size([2, 8, 10, 10]))
+    assert all(g.is_contiguous() for g in got)
+
+
+def test_does_nothing_where_inductor_keeps_nchw(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config, "layout_optimization", False)
+    torch._dynamo.reset()
+    recording = Recording()
+    w1, w2, x = torch.randn(8, 3, 3, 3), torch.randn(8, 8, 3, 3), torch.randn(2, 3, 10, 10)
+    f = torch.compile(
+        torch.func.grad(_two_convs, argnums=(0, 1)),
+        fullgraph=True,
+        options={"post_grad_custom_post_pass": recording},
+    )
+    f(w1, w2, x)
+    torch._dynamo.reset()
+    assert recording.calls == 1 and recording.moved == []
+
+
+def _cnn_step_code(**options):
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+
+    def loss_fn(p, b, batch):
+        x, y = batch
+        out = torch.func.functional_call(model, (p, b), (x,))
+        return torch.nn.functional.cross_entropy(out.float(), y)
+
+    opt = funcamp.adamw(1e-3, weight_decay=0.01)
+    policy = funcamp.get_policy("mixed_bfloat16")
+    p, b = funcamp.params_and_buffers(copy.deepcopy(model))
+    state = funcamp.TrainState.create(
+        p, opt, policy, buffers=b, scaler=funcamp.ScalerState.dynamic()
+    )
+    step = funcamp.make_train_step(loss_fn, opt, policy, **options)
+    batch = (torch.randn(4, 3, 12, 12), torch.randint(0, 4, (4,)))
+    (state, _), codes = run_and_get_code(step, state, batch)
+    state, metrics = step(state, batch)
+    return state, metrics, "\n".join(codes)
+
+
+def _nchw_activations(code: str) -> int:
+    """4-d buffers of more than one channel and pixel allocated NCHW."""
+    count = 0
+    for m in re.finditer(r"empty_strided_cpu\(\((\d+), (\d+), (\d+), (\d+)\), \(([\d, ]+)\)", code):
+        n, c, h, w = (int(v) for v in m.groups()[:4])
+        strides = tuple(int(v) for v in m.group(5).split(","))
+        if c > 1 and h * w > 1 and n > 1 and strides == (c * h * w, h * w, w, 1):
+            count += 1
+    return count
+
+
+def test_a_cnn_step_keeps_its_bits_and_transposes_less():
+    """Two steps of a conv-BN-ReLU CNN with the pass (the default) and without it: the same
+    params, state and metrics bit for bit, and fewer tiled transposes and NCHW activations in
+    the generated code."""
+    with_pass, metrics, code = _cnn_step_code()
+    without, metrics_without, code_without = _cnn_step_code(
+        options={"post_grad_custom_post_pass": None}
+    )
+    assert_trees_equal(with_pass.params, without.params)
+    assert_trees_equal(with_pass.opt_state, without.opt_state)
+    assert_trees_equal(metrics, metrics_without)
+    assert code.count("transpose_mxn") < code_without.count("transpose_mxn")
+    assert _nchw_activations(code) < _nchw_activations(code_without), (
+        _nchw_activations(code),
+        _nchw_activations(code_without),
+    )
