@@ -70,6 +70,23 @@ def test_moves_only_activations_the_conv_backward_shares():
     assert all(g.is_contiguous() for g in got)
 
 
+def test_dynamic_shapes_are_left_as_traced():
+    recording = Recording()
+    w1, w2 = torch.randn(8, 3, 3, 3), torch.randn(8, 8, 3, 3)
+    f = torch.compile(
+        torch.func.grad(_two_convs, argnums=(0, 1)),
+        fullgraph=True,
+        dynamic=True,
+        options={"post_grad_custom_post_pass": recording},
+    )
+    for n in (2, 3):
+        x = torch.randn(n, 3, 10, 10)
+        got = f(w1, w2, x)
+        want = torch.func.grad(_two_convs, argnums=(0, 1))(w1, w2, x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert recording.calls >= 1 and recording.moved == []
+
+
 def test_does_nothing_where_inductor_keeps_nchw(monkeypatch):
     monkeypatch.setattr(torch._inductor.config, "layout_optimization", False)
     torch._dynamo.reset()

@@ -54,14 +54,15 @@ def _layout_optimized(gm: Any) -> bool:
 def _movable(node: torch.fx.Node) -> bool:
     """A tensor whose layout inductor fixes from its traced strides only because
     ``convolution_backward`` reads it: computed here (not a graph input), read by several ops,
-    dense, 4-d and contiguous, not a view, not returned and not the source of an ``as_strided``.
-    """
+    dense, 4-d of static shape and contiguous, not a view, not returned and not the source of an
+    ``as_strided``."""
     val = node.meta.get("val")
     if (
         node.op != "call_function"
         or len(node.users) < 2
         or not isinstance(val, torch.Tensor)
         or val.dim() != 4
+        or not all(isinstance(d, int) for d in val.shape)  # dynamic shapes: left as traced
         or not val.is_contiguous()
         or val._is_view()
         or node.meta.get("inductor_realize_to_strides", False)
