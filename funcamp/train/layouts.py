@@ -24,11 +24,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._inductor.graph import GraphLowering
 
 try:  # a pass inductor's FX graph cache can key on (torch >= 2.5)
     from torch._inductor.custom_graph_pass import CustomGraphPass
 except ImportError:  # pragma: no cover - older torch
     CustomGraphPass = object  # type: ignore[assignment,misc]
+try:
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+except ImportError:  # pragma: no cover - older torch
+    get_hash_for_files = None
 
 __all__ = ["ChannelsLastConvBackward", "channels_last_strides"]
 
@@ -44,8 +49,6 @@ def channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
 def _layout_optimized(gm: Any) -> bool:
     """Whether inductor will run this graph's convolutions channels-last (its own decision)."""
     try:
-        from torch._inductor.graph import GraphLowering
-
         return bool(GraphLowering.decide_layout_opt(gm, is_inference=True))
     except Exception:  # another torch: leave the graph as it is
         return False
@@ -114,9 +117,6 @@ class ChannelsLastConvBackward(CustomGraphPass):  # type: ignore[misc]
 
     def uuid(self) -> Any:
         """The pass's identity in inductor's FX graph cache key: a digest of this file."""
-        try:
-            from torch._inductor.custom_graph_pass import get_hash_for_files
-
-            return get_hash_for_files((__file__,))
-        except Exception:  # pragma: no cover - another torch
+        if get_hash_for_files is None:  # pragma: no cover - older torch
             return "funcamp.ChannelsLastConvBackward/1"
+        return get_hash_for_files((__file__,))
