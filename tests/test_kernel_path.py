@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_step import batches, model_step, recording_backend
+from tiny_step import batches, cnn_step, model_step, recording_backend
 
 import funcamp
 from funcamp._core.context import kernel_path
@@ -109,7 +109,6 @@ def test_cnn_gradients_reach_the_update_in_the_params_layout():
     ``funcamp::unscale`` asks for the traced strides: every gradient it returns is contiguous,
     as its param. (Measured without it: the first conv's gradient came back with strides
     (27, 1, 9, 3), and the step's C++ held 38 tiled transposes against 18.)"""
-    import copy
     import re
 
     from torch import nn
@@ -122,25 +121,11 @@ def test_cnn_gradients_reach_the_update_in_the_params_layout():
         nn.Linear(16, 4),
     )  # fmt: skip
     params = dict(model.named_parameters())
-
-    def loss_fn(p, b, batch):
-        x, y = batch
-        out = torch.func.functional_call(model, (p, b), (x,))
-        return torch.nn.functional.cross_entropy(out.float(), y)
-
-    opt = funcamp.adamw(1e-3, weight_decay=0.01)
-    policy = funcamp.get_policy("mixed_bfloat16")
-
-    def fresh_state():  # each step donates the state it is given
-        p, b = funcamp.params_and_buffers(copy.deepcopy(model))
-        return funcamp.TrainState.create(
-            p, opt, policy, buffers=b, scaler=funcamp.ScalerState.dynamic()
-        )
-
+    step, fresh_state = cnn_step(model)
+    eager, _ = cnn_step(model, compile=False)
     batch = (torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4,)))
-    step = funcamp.make_train_step(loss_fn, opt, policy)
     (_, metrics), codes = run_and_get_code(step, fresh_state(), batch)
-    want = funcamp.make_train_step(loss_fn, opt, policy, compile=False)(fresh_state(), batch)[1]
+    want = eager(fresh_state(), batch)[1]
     assert not metrics["found_inf"]
     torch.testing.assert_close(metrics["loss"], want["loss"], rtol=1e-4, atol=0)
     layouts = re.findall(

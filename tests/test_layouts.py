@@ -9,13 +9,12 @@ tensors. The step's results stay the same bits; its generated code transposes le
 
 from __future__ import annotations
 
-import copy
 import re
 
 import torch
+from tiny_step import cnn_step
 from torch import nn
 
-import funcamp
 from funcamp.testing import assert_trees_equal
 from funcamp.train.layouts import ChannelsLastConvBackward, channels_last_strides
 
@@ -111,21 +110,9 @@ def _cnn_step_code(**options):
         nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
     )  # fmt: skip
-
-    def loss_fn(p, b, batch):
-        x, y = batch
-        out = torch.func.functional_call(model, (p, b), (x,))
-        return torch.nn.functional.cross_entropy(out.float(), y)
-
-    opt = funcamp.adamw(1e-3, weight_decay=0.01)
-    policy = funcamp.get_policy("mixed_bfloat16")
-    p, b = funcamp.params_and_buffers(copy.deepcopy(model))
-    state = funcamp.TrainState.create(
-        p, opt, policy, buffers=b, scaler=funcamp.ScalerState.dynamic()
-    )
-    step = funcamp.make_train_step(loss_fn, opt, policy, **options)
+    step, fresh_state = cnn_step(model, **options)
     batch = (torch.randn(4, 3, 12, 12), torch.randint(0, 4, (4,)))
-    (state, _), codes = run_and_get_code(step, state, batch)
+    (state, _), codes = run_and_get_code(step, fresh_state(), batch)
     state, metrics = step(state, batch)
     return state, metrics, "\n".join(codes)
 

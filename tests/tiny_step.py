@@ -1,8 +1,10 @@
 """A tiny compiled train step for the kernel-path and fused-optimizer tests: a 6-16-3 MLP under
 ``mixed_bfloat16`` with a dynamic scaler, four batches (the third overflows), and a dynamo
-backend that records the graph's calls."""
+backend that records the graph's calls; and a small CNN's step (:func:`cnn_step`)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -41,3 +43,25 @@ def recording_backend(seen: list[str]):
         return gm.forward
 
     return backend
+
+
+def cnn_step(model, **kw):
+    """``(make_train_step(...), fresh_state)`` for a classifier ``model`` fed ``(x, y)``:
+    cross-entropy under ``mixed_bfloat16``, AdamW, a dynamic scaler; ``fresh_state()`` builds
+    a new TrainState from a copy of ``model`` (a donated step consumes the state it is given);
+    ``kw`` go to make_train_step."""
+    opt = funcamp.adamw(1e-3, weight_decay=0.01)
+    policy = funcamp.get_policy("mixed_bfloat16")
+
+    def loss_fn(p, b, batch):
+        x, y = batch
+        out = torch.func.functional_call(model, (p, b), (x,))
+        return torch.nn.functional.cross_entropy(out.float(), y)
+
+    def fresh_state():
+        p, b = funcamp.params_and_buffers(copy.deepcopy(model))
+        return funcamp.TrainState.create(
+            p, opt, policy, buffers=b, scaler=funcamp.ScalerState.dynamic()
+        )
+
+    return funcamp.make_train_step(loss_fn, opt, policy, **kw), fresh_state

@@ -23,7 +23,7 @@ import optree
 import torch
 
 from funcamp._core.checks import check_count, check_state_like, state_leaves
-from funcamp._core.numerics import as_dtype, is_half
+from funcamp._core.numerics import as_dtype, is_half, math_dtype
 from funcamp._core.rounding import (
     bits_from_key,
     computed_once,
@@ -206,9 +206,7 @@ def math_params(
     if mode == "master_weights":
         master = state_leaves(api, "low.master", low.master, spec)
         return [m if is_half(p) else p for m, p in zip(master, params)]
-    return [
-        as_dtype(p, torch.float64 if p.dtype == torch.float64 else torch.float32) for p in params
-    ]
+    return [as_dtype(p, math_dtype(p.dtype)) for p in params]
 
 
 def to_updates(
