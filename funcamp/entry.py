@@ -171,9 +171,12 @@ def make_train_step(
             docs/benchmarks.md) unless ``options=`` sets it, keeps the activations a
             convolution's backward shares with other ops channels-last (inductor's
             ``post_grad_custom_post_pass``: the same bits, fewer transposes, ResNet's first call
-            ~10 % shorter; unless ``options=`` sets that pass), and builds its CPU kernels in a few
+            ~10 % shorter; unless ``options=`` sets that pass), builds its CPU kernels in a few
             C++ units instead of one build per kernel (the same code and bits;
-            ``FUNCAMP_CPP_BUNDLE=0`` in the environment gives torch's builds back).
+            ``FUNCAMP_CPP_BUNDLE=0`` in the environment gives torch's builds back), and, where
+            the step writes its state in place, keeps inductor from storing the update's dead
+            intermediates before those writes (the same kernels, half the scheduling time;
+            ``FUNCAMP_LIVE_READS=0`` gives inductor's own lowering back).
             ``fullgraph=False`` compiles a ``loss_fn`` with graph breaks in pieces: the
             gradients then come from ``torch.autograd.grad`` (dynamo cannot resume a frame
             inside ``torch.func.grad``), the rest of the step is unchanged.

@@ -43,6 +43,7 @@ from funcamp.train.describe import (
 from funcamp.train.errors import explain
 from funcamp.train.layouts import ChannelsLastConvBackward
 from funcamp.train.loss import Engine, clone_buffers
+from funcamp.train.mutations import live_reads_only
 from funcamp.train.parallel import Parallel
 from funcamp.train.state import TrainState, check_donation, check_train_state
 
@@ -266,7 +267,7 @@ def run_compiled(
     try:
         # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
         # raises; the eager re-run gives the plain error, so that log is held back.
-        with _quiet(_FAKE_TENSOR_LOG), tracing, bundling():
+        with _quiet(_FAKE_TENSOR_LOG), tracing, bundling(), live_reads_only():
             return run(*args)
     except torch._dynamo.exc.TorchDynamoException as e:
         if engine is not None and engine.switch(e):
