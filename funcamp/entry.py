@@ -120,7 +120,7 @@ def make_train_step(
     boundary).
 
     The first call of a compiled step traces and compiles it -- measured on a 2-core AMD EPYC
-    (torch 2.13 CPU): 32-130 s for small Hugging Face and CNN models, 0.77-1.12x torch.compile of
+    (torch 2.13 CPU): 32-130 s for small Hugging Face and CNN models, 0.75-0.96x torch.compile of
     the model and of ``optimizer.step`` (the same work; funcamp builds the graph's C++ kernels in
     a few units while inductor still generates code: docs/benchmarks.md), 8.5 s (the CNN) with
     warm compile caches, 2-4 s with ``cache_dir`` -- and

@@ -49,8 +49,9 @@ _ORIGINAL: Any = None
 @functools.cache
 def supported() -> bool:
     """Whether this torch lowers a write the way this module relies on: a
-    ``GraphLowering.mark_buffer_mutated`` that realizes ``name_to_users[name]``, values held in
-    ``env`` (a ``torch.fx.Interpreter``), and lazy values as ``StorageBox`` of ``Loops``."""
+    ``GraphLowering.mark_buffer_mutated`` that realizes the values listed in ``name_to_users``
+    (each graph node's value, registered by ``register_users_of``), values held in ``env`` (a
+    ``torch.fx.Interpreter``), and lazy values as ``StorageBox`` of ``Loops``."""
     if _GraphLowering is None or _ir is None:
         return False
     return (
@@ -87,16 +88,16 @@ def _install() -> None:
             return
         _ORIGINAL = original = _GraphLowering.mark_buffer_mutated
 
-    def mark_buffer_mutated(self: Any, name: str) -> None:
-        users = getattr(self, "name_to_users", {}).get(name) if _ACTIVE.get() else None
-        env = getattr(self, "env", None)
-        if not users or not isinstance(env, dict) or not isinstance(name, str):
-            return original(self, name)
-        self.mutated_buffers.add(name)
-        live = _live_ids(env)
-        for user in users:
-            if not _dead(user, live):
-                user.realize()
+    def mark_buffer_mutated(self: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE.get():
+            users = getattr(self, "name_to_users", {}).get(name)
+            env = getattr(self, "env", None)
+            if users and isinstance(env, dict):
+                # Dead for good (a freed value never comes back): dropped from the list, and
+                # inductor's own method realizes the rest.
+                live = _live_ids(env)
+                users[:] = [user for user in users if not _dead(user, live)]
+        return original(self, name, *args, **kwargs)
 
     mark_buffer_mutated.__wrapped__ = original  # type: ignore[attr-defined]
     _GraphLowering.mark_buffer_mutated = mark_buffer_mutated
