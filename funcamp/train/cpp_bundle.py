@@ -30,13 +30,13 @@ import ast
 import contextlib
 import contextvars
 import functools
-import os
 import re
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from funcamp._core.progress import logger
+from funcamp.train.switch import switched_on
 
 __all__ = ["bundling", "supported"]
 
@@ -355,17 +355,11 @@ def bundling(enabled: bool | None = None) -> Iterator[None]:
     are built together (see the module's docstring). A kernel held back is built when it is
     first needed, inside or after the block. ``enabled=None``: on unless the environment sets
     ``FUNCAMP_CPP_BUNDLE=0`` (torch's one build per kernel, for comparison or debugging)."""
-    if enabled is None:
-        enabled = os.environ.get("FUNCAMP_CPP_BUNDLE", "1") != "0"
-    if not enabled or not supported():
-        yield
-        return
-    _install()
-    token = _ACTIVE.set(True)
+    on = False
     try:
-        yield
+        with switched_on(_ACTIVE, "FUNCAMP_CPP_BUNDLE", enabled, supported, _install) as on:
+            yield
     finally:
-        _ACTIVE.reset(token)
-        if _EARLY and not _ACTIVE.get():  # (on every step's call: no lock when empty)
+        if on and _EARLY and not _ACTIVE.get():  # (on every step's call: no lock when empty)
             with _LOCK:
                 _EARLY.clear()  # generated but not loaded in the block: loaded later, if ever

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -38,6 +37,8 @@ try:  # inductor's lowering and IR (torch builds with inductor)
     from torch._inductor.graph import GraphLowering as _GraphLowering
 except Exception:  # pragma: no cover - torch without inductor
     _ir = _GraphLowering = None
+
+from funcamp.train.switch import switched_on
 
 __all__ = ["live_reads_only", "supported"]
 
@@ -84,9 +85,12 @@ def _install() -> None:
     :func:`live_reads_only` it runs inductor's own code only."""
     global _ORIGINAL
     with _LOCK:
-        if _ORIGINAL is not None:
-            return
-        _ORIGINAL = original = _GraphLowering.mark_buffer_mutated
+        if _ORIGINAL is None:
+            _ORIGINAL = _wrap(_GraphLowering.mark_buffer_mutated)
+
+
+def _wrap(original: Any) -> Any:
+    """Put ``mark_buffer_mutated`` in the place of ``original``; returns ``original``."""
 
     def mark_buffer_mutated(self: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
         if _ACTIVE.get():
@@ -101,6 +105,7 @@ def _install() -> None:
 
     mark_buffer_mutated.__wrapped__ = original  # type: ignore[attr-defined]
     _GraphLowering.mark_buffer_mutated = mark_buffer_mutated
+    return original
 
 
 @contextlib.contextmanager
@@ -110,14 +115,5 @@ def live_reads_only(enabled: bool | None = None) -> Iterator[None]:
     docstring); graphs lowered in other threads or outside the block are untouched.
     ``enabled=None``: on unless the environment sets ``FUNCAMP_LIVE_READS=0`` (inductor's own
     lowering, for comparison or debugging)."""
-    if enabled is None:
-        enabled = os.environ.get("FUNCAMP_LIVE_READS", "1") != "0"
-    if not enabled or not supported():
+    with switched_on(_ACTIVE, "FUNCAMP_LIVE_READS", enabled, supported, _install):
         yield
-        return
-    _install()
-    token = _ACTIVE.set(True)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
