@@ -108,8 +108,9 @@ def make_train_step(
     place), so the step allocates no new memory for them and writes its results straight into
     them -- the peak memory of torch.amp's in-place step instead of two whole training states
     (docs/benchmarks.md, "Memory"). Keep only the returned state: ``state, m = step(state,
-    batch)``. Passing a donated state to a train step again is an error naming the fix (the
-    last 16 donated states are remembered, as JAX refuses a donated buffer). Anything sharing
+    batch)``. Passing a donated state to a train step again is an error naming the fix, after
+    any number of steps, as JAX refuses a donated buffer (a donated state is known by its
+    scaler state object, weakly referenced: nothing is kept alive). Anything sharing
     memory with the state changes too, such as a module's parameters when the params came from
     :func:`params_and_buffers` with a float32 ``param_dtype`` (the module then follows training,
     as with ``torch.optim``). No two state tensors may share memory and none may require grad

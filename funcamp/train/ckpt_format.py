@@ -220,6 +220,26 @@ def _check_scalers(info: CheckpointInfo, template_sd: Any, where: str) -> None:
             )
 
 
+def _check_frozen_split(sd: Any, template_sd: Any, where: str) -> None:
+    """A checkpoint written before ``TrainState.frozen`` existed holds every parameter in its
+    params (and optimizer state for all of them): it cannot fill a template that keeps frozen
+    params apart. Say so, and how to load it."""
+    if not (isinstance(sd, dict) and isinstance(template_sd, dict)):
+        return
+    frozen = template_sd.get("frozen")
+    if "frozen" in sd or not frozen or not isinstance(sd.get("params"), dict):
+        return
+    held = [name for name in frozen if name in sd["params"]]
+    names = ", ".join(repr(n) for n in held[:3]) + (", ..." if len(held) > 3 else "")
+    holds = f"the {len(held)} the template freezes ({names})" if held else "every one"
+    raise ValueError(
+        f"funcamp.load: {where} has no frozen parameters (TrainState.frozen, or it was written "
+        f"before funcamp kept them apart): its params and optimizer state hold {holds}. Load it "
+        "into a template built with TrainState.create(..., trainable=True) to resume it as it "
+        "was trained, or start the run with frozen parameters from the model"
+    )
+
+
 def _rebuild(template: PyTree, sd: dict[str, Any], where: str) -> PyTree:
     try:
         return load_state_dict(template, sd)
@@ -240,6 +260,7 @@ def check_and_rebuild(
         sd = _convert(template_sd, sd)
     else:
         _check_scalers(info, template_sd, where)
+    _check_frozen_split(sd, template_sd, where)
     return _rebuild(template, sd, where)
 
 

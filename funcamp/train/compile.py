@@ -12,7 +12,6 @@ the on-disk cache (``cache_dir``).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import gc
 import itertools
@@ -21,6 +20,7 @@ import os
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +30,7 @@ from torch._inductor import list_mode_options
 
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import NAMESPACE, describe
+from funcamp.scaling.state import ScalerState
 from funcamp.train.cache import CachedStep
 from funcamp.train.cpp_bundle import bundling
 from funcamp.train.describe import (
@@ -228,24 +229,28 @@ def check_cache_dir(
     return path
 
 
-# The states donated to train steps lately (their tensors now hold newer states): handed to a
-# train step again, they are refused, as JAX refuses a donated buffer. Holding them costs no
-# memory (their tensors are the newer states' own) but their few scaler scalars.
-_DONATED: collections.deque[TrainState] = collections.deque(maxlen=16)
+# The states donated to train steps (their tensors now hold newer states), known by their
+# scaler state objects: handed to a train step again, they are refused, as JAX refuses a
+# donated buffer, after any number of steps. The returned state shares the donated one's
+# tensors (written in place) and even its containers, but its ScalerState is always a new
+# object (TrainState.create gives each state its own), and a ScalerState can be weakly
+# referenced: the set holds no state alive, and costs nothing once the old state is gone.
+_DONATED: weakref.WeakSet[ScalerState] = weakref.WeakSet()
 
 
 def check_not_donated(api: str, state: TrainState) -> None:
     """Refuse a state an earlier call donated (``donate_state=True``, the default)."""
-    for old in _DONATED:
-        # By identity of the TrainState: the returned state may hold the very same params
-        # dict (its tensors written in place), so the containers cannot tell them apart.
-        if state is old:
-            raise ValueError(
-                f"funcamp.{api}: `state` was donated to an earlier train step: its tensors now "
-                "hold the state that call returned. Keep only the returned state "
-                "(`state, metrics = step(state, batch)`), or build the step with "
-                "donate_state=False to keep the input state unchanged"
-            )
+    try:
+        donated = state.scaler in _DONATED
+    except TypeError:  # not a ScalerState (refused by the state checks that follow)
+        donated = False
+    if donated:
+        raise ValueError(
+            f"funcamp.{api}: `state` was donated to an earlier train step: its tensors now "
+            "hold the state that call returned. Keep only the returned state "
+            "(`state, metrics = step(state, batch)`), or build the step with "
+            "donate_state=False to keep the input state unchanged"
+        )
 
 
 def run_compiled(
@@ -370,8 +375,8 @@ def wrap_step(
                 expected.append("compiled")
                 gc.collect()
         if donate_state:
-            _DONATED.append(state)
-        return parallel.wrap(new), metrics
+            _DONATED.add(state.scaler)
+        return parallel.wrap(new._replace(frozen=local.frozen)), metrics
 
     step.train_step = train_step  # type: ignore[attr-defined]
     return step

@@ -14,6 +14,7 @@ from funcamp.casting.amp import amp
 from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.train.compile import compile_fn, fresh_code, run_compiled
+from funcamp.train.frozen import combine
 from funcamp.train.loss import clone_buffers
 from funcamp.train.state import TrainState
 
@@ -36,7 +37,7 @@ def make_eval_step(
     ``fn`` runs under ``funcamp.amp(fn, policy)`` and ``torch.no_grad()``: ops cast as the policy
     says and every floating tensor it returns (a loss, logits, a dict of metrics, a Hugging Face
     ``ModelOutput``) in the policy's output dtype. ``state`` is a :class:`TrainState` (its
-    ``params``, ``buffers`` and delayed-FP8 scales are read) or a ``(params, buffers)`` pair;
+    ``params`` with the ``frozen`` ones merged in, ``buffers`` and delayed-FP8 scales are read) or a ``(params, buffers)`` pair;
     nothing in it is modified (``fn`` gets copies of the buffers, so a module left in training
     mode cannot update its running statistics). The compiled step, like the train step, follows
     the modules' ``train()``/``eval()`` mode (call ``model.eval()`` first: dropout off,
@@ -93,7 +94,7 @@ def make_eval_step(
 
     def step(state: Any, batch: Batch) -> Any:
         if isinstance(state, TrainState):
-            params, buffers, fp8 = state.params, state.buffers, state.fp8
+            params, buffers, fp8 = combine(state.params, state.frozen), state.buffers, state.fp8
         elif isinstance(state, tuple) and len(state) == 2 and not fp8_stateful:
             (params, buffers), fp8 = state, Fp8State()
         else:

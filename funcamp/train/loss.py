@@ -26,6 +26,7 @@ from funcamp.casting.fp8 import Fp8State, fp8_update
 from funcamp.scaling.ops import scale
 from funcamp.scaling.state import ScalerState
 from funcamp.train.errors import refuses_torch_func, user_frame
+from funcamp.train.frozen import combine
 
 __all__ = [
     "Engine",
@@ -255,7 +256,8 @@ def forward_backward(
     """A train step's forward and backward: ``(scaled grads, loss (float32, unscaled), aux, new
     buffers, new FP8 state)``. ``run_loss(fp8, params, buffers, batch)`` is the user's loss
     under ``amp`` with the FP8 state threaded; it runs on ``gather(params)`` (the sharded step's
-    all-gather of its local shards) and on copies of the buffers, so that in-place updates
+    all-gather of its local shards) with the frozen params merged in (constants of the
+    gradient) and on copies of the buffers, so that in-place updates
     (BatchNorm under ``functional_call``) become the new buffers. With delayed FP8 the state is
     differentiated too: its "gradient" is this step's amaxes (combined across ranks by
     ``fp8_reduce``), from which :func:`funcamp.fp8_update` makes the new state."""
@@ -264,7 +266,10 @@ def forward_backward(
         # Copies made inside the transform, so in-place buffer updates are allowed.
         buffers = state.buffers if returns_buffers else clone_buffers(state.buffers)
         loss, aux, new_buffers = _split_output(
-            api, run_loss(fp8, gather(params), buffers, batch), has_aux, returns_buffers
+            api,
+            run_loss(fp8, combine(gather(params), state.frozen), buffers, batch),
+            has_aux,
+            returns_buffers,
         )
         return loss, (aux if has_aux else (), new_buffers if returns_buffers else buffers)
 

@@ -4,6 +4,7 @@ and out of it (:func:`params_and_buffers`, :func:`load_into_module`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import optree
@@ -17,6 +18,13 @@ from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import init_from_exact
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.state import ScalerState
+from funcamp.train.frozen import (
+    Trainable,
+    check_frozen,
+    combine,
+    split_trainable,
+    trainable_flags,
+)
 
 __all__ = [
     "TrainState",
@@ -40,6 +48,10 @@ class TrainState(NamedTuple):
         scaler: the :class:`funcamp.ScalerState` (its ``skipped`` leaf counts skipped steps).
         fp8: the delayed-scaling :class:`funcamp.Fp8State` (amax histories and scales of the
             FP8 call sites); empty (the default) without a delayed FP8 recipe.
+        frozen: the frozen parameters (``requires_grad=False`` in the module, or left out by
+            ``trainable=`` of :meth:`create`): a dict ``loss_fn`` gets merged into ``params``,
+            never differentiated, updated or given optimizer state; ``{}`` (the default) when
+            every parameter trains.
 
     Being a NamedTuple it flattens with optree and ``torch.utils._pytree``, compiles, and
     checkpoints with :func:`funcamp.state_dict`.
@@ -56,6 +68,7 @@ class TrainState(NamedTuple):
     opt_state: PyTree
     scaler: ScalerState
     fp8: Fp8State = Fp8State()
+    frozen: PyTree = {}  # noqa: RUF012  (never mutated: a NamedTuple field default)
 
     @classmethod
     def create(
@@ -67,9 +80,17 @@ class TrainState(NamedTuple):
         buffers: PyTree = None,
         scaler: ScalerState | None = None,
         model: torch.nn.Module | None = None,
+        trainable: Trainable = None,
     ) -> TrainState:
         """Build the initial state: optimizer state, params (and buffers) cast to
-        ``param_dtype``, scaler.
+        ``param_dtype``, scaler, and the frozen params kept apart.
+
+        Frozen parameters are what torch.optim over ``filter(lambda p: p.requires_grad,
+        model.parameters())`` leaves alone: they go to ``state.frozen``, which ``loss_fn``
+        gets merged into its params, and are never differentiated, updated or given optimizer
+        state (no weight decay, no all-reduce). By default a leaf is frozen where the module
+        says so -- :func:`params_and_buffers` hands a parameter with ``requires_grad=False``
+        (a ``peft`` LoRA model's base weights) over as such -- and ``trainable=`` overrides it.
 
         The optimizer state is built for the params in ``param_dtype`` (so a low-precision mode
         allocates what it needs), and with ``master_weights=True`` the float32 masters are then
@@ -90,9 +111,18 @@ class TrainState(NamedTuple):
                 (``policy.with_fp8(Fp8Recipe.delayed(...))``) the :class:`funcamp.Fp8State` is
                 built for its FP8 call sites (:meth:`funcamp.Fp8State.init`). Ignored when the
                 policy needs no such state.
+            trainable: which params train: ``None`` (default) all but the parameters the
+                module froze (``requires_grad=False``, as :func:`params_and_buffers` gives
+                them); ``True`` all of them; a glob pattern of the dotted parameter path
+                (``"*.lora_*"``) or a sequence of them (each must match a parameter): those,
+                and the others frozen; or a callable ``path -> bool``.
 
         Returns:
             A :class:`TrainState`.
+
+        Raises:
+            ValueError: every parameter is frozen (nothing to train), or a ``trainable``
+                pattern matches no parameter.
 
         Example:
             >>> import torch, funcamp
@@ -100,6 +130,12 @@ class TrainState(NamedTuple):
             >>> state = funcamp.TrainState.create({"w": torch.tensor([1.001])}, opt, "bf16-true")
             >>> state.params["w"].dtype, state.opt_state.low.master["w"]
             (torch.bfloat16, tensor([1.0010]))
+            >>> model = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 1))
+            >>> _ = model[0].requires_grad_(False)  # a frozen embedding
+            >>> params, _ = funcamp.params_and_buffers(model)
+            >>> state = funcamp.TrainState.create(params, funcamp.adam(1e-3), "float32")
+            >>> sorted(state.params), sorted(state.frozen), sorted(state.opt_state.exp_avg)
+            (['1.bias', '1.weight'], ['0.weight'], ['1.bias', '1.weight'])
         """
         api = "TrainState.create"
         pol = as_policy(policy, api)
@@ -107,6 +143,7 @@ class TrainState(NamedTuple):
             raise optimizer_type_error(api, optimizer)
         leaves = _check_params(api, params)
         _check_float64_params(api, params, pol)
+        params, frozen = _split(api, params, trainable)
         if buffers is None:
             buffers = {}
         if scaler is None:
@@ -133,7 +170,29 @@ class TrainState(NamedTuple):
                     "pass `model=` (the root module loss_fn runs) to build it"
                 )
             fp8 = Fp8State.init(model, pol, device=leaves[0].device if leaves else None)
-        return cls(cast, pol.cast_to_param(buffers), opt_state, scaler, fp8)
+        frozen = optree.tree_map(
+            lambda x: x.detach(), pol.cast_to_param(frozen), namespace=NAMESPACE
+        )
+        # Each state its own scaler object: a donated state is told by it (check_not_donated).
+        scaler = dataclasses.replace(scaler)
+        return cls(cast, pol.cast_to_param(buffers), opt_state, scaler, fp8, frozen)
+
+
+def _split(api: str, params: PyTree, trainable: Trainable) -> tuple[PyTree, PyTree]:
+    """``(trained params, frozen params)``; refuses a state with nothing to train."""
+    flags = trainable_flags(api, params, trainable)
+    if flags and not any(flags):
+        hint = (
+            "unfreeze some (module.requires_grad_(True) on them before params_and_buffers) "
+            "or choose them with `trainable=`"
+            if trainable is None
+            else "choose at least one with `trainable=`"
+        )
+        raise ValueError(
+            f"funcamp.{api}: every one of the {len(flags)} parameters is frozen, so there is "
+            f"nothing to train; {hint}"
+        )
+    return split_trainable(api, params, flags)
 
 
 def _check_params(api: str, params: PyTree) -> list[torch.Tensor]:
@@ -163,7 +222,10 @@ def params_and_buffers(
     """Return ``(params, buffers)``: detached ``{name: tensor}`` dicts of a module's state.
 
     The tensors share storage with the module (no copy); funcamp never modifies them. Pass them
-    to ``torch.func.functional_call(module, (params, buffers), args)``.
+    to ``torch.func.functional_call(module, (params, buffers), args)``. A parameter the module
+    froze (``requires_grad=False``: a frozen embedding, a ``peft`` model's base weights) comes as
+    a detached ``torch.nn.Parameter`` with ``requires_grad=False``, the others as plain
+    tensors, so that :meth:`TrainState.create` keeps the frozen ones out of training.
 
     Example:
         >>> import torch, funcamp
@@ -172,13 +234,20 @@ def params_and_buffers(
         (['bias', 'weight'], ['num_batches_tracked', 'running_mean', 'running_var'])
         >>> params["weight"].requires_grad
         False
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> _ = lin.bias.requires_grad_(False)
+        >>> {k: type(v).__name__ for k, v in funcamp.params_and_buffers(lin)[0].items()}
+        {'weight': 'Tensor', 'bias': 'Parameter'}
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"funcamp.params_and_buffers: `module` must be a torch.nn.Module, got "
             f"{describe(module)}"
         )
-    params = {k: v.detach() for k, v in module.named_parameters()}
+    params = {
+        k: v.detach() if v.requires_grad else torch.nn.Parameter(v.detach(), requires_grad=False)
+        for k, v in module.named_parameters()
+    }
     buffers = {k: v.detach() for k, v in module.named_buffers()}
     return params, buffers
 
@@ -202,8 +271,10 @@ def load_into_module(
 
     Args:
         module: the module the params came from.
-        state: a :class:`TrainState` (its ``params`` and ``buffers`` are written), or a dict of
-            params ``{name: tensor}`` as :func:`params_and_buffers` gives.
+        state: a :class:`TrainState` (its ``params``, ``frozen`` and ``buffers`` are written),
+            or a dict of params ``{name: tensor}`` as :func:`params_and_buffers` gives (the
+            parameters the module froze, ``requires_grad=False``, may be left out: they are
+            not written).
         buffers: with a params dict, an optional dict of buffers to write too.
 
     Returns:
@@ -233,7 +304,7 @@ def load_into_module(
                 f"funcamp.{api}: `buffers` must not be given with a TrainState (its buffers "
                 "are written); pass the params dict instead to choose the buffers"
             )
-        params, buffers = state.params, state.buffers
+        params, buffers = combine(state.params, state.frozen), state.buffers
     else:
         params = state
     targets = [("`state` params", params, dict(module.named_parameters()))]
@@ -253,7 +324,13 @@ def load_into_module(
                 f"gives, got {describe(given)}"
             )
         unknown = sorted(set(given) - set(own))
-        missing = sorted(set(own) - set(given))
+        missing = sorted(
+            n
+            for n in set(own) - set(given)
+            # a dict of params may leave out what the module froze (the trained part of a
+            # LoRA model: state.params); a TrainState names them all (state.frozen)
+            if given is not params or isinstance(state, TrainState) or own[n].requires_grad
+        )
         if unknown or missing:
             names = ", ".join(repr(n) for n in (unknown or missing)[:3])
             raise ValueError(
@@ -262,6 +339,8 @@ def load_into_module(
                 f"{names}; nothing was written"
             )
         for name, target in own.items():
+            if name not in given:  # a frozen parameter left out: not written
+                continue
             value = given[name]
             if not isinstance(value, torch.Tensor) or value.shape != target.shape:
                 raise ValueError(
@@ -291,6 +370,7 @@ def check_train_state(api: str, state: TrainState, optimizer: Optimizer) -> None
             f"funcamp.{api}: `state.fp8` must be a funcamp.Fp8State (TrainState.create builds "
             f"it), got {describe(state.fp8)}"
         )
+    check_frozen(api, state.params, state.frozen)
     meta = optree.tree_map(
         lambda p: torch.empty_like(p, device="meta"), state.params, namespace=NAMESPACE
     )
@@ -325,6 +405,7 @@ def check_donation(api: str, state: TrainState) -> None:
         "state.params": state.params,
         "state.buffers": state.buffers,
         "state.opt_state": state.opt_state,
+        "state.frozen": state.frozen,  # never written, but a write through a shared one would
     }
     grad_leaf = first_leaf(trees, lambda x: isinstance(x, torch.Tensor) and x.requires_grad)
     if grad_leaf is not None:

@@ -210,6 +210,7 @@ def _apply_step(
     metrics = _metrics(
         loss, info.grad_norm, state.scaler, found_inf, new_scaler, aux, opts.has_aux, room, lr
     )
+    # The frozen params are the input's own: the wrapper puts them back (no graph output).
     return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
 
 
