@@ -384,3 +384,35 @@ def test_states_from_one_scaler_object_are_told_apart():
     b = funcamp.TrainState.create({"w": torch.ones(2)}, opt, "float32", scaler=scaler)
     step(a, torch.ones(2))
     step(b, torch.ones(2))
+
+
+def test_roformer_keeps_its_frozen_sinusoidal_table():
+    """transformers' RoFormer freezes its sinusoidal position table (requires_grad=False):
+    it stays bit-identical through a compiled step, as under torch.optim."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.RoFormerConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, embedding_size=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.RoFormerForMaskedLM(config)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen  # the sinusoidal table
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params, buffers = funcamp.params_and_buffers(model)
+    opt = funcamp.adamw(1e-2, weight_decay=0.1)
+    state = funcamp.TrainState.create(params, opt, "mixed_bfloat16", buffers=buffers)
+    assert sorted(state.frozen) == sorted(frozen)
+
+    def loss_fn(p, b, batch):
+        return torch.func.functional_call(model, (p, b), (), batch).loss
+
+    step = funcamp.make_train_step(loss_fn, opt, "mixed_bfloat16", backend="aot_eager")
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        state, _ = step(state, {"input_ids": ids, "labels": ids})
+    for name in frozen:
+        assert torch.equal(state.frozen[name], start[name])
+        assert torch.equal(dict(model.named_parameters())[name], start[name])
+    assert not torch.equal(state.params[sorted(state.params)[0]], start[sorted(state.params)[0]])
