@@ -14,6 +14,8 @@ of:
         (donate_state=False)
     (d, donated) the same with donate_state=True, make_train_step's default (results written
         into the old state's tensors)
+    (d, donated, specialize) the same with specialize=True: only the guards on the inputs
+        (the ratio of the two is what the guards on closures, globals and modules cost a call)
     (e) the same pure funcamp step, eager
     floor: the step's matmuls alone (recorded from one autocast forward/backward and replayed
         on ready-made tensors) plus one fused Adam pass over the params
@@ -358,6 +360,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "d_funcamp_compiled_donated": lambda: funcamp_variant(
             model, batch, criterion, device, donate_state=True
         ),
+        "d_funcamp_compiled_donated_specialize": lambda: funcamp_variant(
+            model, batch, criterion, device, donate_state=True, specialize=True
+        ),
         "e_funcamp_eager": lambda: funcamp_variant(
             model, batch, criterion, device, compile=False, donate_state=False
         ),
@@ -417,6 +422,10 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "speedup_donated_over_c": ratio("c_compiled_model_autocast_gradscaler") * d / dd,
         "donated_over_floor": dd / rows["floor"]["median_ms"] if "floor" in rows else math.nan,
         "graphs_compiled_while_timing": recompiles_while_timing,
+        # every guard (the default) against only the inputs' (specialize=True): > 1 is the
+        # per-call cost of the guards on closures, globals and module attributes
+        "guards_default_over_specialize": dd
+        / rows.get("d_funcamp_compiled_donated_specialize", {}).get("median_ms", math.nan),
     }
     if args.against:
         for key in list(rows):
@@ -446,7 +455,8 @@ def print_table(name: str, result: dict[str, Any]) -> None:
     )
     print(
         f"  donated (d) vs (b): {s['speedup_donated_over_b']:.2f}x   vs (c): "
-        f"{s['speedup_donated_over_c']:.2f}x   /floor: {s['donated_over_floor']:.2f}"
+        f"{s['speedup_donated_over_c']:.2f}x   /floor: {s['donated_over_floor']:.2f}   "
+        f"every guard / specialize=True: {s['guards_default_over_specialize']:.3f}"
     )
     skips = {k: r["cudagraph_skips"] for k, r in result["rows"].items() if r.get("cudagraph_skips")}
     if skips:

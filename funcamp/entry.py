@@ -36,6 +36,7 @@ def make_train_step(
     grad_norm: bool = True,
     mesh: Any = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    specialize: bool = False,
     **compile_options: Any,
 ) -> StepFn:
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
@@ -164,9 +165,17 @@ def make_train_step(
             precompile (else a warning, and the step compiles as usual); not with
             ``compile=False``, ``fullgraph=False``, ``group``, ``mesh``, ``guard_filter_fn``
             or a backend object (give it by name). See the warm-starts guide.
+        specialize: specialise the compiled step on everything it reads besides its inputs,
+            as ``jax.jit`` does: only the guards on ``state`` and ``batch`` (tensor metadata,
+            structure) and on modules' ``training`` flags are kept, so a closure, a global or a
+            module attribute that the loss reads (a loss weight, ``model.config`` flags) is
+            fixed at its first-call value and a later change is *not* seen. Default ``False``:
+            every guard dynamo makes is kept, and such a change recompiles the step as
+            ``torch.compile`` does (on torch 2.13 the guards cost no measurable time per call:
+            docs/benchmarks.md). Not with ``compile=False`` or a ``guard_filter_fn``.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
-            ``options=``, ``dynamic=``); ``guard_filter_fn=`` replaces the default filter that
-            keeps only the guards on the step's inputs (``None`` keeps every guard). A step
+            ``options=``, ``dynamic=``); ``guard_filter_fn=`` filters dynamo's guards (see
+            ``specialize``). A step
             compiled by inductor for the CPU turns inductor's ``loop_ordering_after_fusion`` off
             (the same output code on the real-model suite, a first call up to 2.6 s shorter;
             docs/benchmarks.md) unless ``options=`` sets it, keeps the activations a
@@ -207,7 +216,7 @@ def make_train_step(
         512.0
     """
     options = StepOptions(
-        has_aux, returns_buffers, compile, donate_state, headroom, grad_norm, cache_dir
+        has_aux, returns_buffers, compile, donate_state, headroom, grad_norm, cache_dir, specialize
     )
     if group is not None and mesh is not None:
         raise ValueError(

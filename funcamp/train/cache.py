@@ -215,6 +215,8 @@ class CachedStep:
         loss_fn: Callable[..., Any],
         settings: str,
         options: dict[str, Any],
+        *,
+        specialize: bool = False,
     ) -> None:
         self.train_step = train_step
         self.compile_with = compile_with  # guard filter -> torch.compile(train_step, ...)
@@ -223,9 +225,13 @@ class CachedStep:
         self.loss_fn = loss_fn
         self.settings = settings
         self.options = options
-        # [structure, compiled, proven]: the saved guards check the input tensors (shape,
-        # strides, dtype, device) in C++; the structure is compared here. A loaded entry is
-        # proven by its first call.
+        self.specialize = specialize
+        # [structure, compiled, proven, modes, checks]: the saved guards check the input
+        # tensors (shape, strides, dtype, device) in C++; the structure is compared here. A
+        # loaded entry is proven by its first call. Unless the step is specialised, the
+        # entry's specialisation checks (what dynamo guarded besides the inputs: closures,
+        # globals, module attributes) are compared on every call too, as dynamo's guards would
+        # be, so a value that changed compiles the step again instead of going unseen.
         self.entries: list[list[Any]] = []
         self.broken = False
         self.said_uncached = False
@@ -248,20 +254,33 @@ class CachedStep:
                     "step compiles as usual (unsaved) for such inputs"
                 )
             return self.fallback(state, batch)
+        changed = None
         for entry in self.entries:
             if (
                 entry[0] == structure
                 and all(m.training is flag for m, flag in entry[3])
                 and entry[1].guard_check(state, batch)
             ):
-                return self._run(entry, state, batch)
+                changed = None if self.specialize else self._changed(entry, state, batch)
+                if changed is None:
+                    return self._run(entry, state, batch)
+        if changed is not None:
+            logger.info("funcamp: the train step compiles again: %s", changed)
         if self.broken or len(self.entries) >= torch._dynamo.config.recompile_limit:
             return self.fallback(state, batch)
-        compiled, modes, loaded = self._load_or_compile(state, batch)
+        compiled, modes, checks, loaded = self._load_or_compile(state, batch)
+        if compiled is not None and checks is None and not self.specialize:
+            # compiled but not saved: what it is specialised on was not all recorded, so it
+            # could not be checked on every call; the step compiled as usual can
+            logger.info(
+                "funcamp: cache_dir: the unsaved step is compiled again as usual, with its "
+                "guards (specialize=True would keep this one)"
+            )
+            compiled = None
         if compiled is None:
             self.broken = True
             return self.fallback(state, batch)
-        entry = [structure, compiled, not loaded, modes]
+        entry = [structure, compiled, not loaded, modes, checks]
         self.entries.append(entry)
         return self._run(entry, state, batch)
 
@@ -277,11 +296,11 @@ class CachedStep:
                 type(e).__name__,
                 e,
             )
-            compiled, modes = self._compile(*self._key_and_stem(state, batch), state, batch)
-            if compiled is None:
+            compiled, modes, checks = self._compile(*self._key_and_stem(state, batch), state, batch)
+            if compiled is None or (checks is None and not self.specialize):
                 self.broken = True
                 return self.fallback(state, batch)
-            entry = [entry[0], compiled, True, modes]
+            entry = [entry[0], compiled, True, modes, checks]
             self.entries.append(entry)
             return compiled.fn(state, batch)
         entry[2] = True
@@ -296,19 +315,23 @@ class CachedStep:
         name = "".join(c if c.isalnum() else "_" for c in where_defined(self.loss_fn)[1])[:40]
         return key, os.path.join(self.directory, f"{name}-{digest}")
 
-    def _load_or_compile(self, state: Any, batch: Any) -> tuple[Any, Any, bool]:
+    def _changed(self, entry: list[Any], state: Any, batch: Any) -> str | None:
+        """What changed among the things the entry's step is specialised on, or None."""
+        return _first_change(entry[4], _scope(entry[1], self.train_step, state, batch))
+
+    def _load_or_compile(self, state: Any, batch: Any) -> tuple[Any, Any, Any, bool]:
         key, stem = self._key_and_stem(state, batch)
         paths = glob.glob(glob.escape(stem) + "*" + SUFFIX)
         for path in sorted(paths, key=modified, reverse=True):
             start = time.perf_counter()
-            compiled, modes, why = self._load(path, key, state, batch)
+            compiled, modes, checks, why = self._load(path, key, state, batch)
             if compiled is not None:
                 logger.info(
                     "funcamp: loaded the compiled train step from %s in %.1f s (no trace)",
                     path,
                     time.perf_counter() - start,
                 )
-                return compiled, modes, True
+                return compiled, modes, checks, True
             logger.info("funcamp: not using the cached train step %s: %s", path, why)
         unsaved = unsaved_reason(stem)
         if unsaved is not None:
@@ -320,22 +343,22 @@ class CachedStep:
                 unsaved,
                 stem + UNSAVED_SUFFIX,
             )
-            return None, (), False
+            return None, (), None, False
         return (*self._compile(key, stem, state, batch), False)
 
-    def _load(self, path: str, key: Any, state: Any, batch: Any) -> tuple[Any, Any, str]:
-        """``(compiled, its mode flags, "")`` of a saved entry that still fits, else
-        ``(None, (), why not)``."""
+    def _load(self, path: str, key: Any, state: Any, batch: Any) -> tuple[Any, Any, Any, str]:
+        """``(compiled, its mode flags, its checks, "")`` of a saved entry that still fits, else
+        ``(None, (), None, why not)``."""
         try:
             with open(path, "rb") as f:
                 record = pickle.load(f)
             if not isinstance(record, dict) or record.get("format") != CACHE_FORMAT:
-                return None, (), "written by another funcamp version"
+                return None, (), None, "written by another funcamp version"
             if record["key"] != key:
-                return None, (), "its key differs (a hash collision or an edited file)"
+                return None, (), None, "its key differs (a hash collision or an edited file)"
             changed = changed_file(record["files"])
             if changed is not None:
-                return None, (), changed
+                return None, (), None, changed
             with _guard_loading():
                 compiled = torch.compiler.load_compiled_function(
                     io.BytesIO(record["artifact"]),
@@ -343,29 +366,25 @@ class CachedStep:
                     external_data=self._external(),
                 )
         except Exception as e:
-            return None, (), f"it cannot be read ({type(e).__name__}: {e})"
+            return None, (), None, f"it cannot be read ({type(e).__name__}: {e})"
         changed = _source_changes(compiled)
         if changed is not None:
-            return None, (), changed
+            return None, (), None, changed
         scope = _scope(compiled, self.train_step, state, batch)
-        for name, kinds, expected in record["checks"]:
-            if expected == SAME:
-                if not same_object(*name, scope):
-                    return None, (), f"{name[0]} is no longer {name[1]}"
-                continue
-            now = check_source(name, kinds, scope)
-            if now != expected:
-                return None, (), f"{name} is {shorten(now)}, was {shorten(expected)}"
+        changed = _first_change(record["checks"], scope)
+        if changed is not None:
+            return None, (), None, changed
         if not compiled.guard_check(state, batch):
-            return None, (), "its guards reject this state and batch"
+            return None, (), None, "its guards reject this state and batch"
         modes = _mode_flags(record["modes"], scope)
         if modes is None:
-            return None, (), "a module whose training flag it follows cannot be read"
-        return compiled, modes, ""
+            return None, (), None, "a module whose training flag it follows cannot be read"
+        return compiled, modes, record["checks"], ""
 
-    def _compile(self, key: Any, stem: str, state: Any, batch: Any) -> tuple[Any, Any]:
-        """``(compiled, its mode flags)``, saved under ``stem`` when it can be; ``(None, ())``
-        when torch cannot precompile the step."""
+    def _compile(self, key: Any, stem: str, state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        """``(compiled, its mode flags, its checks)``, saved under ``stem`` when it can be (the
+        checks are None when it was not); ``(None, (), None)`` when torch cannot precompile
+        the step."""
         logger.info(COMPILING)
         start = time.perf_counter()
         recorder = _Recorder()
@@ -382,7 +401,7 @@ class CachedStep:
                 e,
             )
             note_unsaved(stem, f"torch could not precompile it: {type(e).__name__}: {e}")
-            return None, ()
+            return None, (), None
         elapsed = time.perf_counter() - start
         scope = _scope(compiled, self.train_step, state, batch)
         flags = sorted((_portable(n, scope["G"]), v) for n, v in recorder.modes.items())
@@ -395,7 +414,7 @@ class CachedStep:
                 module,
             )
             note_unsaved(stem, f"it follows a training flag that cannot be read back ({module})")
-            return None, ()
+            return None, (), None
         path = stem + _modes_tag(flags) + SUFFIX
         try:
             if folded:
@@ -409,7 +428,7 @@ class CachedStep:
                     f"({unchecked[0]}: made by exec, typed in a notebook, or from a module "
                     "not in sys.modules)"
                 )
-            self._save(compiled, recorder, key, path, scope, flags)
+            checks = self._save(compiled, recorder, key, path, scope, flags)
         except Exception as e:
             logger.warning(
                 "funcamp: compiled the train step in %.1f s but did not save it to %s (%s)",
@@ -418,11 +437,11 @@ class CachedStep:
                 e,
             )
             note_unsaved(stem, str(e))
-            return compiled, modes
+            return compiled, modes, None
         with contextlib.suppress(OSError):  # saved after all (another mode, an edit undone)
             os.remove(stem + UNSAVED_SUFFIX)
         logger.info("funcamp: compiled the train step in %.1f s and saved it to %s", elapsed, path)
-        return compiled, modes
+        return compiled, modes, checks
 
     def _save(
         self,
@@ -432,7 +451,8 @@ class CachedStep:
         path: str,
         scope: dict[str, Any],
         modes: list[tuple[str, bool]],
-    ) -> None:
+    ) -> list[Any]:
+        """Save the entry to ``path``; returns its specialisation checks."""
         checks = []
         for traced, (kinds, seen) in sorted(recorder.dropped.items()):
             if not traced:  # torch's global state: the key and every call compare _context()
@@ -485,6 +505,20 @@ class CachedStep:
         )
         os.makedirs(self.directory, exist_ok=True)
         atomic_write(path, lambda f: f.write(buf.getbuffer()))
+        return checks
+
+
+def _first_change(checks: list[Any], scope: dict[str, Any]) -> str | None:
+    """The first of an entry's specialisation checks that no longer holds in ``scope``."""
+    for name, kinds, expected in checks:
+        if expected == SAME:
+            if not same_object(*name, scope):
+                return f"{name[0]} is no longer {name[1]}"
+            continue
+        now = check_source(name, kinds, scope)
+        if now != expected:
+            return f"{name} is {shorten(now)}, was {shorten(expected)}"
+    return None
 
 
 def _modes_tag(flags: list[tuple[str, bool]]) -> str:

@@ -1,8 +1,10 @@
 """Compiling a step, the funcamp way, and the one wrapper every train step runs in.
 
-:func:`compile_fn` is ``torch.compile(fullgraph=True)`` with funcamp's guard filter (only the
-guards on the step's inputs and on modules' ``training`` flags: the step is specialised on
-everything else it closes over, as with ``jax.jit``). :func:`run_compiled` calls a compiled
+:func:`compile_fn` is ``torch.compile(fullgraph=True)``, with every guard dynamo makes (a
+value the loss reads from a closure, a global or a module attribute that changes recompiles the
+step, as ``torch.compile`` does) or, with ``specialize=True``, only the guards on the step's
+inputs and on modules' ``training`` flags (the step is then specialised on everything else it
+closes over, as with ``jax.jit``). :func:`run_compiled` calls a compiled
 function and turns a dynamo failure into one paragraph (:mod:`funcamp.train.errors`), or switches a step
 whose model ``torch.func`` refuses to gradients from ``torch.autograd`` in the same graph.
 :func:`wrap_step` is the wrapper of the train step -- one process, data parallel or sharded: the
@@ -53,8 +55,8 @@ __all__ = ["check_cache_dir", "compile_fn", "fresh_code", "run_compiled", "wrap_
 PyTree = Any
 
 
-def _input_guards_only(entries: list[Any]) -> list[bool]:
-    """Default guard filter: keep the guards on the step's inputs (``state``, ``batch``), on
+def input_guards_only(entries: list[Any]) -> list[bool]:
+    """The guard filter of ``specialize=True``: keep the guards on the step's inputs (``state``, ``batch``), on
     tensors anywhere, on global torch state (grad mode, default device, ...) and on modules'
     ``training`` flags (so the step follows ``train()``/``eval()``); drop those on closures,
     globals and captured modules, which the step is specialised on (as with ``jax.jit``). A
@@ -120,10 +122,15 @@ def state_device_type(state: TrainState) -> str:
 
 
 def compile_fn(
-    fn: Callable[..., Any], options: dict[str, Any], device_type: str | None = None
+    fn: Callable[..., Any],
+    options: dict[str, Any],
+    device_type: str | None = None,
+    *,
+    specialize: bool = False,
 ) -> Callable[..., Any]:
-    """``torch.compile(fn, fullgraph=True, ...)`` with funcamp's guard filter; ``device_type``
-    (the step's device, when known) adds :func:`step_options_for` under the caller's options."""
+    """``torch.compile(fn, fullgraph=True, ...)``, with :func:`input_guards_only` as the guard
+    filter when ``specialize`` (and the caller gives none); ``device_type`` (the step's device,
+    when known) adds :func:`step_options_for` under the caller's options."""
     opts = dict(options)
     backend = opts.pop("backend", "inductor")
     mode = opts.pop("mode", None)
@@ -131,8 +138,9 @@ def compile_fn(
     fullgraph = opts.pop("fullgraph", True)
     if "guard_filter_fn" in opts:
         inner["guard_filter_fn"] = opts.pop("guard_filter_fn")
-    inner.setdefault("guard_filter_fn", _input_guards_only)
-    if inner["guard_filter_fn"] is None:
+    if specialize:
+        inner.setdefault("guard_filter_fn", input_guards_only)
+    if inner.get("guard_filter_fn", 0) is None:
         del inner["guard_filter_fn"]
     if mode is not None:
         # torch.compile takes `mode` or `options`, not both: spell the mode out as options.
@@ -172,6 +180,27 @@ def _quiet(logger: logging.Logger) -> Any:
 
 def describe_option(value: Any) -> Any:
     return describe_value(value) if callable(value) else value
+
+
+def check_specialize(
+    api: str, specialize: bool, compile: bool, compile_options: dict[str, Any]
+) -> None:
+    """``specialize=True`` chooses the guards of a compiled step: not without compiling, and
+    not together with a guard filter of the caller's."""
+    if not specialize:
+        return
+    if not compile:
+        raise ValueError(
+            f"funcamp.{api}: specialize=True fixes what a compiled step reads besides its "
+            "inputs at its first call, but compile=False builds an eager step, which reads them "
+            "on every call; drop `specialize` or compile the step"
+        )
+    inner = compile_options.get("options") or {}
+    if "guard_filter_fn" in compile_options or "guard_filter_fn" in inner:
+        raise ValueError(
+            f"funcamp.{api}: give `specialize=True` or a `guard_filter_fn`, not both: both "
+            "choose which of dynamo's guards the step keeps"
+        )
 
 
 def check_cache_dir(
@@ -302,6 +331,7 @@ def wrap_step(
     compile: bool,
     compile_options: dict[str, Any],
     donate_state: bool,
+    specialize: bool = False,
     cache: tuple[str, Callable[..., Any], str] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """``step(state, batch)``: ``train_step`` compiled (or eager), as every funcamp train step
@@ -310,25 +340,30 @@ def wrap_step(
     On every call: ``state`` must be a :class:`TrainState`; the parallel piece gives the state
     the compiled step works on (and takes the new one back); the batch keeps the first batch's
     structure; a donated state shares no memory. On the first call the optimizer state is
-    checked against the params. ``cache``, ``(directory, loss_fn, settings)``, keeps the
+    checked against the params. ``specialize``: keep only the guards on the inputs
+    (:func:`input_guards_only`). ``cache``, ``(directory, loss_fn, settings)``, keeps the
     compiled step on disk (:class:`funcamp.train.cache.CachedStep`)."""
     train_step.__code__ = fresh_code(train_step.__code__)
 
     def compiled_for(device_type: str) -> Callable[..., Any]:
         # Built on the first call, when the state's device is known (see step_options_for).
+        compiled = announce_first_call(
+            compile_fn(train_step, compile_options, device_type, specialize=specialize)
+        )
         if cache is None:
-            return announce_first_call(compile_fn(train_step, compile_options, device_type))
+            return compiled
         directory, loss_fn, settings = cache
         return CachedStep(
             train_step,
             lambda keep: compile_fn(
                 train_step, {**compile_options, "guard_filter_fn": keep}, device_type
             ),
-            announce_first_call(compile_fn(train_step, compile_options, device_type)),
+            compiled,
             directory,
             loss_fn,
             settings,
             compile_options,  # the device's options are in the key already: its tensors' device
+            specialize=specialize,
         )
 
     runs: list[Callable[..., Any]] = []

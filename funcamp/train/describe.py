@@ -180,7 +180,23 @@ def describe_value(value: Any, depth: int = 0) -> tuple[Any, ...]:
             key=lambda kv: repr(kv[0]),
         )
         return ("d", *where_defined(type(value)), tuple(items))
+    if isinstance(value, torch.nn.Module) and _stateless(value):
+        # a module holding no tensors, submodules or hooks, only code (transformers' kernel
+        # wrappers of a function, made when the model's module is imported): by its type and
+        # its own attributes
+        own = {k: v for k, v in vars(value).items() if k not in _MODULE_FIELDS}
+        return ("nm", *where_defined(type(value)), value.training, describe_value(own, depth + 1))
     return ("o", *where_defined(type(value)))
+
+
+_MODULE_FIELDS = frozenset(vars(torch.nn.Module()))
+
+
+def _stateless(module: torch.nn.Module) -> bool:
+    """No parameters, buffers, submodules or hooks: what it does is its class's code."""
+    return not any(
+        v for k, v in vars(module).items() if k in _MODULE_FIELDS and isinstance(v, dict)
+    )
 
 
 def is_opaque(desc: Any) -> bool:
@@ -474,15 +490,27 @@ def guard_views(kinds: dict[str, list[Any]], value: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def read_source(name: str, scope: dict[str, Any]) -> tuple[bool, Any]:
-    """``(True, value)`` of a guard source in ``scope``, or ``(False, the exception)``."""
+@functools.cache
+def _source_helpers() -> dict[str, Any]:
+    """The helper functions dynamo's guard source names call (``___odict_getitem``, ...)."""
     try:
         helpers = dict(_get_closure_vars()) if _get_closure_vars is not None else {}
     except AttributeError:  # pragma: no cover - other torch versions
         helpers = {}
     helpers["__load_module"] = importlib.import_module
+    return helpers
+
+
+@functools.lru_cache(maxsize=4096)
+def _source_code(name: str) -> types.CodeType:
+    return compile(name, "<guard source>", "eval")
+
+
+def read_source(name: str, scope: dict[str, Any]) -> tuple[bool, Any]:
+    """``(True, value)`` of a guard source in ``scope``, or ``(False, the exception)``. Read on
+    every call of a cached step (its specialisation checks): the name is compiled once."""
     try:
-        return True, eval(name, scope, helpers)
+        return True, eval(_source_code(name), scope, dict(_source_helpers()))
     except Exception as e:
         return False, e
 

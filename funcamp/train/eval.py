@@ -13,7 +13,7 @@ from funcamp._core.tree import describe
 from funcamp.casting.amp import amp
 from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
 from funcamp.policy.policy import Policy, as_policy
-from funcamp.train.compile import compile_fn, fresh_code, run_compiled
+from funcamp.train.compile import check_specialize, compile_fn, fresh_code, run_compiled
 from funcamp.train.frozen import combine
 from funcamp.train.loss import clone_buffers
 from funcamp.train.state import TrainState
@@ -29,6 +29,7 @@ def make_eval_step(
     policy: Policy | str,
     *,
     compile: bool = True,
+    specialize: bool = False,
     **compile_options: Any,
 ) -> Callable[[Any, Batch], Any]:
     """Build ``eval_step(state, batch) -> fn(params, buffers, batch)``: evaluation under the
@@ -48,6 +49,9 @@ def make_eval_step(
         fn: ``(params, buffers, batch) -> anything``, e.g. the train step's ``loss_fn``.
         policy: a :class:`funcamp.Policy` or a policy string.
         compile: compile with ``torch.compile(fullgraph=True)`` (default); ``False`` runs eagerly.
+        specialize: keep only the guards on the inputs, as :func:`make_train_step`'s
+            ``specialize`` (default ``False``: a value ``fn`` reads from a closure, a global or
+            a module attribute that changes recompiles it).
         **compile_options: passed to ``torch.compile`` as for :func:`make_train_step`.
 
     Returns:
@@ -73,6 +77,8 @@ def make_eval_step(
         raise TypeError(f"funcamp.{api}: `fn` must be callable, got {describe(fn)}")
     pol = as_policy(policy, api)
     check_flag(api, "compile", compile)
+    check_flag(api, "specialize", specialize)
+    check_specialize(api, specialize, compile, compile_options)
     if compile_options and not compile:
         raise TypeError(
             f"funcamp.{api}: compile options {sorted(compile_options)} must not be given with "
@@ -87,7 +93,9 @@ def make_eval_step(
 
     eval_step.__code__ = fresh_code(eval_step.__code__)
     run = (
-        announce_first_call(compile_fn(eval_step, compile_options), "eval step")
+        announce_first_call(
+            compile_fn(eval_step, compile_options, specialize=specialize), "eval step"
+        )
         if compile
         else eval_step
     )

@@ -34,7 +34,7 @@ from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
-from funcamp.train.compile import check_cache_dir, describe_option, wrap_step
+from funcamp.train.compile import check_cache_dir, check_specialize, describe_option, wrap_step
 from funcamp.train.loss import Engine, forward_backward, restore_buffers
 from funcamp.train.parallel import Parallel
 from funcamp.train.state import TrainState
@@ -58,6 +58,7 @@ class StepOptions(NamedTuple):
     headroom: Any = False
     grad_norm: Any = True
     cache_dir: Any = None
+    specialize: Any = False
 
 
 class _Checked(NamedTuple):
@@ -82,8 +83,16 @@ def check_step_options(
     if not isinstance(optimizer, Optimizer):
         raise optimizer_type_error(API, optimizer)
     pol = as_policy(policy, API)
-    for name in ("has_aux", "returns_buffers", "compile", "donate_state", "grad_norm"):
+    for name in (
+        "has_aux",
+        "returns_buffers",
+        "compile",
+        "donate_state",
+        "grad_norm",
+        "specialize",
+    ):
         check_flag(API, name, getattr(opts, name))
+    check_specialize(API, opts.specialize, opts.compile, compile_options)
     if not (isinstance(opts.headroom, bool) or callable(opts.headroom)):
         raise TypeError(
             f"funcamp.{API}: `headroom` must be a bool or a callable of the leaf path, got "
@@ -276,6 +285,7 @@ def build_train_step(
         compile=opts.compile,
         compile_options=compile_options,
         donate_state=opts.donate_state,
+        specialize=opts.specialize,
         cache=None if checked.cache_dir is None else (checked.cache_dir, loss_fn, settings),
     )
     step.__doc__ = (
