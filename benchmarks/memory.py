@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.func import functional_call
 
 import funcamp
@@ -89,8 +90,20 @@ VARIANTS = (
     "funcamp_eager",
     "funcamp_eager_donated",
 )
-EXTRA_VARIANTS = ("funcamp_meta_module",)
+#: Activation checkpointing per block (``--models gptlong``): ``_ckpt`` wraps each block in
+#: ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, ``_remat`` in
+#: ``funcamp.remat`` (policy "nothing"), ``_remat_matmuls`` in ``funcamp.remat(..., "matmuls")``.
+CKPT_VARIANTS = (
+    "torch_eager_ckpt",
+    "torch_compiled_ckpt",
+    "funcamp_donated_ckpt",
+    "funcamp_donated_remat",
+    "funcamp_donated_remat_matmuls",
+    "funcamp_eager_donated_ckpt",
+)
+EXTRA_VARIANTS = ("funcamp_meta_module", *CKPT_VARIANTS)
 MODELS = ("mlp", "gpt256", "gpt512", "gpt2hf")
+EXTRA_MODELS = ("gptlong",)
 MiB = 2**20
 
 
@@ -132,6 +145,15 @@ def build_model(name: str, device: str) -> tuple[Any, Any, Callable[[Any, Any], 
             logits = call(batch[0])
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
 
+    elif name == "gptlong":  # activation-heavy: long sequence, small width
+        model = GPT(vocab=512, d=128, layers=4, heads=2)
+        idx = torch.randint(0, 512, (8, 513), generator=g)
+        batch = (idx[:, :-1], idx[:, 1:])
+
+        def forward_loss(call: Any, batch: Any) -> Any:
+            logits = call(batch[0])
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
+
     elif name == "gpt2hf":
         import transformers
 
@@ -148,7 +170,9 @@ def build_model(name: str, device: str) -> tuple[Any, Any, Callable[[Any, Any], 
             return call(**batch).loss
 
     else:
-        raise SystemExit(f"memory.py: `--models` must name models of {MODELS}, got {name!r}")
+        raise SystemExit(
+            f"memory.py: `--models` must name models of {MODELS + EXTRA_MODELS}, got {name!r}"
+        )
     model = model.to(device).train()
     if isinstance(batch, dict):
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -204,7 +228,29 @@ def funcamp_step(
     return step
 
 
+class Checkpointed(torch.nn.Module):
+    """A block whose activations are recomputed in the backward pass."""
+
+    def __init__(self, block: torch.nn.Module, how: str) -> None:
+        super().__init__()
+        self.block = block
+        self.how = how
+
+    def forward(self, x: Any) -> Any:
+        if self.how == "ckpt":
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        policy = "matmuls" if self.how == "remat_matmuls" else "nothing"
+        return funcamp.remat(self.block, policy)(x)
+
+
 def make_step(variant: str, model: Any, batch: Any, forward_loss: Any, device: str) -> Any:
+    for how in ("remat_matmuls", "remat", "ckpt"):
+        if variant.endswith("_" + how):
+            if not hasattr(model, "blocks"):
+                raise SystemExit(f"memory.py: {variant} needs a model with blocks (gpt*)")
+            model.blocks = torch.nn.Sequential(*(Checkpointed(b, how) for b in model.blocks))
+            variant = variant[: -len(how) - 1]
+            break
     if variant.startswith("torch_"):
         return torch_step(model, batch, forward_loss, device, variant == "torch_compiled")
     options: dict[str, Any] = {}
@@ -481,7 +527,9 @@ def print_tables(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {MODELS}")
+    p.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated: {MODELS + EXTRA_MODELS}"
+    )
     p.add_argument(
         "--variants",
         default=",".join(VARIANTS),

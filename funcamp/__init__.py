@@ -9,9 +9,10 @@ from funcamp import distributed as distributed  # the public funcamp.distributed
 from funcamp import optim as optim  # the public funcamp.optim submodule
 from funcamp._core.tree import all_finite, tree_cast, tree_select
 from funcamp._core.version import __version__ as __version__
-from funcamp.casting.amp import amp, full_precision
+from funcamp.casting.amp import amp, full_precision, recompute_under
 from funcamp.casting.fp8 import Fp8State, fp8_update, with_fp8_state
 from funcamp.casting.fp8_matmul import Fp8Fallback, Fp8Record
+from funcamp.casting.remat import remat
 from funcamp.casting.trace import AmpTrace, OpRecord, OpStats, trace
 from funcamp.entry import make_train_step
 from funcamp.optim._base import Optimizer, apply_updates, chain
@@ -93,6 +94,8 @@ __all__ = [
     "masked",
     "multi_transform",
     "params_and_buffers",
+    "recompute_under",
+    "remat",
     "save",
     "scale",
     "scaled_grad_and_value",

@@ -820,7 +820,7 @@ def test_eager_step_takes_grads_from_autograd_equal_to_torch_func(monkeypatch, p
     monkeypatch.setattr(
         funcamp.train.loss,
         "autograd_grad_and_value",
-        lambda fn, **kw: torch.func.grad_and_value(fn, **kw),
+        lambda fn, backward, **kw: torch.func.grad_and_value(fn, **kw),
     )
     reference = funcamp.make_train_step(
         _tied_bn_loss, opt, policy, compile=False, donate_state=False

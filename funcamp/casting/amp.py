@@ -12,12 +12,15 @@ inside are seen too, and so are the Python twins of C++ composites (``einsum``, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 import torch
+import torch.utils.checkpoint
 from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
@@ -25,12 +28,12 @@ from funcamp._core.context import compiling
 from funcamp.casting import dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
 from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, run_fp8
 from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
-from funcamp.casting.reentry import reentered
+from funcamp.casting.reentry import backward_entries, reentered
 from funcamp.policy.modules import glob_match
 from funcamp.policy.ops import DTYPE_ARG_OPS, OpPolicy, OpRule, name_index, op_name
 from funcamp.policy.policy import Policy, as_policy, cast_floating
 
-__all__ = ["amp", "full_precision"]
+__all__ = ["amp", "full_precision", "recompute_under"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -192,11 +195,16 @@ class _ModuleTracker:
         return found
 
     def _pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
-        if not self._active():
+        if not self._active() or self.mode.dormant():
             return None
         if not self.frames:
+            root = module
+            if self.mode.recompute_only:  # a checkpointed block: paths from the forward's root
+                root = (_ROOT.ref() if _ROOT.ref is not None else None) or module
+            else:
+                _ROOT.ref = weakref.ref(module)
             self.paths = {}
-            for name, sub in module.named_modules(remove_duplicate=False):
+            for name, sub in root.named_modules(remove_duplicate=False):
                 self.paths.setdefault(id(sub), name)
         path = self.paths.get(id(module), type(module).__name__)
         ctx = self._match(module, path)
@@ -208,7 +216,7 @@ class _ModuleTracker:
         return cast_floating(args, ctx.compute_dtype)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        if not self.frames or not self._active():
+        if not self.frames or not self._active() or self.mode.dormant():
             return None
         frame = self.frames.pop()
         if frame.ctx is None:
@@ -228,8 +236,9 @@ class _ModuleTracker:
 
 # -- the mode -------------------------------------------------------------------------------------
 class _AmpMode(TorchFunctionMode):
-    def __init__(self, ctx: _Context, recorder: Any = None) -> None:
+    def __init__(self, ctx: _Context, recorder: Any = None, recompute_only: bool = False) -> None:
         super().__init__()
+        self.recompute_only = recompute_only  # see recompute_under
         self.ctx = ctx
         self.saved: list[_Context] = []
         self.recorder = recorder
@@ -243,6 +252,13 @@ class _AmpMode(TorchFunctionMode):
     def pop(self) -> None:
         self.ctx = self.saved.pop()
 
+    def dormant(self) -> bool:
+        """In a backward pass (:func:`recompute_under`), the mode casts only what runs with
+        grad mode on: a checkpointed region the backward recomputes. The backward's own
+        Python code (an autograd function's ``backward``, a hook) runs with grad mode off, as
+        it runs outside torch.autocast."""
+        return self.recompute_only and not torch.is_grad_enabled()
+
     def __torch_function__(
         self,
         func: Any,
@@ -252,6 +268,13 @@ class _AmpMode(TorchFunctionMode):
     ) -> Any:
         if kwargs is None:
             kwargs = {}
+        if self.recompute_only:
+            unchecked = _BACKWARD_ENTRIES.get(func)
+            if unchecked is not None:  # a backward run from inside: it keeps the mode on
+                with self:
+                    return unchecked(*args, **kwargs)
+            if not torch.is_grad_enabled():
+                return func(*args, **kwargs)
         ctx = self.ctx
         name = getattr(func, "__name__", None)
         if self.fp8 is not None and name in FP8_OPS and self.tracker is not None:
@@ -265,6 +288,8 @@ class _AmpMode(TorchFunctionMode):
                     return out
                 if self.recorder is not None:
                     self.recorder.record_fp8_fallback(out)  # then the policy runs the call
+        if func is _CHECKPOINT and args:
+            return self._checkpoint(func, args, kwargs)
         entry = ctx.table.get(name)
         if entry is None and ctx.by_identity:
             entry = ctx.table.get(func)
@@ -299,7 +324,55 @@ class _AmpMode(TorchFunctionMode):
             self.recorder.record(func, rule, ctx, cargs, ckwargs, out, self)
         return out
 
+    def _checkpoint(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``torch.utils.checkpoint.checkpoint`` reaching the mode: only while dynamo traces
+        (it dispatches the call to the active modes, and would run the checkpointed function
+        with this mode off: its ops uncast). The function runs with the mode on again, as
+        an eager checkpoint runs it, under the policy in force at the call (dynamo traces the
+        body there and then; the body may not change the mode's state, which dynamo refuses
+        inside a checkpoint as a side effect: module policies inside a checkpointed region
+        are an error when compiled)."""
+        fn = args[0]
 
+        def under_policy(*a: Any, **k: Any) -> Any:
+            with self:
+                return fn(*a, **k)
+
+        if kwargs.get("use_reentrant") is False and kwargs.get("context_fn") in (
+            None,
+            _NOOP_CONTEXT,
+        ):
+            # The graph recomputes the region in its backward part (AOTAutograd's remat pass
+            # for a forward-loss-backward graph), which refuses a seeded op in the region
+            # (attention, dropout: tagged nondeterministic_seeded); their outputs are saved
+            # instead of recomputed: the same values, as eager replays the RNG state.
+            kwargs = {**kwargs, "context_fn": _SAVE_SEEDED}
+        return func(under_policy, *args[1:], **kwargs)
+
+
+_CHECKPOINT = torch.utils.checkpoint.checkpoint
+_NOOP_CONTEXT = torch.utils.checkpoint.noop_context_fn
+
+
+def _save_seeded(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective checkpointing's policy for a compiled region: recompute all but seeded ops."""
+    seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    return policy.MUST_SAVE if seeded else policy.PREFER_RECOMPUTE
+
+
+_SAVE_SEEDED = functools.partial(
+    torch.utils.checkpoint.create_selective_checkpoint_contexts, _save_seeded
+)
+_BACKWARD_ENTRIES = backward_entries()
+
+
+class _Root(threading.local):
+    def __init__(self) -> None:
+        self.ref: weakref.ref[torch.nn.Module] | None = None
+
+
+_ROOT = _Root()  # the root module of this thread's latest amp forward (for its module paths)
 _FULL_PRECISION = mode_context(Policy(ops=OpPolicy.none()))
 
 
@@ -333,6 +406,53 @@ def run_in_mode(
                 with mode.tracker:
                     return fn(*args, **kwargs)
             return fn(*args, **kwargs)
+    finally:
+        stack.pop()
+
+
+@contextlib.contextmanager
+def recompute_under(policy: Policy | str) -> Iterator[None]:
+    """Run a backward pass in which activation-checkpointed regions are recomputed under
+    ``policy``, as in their forward pass.
+
+    ``torch.utils.checkpoint`` (reentrant or not) re-runs a checkpointed function in the
+    backward pass and re-enters the torch.autocast state it had in the forward; an ``amp``
+    call has returned by then, so without this its ops would run uncast (and a non-reentrant
+    checkpoint refuses the recomputed values: ``CheckpointError: ... different metadata``).
+    While the block runs, what runs with grad mode on -- the recomputation -- is cast by
+    ``policy`` (module policies included); everything else in the backward pass (the
+    backward of an autograd function, a hook) runs as it does outside torch.autocast. The
+    recomputed values equal the forward's bit for bit, so the gradients are those of the same
+    model without checkpointing. :func:`funcamp.make_train_step` does this itself; wrap your
+    own ``loss.backward()`` or ``torch.autograd.grad`` in it. Eager only: a compiled function
+    recomputes inside its graph (nothing to do there).
+
+    Example:
+        >>> import torch, funcamp
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> f = funcamp.amp(lambda x: checkpoint(lin, x, use_reentrant=False).sum(), "mixed_bfloat16")
+        >>> x = torch.ones(2, 4, requires_grad=True)
+        >>> with funcamp.recompute_under("mixed_bfloat16"):
+        ...     f(x).backward()
+        >>> x.grad.dtype, lin.weight.grad.shape
+        (torch.float32, torch.Size([4, 4]))
+    """
+    if compiling():  # the graph recomputes (or keeps) what it needs: nothing to re-enter
+        yield
+        return
+    ctx = mode_context(as_policy(policy, "recompute_under"))
+    mode = _AmpMode(ctx, recompute_only=True)
+    stack = _ACTIVE.stack
+    stack.append(mode)
+    try:
+        with mode:
+            if ctx.modules or mode.fp8 is not None:
+                mode.tracker = _ModuleTracker(mode, ctx.modules)
+                with mode.tracker:
+                    yield
+            else:
+                yield
     finally:
         stack.pop()
 

@@ -18,7 +18,7 @@ from torch.nn.modules import utils as _nn_utils
 from funcamp.casting.twins import REACHES, TWINS
 from funcamp.policy.ops import python_composites
 
-__all__ = ["COMPOSITES", "reentered"]
+__all__ = ["COMPOSITES", "backward_entries", "reentered"]
 
 
 def _no_torch_function(*args: Any) -> bool:
@@ -194,3 +194,13 @@ def reentered(table: dict[Any, Any]) -> dict[tuple[str, str], Any]:
 
 
 _BODIES = {key: _body(key) for key in COMPOSITES if key not in TWINS}
+
+
+def backward_entries() -> dict[Any, types.FunctionType]:
+    """``torch.autograd.grad``, ``torch.autograd.backward`` and ``Tensor.backward`` -> their
+    unchecked copies: a backward
+    pass started while a mode is active dispatches to the mode first, which runs the copy with
+    the mode on (for :func:`funcamp.recompute_under`)."""
+    originals = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+    copies = _unchecked_copies(frozenset(originals))
+    return {fn: copies[(fn.__module__, fn.__name__)] for fn in originals}

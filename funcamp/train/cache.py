@@ -85,6 +85,7 @@ from funcamp.train.describe import (
     UNSAVED_SUFFIX,
     check_source,
     describe_value,
+    first_change,
     guard_views,
     input_structure,
     is_mode_flag,
@@ -317,7 +318,7 @@ class CachedStep:
 
     def _changed(self, entry: list[Any], state: Any, batch: Any) -> str | None:
         """What changed among the things the entry's step is specialised on, or None."""
-        return _first_change(entry[4], _scope(entry[1], self.train_step, state, batch))
+        return first_change(entry[4], _scope(entry[1], self.train_step, state, batch))
 
     def _load_or_compile(self, state: Any, batch: Any) -> tuple[Any, Any, Any, bool]:
         key, stem = self._key_and_stem(state, batch)
@@ -371,7 +372,7 @@ class CachedStep:
         if changed is not None:
             return None, (), None, changed
         scope = _scope(compiled, self.train_step, state, batch)
-        changed = _first_change(record["checks"], scope)
+        changed = first_change(record["checks"], scope)
         if changed is not None:
             return None, (), None, changed
         if not compiled.guard_check(state, batch):
@@ -506,19 +507,6 @@ class CachedStep:
         os.makedirs(self.directory, exist_ok=True)
         atomic_write(path, lambda f: f.write(buf.getbuffer()))
         return checks
-
-
-def _first_change(checks: list[Any], scope: dict[str, Any]) -> str | None:
-    """The first of an entry's specialisation checks that no longer holds in ``scope``."""
-    for name, kinds, expected in checks:
-        if expected == SAME:
-            if not same_object(*name, scope):
-                return f"{name[0]} is no longer {name[1]}"
-            continue
-        now = check_source(name, kinds, scope)
-        if now != expected:
-            return f"{name} is {shorten(now)}, was {shorten(expected)}"
-    return None
 
 
 def _modes_tag(flags: list[tuple[str, bool]]) -> str:

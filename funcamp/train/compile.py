@@ -282,6 +282,30 @@ def check_not_donated(api: str, state: TrainState) -> None:
         )
 
 
+_HOOKS = torch._C._autograd
+_UNKNOWN = object()
+
+
+def _saved_tensors_hooks_state() -> Any:
+    """Whether saved-tensor hooks are allowed on this thread (None) or the message that
+    refuses them; ``_UNKNOWN`` on a torch without the accessor."""
+    get = getattr(_HOOKS, "_saved_tensors_hooks_get_disabled_error_message", None)
+    return _UNKNOWN if get is None else get()
+
+
+def _restore_saved_tensors_hooks(state: Any) -> None:
+    """Put back what a failed compile left behind. A trace that fails inside a ``torch.func``
+    transform (activation checkpointing under ``torch.func.grad``: torch 2.13 CPU, measured)
+    leaves saved-tensor hooks disabled on the thread, so every later eager checkpoint fails
+    with torch.func's message, although no transform is active."""
+    if state is _UNKNOWN or _saved_tensors_hooks_state() == state:
+        return
+    if state is None:
+        _HOOKS._saved_tensors_hooks_enable()
+    else:
+        _HOOKS._saved_tensors_hooks_disable(state)
+
+
 def run_compiled(
     api: str,
     run: Callable[..., Any],
@@ -298,12 +322,14 @@ def run_compiled(
     that record a model's outputs -- Mixtral's router logits -- under a lock), and then
     compiles. A failure only the compiler has becomes one paragraph naming the way out."""
     tracing = engine.tracing() if engine is not None else contextlib.nullcontext()
+    hooks = _saved_tensors_hooks_state()
     try:
         # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
         # raises; the eager re-run gives the plain error, so that log is held back.
         with _quiet(_FAKE_TENSOR_LOG), tracing, bundling(), live_reads_only():
             return run(*args)
     except torch._dynamo.exc.TorchDynamoException as e:
+        _restore_saved_tensors_hooks(hooks)
         if engine is not None and engine.switch(e):
             return run_compiled(api, run, args, eagerly, engine, first)
 

@@ -527,3 +527,16 @@ def same_param(a: Any, b: Any) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # a tensor key, say
         return False
+
+
+def first_change(checks: list[Any], scope: dict[str, Any]) -> str | None:
+    """The first of an entry's specialisation checks that no longer holds in ``scope``."""
+    for name, kinds, expected in checks:
+        if expected == SAME:
+            if not same_object(*name, scope):
+                return f"{name[0]} is no longer {name[1]}"
+            continue
+        now = check_source(name, kinds, scope)
+        if now != expected:
+            return f"{name} is {shorten(now)}, was {shorten(expected)}"
+    return None

@@ -25,15 +25,20 @@ _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
 #: What functorch says of an autograd function it cannot differentiate (torch 2.6-2.13): an
 #: ``autograd.Function`` written the old way, which is also how torch runs the formula of a
 #: ``torch.library.custom_op`` given ``register_autograd`` (Hugging Face's MoE ``grouped_mm``).
-_TORCH_FUNC_REFUSAL = "must override the setup_context staticmethod"
+#: And activation checkpointing (``torch.utils.checkpoint``), whose saved-tensor hooks torch.func
+#: does not support (pytorch issues 122729, 141845, 146036).
+_TORCH_FUNC_REFUSALS = (
+    "must override the setup_context staticmethod",
+    "don't yet support saved tensor hooks",
+)
 
 
 def refuses_torch_func(error: BaseException) -> bool:
-    """Whether ``torch.func`` refused to differentiate the model (see ``_TORCH_FUNC_REFUSAL``)."""
+    """Whether ``torch.func`` refused to differentiate the model (``_TORCH_FUNC_REFUSALS``)."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if _TORCH_FUNC_REFUSAL in str(error):
+        if any(refusal in str(error) for refusal in _TORCH_FUNC_REFUSALS):
             return True
         error = error.__cause__ or error.__context__
     return False

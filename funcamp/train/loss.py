@@ -12,6 +12,7 @@ refuses -- traced into the graph then), chosen by :func:`engine`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,10 +43,16 @@ GradAndValue = Callable[..., Callable[..., Any]]
 
 
 def autograd_grad_and_value(
-    fn: Callable[..., Any], *, argnums: int | tuple[int, ...], has_aux: bool
+    fn: Callable[..., Any],
+    *,
+    argnums: int | tuple[int, ...],
+    has_aux: bool,
+    backward: Callable[[], Any] = contextlib.nullcontext,
 ) -> Callable[..., Any]:
     """``torch.func.grad_and_value(fn, argnums, has_aux=True)`` computed by torch.autograd on
-    leaf copies of the differentiated arguments (grads of unused leaves are zeros, as there)."""
+    leaf copies of the differentiated arguments (grads of unused leaves are zeros, as there).
+    The backward pass runs inside ``backward()`` (the train step's
+    :func:`funcamp.recompute_under`: checkpointed regions recomputed under its policy)."""
     assert has_aux
 
     def run(*args: Any) -> tuple[Any, tuple[torch.Tensor, Any]]:
@@ -61,7 +68,9 @@ def autograd_grad_and_value(
             out, aux = fn(*args)
         flat = [x for leaves, _ in specs for x in leaves]
         if out.requires_grad:
-            grads = list(torch.autograd.grad(out, flat, allow_unused=True, materialize_grads=True))
+            with backward():
+                grads = torch.autograd.grad(out, flat, allow_unused=True, materialize_grads=True)
+            grads = list(grads)
         else:  # a loss that does not depend on the params: zero grads, as torch.func gives
             grads = [torch.zeros_like(x) for x in flat]
         trees = []
@@ -297,23 +306,34 @@ class Engine:
     torch.func), and -- traced into the same graph -- once torch.func has refused the model
     (:meth:`switch`)."""
 
-    def __init__(self, *, pieces: bool, compiled: bool, fp8_stateful: bool) -> None:
+    def __init__(
+        self,
+        *,
+        pieces: bool,
+        compiled: bool,
+        fp8_stateful: bool,
+        backward: Callable[[], Any] = contextlib.nullcontext,
+    ) -> None:
         self.pieces = pieces
         self.compiled = compiled
         self.fp8_stateful = fp8_stateful
         self.in_graph = False
+        self.backward = backward
 
     def __call__(self) -> GradAndValue:
-        if self.pieces or self.in_graph:
-            return autograd_grad_and_value
-        if not self.compiled and not self.fp8_stateful and plain_eager():
-            return autograd_grad_and_value
+        if (
+            self.pieces
+            or self.in_graph
+            or (not self.compiled and not self.fp8_stateful and plain_eager())
+        ):
+            return functools.partial(autograd_grad_and_value, backward=self.backward)
         return torch.func.grad_and_value
 
     def switch(self, error: BaseException) -> bool:
         """After a failed trace: when torch.func refused the model (an autograd function
         without ``setup_context``, such as a custom op's registered formula: Hugging Face's MoE
-        ``grouped_mm``), differentiate with torch.autograd in the graph from now on and say so;
+        ``grouped_mm``; or activation checkpointing, whose saved-tensor hooks torch.func does
+        not support), differentiate with torch.autograd in the graph from now on and say so;
         True when the step should be traced again."""
         if self.pieces or self.in_graph or not _CAN_TRACE_AUTOGRAD:
             return False
@@ -322,8 +342,8 @@ class Engine:
         self.in_graph = True
         logger.info(
             "funcamp: torch.func cannot differentiate %s (an autograd function without "
-            "setup_context, such as a custom op's registered formula); the step takes its "
-            "gradients from torch.autograd, in the same graph",
+            "setup_context, such as a custom op's registered formula, or activation "
+            "checkpointing); the step takes its gradients from torch.autograd, in the same graph",
             user_frame(error) or "the model",
         )
         return True

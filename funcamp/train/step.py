@@ -26,7 +26,7 @@ import torch
 from funcamp._core.checks import check_flag
 from funcamp._core.hints import optimizer_type_error
 from funcamp._core.tree import describe, plan_write, tree_select
-from funcamp.casting.amp import amp
+from funcamp.casting.amp import amp, recompute_under
 from funcamp.casting.fp8 import needs_state, with_fp8_state
 from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.policy.policy import Policy, as_policy
@@ -245,6 +245,7 @@ def build_train_step(
         pieces=bool(opts.compile) and compile_options.get("fullgraph", True) is False,
         compiled=bool(opts.compile),
         fp8_stateful=fp8_stateful,
+        backward=lambda: recompute_under(pol),
     )
     plan = _Plan(optimizer, parallel, opts, checked, fp8_stateful)
 
