@@ -16,6 +16,7 @@ from funcamp.casting.remat import remat
 from funcamp.casting.trace import AmpTrace, OpRecord, OpStats, trace
 from funcamp.entry import make_train_step
 from funcamp.optim._base import Optimizer, apply_updates, chain
+from funcamp.optim._blocks import negate_gradients, scale_by_amsgrad
 from funcamp.optim._optimizers import adam, adamw, lion, sgd
 from funcamp.optim._schedules import (
     constant_schedule,
@@ -93,11 +94,13 @@ __all__ = [
     "make_train_step",
     "masked",
     "multi_transform",
+    "negate_gradients",
     "params_and_buffers",
     "recompute_under",
     "remat",
     "save",
     "scale",
+    "scale_by_amsgrad",
     "scaled_grad_and_value",
     "search_policy",
     "sgd",

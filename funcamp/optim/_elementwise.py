@@ -77,8 +77,8 @@ def elementwise(
     skipped); ``count``, the 0-d int32 number of updates applied before this one. It returns the
     deltas to add to the params and the new buffers. All arithmetic goes through ``ops``
     (:class:`~funcamp.optim.Ops`: ``add``, ``sub``, ``mul``, ``div``, ``fma``, ``lerp``,
-    ``addcmul``, ``sqrt``, ``sign``, ``where``, ``scalar``), which runs it on the eager or the
-    traced path; a Python scalar is rounded to float32 as torch's kernels round it.
+    ``addcmul``, ``sqrt``, ``sign``, ``maximum``, ``where``, ``scalar``), which runs it on the
+    eager or the traced path; a Python scalar is rounded to float32 as torch's kernels round it.
     ``ops.kept(xs)`` marks a list that goes into the new state (``ops.kept(xs, replaces=buf)``:
     the new value of buffer ``buf``, written into it at once on a donated eager step), and
     ``into=xs`` lets an op reuse a dead list's memory.

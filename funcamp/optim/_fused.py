@@ -33,6 +33,7 @@ def _adam_kernel(
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
     step: torch.Tensor,
     lr: float,
     lr_tensor: torch.Tensor | None,
@@ -41,23 +42,26 @@ def _adam_kernel(
     weight_decay: float,
     eps: float,
     decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
     found_inf: torch.Tensor,
 ) -> None:
+    """``max_exp_avg_sqs``: one per leaf with ``amsgrad``, else empty (as torch.optim passes)."""
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     kernel(
         params,
         grads,
         exp_avgs,
         exp_avg_sqs,
-        [],
+        max_exp_avg_sqs,
         [step] * len(params),  # the kernel reads each leaf's step; all leaves share one count
         lr=lr if lr_tensor is None else lr_tensor,
         beta1=beta1,
         beta2=beta2,
         weight_decay=weight_decay,
         eps=eps,
-        amsgrad=False,
-        maximize=False,
+        amsgrad=amsgrad,
+        maximize=maximize,
         grad_scale=None,
         found_inf=found_inf,
     )
@@ -68,6 +72,7 @@ def _adam_copies(
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
     step: torch.Tensor,
     lr: float,
     lr_tensor: torch.Tensor | None,
@@ -76,15 +81,20 @@ def _adam_copies(
     weight_decay: float,
     eps: float,
     decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
     found_inf: torch.Tensor,
 ) -> list[torch.Tensor]:
-    """The kernel on fresh copies: the new params, exp_avgs and exp_avg_sqs, in one list."""
-    ps, ms, vs = ([x.clone() for x in xs] for xs in (params, exp_avgs, exp_avg_sqs))
+    """The kernel on fresh copies: the new params, exp_avgs, exp_avg_sqs and max_exp_avg_sqs
+    (none without ``amsgrad``), in one list."""
+    ps, ms, vs, xs = (
+        [x.clone() for x in leaves] for leaves in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+    )
     _adam_kernel(
-        ps, grads, ms, vs, step, lr, lr_tensor, beta1, beta2, weight_decay, eps, decoupled,
-        found_inf,
+        ps, grads, ms, vs, xs, step, lr, lr_tensor, beta1, beta2, weight_decay, eps, decoupled,
+        amsgrad, maximize, found_inf,
     )  # fmt: skip
-    return ps + ms + vs
+    return ps + ms + vs + xs
 
 
 def _sgd_kernel(
@@ -93,6 +103,7 @@ def _sgd_kernel(
     lr: float,
     lr_tensor: torch.Tensor | None,
     weight_decay: float,
+    maximize: bool,
     found_inf: torch.Tensor,
 ) -> None:
     torch._fused_sgd_(
@@ -104,7 +115,7 @@ def _sgd_kernel(
         lr=lr if lr_tensor is None else lr_tensor,
         dampening=0.0,
         nesterov=False,
-        maximize=False,
+        maximize=maximize,
         is_first_step=False,
         grad_scale=None,
         found_inf=found_inf,
@@ -120,9 +131,10 @@ def _like_adam(
     grads: Any,
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
     *args: Any,
 ) -> list[torch.Tensor]:
-    return [torch.empty_like(x) for x in params + exp_avgs + exp_avg_sqs]
+    return [torch.empty_like(x) for x in params + exp_avgs + exp_avg_sqs + max_exp_avg_sqs]
 
 
 def _define(name: str, kernel: Any, fake: Any, torch_op: str, mutates: tuple[str, ...]) -> Any:
@@ -142,10 +154,11 @@ def _define(name: str, kernel: Any, fake: Any, torch_op: str, mutates: tuple[str
     return getattr(torch.ops.funcamp, name).default
 
 
-_ADAM_STATE = ("params", "exp_avgs", "exp_avg_sqs")
+_ADAM_STATE = ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
 #: ``funcamp::fused_adam_``: torch's fused Adam/AdamW kernel in place (None on an older torch).
 FUSED_ADAM = _define("fused_adam_", _adam_kernel, _nothing, "_fused_adamw_", _ADAM_STATE)
-#: ``funcamp::fused_adam``: the same on copies; returns new params + exp_avgs + exp_avg_sqs.
+#: ``funcamp::fused_adam``: the same on copies; returns new params + exp_avgs + exp_avg_sqs
+#: (+ max_exp_avg_sqs with amsgrad).
 FUSED_ADAM_COPIES = _define("fused_adam", _adam_copies, _like_adam, "_fused_adamw_", ())
 #: ``funcamp::fused_sgd_``: torch's fused SGD kernel without momentum, in place.
 FUSED_SGD = _define("fused_sgd_", _sgd_kernel, _nothing, "_fused_sgd_", ("params",))
@@ -169,11 +182,11 @@ def _advance(state: Any, found_inf: torch.Tensor, **buffers: Any) -> Any:
     return state._replace(count=count.to(state.count.dtype), **buffers)
 
 
-def fused_sgd(weight_decay: float) -> Any:
+def fused_sgd(weight_decay: float, maximize: bool = False) -> Any:
     """torch's fused SGD kernel: the params updated in one pass, or not at all where found_inf
-    (read by the kernel: no host sync). Plain SGD only (weight decay allowed), where it gives
-    torch.optim.SGD's params bit for bit; with momentum the kernel's rounding differs from
-    torch.optim's foreach path. Compiled, it runs as ``funcamp::fused_sgd_``."""
+    (read by the kernel: no host sync). Plain SGD only (weight decay and maximize allowed),
+    where it gives torch.optim.SGD's params bit for bit; with momentum the kernel's rounding
+    differs from torch.optim's foreach path. Compiled, it runs as ``funcamp::fused_sgd_``."""
     if FUSED_SGD is None:  # pragma: no cover - older torch
         return None
 
@@ -182,10 +195,10 @@ def fused_sgd(weight_decay: float) -> Any:
         lr_value, lr_tensor = _lr_args(lr, device)
         found = found_inf.to(device=device, dtype=torch.float32)
         if compiling():
-            FUSED_SGD(ps, grads, lr_value, lr_tensor, weight_decay, found)
+            FUSED_SGD(ps, grads, lr_value, lr_tensor, weight_decay, maximize, found)
             return _advance(state, found_inf)
         try:  # a torch whose fused SGD has no kernel for this device raises before writing
-            _sgd_kernel(ps, grads, lr_value, lr_tensor, weight_decay, found)
+            _sgd_kernel(ps, grads, lr_value, lr_tensor, weight_decay, maximize, found)
         except NotImplementedError:  # pragma: no cover - depends on the torch build
             return None
         return _advance(state, found_inf)
@@ -194,11 +207,19 @@ def fused_sgd(weight_decay: float) -> Any:
 
 
 def fused_adam(
-    b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool = False,
+    maximize: bool = False,
 ) -> tuple[Any, Any]:
     """torch's fused Adam/AdamW kernel as ``(in place on a donated state, on copies)``: params
-    and moments in one pass a leaf -- ``torch.optim.Adam``/``AdamW(fused=True)`` bit for bit. A
-    weight-decay mask splits the leaves into two calls, as two param groups would."""
+    and moments (and, with ``amsgrad``, the running maxima of the second moments) in one pass a
+    leaf -- ``torch.optim.Adam``/``AdamW(fused=True)`` bit for bit, ``amsgrad`` and ``maximize``
+    included (the kernel takes both). A weight-decay mask splits the leaves into two calls, as
+    two param groups would."""
 
     def groups(n: int, mask: Any) -> list[tuple[list[int], float]]:
         if mask is None or weight_decay == 0:
@@ -213,12 +234,13 @@ def fused_adam(
         lr_value, lr_tensor = _lr_args(lr, device)
         step = (state.count + 1).to(device=device, dtype=torch.float32)
         ms, vs = flatten(state.exp_avg)[0], flatten(state.exp_avg_sq)[0]
+        xs = flatten(state.max_exp_avg_sq)[0] if amsgrad else []
         found = found_inf.to(device=device, dtype=torch.float32)
         return [
             (idx, (
                 [ps[i] for i in idx], [grads[i] for i in idx], [ms[i] for i in idx],
-                [vs[i] for i in idx], step, lr_value, lr_tensor, b1, b2, wd, eps, decoupled,
-                found,
+                [vs[i] for i in idx], [xs[i] for i in idx] if amsgrad else [], step, lr_value,
+                lr_tensor, b1, b2, wd, eps, decoupled, amsgrad, maximize, found,
             ))
             for idx, wd in groups(len(ps), mask)
         ]  # fmt: skip
@@ -234,13 +256,17 @@ def fused_adam(
         no_inf = torch.zeros((), dtype=torch.bool, device=state.count.device)
         ms, spec = flatten(state.exp_avg)
         new_ps, new_ms, new_vs = list(ps), list(ms), flatten(state.exp_avg_sq)[0]
+        new_xs = flatten(state.max_exp_avg_sq)[0] if amsgrad else []
         for idx, args in calls(ps, grads, state, lr, no_inf, mask):
             out = FUSED_ADAM_COPIES(*args)
             k = len(idx)
             for j, i in zip(range(k), idx):
                 new_ps[i], new_ms[i], new_vs[i] = out[j], out[k + j], out[2 * k + j]
-        return new_ps, _advance(
-            state, no_inf, exp_avg=unflatten(spec, new_ms), exp_avg_sq=unflatten(spec, new_vs)
-        )
+                if amsgrad:
+                    new_xs[i] = out[3 * k + j]
+        buffers = {"exp_avg": unflatten(spec, new_ms), "exp_avg_sq": unflatten(spec, new_vs)}
+        if amsgrad:
+            buffers["max_exp_avg_sq"] = unflatten(spec, new_xs)
+        return new_ps, _advance(state, no_inf, **buffers)
 
     return in_place, copies

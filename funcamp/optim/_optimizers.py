@@ -11,7 +11,7 @@ zero, where ``p + (new_p - p)`` can be one ulp off.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -20,6 +20,7 @@ from funcamp.optim._base import Optimizer
 from funcamp.optim._elementwise import build
 from funcamp.optim._fused import FUSED_ADAM, fused_adam, fused_sgd
 from funcamp.optim._paths import Ops
+from funcamp.optim._states import AdamState, LionState, SgdState
 
 __all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]
 
@@ -30,59 +31,6 @@ LearningRate = Any
 #: Where the weight decay applies: a pytree of bools with the params' structure (or a prefix of
 #: it), or a callable of the params returning one (optax's ``mask``).
 Mask = Any | Callable[[PyTree], PyTree]
-
-
-class SgdState(NamedTuple):
-    """State of :func:`funcamp.sgd`: ``count`` (0-d int32), ``momentum`` (a params-shaped tree
-    of buffers, or ``()`` without momentum) and ``low`` (a low-precision mode's state or ``()``).
-
-    Example:
-        >>> import torch, funcamp
-        >>> funcamp.sgd(0.1).init({"w": torch.ones(2)})
-        SgdState(count=tensor(0, dtype=torch.int32), momentum=(), low=())
-    """
-
-    count: torch.Tensor
-    momentum: PyTree
-    low: PyTree
-
-
-class AdamState(NamedTuple):
-    """State of :func:`funcamp.adam`/:func:`funcamp.adamw`: ``count`` (0-d int32), ``exp_avg``
-    and ``exp_avg_sq`` (params-shaped trees, float32 for half params) and ``low`` (a mode's
-    state or ``()``).
-
-    Example:
-        >>> import torch, funcamp
-        >>> funcamp.adam(0.1).init({"w": torch.ones(1)}).exp_avg_sq
-        {'w': tensor([0.])}
-    """
-
-    count: torch.Tensor
-    exp_avg: PyTree
-    exp_avg_sq: PyTree
-    low: PyTree
-
-
-class LionState(NamedTuple):
-    """State of :func:`funcamp.lion`: ``count`` (0-d int32), ``exp_avg`` (params-shaped, float32
-    for half params) and ``low`` (a mode's state or ``()``).
-
-    Example:
-        >>> import torch, funcamp
-        >>> funcamp.lion(0.1).init({"w": torch.ones(1)}).exp_avg
-        {'w': tensor([0.])}
-    """
-
-    count: torch.Tensor
-    exp_avg: PyTree
-    low: PyTree
-
-
-_MODE_ARGS = """        master_weights: keep float32 copies of half params.
-        kahan: keep Kahan compensation buffers for half params.
-        stochastic_rounding: round half params stochastically.
-        seed: seed of the stochastic-rounding hash."""
 
 
 def _decayed(mask: Sequence[bool] | None) -> list[int] | None:
@@ -111,11 +59,15 @@ def _merge(n: int, *parts: tuple[list[int], Tensors]) -> Tensors:
 # sgd
 
 
-def _sgd_step(momentum: float, dampening: float, nesterov: bool, weight_decay: float) -> Any:
+def _sgd_step(
+    momentum: float, dampening: float, nesterov: bool, weight_decay: float, maximize: bool
+) -> Any:
     def step(ops: Ops, grads: Tensors, params: Any, buffers: dict, lr: Any, count: Any) -> Any:
-        # torch.optim.SGD: grad.add(p, alpha=weight_decay); buf.mul_(momentum).add_(grad,
-        # alpha=1 - dampening) (buf = grad on the first step); grad.add(buf, alpha=momentum)
-        # (nesterov) or grad = buf; p.add_(grad, alpha=-lr).
+        # torch.optim.SGD: grad = -grad (maximize); grad.add(p, alpha=weight_decay);
+        # buf.mul_(momentum).add_(grad, alpha=1 - dampening) (buf = grad on the first step);
+        # grad.add(buf, alpha=momentum) (nesterov) or grad = buf; p.add_(grad, alpha=-lr).
+        if maximize:  # times -1 is exact: torch's -grad, bit for bit
+            grads = ops.mul(grads, -1.0, into=grads)
         d, new = grads, {}
         if weight_decay > 0:
             d = ops.fma(params, weight_decay, d, into=d)
@@ -147,6 +99,7 @@ def sgd(
     weight_decay: float = 0.0,
     dampening: float = 0.0,
     *,
+    maximize: bool = False,
     master_weights: bool = False,
     kahan: bool = False,
     stochastic_rounding: bool = False,
@@ -154,9 +107,10 @@ def sgd(
 ) -> Optimizer:
     """Stochastic gradient descent with torch.optim.SGD's semantics.
 
-    ``d = g + weight_decay * p``; with momentum ``buf = momentum * buf + (1 - dampening) * d``
-    (``buf = d`` on the first step), then ``d = d + momentum * buf`` (nesterov) or ``d = buf``;
-    the update is ``-lr * d``. Math runs in float32 for half params.
+    ``d = g + weight_decay * p`` (``g`` negated first with ``maximize``); with momentum
+    ``buf = momentum * buf + (1 - dampening) * d`` (``buf = d`` on the first step), then
+    ``d = d + momentum * buf`` (nesterov) or ``d = buf``; the update is ``-lr * d``. Math runs
+    in float32 for half params.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
@@ -165,6 +119,9 @@ def sgd(
         nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         weight_decay: L2 penalty added to the gradient (>= 0).
         dampening: dampening for momentum, in [0, 1].
+        maximize: ascend the objective instead of descending it: the gradients are negated
+            before anything else, as ``torch.optim.SGD(maximize=True)`` does (the same as
+            ``funcamp.chain(funcamp.negate_gradients(), funcamp.sgd(...))``).
         master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -183,8 +140,17 @@ def sgd(
         ...     params = funcamp.apply_updates(params, updates)
         >>> params, state.count
         ({'w': tensor([-0.4500, -0.4500])}, tensor(2, dtype=torch.int32))
+
+        Gradient ascent, as ``torch.optim.SGD(maximize=True)``:
+
+        >>> opt = funcamp.sgd(0.5, maximize=True)
+        >>> params = {"w": torch.ones(2)}
+        >>> updates, _ = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([1.5000, 1.5000])}
     """
     api = "sgd"
+    check_flag(api, "maximize", maximize)
     momentum = check_number(api, "momentum", momentum)
     weight_decay = check_number(api, "weight_decay", weight_decay)
     dampening = check_number(api, "dampening", dampening, maximum=1.0, maximum_open=False)
@@ -196,7 +162,7 @@ def sgd(
     return build(
         api,
         SgdState,
-        _sgd_step(momentum, dampening, nesterov, weight_decay),
+        _sgd_step(momentum, dampening, nesterov, weight_decay, maximize),
         learning_rate,
         buffers=("momentum",) if momentum > 0 else (),
         needs_params=weight_decay > 0,
@@ -204,7 +170,7 @@ def sgd(
         kahan=kahan,
         stochastic_rounding=stochastic_rounding,
         seed=seed,
-        fused_kernel=None if momentum > 0 else fused_sgd(weight_decay),
+        fused_kernel=None if momentum > 0 else fused_sgd(weight_decay, maximize),
     )
 
 
@@ -212,14 +178,26 @@ def sgd(
 # adam / adamw
 
 
-def _adam_step(b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool) -> Any:
+def _adam_step(
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool = False,
+    maximize: bool = False,
+) -> Any:
     def step(
         ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, mask: Any = None
     ) -> Any:
-        # torch.optim.Adam/AdamW: grad.add(p, alpha=weight_decay) or p.mul_(1 - lr * wd);
-        # exp_avg.lerp_(grad, 1 - b1); exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2);
-        # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps;
+        # torch.optim.Adam/AdamW: grad = -grad (maximize); grad.add(p, alpha=weight_decay) or
+        # p.mul_(1 - lr * wd); exp_avg.lerp_(grad, 1 - b1);
+        # exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2); with amsgrad
+        # torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq), the denominator's
+        # square then; denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps;
         # p.addcdiv_(exp_avg, denom, value=-step_size), that is p + (-step_size * m) / denom.
+        if maximize:  # times -1 is exact: torch's -grad, bit for bit
+            g = ops.mul(g, -1.0, into=g)
         if weight_decay > 0 and not decoupled:
             g = ops.fma(p, weight_decay, g, into=g)
         # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
@@ -233,8 +211,13 @@ def _adam_step(b1: float, b2: float, eps: float, weight_decay: float, decoupled:
         vb = ops.mul(buffers["exp_avg_sq"], b2)
         v = ops.kept(ops.addcmul(vb, g, g, 1.0 - b2, into=vb), replaces=buffers["exp_avg_sq"])
         m = ops.kept(ops.lerp(buffers["exp_avg"], g, 1.0 - b1, into=g), replaces=buffers["exp_avg"])
+        new = {"exp_avg": m, "exp_avg_sq": v}
+        sq = v  # what the denominator is the root of
+        if amsgrad:  # the running maximum, into the temporary when it is free (donated state)
+            old = buffers["max_exp_avg_sq"]
+            sq = new["max_exp_avg_sq"] = ops.kept(ops.maximum(old, v, into=vb), replaces=old)
         # correctly rounded (torch's eager float32 sqrt is not always)
-        denom = ops.sqrt(v, into=vb)
+        denom = ops.sqrt(sq, into=vb)
         denom = ops.div(denom, bc2_sqrt, into=denom)
         denom = ops.add(denom, eps, into=denom)
         deltas = ops.mul(m, neg_step, into=g)
@@ -247,12 +230,15 @@ def _adam_step(b1: float, b2: float, eps: float, weight_decay: float, decoupled:
             new_p = ops.add(new_p, _pick(deltas, on), into=new_p)
             decayed = ops.sub(new_p, pd, into=new_p)
             if on is None:
-                return decayed, {"exp_avg": m, "exp_avg_sq": v}
+                return decayed, new
             off = [i for i, flag in zip(range(len(mask)), mask) if not flag]
             deltas = _merge(len(deltas), (on, decayed), (off, _pick(deltas, off)))
-        return deltas, {"exp_avg": m, "exp_avg_sq": v}
+        return deltas, new
 
     return step
+
+
+_ADAM_BUFFERS = ("exp_avg", "exp_avg_sq")
 
 
 def _adam(
@@ -266,7 +252,11 @@ def _adam(
     modes: dict[str, Any],
     mask: Mask = None,
     fused: bool = False,
+    amsgrad: bool = False,
+    maximize: bool = False,
 ) -> Optimizer:
+    check_flag(api, "amsgrad", amsgrad)
+    check_flag(api, "maximize", maximize)
     b1 = check_number(api, "b1", b1, maximum=1.0)
     b2 = check_number(api, "b2", b2, maximum=1.0)
     eps = check_number(api, "eps", eps)
@@ -282,13 +272,13 @@ def _adam(
             )
         if FUSED_ADAM is None:  # pragma: no cover - older torch
             raise ValueError(f"funcamp.{api}: `fused=True` needs torch._fused_adamw_ (torch>=2.4)")
-        kernels = fused_adam(b1, b2, eps, weight_decay, decoupled)
+        kernels = fused_adam(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize)
     return build(
         api,
         AdamState,
-        _adam_step(b1, b2, eps, weight_decay, decoupled),
+        _adam_step(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize),
         learning_rate,
-        buffers=None,
+        buffers=(*_ADAM_BUFFERS, "max_exp_avg_sq") if amsgrad else _ADAM_BUFFERS,
         needs_params=weight_decay > 0 or fused,
         mask=mask,
         fused_kernel=kernels[0],
@@ -304,6 +294,8 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
+    amsgrad: bool = False,
+    maximize: bool = False,
     master_weights: bool = False,
     kahan: bool = False,
     stochastic_rounding: bool = False,
@@ -323,6 +315,14 @@ def adam(
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator (>= 0).
         weight_decay: L2 penalty (>= 0).
+        amsgrad: keep the running maximum of the second moment (``max_exp_avg_sq`` in the
+            state) and divide by its root, as ``torch.optim.Adam(amsgrad=True)`` does (the
+            maximum of the raw second moments, divided by the current bias correction; the
+            AMSGrad variant of Reddi et al. 2018). :func:`funcamp.scale_by_amsgrad` is the
+            same as a composable transform.
+        maximize: ascend the objective instead of descending it: the gradients are negated
+            before anything else, as ``torch.optim.Adam(maximize=True)`` does (the same as
+            ``funcamp.chain(funcamp.negate_gradients(), funcamp.adam(...))``).
         master_weights: keep float32 copies of half params.
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -335,6 +335,8 @@ def adam(
             ``chain``; not under ``torch.func`` transforms (the kernel has no derivative and no
             batching rule). Compiled, the kernel is called as it is (an extern kernel) instead
             of generated: a shorter first call and a faster step (docs/benchmarks.md).
+            ``amsgrad`` and ``maximize`` are the kernel's own arguments, as torch.optim
+            passes them.
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.
@@ -351,7 +353,10 @@ def adam(
         master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
         seed=seed,
     )  # fmt: skip
-    return _adam("adam", learning_rate, b1, b2, eps, weight_decay, False, modes, None, fused)
+    return _adam(
+        "adam", learning_rate, b1, b2, eps, weight_decay, False, modes, None, fused, amsgrad,
+        maximize,
+    )  # fmt: skip
 
 
 def adamw(
@@ -361,6 +366,8 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     *,
+    amsgrad: bool = False,
+    maximize: bool = False,
     mask: Mask = None,
     master_weights: bool = False,
     kahan: bool = False,
@@ -388,6 +395,14 @@ def adamw(
             callable of the params returning one -- called on every update, with the params
             (optax calls it with the params or the updates; funcamp's :func:`funcamp.masked`
             takes a callable of the leaf path instead). ``None`` (default): every leaf.
+        amsgrad: keep the running maximum of the second moment (``max_exp_avg_sq`` in the
+            state) and divide by its root, as ``torch.optim.AdamW(amsgrad=True)`` does (the
+            maximum of the raw second moments, divided by the current bias correction; the
+            AMSGrad variant of Reddi et al. 2018). :func:`funcamp.scale_by_amsgrad` is the
+            same as a composable transform.
+        maximize: ascend the objective instead of descending it: the gradients are negated
+            before anything else, as ``torch.optim.AdamW(maximize=True)`` does (the same as
+            ``funcamp.chain(funcamp.negate_gradients(), funcamp.adamw(...))``).
         master_weights: keep float32 copies of half params.
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -400,6 +415,8 @@ def adamw(
             ``chain``; not under ``torch.func`` transforms (the kernel has no derivative and no
             batching rule). Compiled, the kernel is called as it is (an extern kernel) instead
             of generated: a shorter first call and a faster step (docs/benchmarks.md).
+            ``amsgrad`` and ``maximize`` are the kernel's own arguments, as torch.optim
+            passes them.
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.
@@ -439,7 +456,10 @@ def adamw(
         master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
         seed=seed,
     )  # fmt: skip
-    return _adam("adamw", learning_rate, b1, b2, eps, weight_decay, True, modes, mask, fused)
+    return _adam(
+        "adamw", learning_rate, b1, b2, eps, weight_decay, True, modes, mask, fused, amsgrad,
+        maximize,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -183,6 +183,11 @@ class Ops:
     def sign(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         raise NotImplementedError
 
+    def maximum(self, xs: Tensors, ys: Tensors, into: Tensors | None = None) -> Tensors:
+        """``torch.maximum(x, y)`` leaf by leaf (a NaN in either wins, as in torch).
+        (torch.optim.Adam's ``torch.maximum(max_exp_avg_sq, exp_avg_sq)`` with ``amsgrad``.)"""
+        raise NotImplementedError
+
     def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         """Correctly rounded square roots (torch's eager float32 ``sqrt`` is not always)."""
         raise NotImplementedError
@@ -349,6 +354,15 @@ class EagerOps(Ops):
             return xs
         return self._fresh(list(torch._foreach_sign(xs)))
 
+    def maximum(self, xs: Tensors, ys: Tensors, into: Tensors | None = None) -> Tensors:
+        outs = self._into(into, xs, ys)
+        if outs is xs:
+            torch._foreach_maximum_(xs, ys)
+            return xs
+        if outs is not None:
+            return [torch.maximum(x, y, out=o) for x, y, o in zip(xs, ys, outs)]
+        return self._fresh(list(torch._foreach_maximum(xs, ys)))
+
     def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         outs = self._into(into, xs)
         fresh = outs is None  # a float32 result written by the root's last kernel: a pass less
@@ -418,6 +432,9 @@ class TracedOps(Ops):
 
     def sign(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         return [torch.sign(x) for x in xs]
+
+    def maximum(self, xs: Tensors, ys: Tensors, into: Tensors | None = None) -> Tensors:
+        return [torch.maximum(x, y) for x, y in zip(xs, ys)]
 
     def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         if self.fused and EXACT_SQRT is not None and not tracks_grad(xs):
