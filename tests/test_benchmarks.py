@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -111,6 +112,9 @@ def test_device_check_without_a_gpu_fails_fast_and_says_why(tmp_path: Path) -> N
         capture_output=True,
         text=True,
         timeout=120,
+        # the script probes $PYTHON (default: `python` on PATH, which need not be this
+        # interpreter, e.g. pytest run as venv/bin/python without activating the venv)
+        env={**os.environ, "PYTHON": sys.executable},
     )
     assert done.returncode == 2, done.stderr
     assert "device_check.sh: no CUDA device: torch.cuda.is_available() is False" in done.stderr

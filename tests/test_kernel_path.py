@@ -129,7 +129,10 @@ def test_cnn_gradients_reach_the_update_in_the_params_layout():
     assert not metrics["found_inf"]
     torch.testing.assert_close(metrics["loss"], want["loss"], rtol=1e-4, atol=0)
     layouts = re.findall(
-        r"assert_size_stride\(\w+, \(([\d, ]*)\), \(([\d, ]*)\), 'torch\.ops\.funcamp\.unscale",
+        # torch <= 2.13: assert_size_stride(buf, size, stride, 'op'); torch 2.14 checks the
+        # dtype too: assert_tensor_metadata(buf, size, stride, torch.float32, 'op')
+        r"assert_(?:size_stride|tensor_metadata)\(\w+, \(([\d, ]*)\), \(([\d, ]*)\), "
+        r"(?:torch\.\w+, )?'torch\.ops\.funcamp\.unscale",
         "\n".join(codes),
     )
     sizes = {tuple(p.shape) for p in params.values()}

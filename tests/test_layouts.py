@@ -86,17 +86,21 @@ def test_dynamic_shapes_are_left_as_traced():
     assert recording.calls >= 1 and recording.moved == []
 
 
-def test_does_nothing_where_inductor_keeps_nchw(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "layout_optimization", False)
+def test_does_nothing_where_inductor_keeps_nchw():
+    # config.patch, not monkeypatch.setattr: pytest >= 9.1 restores a module attribute from the
+    # module's __dict__, where a torch ConfigModule keeps nothing, so its undo *deletes* the
+    # option (ConfigModule.__delattr__ hides it) and every later compile in the process fails
+    # with "torch._inductor.config.layout_optimization does not exist".
     torch._dynamo.reset()
     recording = Recording()
     w1, w2, x = torch.randn(8, 3, 3, 3), torch.randn(8, 8, 3, 3), torch.randn(2, 3, 10, 10)
-    f = torch.compile(
-        torch.func.grad(_two_convs, argnums=(0, 1)),
-        fullgraph=True,
-        options={"post_grad_custom_post_pass": recording},
-    )
-    f(w1, w2, x)
+    with torch._inductor.config.patch(layout_optimization=False):
+        f = torch.compile(
+            torch.func.grad(_two_convs, argnums=(0, 1)),
+            fullgraph=True,
+            options={"post_grad_custom_post_pass": recording},
+        )
+        f(w1, w2, x)
     torch._dynamo.reset()
     assert recording.calls == 1 and recording.moved == []
 
