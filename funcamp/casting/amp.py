@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
-from funcamp._core.context import compiling
+from funcamp._core.context import compiling, in_transform, transform_while_tracing
 from funcamp.casting import dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
 from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, run_fp8
 from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
@@ -256,8 +256,12 @@ class _AmpMode(TorchFunctionMode):
         """In a backward pass (:func:`recompute_under`), the mode casts only what runs with
         grad mode on: a checkpointed region the backward recomputes. The backward's own
         Python code (an autograd function's ``backward``, a hook) runs with grad mode off, as
-        it runs outside torch.autocast."""
-        return self.recompute_only and not torch.is_grad_enabled()
+        it runs outside torch.autocast. An ``amp`` call inside the block (a forward pass run
+        there) has a mode of its own, and this one stands aside meanwhile."""
+        if not self.recompute_only:
+            return False
+        stack = _ACTIVE.stack  # an amp call inside the block (a forward pass) has its own mode
+        return not torch.is_grad_enabled() or (bool(stack) and stack[-1] is not self)
 
     def __torch_function__(
         self,
@@ -273,8 +277,14 @@ class _AmpMode(TorchFunctionMode):
             if unchecked is not None:  # a backward run from inside: it keeps the mode on
                 with self:
                     return unchecked(*args, **kwargs)
-            if not torch.is_grad_enabled():
+            if self.dormant():
                 return func(*args, **kwargs)
+        if func is _REQUIRES_GRAD_ and _asks_grad(args, kwargs) and _transformed():
+            # transformers' enable_input_require_grads (gradient_checkpointing_enable) marks
+            # the embeddings' output, for torch.autograd to reach a reentrant checkpoint behind
+            # frozen embeddings. Under torch.func every value is tracked already; it refuses
+            # the call, which here means nothing: the tensor as it is.
+            return args[0]
         ctx = self.ctx
         name = getattr(func, "__name__", None)
         if self.fp8 is not None and name in FP8_OPS and self.tracker is not None:
@@ -351,6 +361,19 @@ class _AmpMode(TorchFunctionMode):
 
 
 _CHECKPOINT = torch.utils.checkpoint.checkpoint
+_REQUIRES_GRAD_ = torch.Tensor.requires_grad_
+
+
+def _asks_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``tensor.requires_grad_(...)``'s argument is True (its default)."""
+    flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    return flag is True
+
+
+def _transformed() -> bool:
+    return transform_while_tracing() if compiling() else in_transform()
+
+
 _NOOP_CONTEXT = torch.utils.checkpoint.noop_context_fn
 
 
@@ -389,7 +412,7 @@ def run_in_mode(
 ) -> Any:
     """Run ``fn`` with ``ctx`` in force: in a new mode, or as a scope of the active one."""
     stack = _ACTIVE.stack
-    if stack and recorder is None:
+    if stack and recorder is None and not stack[-1].recompute_only:
         mode = stack[-1]
         mode.push(ctx)
         try:

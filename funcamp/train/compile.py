@@ -306,6 +306,31 @@ def _restore_saved_tensors_hooks(state: Any) -> None:
         _HOOKS._saved_tensors_hooks_disable(state)
 
 
+def _tracing_config() -> Any:
+    """dynamo's own settings while it traces a step (``torch._dynamo.config``, scoped to it):
+
+    * ``ignore_logging_functions``: the ``logging.Logger`` methods that log a message once
+      (transformers adds ``warning_once``, ``info_once``, ``warning_advice``; a checkpointed
+      layer warns with one that it sets ``use_cache=False``) are left out of the graph instead
+      of breaking it; the model's values do not depend on them;
+    * ``skip_fwd_side_effects_in_bwd_under_checkpoint``: a Python side effect in a
+      checkpointed region (transformers' output collector) is applied once, in the forward,
+      as a step without checkpointing applies it; eager checkpointing replays it in the
+      backward, which dynamo otherwise refuses to trace."""
+    config = torch._dynamo.config
+    changes: dict[str, Any] = {}
+    once = {
+        f
+        for name in ("warning_once", "info_once", "warning_advice")
+        if (f := getattr(logging.Logger, name, None)) is not None
+    }
+    if once and hasattr(config, "ignore_logging_functions"):
+        changes["ignore_logging_functions"] = set(config.ignore_logging_functions) | once
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        changes["skip_fwd_side_effects_in_bwd_under_checkpoint"] = True
+    return config.patch(**changes) if changes else contextlib.nullcontext()
+
+
 def run_compiled(
     api: str,
     run: Callable[..., Any],
@@ -326,7 +351,7 @@ def run_compiled(
     try:
         # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
         # raises; the eager re-run gives the plain error, so that log is held back.
-        with _quiet(_FAKE_TENSOR_LOG), tracing, bundling(), live_reads_only():
+        with _quiet(_FAKE_TENSOR_LOG), tracing, bundling(), live_reads_only(), _tracing_config():
             return run(*args)
     except torch._dynamo.exc.TorchDynamoException as e:
         _restore_saved_tensors_hooks(hooks)
@@ -335,7 +360,15 @@ def run_compiled(
 
         def rerun() -> None:
             with torch.compiler.set_stance("force_eager"):
-                eagerly()
+                try:
+                    eagerly()
+                except Exception as refusal:
+                    # dynamo failed before reaching what torch.func refuses (transformers'
+                    # one-time warning ahead of a checkpointed layer): the eager run says it
+                    if engine is None or not engine.switch(refusal):
+                        raise
+                    _restore_saved_tensors_hooks(hooks)
+                    eagerly()
 
         failure = explain(api, e, rerun)  # raises the model's own error, if it has one
         if first:

@@ -30,6 +30,7 @@ _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
 _TORCH_FUNC_REFUSALS = (
     "must override the setup_context staticmethod",
     "don't yet support saved tensor hooks",
+    "call requires_grad_() outside of a function being transformed",
 )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -42,6 +42,28 @@ PyTree = Any
 GradAndValue = Callable[..., Callable[..., Any]]
 
 
+REENTRANT_MESSAGE = (
+    "funcamp: a train step cannot run reentrant activation checkpointing "
+    "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True)): its backward calls "
+    "torch.autograd.backward itself, which torch refuses inside torch.autograd.grad, and "
+    "torch.func cannot run it at all. Use use_reentrant=False (torch's recommended form: the "
+    "same values, bit for bit under funcamp.amp), transformers' "
+    "model.gradient_checkpointing_enable() without gradient_checkpointing_kwargs (its default "
+    'is {"use_reentrant": False}), or funcamp.remat(block)'
+)
+
+
+@contextlib.contextmanager
+def _reentrant_refused() -> Iterator[None]:
+    """torch's refusal of a reentrant checkpoint under ``torch.autograd.grad``, as the way out."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "use_reentrant=True" in str(e):
+            raise ValueError(REENTRANT_MESSAGE) from e
+        raise
+
+
 def autograd_grad_and_value(
     fn: Callable[..., Any],
     *,
@@ -68,7 +90,7 @@ def autograd_grad_and_value(
             out, aux = fn(*args)
         flat = [x for leaves, _ in specs for x in leaves]
         if out.requires_grad:
-            with backward():
+            with backward(), _reentrant_refused():
                 grads = torch.autograd.grad(out, flat, allow_unused=True, materialize_grads=True)
             grads = list(grads)
         else:  # a loss that does not depend on the params: zero grads, as torch.func gives
