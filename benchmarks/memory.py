@@ -29,7 +29,10 @@ measure two things:
 
     rss      peak RSS minus the baseline (``VmHWM``): over all steps, the first call's compile
              included (``rss_peak``), and over the steps after ``--warmup`` with the high-water
-             mark reset once more (``rss_steady``); ``rss_end``: the RSS after the last step.
+             mark reset once more (``rss_steady``); ``rss_step``: that steady high-water mark
+             above the RSS at the start of the steady window (what a step adds to what is
+             already resident: the compiler's residue of the first call, which differs between
+             variants, is left out); ``rss_end``: the RSS after the last step.
              This is what the machine sees, glibc's heap included.
     tensors  the bytes of live tensors from torch's CPU allocator as its profiler reports
              them (``torch.profiler.profile(profile_memory=True)`` from before the model is
@@ -344,6 +347,7 @@ class _Meter:
         gc.collect()
         _reset_peak_rss()
         self.base_kib = _status_kib("VmRSS")
+        self.window_kib = self.base_kib
         self.out: dict[str, int] = {}
         if self.cuda:
             torch.cuda.synchronize()
@@ -360,6 +364,7 @@ class _Meter:
         """End of the warm-up: keep its peaks, reset the high-water marks."""
         self.out["rss_warmup"] = (_status_kib("VmHWM") - self.base_kib) * 1024
         _reset_peak_rss()
+        self.window_kib = _status_kib("VmRSS")
         if self.cuda:
             torch.cuda.synchronize()
             self.out["cuda_warmup"] = torch.cuda.max_memory_allocated() - self.base_cuda
@@ -371,6 +376,7 @@ class _Meter:
     def finish(self) -> dict[str, int]:
         out = self.out
         out["rss_steady"] = (_status_kib("VmHWM") - self.base_kib) * 1024
+        out["rss_step"] = (_status_kib("VmHWM") - self.window_kib) * 1024
         out["rss_peak"] = max(out["rss_steady"], out.pop("rss_warmup", 0))
         out["rss_end"] = (_status_kib("VmRSS") - self.base_kib) * 1024
         if self.cuda:
@@ -458,6 +464,7 @@ def _short(row: dict[str, Any]) -> str:
 COLUMNS = {
     "rss_peak": "RSS peak",
     "rss_steady": "RSS steady",
+    "rss_step": "RSS step",
     "tensor_steady": "tensors steady",
     "tensor_end": "tensors at boundary",
     "cuda_peak": "CUDA peak",
