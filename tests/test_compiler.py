@@ -102,19 +102,23 @@ def test_import_funcamp_patches_nothing_and_loads_no_compiler_module():
 def test_auto_is_on_only_on_the_allowlist_and_says_once_elsewhere(monkeypatch, caplog):
     monkeypatch.setattr(gate, "ALLOWLIST", frozenset({(gate.release(), "cpu")}))
     monkeypatch.setattr(gate, "_SAID", set())
-    assert patches_for("auto", "cpu", {}) is True
+
+    def on(*args):
+        return patches_for(*args).on
+
+    assert on("auto", "cpu", {}) is True
     with caplog.at_level(logging.INFO, logger="funcamp"):
-        assert patches_for("auto", "cuda", {}) is False
-        assert patches_for("auto", "cuda", {}) is False
+        assert on("auto", "cuda", {}) is False
+        assert on("auto", "cuda", {}) is False
     assert caplog.text.count("compiler patches off") == 1
-    assert patches_for(True, "cuda", {}) is True  # an explicit choice wins
-    assert patches_for(False, "cpu", {}) is False
-    assert patches_for(True, "cpu", {"backend": "aot_eager"}) is False  # no inductor, no patch
+    assert on(True, "cuda", {}) is True  # an explicit choice wins
+    assert on(False, "cpu", {}) is False
+    assert on(True, "cpu", {"backend": "aot_eager"}) is False  # no inductor, no patch
     monkeypatch.setattr(gate, "ALLOWLIST", frozenset())  # another torch release
-    assert patches_for("auto", "cpu", {}) is False
+    assert on("auto", "cpu", {}) is False
     with gate.patches(True):
-        assert patches_for("auto", "cpu", {}) is True
-        assert patches_for(False, "cpu", {}) is False
+        assert on("auto", "cpu", {}) is True
+        assert on(False, "cpu", {}) is False
 
 
 def test_the_choice_is_checked():

@@ -24,7 +24,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -121,10 +121,23 @@ def first_device_type(tree: PyTree) -> str:
     return "cpu"
 
 
-def patches_for(choice: Choice, device_type: str, options: dict[str, Any]) -> bool:
-    """Whether funcamp's compiler patches are on for a step on ``device_type`` compiled with
-    ``options`` (:func:`funcamp.compiler.decide`; off for a backend other than inductor)."""
-    return options.get("backend", "inductor") == "inductor" and decide(choice, device_type)
+class Patches(NamedTuple):
+    """funcamp's compiler patches for one compiled step: whether inductor's are ``on`` (see
+    :func:`patches_for`) and the caller's ``choice`` (which the dynamo routing of in-graph
+    ``CrossEntropyLoss`` follows, on every backend)."""
+
+    on: bool = False
+    choice: Choice = "auto"
+
+
+NO_PATCHES = Patches()
+
+
+def patches_for(choice: Choice, device_type: str, options: dict[str, Any]) -> Patches:
+    """funcamp's compiler patches for a step on ``device_type`` compiled with ``options``:
+    inductor's are on as :func:`funcamp.compiler.decide` says (off for another backend)."""
+    inductor = options.get("backend", "inductor") == "inductor"
+    return Patches(inductor and decide(choice, device_type), choice)
 
 
 def compile_fn(
@@ -325,7 +338,7 @@ def run_compiled(
     eagerly: Callable[[], Any],
     engine: Engine | None = None,
     first: bool = False,
-    patches: bool = False,
+    patches: Patches = NO_PATCHES,
 ) -> Any:
     """``run(*args)`` (a compiled function), with a dynamo failure explained: a model torch.func
     refuses is traced again with torch.autograd (``engine``); otherwise ``eagerly()`` re-runs the
@@ -341,7 +354,7 @@ def run_compiled(
     try:
         # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
         # raises; the eager re-run gives the plain error, so that log is held back.
-        with _quiet(_FAKE_TENSOR_LOG), tracing, compiler_hooks.running(patches):
+        with _quiet(_FAKE_TENSOR_LOG), tracing, compiler_hooks.running(*patches):
             return run(*args)
     except torch._dynamo.exc.TorchDynamoException as e:
         _restore_saved_tensors_hooks(hooks)
@@ -387,14 +400,16 @@ def wrap_step(
     compiled step on disk (:class:`funcamp.train.cache.CachedStep`). ``compiler_patches``:
     ``make_train_step``'s choice of funcamp's compiler patches (:func:`patches_for`)."""
     train_step.__code__ = fresh_code(train_step.__code__)
-    patched: list[bool] = []
+    patched: list[Patches] = []
 
     def compiled_for(device_type: str) -> Callable[..., Any]:
         # Built on the first call, when the state's device is known (see step_options_for).
         on = patches_for(compiler_patches, device_type, compile_options)
         patched.append(on)
         compiled = announce_first_call(
-            compile_fn(train_step, compile_options, device_type, specialize=specialize, patches=on)
+            compile_fn(
+                train_step, compile_options, device_type, specialize=specialize, patches=on.on
+            )
         )
         if cache is None:
             return compiled
@@ -402,7 +417,7 @@ def wrap_step(
         return CachedStep(
             train_step,
             lambda keep: compile_fn(
-                train_step, {**compile_options, "guard_filter_fn": keep}, device_type, patches=on
+                train_step, {**compile_options, "guard_filter_fn": keep}, device_type, patches=on.on
             ),
             compiled,
             directory,

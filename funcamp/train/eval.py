@@ -15,6 +15,7 @@ from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
 from funcamp.compiler.gate import check_choice
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.train.compile import (
+    Patches,
     check_specialize,
     compile_fn,
     first_device_type,
@@ -105,12 +106,12 @@ def make_eval_step(
             return run_fn(fp8, params, clone_buffers(buffers), batch)
 
     eval_step.__code__ = fresh_code(eval_step.__code__)
-    compiled: list[tuple[Callable[..., Any], bool]] = []
+    compiled: list[tuple[Callable[..., Any], Patches]] = []
 
-    def compiled_for(device_type: str) -> tuple[Callable[..., Any], bool]:
+    def compiled_for(device_type: str) -> tuple[Callable[..., Any], Patches]:
         # Built on the first call, when the params' device is known (the compiler patches').
         on = patches_for(compiler_patches, device_type, compile_options)
-        run = compile_fn(eval_step, compile_options, specialize=specialize, patches=on)
+        run = compile_fn(eval_step, compile_options, specialize=specialize, patches=on.on)
         return announce_first_call(run, "eval step"), on
 
     def step(state: Any, batch: Batch) -> Any:
