@@ -5,6 +5,7 @@ Pure transforms and immutable state: an ``amp`` transform driven by an inspectab
 ``update`` functions, functional optimizers and a compiled, host-sync-free train step.
 """
 
+from funcamp import compiler as compiler  # the public funcamp.compiler submodule
 from funcamp import distributed as distributed  # the public funcamp.distributed submodule
 from funcamp import optim as optim  # the public funcamp.optim submodule
 from funcamp._core.tree import all_finite, tree_cast, tree_select

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from funcamp.distributed.data_parallel import DataParallel
 from funcamp.distributed.shard import Sharded
@@ -37,6 +37,7 @@ def make_train_step(
     mesh: Any = None,
     cache_dir: str | os.PathLike[str] | None = None,
     specialize: bool = False,
+    compiler_patches: bool | Literal["auto"] = "auto",
     **compile_options: Any,
 ) -> StepFn:
     """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
@@ -173,20 +174,28 @@ def make_train_step(
             every guard dynamo makes is kept, and such a change recompiles the step as
             ``torch.compile`` does (on torch 2.13 the guards cost no measurable time per call:
             docs/benchmarks.md). Not with ``compile=False`` or a ``guard_filter_fn``.
+        compiler_patches: funcamp's changes to inductor for a compiled step (see
+            ``compile_options`` and :mod:`funcamp.compiler`): ``"auto"`` (default) turns them on
+            only for a torch release and device on :data:`funcamp.compiler.ALLOWLIST` (where the
+            test suite ran with them: torch 2.13 on the CPU) and says once that they are off
+            elsewhere; ``True`` turns them on anywhere, ``False`` compiles with torch's
+            compiler untouched. They change no result bit (each is tested so), only compile
+            time and layouts.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` filters dynamo's guards (see
             ``specialize``). A step
             compiled by inductor for the CPU turns inductor's ``loop_ordering_after_fusion`` off
             (the same output code on the real-model suite, a first call up to 2.6 s shorter;
-            docs/benchmarks.md) unless ``options=`` sets it, keeps the activations a
-            convolution's backward shares with other ops channels-last (inductor's
-            ``post_grad_custom_post_pass``: the same bits, fewer transposes, ResNet's first call
-            ~10 % shorter; unless ``options=`` sets that pass), builds its CPU kernels in a few
-            C++ units instead of one build per kernel (the same code and bits;
-            ``FUNCAMP_CPP_BUNDLE=0`` in the environment gives torch's builds back), and, where
-            the step writes its state in place, keeps inductor from storing the update's dead
-            intermediates before those writes (the same kernels, half the scheduling time;
-            ``FUNCAMP_LIVE_READS=0`` gives inductor's own lowering back).
+            docs/benchmarks.md) unless ``options=`` sets it. With ``compiler_patches`` on
+            (:mod:`funcamp.compiler`), it also keeps the activations a convolution's backward
+            shares with other ops channels-last (inductor's ``post_grad_custom_post_pass``: the
+            same bits, fewer transposes, ResNet's first call ~10 % shorter; unless ``options=``
+            sets that pass), builds its CPU kernels in a few C++ units instead of one build per
+            kernel (the same code and bits; ``FUNCAMP_CPP_BUNDLE=0`` in the environment gives
+            torch's builds back), and, where the step writes its state in place, keeps
+            inductor from storing the update's dead intermediates before those writes (the
+            same kernels, half the scheduling time; ``FUNCAMP_LIVE_READS=0`` gives inductor's
+            own lowering back); which of them are on enters inductor's FX graph cache key.
             ``fullgraph=False`` compiles a ``loss_fn`` with graph breaks in pieces: the
             gradients then come from ``torch.autograd.grad`` (dynamo cannot resume a frame
             inside ``torch.func.grad``), the rest of the step is unchanged.
@@ -216,7 +225,15 @@ def make_train_step(
         512.0
     """
     options = StepOptions(
-        has_aux, returns_buffers, compile, donate_state, headroom, grad_norm, cache_dir, specialize
+        has_aux,
+        returns_buffers,
+        compile,
+        donate_state,
+        headroom,
+        grad_norm,
+        cache_dir,
+        specialize,
+        compiler_patches,
     )
     if group is not None and mesh is not None:
         raise ValueError(

@@ -149,7 +149,7 @@ def test_module_policies_compile_to_one_graph_and_match_eager() -> None:
 # -- modules constructed inside the traced call (issue: a silent bf16 loss) ---------------------
 # dynamo special-cases `torch.nn.CrossEntropyLoss()` built inside a compiled function: it put a
 # bare F.cross_entropy node in the graph that never reached the amp mode (bf16 loss compiled,
-# float32 eager). funcamp.casting.dynamo_compat routes the construction through dynamo's generic path.
+# float32 eager). funcamp.compiler.cross_entropy routes the construction through dynamo's generic path.
 def _ce_in_forward(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     lf = nn.CrossEntropyLoss()
     return lf(F.linear(x, w), y)

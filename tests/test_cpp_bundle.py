@@ -1,4 +1,4 @@
-"""One C++ build for a graph's CPU kernels (funcamp/train/cpp_bundle.py): the same bits as
+"""One C++ build for a graph's CPU kernels (funcamp/compiler/cpp_bundle.py): the same bits as
 inductor's one build per kernel, fewer builds, and inductor's own way when bundling fails."""
 
 import glob
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import funcamp
-from funcamp.train import cpp_bundle
-from funcamp.train.cpp_bundle import bundling, unit_source
+from funcamp.compiler import cpp_bundle
+from funcamp.compiler.cpp_bundle import bundling, unit_source
 
 pytestmark = pytest.mark.skipif(not cpp_bundle.supported(), reason="this torch builds otherwise")
 

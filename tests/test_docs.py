@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import funcamp
+import funcamp.compiler
 import funcamp.distributed
 import funcamp.optim
 import funcamp.testing
@@ -27,12 +28,14 @@ PUBLIC = [
     *(("funcamp.distributed", name) for name in funcamp.distributed.__all__),
     *(("funcamp.optim", name) for name in funcamp.optim.__all__),
     *(("funcamp.testing", name) for name in funcamp.testing.__all__),
+    *(("funcamp.compiler", name) for name in funcamp.compiler.__all__),
 ]
 MODULES = {
     "funcamp": funcamp,
     "funcamp.distributed": funcamp.distributed,
     "funcamp.optim": funcamp.optim,
     "funcamp.testing": funcamp.testing,
+    "funcamp.compiler": funcamp.compiler,
 }
 
 

@@ -1,4 +1,4 @@
-"""The channels-last pass of a compiled train step (``funcamp/train/layouts.py``).
+"""The channels-last pass of a compiled train step (``funcamp/compiler/layouts.py``).
 
 A train step is one graph (forward and backward), in which inductor fixes every tensor that
 ``convolution_backward`` and other ops both read to its traced, NCHW, strides, although it runs
@@ -9,14 +9,12 @@ tensors. The step's results stay the same bits; its generated code transposes le
 
 from __future__ import annotations
 
-import re
-
 import torch
 from tiny_step import cnn_step
 from torch import nn
 
+from funcamp.compiler.layouts import ChannelsLastConvBackward, channels_last_strides
 from funcamp.testing import assert_trees_equal
-from funcamp.train.layouts import ChannelsLastConvBackward, channels_last_strides
 
 
 class Recording(ChannelsLastConvBackward):
@@ -105,9 +103,7 @@ def test_does_nothing_where_inductor_keeps_nchw():
     assert recording.calls == 1 and recording.moved == []
 
 
-def _cnn_step_code(**options):
-    from torch._inductor.utils import run_and_get_code
-
+def _cnn_step(**options):
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
@@ -116,35 +112,18 @@ def _cnn_step_code(**options):
     )  # fmt: skip
     step, fresh_state = cnn_step(model, **options)
     batch = (torch.randn(4, 3, 12, 12), torch.randint(0, 4, (4,)))
-    (state, _), codes = run_and_get_code(step, fresh_state(), batch)
-    state, metrics = step(state, batch)
-    return state, metrics, "\n".join(codes)
+    state, _ = step(fresh_state(), batch)
+    return step(state, batch)
 
 
-def _nchw_activations(code: str) -> int:
-    """4-d buffers of more than one channel and pixel allocated NCHW."""
-    count = 0
-    for m in re.finditer(r"empty_strided_cpu\(\((\d+), (\d+), (\d+), (\d+)\), \(([\d, ]+)\)", code):
-        n, c, h, w = (int(v) for v in m.groups()[:4])
-        strides = tuple(int(v) for v in m.group(5).split(","))
-        if c > 1 and h * w > 1 and n > 1 and strides == (c * h * w, h * w, w, 1):
-            count += 1
-    return count
-
-
-def test_a_cnn_step_keeps_its_bits_and_transposes_less():
-    """Two steps of a conv-BN-ReLU CNN with the pass (the default) and without it: the same
-    params, state and metrics bit for bit, and fewer tiled transposes and NCHW activations in
-    the generated code."""
-    with_pass, metrics, code = _cnn_step_code()
-    without, metrics_without, code_without = _cnn_step_code(
-        options={"post_grad_custom_post_pass": None}
-    )
+def test_a_cnn_step_keeps_its_bits():
+    """Two steps of a conv-BN-ReLU CNN with the pass (recording what it moves) and with the
+    compiler patches off: the same params, state and metrics bit for bit, and the pass did move
+    activations (which is what makes the generated code transpose less: docs/benchmarks.md)."""
+    recording = Recording()
+    with_pass, metrics = _cnn_step(options={"post_grad_custom_post_pass": recording})
+    without, metrics_without = _cnn_step(compiler_patches=False)
     assert_trees_equal(with_pass.params, without.params)
     assert_trees_equal(with_pass.opt_state, without.opt_state)
     assert_trees_equal(metrics, metrics_without)
-    assert code.count("transpose_mxn") < code_without.count("transpose_mxn")
-    assert _nchw_activations(code) < _nchw_activations(code_without), (
-        _nchw_activations(code),
-        _nchw_activations(code_without),
-    )
+    assert recording.moved

@@ -25,10 +25,10 @@ from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
 from funcamp._core.context import compiling, in_transform, transform_while_tracing
-from funcamp.casting import dynamo_compat  # noqa: F401  (routes in-graph CrossEntropyLoss to the mode)
 from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, run_fp8
 from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
 from funcamp.casting.reentry import backward_entries, reentered
+from funcamp.compiler.hooks import route_cross_entropy
 from funcamp.policy.modules import glob_match
 from funcamp.policy.ops import DTYPE_ARG_OPS, OpPolicy, OpRule, name_index, op_name
 from funcamp.policy.policy import Policy, as_policy, cast_floating
@@ -519,6 +519,8 @@ def amp(fn: F, policy: Policy | str) -> F:
     check_fn(fn, "amp")
     pol = as_policy(policy, "amp")
     ctx = mode_context(pol)
+    # A CrossEntropyLoss built inside fn, once compiled, reaches the mode (funcamp.compiler).
+    route_cross_entropy(_AmpMode)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -12,15 +12,13 @@ differentiable and have vmap rules. Which of them an update uses is decided by t
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
+import threading
 from typing import Any
 
 import torch
-
-try:  # inductor's decompositions (and prims.fma, registered by inductor_prims)
-    import torch._inductor.inductor_prims
-    from torch._inductor.decomposition import decompositions as _DECOMPOSITIONS
-except Exception:  # pragma: no cover - torch builds without inductor
-    _DECOMPOSITIONS = None
 
 from funcamp._core.context import dual_level_active, eager_path
 
@@ -31,8 +29,42 @@ __all__ = ["EXACT_SQRT", "FUSED_FMA", "exact_sqrt", "plain_exact_sqrt"]
 # funcamp::fma and funcamp::sqrt
 
 
+# Inductor (its decompositions, and prims.fma, registered by inductor_prims) is imported when a
+# trace first meets one of the ops below, not at `import funcamp`: each op's fake kernel, which
+# dynamo runs before inductor decomposes the graph, puts the pending lowerings in the table.
+_INDUCTOR = importlib.util.find_spec("torch._inductor") is not None
+_PENDING: dict[Any, Any] = {}  # op -> its lowering, until the first trace
+_PENDING_LOCK = threading.Lock()
+
+
 def _inductor_decompositions() -> dict[Any, Any] | None:
-    return _DECOMPOSITIONS
+    if not _INDUCTOR:  # pragma: no cover - torch builds without inductor
+        return None
+    importlib.import_module("torch._inductor.inductor_prims")
+    return importlib.import_module("torch._inductor.decomposition").decompositions
+
+
+def _register_lowerings() -> None:
+    """Put the pending lowerings in inductor's decomposition table (once)."""
+    if not _PENDING:
+        return
+    with _PENDING_LOCK:
+        if not _PENDING:
+            return
+        table = _inductor_decompositions()
+        if table is not None:
+            table.update(_PENDING)
+            cached = sys.modules["torch._inductor.decomposition"].fast_random_decomps
+            getattr(cached, "cache_clear", lambda: None)()  # a copy of the table, cached
+        _PENDING.clear()
+
+
+def _registering(fake: Any) -> Any:
+    def registering_fake(*args: Any) -> Any:
+        _register_lowerings()
+        return fake(*args)
+
+    return registering_fake
 
 
 def _batch_elementwise(op: Any) -> Any:
@@ -56,21 +88,20 @@ def _define_op(name: str, kernel: Any, fake: Any, setup: Any, backward: Any, low
     autograd formula, a vmap rule, and ``lowering`` in inductor's decomposition table (so
     inductor compiles it as ``lowering`` while other backends run ``kernel``). None on a torch
     without inductor."""
-    decompositions = _inductor_decompositions()
-    if decompositions is None:  # pragma: no cover - torch builds without inductor
+    if not _INDUCTOR:  # pragma: no cover - torch builds without inductor
         return None
     try:
         return getattr(torch.ops.funcamp, name).default  # already defined (a reimported module)
     except (AttributeError, RuntimeError):
         pass
     op_def = torch.library.custom_op(f"funcamp::{name}", kernel, mutates_args=())
-    op_def.register_fake(fake)
+    op_def.register_fake(_registering(fake))
     # Differentiable like the ops it stands for (unrolled optimization, learned optimizers).
     op_def.register_autograd(backward, setup_context=setup)
     op = getattr(torch.ops.funcamp, name).default
     # Without a batching rule vmap would run the eager kernel, which inductor compiles as is.
     op_def.register_vmap(_batch_elementwise(op))
-    decompositions[op] = lowering
+    _PENDING[op] = lowering
     return op
 
 
@@ -100,13 +131,15 @@ def _define_fma() -> Any:
     torch's CPU kernel) wherever it runs as a kernel, and inductor's decomposition table maps it
     to the prim. None on a torch without the prim (the traced path then emulates in float64).
     """
-    if _inductor_decompositions() is None:  # pragma: no cover - torch builds without inductor
-        return None
-    prim = getattr(torch.ops.prims, "fma", None)  # registered by the import above
-    if prim is None:  # pragma: no cover - older torch
-        return None
+    if importlib.util.find_spec("torch._inductor.inductor_prims") is None:  # pragma: no cover
+        return None  # torch builds without inductor (prims.fma is registered by inductor_prims)
     return _define_op(
-        "fma", _fma_kernel, _fma_kernel, _fma_setup, _fma_backward, lambda a, b, c: prim(a, b, c)
+        "fma",
+        _fma_kernel,
+        _fma_kernel,
+        _fma_setup,
+        _fma_backward,
+        lambda a, b, c: torch.ops.prims.fma(a, b, c),
     )
 
 

@@ -24,17 +24,17 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
-from torch._inductor import list_mode_options
 
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import NAMESPACE, describe
+from funcamp.compiler import hooks as compiler_hooks
+from funcamp.compiler.gate import Choice, decide
 from funcamp.scaling.state import ScalerState
 from funcamp.train.cache import CachedStep
-from funcamp.train.cpp_bundle import bundling
 from funcamp.train.describe import (
     GLOBAL_STATE_SOURCES,
     STEP_INPUTS,
@@ -44,9 +44,7 @@ from funcamp.train.describe import (
     source_root,
 )
 from funcamp.train.errors import explain
-from funcamp.train.layouts import ChannelsLastConvBackward
 from funcamp.train.loss import Engine, clone_buffers
-from funcamp.train.mutations import live_reads_only
 from funcamp.train.parallel import Parallel
 from funcamp.train.state import TrainState, check_donation, check_train_state
 
@@ -95,13 +93,10 @@ def fresh_code(code: types.CodeType) -> types.CodeType:
 #: tries the step's update nodes against the backward's, whose gradients arrive in other loop
 #: orders; on the CPU it found nothing to fuse in the real-model suite (the same output code on
 #: all nine models, docs/benchmarks.md) and cost up to 2.6 s of a 26-97 s first call.
-#: ``post_grad_custom_post_pass``: :class:`~funcamp.train.layouts.ChannelsLastConvBackward`,
-#: which keeps the activations a convolution's backward reads channels-last (ResNet's first
-#: call 10 % faster, its step's generated code with 87 -> 33 tiled transposes).
-CPU_STEP_OPTIONS = {
-    "loop_ordering_after_fusion": False,
-    "post_grad_custom_post_pass": ChannelsLastConvBackward(),
-}
+#: With funcamp's compiler patches on (:mod:`funcamp.compiler`), a CPU step also gets
+#: :class:`~funcamp.compiler.layouts.ChannelsLastConvBackward` as ``post_grad_custom_post_pass``
+#: (:func:`funcamp.compiler.hooks.inductor_options`).
+CPU_STEP_OPTIONS = {"loop_ordering_after_fusion": False}
 
 
 def step_options_for(device_type: str | None, backend: Any) -> dict[str, Any]:
@@ -115,10 +110,34 @@ def step_options_for(device_type: str | None, backend: Any) -> dict[str, Any]:
 
 def state_device_type(state: TrainState) -> str:
     """The device type of the first tensor among the params ("cpu" when there is none)."""
-    for x in optree.tree_leaves(state.params, namespace=NAMESPACE):
+    return first_device_type(state.params)
+
+
+def first_device_type(tree: PyTree) -> str:
+    """The device type of the first tensor in ``tree`` ("cpu" when there is none)."""
+    for x in optree.tree_leaves(tree, namespace=NAMESPACE):
         if isinstance(x, torch.Tensor):
             return x.device.type
     return "cpu"
+
+
+class Patches(NamedTuple):
+    """funcamp's compiler patches for one compiled step: whether inductor's are ``on`` (see
+    :func:`patches_for`) and the caller's ``choice`` (which the dynamo routing of in-graph
+    ``CrossEntropyLoss`` follows, on every backend)."""
+
+    on: bool = False
+    choice: Choice = "auto"
+
+
+NO_PATCHES = Patches()
+
+
+def patches_for(choice: Choice, device_type: str, options: dict[str, Any]) -> Patches:
+    """funcamp's compiler patches for a step on ``device_type`` compiled with ``options``:
+    inductor's are on as :func:`funcamp.compiler.decide` says (off for another backend)."""
+    inductor = options.get("backend", "inductor") == "inductor"
+    return Patches(inductor and decide(choice, device_type), choice)
 
 
 def compile_fn(
@@ -127,10 +146,13 @@ def compile_fn(
     device_type: str | None = None,
     *,
     specialize: bool = False,
+    patches: bool = False,
 ) -> Callable[..., Any]:
     """``torch.compile(fn, fullgraph=True, ...)``, with :func:`input_guards_only` as the guard
     filter when ``specialize`` (and the caller gives none); ``device_type`` (the step's device,
-    when known) adds :func:`step_options_for` under the caller's options."""
+    when known) adds :func:`step_options_for` under the caller's options, and ``patches`` (on
+    for this compile: :func:`patches_for`) the compiler patches' inductor options
+    (:func:`funcamp.compiler.hooks.inductor_options`)."""
     opts = dict(options)
     backend = opts.pop("backend", "inductor")
     mode = opts.pop("mode", None)
@@ -145,7 +167,7 @@ def compile_fn(
     if mode is not None:
         # torch.compile takes `mode` or `options`, not both: spell the mode out as options.
         if backend == "inductor":
-            inner = {**list_mode_options(mode), **inner}
+            inner = {**torch._inductor.list_mode_options(mode), **inner}
             mode = None
         elif inner:
             # other backends ignore inductor options; only the guard filter matters.
@@ -153,7 +175,10 @@ def compile_fn(
     if mode is not None and inner:
         inner = {}
     # a mode is left only for another backend, which gets no inductor options
-    inner = {**step_options_for(device_type, backend), **inner}
+    patched = compiler_hooks.inductor_options(patches and backend == "inductor", device_type, inner)
+    inner = {**step_options_for(device_type, backend), **patched, **inner}
+    if "post_grad_custom_pre_pass" in patched:  # the patches' cache key, around the caller's
+        inner["post_grad_custom_pre_pass"] = patched["post_grad_custom_pre_pass"]
     return torch.compile(
         fn, fullgraph=fullgraph, backend=backend, mode=mode, options=inner or None, **opts
     )
@@ -338,6 +363,7 @@ def run_compiled(
     eagerly: Callable[[], Any],
     engine: Engine | None = None,
     first: bool = False,
+    patches: Patches = NO_PATCHES,
 ) -> Any:
     """``run(*args)`` (a compiled function), with a dynamo failure explained: a model torch.func
     refuses is traced again with torch.autograd (``engine``); otherwise ``eagerly()`` re-runs the
@@ -345,18 +371,20 @@ def run_compiled(
     On the ``first`` call the trace is tried once more after that eager run: a model may set
     itself up on its first call in a way dynamo cannot trace (transformers installs the hooks
     that record a model's outputs -- Mixtral's router logits -- under a lock), and then
-    compiles. A failure only the compiler has becomes one paragraph naming the way out."""
+    compiles. A failure only the compiler has becomes one paragraph naming the way out.
+    ``patches``: funcamp's compiler patches are on for this compile
+    (:func:`funcamp.compiler.hooks.running`)."""
     tracing = engine.tracing() if engine is not None else contextlib.nullcontext()
     hooks = _saved_tensors_hooks_state()
     try:
         # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
         # raises; the eager re-run gives the plain error, so that log is held back.
-        with _quiet(_FAKE_TENSOR_LOG), tracing, bundling(), live_reads_only(), _tracing_config():
+        with _quiet(_FAKE_TENSOR_LOG), tracing, compiler_hooks.running(*patches), _tracing_config():
             return run(*args)
     except torch._dynamo.exc.TorchDynamoException as e:
         _restore_saved_tensors_hooks(hooks)
         if engine is not None and engine.switch(e):
-            return run_compiled(api, run, args, eagerly, engine, first)
+            return run_compiled(api, run, args, eagerly, engine, first, patches)
 
         def rerun() -> None:
             with torch.compiler.set_stance("force_eager"):
@@ -373,7 +401,7 @@ def run_compiled(
         failure = explain(api, e, rerun)  # raises the model's own error, if it has one
         if first:
             try:
-                return run_compiled(api, run, args, eagerly, engine)
+                return run_compiled(api, run, args, eagerly, engine, patches=patches)
             except RuntimeError as again:
                 if again.__cause__ is None:  # not the paragraph: raise it as it came
                     raise
@@ -392,6 +420,7 @@ def wrap_step(
     donate_state: bool,
     specialize: bool = False,
     cache: tuple[str, Callable[..., Any], str] | None = None,
+    compiler_patches: Choice = "auto",
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """``step(state, batch)``: ``train_step`` compiled (or eager), as every funcamp train step
     runs -- one process, data parallel or sharded alike.
@@ -401,13 +430,19 @@ def wrap_step(
     structure; a donated state shares no memory. On the first call the optimizer state is
     checked against the params. ``specialize``: keep only the guards on the inputs
     (:func:`input_guards_only`). ``cache``, ``(directory, loss_fn, settings)``, keeps the
-    compiled step on disk (:class:`funcamp.train.cache.CachedStep`)."""
+    compiled step on disk (:class:`funcamp.train.cache.CachedStep`). ``compiler_patches``:
+    ``make_train_step``'s choice of funcamp's compiler patches (:func:`patches_for`)."""
     train_step.__code__ = fresh_code(train_step.__code__)
+    patched: list[Patches] = []
 
     def compiled_for(device_type: str) -> Callable[..., Any]:
         # Built on the first call, when the state's device is known (see step_options_for).
+        on = patches_for(compiler_patches, device_type, compile_options)
+        patched.append(on)
         compiled = announce_first_call(
-            compile_fn(train_step, compile_options, device_type, specialize=specialize)
+            compile_fn(
+                train_step, compile_options, device_type, specialize=specialize, patches=on.on
+            )
         )
         if cache is None:
             return compiled
@@ -415,7 +450,7 @@ def wrap_step(
         return CachedStep(
             train_step,
             lambda keep: compile_fn(
-                train_step, {**compile_options, "guard_filter_fn": keep}, device_type
+                train_step, {**compile_options, "guard_filter_fn": keep}, device_type, patches=on.on
             ),
             compiled,
             directory,
@@ -464,6 +499,7 @@ def wrap_step(
                 lambda: train_step(clone_buffers(local) if donate_state else local, batch),
                 engine,
                 first=len(expected) == 1,
+                patches=patched[0],
             )
             if len(expected) == 1:  # the first compiled call: free what its trace still holds
                 expected.append("compiled")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -12,8 +12,17 @@ from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import describe
 from funcamp.casting.amp import amp
 from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
+from funcamp.compiler.gate import check_choice
 from funcamp.policy.policy import Policy, as_policy
-from funcamp.train.compile import check_specialize, compile_fn, fresh_code, run_compiled
+from funcamp.train.compile import (
+    Patches,
+    check_specialize,
+    compile_fn,
+    first_device_type,
+    fresh_code,
+    patches_for,
+    run_compiled,
+)
 from funcamp.train.frozen import combine
 from funcamp.train.loss import clone_buffers
 from funcamp.train.state import TrainState
@@ -30,6 +39,7 @@ def make_eval_step(
     *,
     compile: bool = True,
     specialize: bool = False,
+    compiler_patches: bool | Literal["auto"] = "auto",
     **compile_options: Any,
 ) -> Callable[[Any, Batch], Any]:
     """Build ``eval_step(state, batch) -> fn(params, buffers, batch)``: evaluation under the
@@ -52,6 +62,9 @@ def make_eval_step(
         specialize: keep only the guards on the inputs, as :func:`make_train_step`'s
             ``specialize`` (default ``False``: a value ``fn`` reads from a closure, a global or
             a module attribute that changes recompiles it).
+        compiler_patches: funcamp's changes to inductor, as for :func:`make_train_step`
+            (``"auto"``: on only for a torch release and device of
+            :data:`funcamp.compiler.ALLOWLIST`).
         **compile_options: passed to ``torch.compile`` as for :func:`make_train_step`.
 
     Returns:
@@ -79,6 +92,7 @@ def make_eval_step(
     check_flag(api, "compile", compile)
     check_flag(api, "specialize", specialize)
     check_specialize(api, specialize, compile, compile_options)
+    check_choice(api, compiler_patches)
     if compile_options and not compile:
         raise TypeError(
             f"funcamp.{api}: compile options {sorted(compile_options)} must not be given with "
@@ -92,13 +106,13 @@ def make_eval_step(
             return run_fn(fp8, params, clone_buffers(buffers), batch)
 
     eval_step.__code__ = fresh_code(eval_step.__code__)
-    run = (
-        announce_first_call(
-            compile_fn(eval_step, compile_options, specialize=specialize), "eval step"
-        )
-        if compile
-        else eval_step
-    )
+    compiled: list[tuple[Callable[..., Any], Patches]] = []
+
+    def compiled_for(device_type: str) -> tuple[Callable[..., Any], Patches]:
+        # Built on the first call, when the params' device is known (the compiler patches').
+        on = patches_for(compiler_patches, device_type, compile_options)
+        run = compile_fn(eval_step, compile_options, specialize=specialize, patches=on.on)
+        return announce_first_call(run, "eval step"), on
 
     def step(state: Any, batch: Batch) -> Any:
         if isinstance(state, TrainState):
@@ -112,9 +126,12 @@ def make_eval_step(
             )
         flatten_params(api, params)
         args = (params, buffers, fp8, batch)
-        if run is eval_step:
+        if not compile:
             return eval_step(*args)
-        return run_compiled(api, run, args, lambda: eval_step(*args))
+        if not compiled:
+            compiled.append(compiled_for(first_device_type(params)))
+        run, on = compiled[0]
+        return run_compiled(api, run, args, lambda: eval_step(*args), patches=on)
 
     step.__doc__ = f"A funcamp eval step ({'compiled' if compile else 'eager'}, policy {pol})."
     return step

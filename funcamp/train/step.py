@@ -28,6 +28,7 @@ from funcamp._core.hints import optimizer_type_error
 from funcamp._core.tree import describe, plan_write, tree_select
 from funcamp.casting.amp import amp, recompute_under
 from funcamp.casting.fp8 import needs_state, with_fp8_state
+from funcamp.compiler.gate import check_choice
 from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.headroom import headroom_dtype, headroom_of
@@ -59,6 +60,7 @@ class StepOptions(NamedTuple):
     grad_norm: Any = True
     cache_dir: Any = None
     specialize: Any = False
+    compiler_patches: Any = "auto"
 
 
 class _Checked(NamedTuple):
@@ -93,6 +95,7 @@ def check_step_options(
     ):
         check_flag(API, name, getattr(opts, name))
     check_specialize(API, opts.specialize, opts.compile, compile_options)
+    check_choice(API, opts.compiler_patches)
     if not (isinstance(opts.headroom, bool) or callable(opts.headroom)):
         raise TypeError(
             f"funcamp.{API}: `headroom` must be a bool or a callable of the leaf path, got "
@@ -275,6 +278,7 @@ def build_train_step(
             opts.donate_state,
             describe_option(opts.headroom),
             opts.grad_norm,
+            opts.compiler_patches,
         )
     )
     step = wrap_step(
@@ -288,6 +292,7 @@ def build_train_step(
         donate_state=opts.donate_state,
         specialize=opts.specialize,
         cache=None if checked.cache_dir is None else (checked.cache_dir, loss_fn, settings),
+        compiler_patches=opts.compiler_patches,
     )
     step.__doc__ = (
         f"A funcamp train step ({'compiled' if opts.compile else 'eager'}, policy {pol}, "

@@ -21,6 +21,15 @@ keeps anyway; only the nodes it would have built and dropped are not made (ViT: 
 Scheduler.__init__ 7.4 -> 3.8 s, docs/benchmarks.md). Everything else is inductor's own code;
 a torch whose lowering does not look like this (no ``name_to_users``/``env``) runs it
 unchanged.
+
+Upstream: ``mark_buffer_mutated`` realizing every registered reader came with
+pytorch/pytorch#105882 ("Optimize finding users of buffers for mutation", which replaced a scan
+of the environment by ``register_users_of``); no issue asks for the dead readers to be skipped.
+Inductor dropping a reader from ``name_to_users`` once its FX node's value is freed (or
+realizing lazily at scheduling) would make this module unnecessary. Scope: on only inside
+:func:`live_reads_only` in the thread that entered it (funcamp's own compiles, chosen by
+:mod:`funcamp.compiler.gate`), and part of inductor's FX graph cache key there
+(:mod:`funcamp.compiler.keys`).
 """
 
 from __future__ import annotations
@@ -28,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,12 +46,11 @@ try:  # inductor's lowering and IR (torch builds with inductor)
 except Exception:  # pragma: no cover - torch without inductor
     _ir = _GraphLowering = None
 
-from funcamp.train.switch import switched_on
+from funcamp.compiler.switch import acted, install_once, switched_on
 
-__all__ = ["live_reads_only", "supported"]
+__all__ = ["drop_dead_readers", "live_reads_only", "supported"]
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("funcamp_live_reads", default=False)
-_LOCK = threading.Lock()
 _ORIGINAL: Any = None
 
 
@@ -71,22 +78,43 @@ def _dead(value: Any, live: set[int]) -> bool:
 
 
 def _live_ids(env: dict[Any, Any]) -> set[int]:
+    """The ids of every value the environment still holds, inside nested lists and tuples too:
+    ``register_users_of`` registers readers found at any depth of a node's value, so liveness
+    is judged at every depth (a value one level deeper, judged dead, was read after the write)."""
     live: set[int] = set()
-    for value in env.values():
+    stack = list(env.values())
+    while stack:
+        value = stack.pop()
+        live.add(id(value))
         if isinstance(value, (list, tuple)):
-            live.update(id(x) for x in value)
-        else:
-            live.add(id(value))
+            stack.extend(value)
     return live
 
 
 def _install() -> None:
     """Route ``GraphLowering.mark_buffer_mutated`` through this module (once). Outside
     :func:`live_reads_only` it runs inductor's own code only."""
+    install_once("live_reads", _patch)
+
+
+def _patch() -> bool:
     global _ORIGINAL
-    with _LOCK:
-        if _ORIGINAL is None:
-            _ORIGINAL = _wrap(_GraphLowering.mark_buffer_mutated)
+    _ORIGINAL = _wrap(_GraphLowering.mark_buffer_mutated)
+    return True
+
+
+def drop_dead_readers(graph: Any, name: Any) -> None:
+    """Drop from ``graph.name_to_users[name]`` the lazy values nothing can read any more (see
+    the module docstring); the rest inductor realizes before the write into ``name``."""
+    users = getattr(graph, "name_to_users", {}).get(name)
+    env = getattr(graph, "env", None)
+    if users and isinstance(env, dict):
+        # Dead for good (a freed value never comes back): dropped from the list.
+        live = _live_ids(env)
+        kept = [user for user in users if not _dead(user, live)]
+        if len(kept) != len(users):
+            acted("live_reads")
+            users[:] = kept
 
 
 def _wrap(original: Any) -> Any:
@@ -94,13 +122,7 @@ def _wrap(original: Any) -> Any:
 
     def mark_buffer_mutated(self: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
         if _ACTIVE.get():
-            users = getattr(self, "name_to_users", {}).get(name)
-            env = getattr(self, "env", None)
-            if users and isinstance(env, dict):
-                # Dead for good (a freed value never comes back): dropped from the list, and
-                # inductor's own method realizes the rest.
-                live = _live_ids(env)
-                users[:] = [user for user in users if not _dead(user, live)]
+            drop_dead_readers(self, name)
         return original(self, name, *args, **kwargs)
 
     mark_buffer_mutated.__wrapped__ = original  # type: ignore[attr-defined]

@@ -17,6 +17,18 @@ inductor lowers the graph, where inductor's layout optimization will run the con
 channels-last anyway: the activation is stored once, channels-last, and read as it is by both.
 The same kernels compute the same values; only layouts change (ResNet's step: 87 tiled
 transposes -> 33 in its generated code, docs/benchmarks.md).
+
+A tensor is left as traced when any op that reads it takes its traced strides as a constraint:
+a custom op of fixed stride order or exact strides (``torch._C.Tag.needs_fixed_stride_order``,
+``needs_exact_strides``, or the custom-op default, which inductor enforces with
+``constrain_to_fx_strides``), an op inductor lowers with a layout constraint of its own (a
+collective), or anything that is not an ATen operator overload (a higher-order op).
+
+Upstream: pytorch/pytorch#189239 (inductor's layout optimization and ``convolution_backward``)
+covers the separate backward graphs of torch's training path; inductor choosing the layout of a
+tensor read by both a convolution and its backward in *one* graph would make this pass
+unnecessary. It reaches inductor through its public ``post_grad_custom_post_pass`` option, keyed
+by a digest of this file (:meth:`ChannelsLastConvBackward.uuid`).
 """
 
 from __future__ import annotations
@@ -24,7 +36,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._inductor import lowering as _lowering
 from torch._inductor.graph import GraphLowering
+from torch._library.utils import get_layout_constraint_tag
 
 try:  # a pass inductor's FX graph cache can key on (torch >= 2.5)
     from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -39,6 +53,13 @@ __all__ = ["ChannelsLastConvBackward", "channels_last_strides"]
 
 _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 _AS_STRIDED = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default)
+# Their layout constraints follow inductor's layout optimization (no constraint while it is on).
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, _CONV_BACKWARD)
+_FIXED = tuple(
+    getattr(torch._C.Tag, name)
+    for name in ("needs_fixed_stride_order", "needs_exact_strides")
+    if hasattr(torch._C.Tag, name)
+)
 
 
 def channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -54,11 +75,28 @@ def _layout_optimized(gm: Any) -> bool:
         return False
 
 
+def _reads_traced_strides(user: torch.fx.Node) -> bool:
+    """Whether inductor gives ``user`` its inputs in their traced strides (or order): a custom
+    op of fixed stride order or exact strides, an op with a layout constraint, or anything but
+    an ATen operator overload. The convolutions follow inductor's layout optimization."""
+    target = user.target
+    if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return True
+    if target in _CONVOLUTIONS:
+        return False
+    constraints = getattr(_lowering, "maybe_layout_constraints", None)
+    if constraints is None:  # another inductor: leave the tensor as traced
+        return True
+    if constraints(target) is not None:
+        return True
+    return get_layout_constraint_tag(target, with_default=True) in _FIXED
+
+
 def _movable(node: torch.fx.Node) -> bool:
     """A tensor whose layout inductor fixes from its traced strides only because
     ``convolution_backward`` reads it: computed here (not a graph input), read by several ops,
-    dense, 4-d of static shape and contiguous, not a view, not returned and not the source of an
-    ``as_strided``."""
+    dense, 4-d of static shape and contiguous, not a view, not returned, not the source of an
+    ``as_strided`` and read by no op that takes the traced strides (:func:`_reads_traced_strides`)."""
     val = node.meta.get("val")
     if (
         node.op != "call_function"
@@ -71,7 +109,10 @@ def _movable(node: torch.fx.Node) -> bool:
         or node.meta.get("inductor_realize_to_strides", False)
     ):
         return False
-    return all(u.op != "output" and u.target not in _AS_STRIDED for u in node.users)
+    return all(
+        u.op != "output" and u.target not in _AS_STRIDED and not _reads_traced_strides(u)
+        for u in node.users
+    )
 
 
 class ChannelsLastConvBackward(CustomGraphPass):  # type: ignore[misc]
@@ -81,7 +122,7 @@ class ChannelsLastConvBackward(CustomGraphPass):  # type: ignore[misc]
 
     Example:
         >>> import torch
-        >>> from funcamp.train.layouts import ChannelsLastConvBackward
+        >>> from funcamp.compiler.layouts import ChannelsLastConvBackward
         >>> conv = torch.nn.Conv2d(3, 8, 3)
         >>> def grads(w, x):
         ...     y = torch.relu(torch.nn.functional.conv2d(x, w))

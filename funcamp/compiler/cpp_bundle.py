@@ -22,6 +22,13 @@ inductor's cache makes the same units and finds them built.
 A kernel whose source is not the plain shape this relies on (one ``extern "C" void kernel(``
 after the ``cpp_prefix.h`` include, no other preprocessor lines but ``#pragma``) is built the
 usual way, as is everything when this torch's binding scheme is not the one mirrored here.
+
+Upstream: no PyTorch issue asks for this yet (the nearest, pytorch/pytorch#147323, is about
+the opposite problem of one huge ``cpp_wrapper`` file). Inductor building a graph's CPU kernels
+in a few translation units itself (as ``cpp_wrapper=True`` builds one file per graph, but with
+the Python wrapper and in parallel) would make this module unnecessary. Scope: on only inside
+:func:`bundling` in the thread that entered it (funcamp's own compiles, chosen by
+:mod:`funcamp.compiler.gate`); installed once, under a lock, the first time it is entered.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from funcamp._core.progress import logger
-from funcamp.train.switch import switched_on
+from funcamp.compiler.switch import acted, install_once, switched_on
 
 __all__ = ["bundling", "supported"]
 
@@ -299,11 +306,14 @@ _ORIGINAL: Any = None
 
 def _install() -> None:
     """Route ``AsyncCompile.cpp_pybinding`` (and the wrapper's ``define_kernel``, where inductor
-    writes a kernel into the graph's module as it generates it) through this module (once).
-    Outside :func:`bundling` both run inductor's own code only."""
+    writes a kernel into the graph's module as it generates it) through this module (once in the
+    process, under the switch's lock: two threads entering :func:`bundling` at once install it
+    once). Outside :func:`bundling` both run inductor's own code only."""
+    install_once("cpp_bundle", _patch)
+
+
+def _patch() -> bool:
     global _ORIGINAL
-    if _ORIGINAL is not None:
-        return
     cls = _async_compile.AsyncCompile
     _ORIGINAL = original = cls.cpp_pybinding
 
@@ -317,6 +327,7 @@ def _install() -> None:
                 return original(self, argtypes, source_code)
             slot = _Slot(list(argtypes), source_code)
             _add(slot)
+        acted("cpp_bundle")
         log = getattr(_async_compile, "kernel_code_log", None)
         if log is not None:
             log.info("CPP+Bindings Kernel (funcamp bundle):\n%s", source_code)
@@ -328,7 +339,7 @@ def _install() -> None:
     wrapper = getattr(_wrapper, "PythonWrapperCodegen", None) if _wrapper is not None else None
     define = getattr(wrapper, "define_kernel", None)
     if define is None:  # pragma: no cover - another torch: units start when the graph loads
-        return
+        return True
 
     def define_kernel(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = define(self, *args, **kwargs)
@@ -347,6 +358,7 @@ def _install() -> None:
 
     define_kernel.__wrapped__ = define  # type: ignore[attr-defined]
     wrapper.define_kernel = define_kernel
+    return True
 
 
 @contextlib.contextmanager

@@ -1,0 +1,119 @@
+"""A ``CrossEntropyLoss`` built inside a compiled :func:`funcamp.amp` function reaches the amp mode.
+
+Dynamo special-cases the construction of ``torch.nn.CrossEntropyLoss`` inside a traced
+function: instead of tracing the module's ``__init__`` and ``forward`` it puts a bare
+``F.cross_entropy`` node into the graph (``UserDefinedClassVariable._call_cross_entropy_loss``,
+added with pytorch/torchdynamo#450, "Add support for crossentropy"). That node never reaches an
+active :class:`torch.overrides.TorchFunctionMode`, so under :func:`funcamp.amp` a loss that eager
+code computes in float32 was computed in the compute dtype once compiled (Hugging Face's
+``BertForMaskedLM`` builds ``CrossEntropyLoss()`` in its ``forward``: a bf16 loss, silently).
+Module hooks (module policies, ``trace``'s module paths) were skipped too. Upstream, dynamo
+keeping that fast path only while no torch function mode is on its stack would make this
+module unnecessary (no issue asks for it yet).
+
+While funcamp's amp mode (the class given to :func:`install`) is on the traced function's mode
+stack, the construction is routed to an identical subclass instead, which dynamo traces like
+any other module: ``__init__``, the global forward hooks and ``forward`` run as written, and
+``F.cross_entropy`` dispatches to the mode as it does in eager code -- the eager result, bit for
+bit. Any other trace, another torch function mode's included, keeps dynamo's own fast path.
+
+Installed once, under a lock, when :func:`funcamp.amp` first wraps a function (never at
+``import funcamp``). On for a torch release of :data:`funcamp.compiler.ALLOWLIST` (on any device:
+it changes which Python dynamo traces, not a kernel) unless a :func:`funcamp.compiler.patches`
+block or a step's ``compiler_patches=`` chooses; elsewhere off, said once. A torch whose dynamo
+has no such special case, or whose internals moved, is left alone (logged once).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from funcamp._core.progress import logger
+from funcamp.compiler import gate
+
+try:  # dynamo's internals the patch goes through (torch 2.6-2.13)
+    from torch._dynamo.source import AttrSource
+    from torch._dynamo.variables import user_defined
+    from torch._dynamo.variables.base import VariableTracker
+except ImportError:  # pragma: no cover - a torch without dynamo
+    AttrSource = VariableTracker = user_defined = None
+
+__all__ = ["install", "routes"]
+
+_LOCK = threading.Lock()
+_MODES: list[type] = []  # the mode classes that route (funcamp's amp mode)
+_STATE: list[bool] = []  # [installed?], once decided
+
+
+class _CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` under a class object dynamo does not special-case."""
+
+
+_CrossEntropyLoss.__name__ = _CrossEntropyLoss.__qualname__ = "CrossEntropyLoss"
+
+
+def _amp_mode_active(tx: Any) -> bool:
+    """Whether one of :data:`_MODES` is on the traced function's torch function mode stack."""
+    state = getattr(tx, "symbolic_torch_function_state", None)
+    stack = getattr(state, "mode_stack", None)
+    if stack is None:
+        return False
+    for variable in stack:
+        try:
+            kind = variable.python_type()
+        except Exception:  # a mode dynamo cannot type: not ours
+            continue
+        if isinstance(kind, type) and issubclass(kind, tuple(_MODES)):
+            return True
+    return False
+
+
+def routes() -> bool:
+    """Whether a trace started now routes (the gate's choice: :mod:`funcamp.compiler.gate`)."""
+    choice = gate._CHOICE.get()
+    if choice != "auto":
+        return bool(choice)
+    if any(release == gate.release() for release, _ in gate.ALLOWLIST):
+        return True
+    return gate.decide("auto", "any device")
+
+
+def install(mode_class: type) -> bool:
+    """Route in-graph ``CrossEntropyLoss`` constructions to ``mode_class`` while it is on the
+    trace's mode stack (once per class; dynamo patched once, under a lock); True when the
+    patch is in place."""
+    with _LOCK:
+        if mode_class not in _MODES:
+            _MODES.append(mode_class)
+        if not _STATE:
+            _STATE.append(_patch())
+        return _STATE[0]
+
+
+def _patch() -> bool:
+    cls = getattr(user_defined, "UserDefinedClassVariable", None)
+    original = getattr(cls, "_call_cross_entropy_loss", None)
+    if original is None or AttrSource is None or not hasattr(VariableTracker, "build"):
+        logger.info(
+            "funcamp: this torch's dynamo is not the one funcamp.compiler.cross_entropy was "
+            "written against; a CrossEntropyLoss built inside a compiled amp function is "
+            "traced as dynamo traces it"
+        )
+        return False
+
+    def _call_cross_entropy_loss(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        if not (_amp_mode_active(tx) and routes()):
+            return original(self, tx, args, kwargs)
+        # With a source (an attribute of this module), dynamo takes its generic path for a
+        # user class: the real constructor, then the module's __call__ when it is called.
+        source = AttrSource(tx.import_source(__name__), "_CrossEntropyLoss")
+        subclass = VariableTracker.build(tx, _CrossEntropyLoss, source)
+        return subclass.call_function(tx, args, kwargs)
+
+    _call_cross_entropy_loss.__funcamp__ = True  # type: ignore[attr-defined]
+    _call_cross_entropy_loss.__wrapped__ = original  # type: ignore[attr-defined]
+    cls._call_cross_entropy_loss = _call_cross_entropy_loss
+    return True
