@@ -10,7 +10,6 @@ fixed-stride custom op reads, and the race of two threads installing ``cpp_bundl
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ import types
 
 import pytest
 import torch
+from fresh_compile import fresh_inductor
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -33,16 +33,6 @@ try:
     from torch._inductor.utils import fresh_cache
 except ImportError:  # torch < 2.8
     from torch._inductor.utils import fresh_inductor_cache as fresh_cache
-
-
-@contextlib.contextmanager
-def fresh_inductor():
-    """Every compile lowered afresh (no FX graph or AOTAutograd cache hit skips lowering)."""
-    with (
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-    ):
-        yield
 
 
 def _update(p, m, g):

@@ -9,10 +9,9 @@ results, stay the same; the dead nodes are never built.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from fresh_compile import fresh_inductor
 from tiny_step import batches, model_step
 from torch._inductor import scheduler
 
@@ -23,16 +22,6 @@ from funcamp.compiler.live_reads import live_reads_only
 from funcamp.testing import assert_trees_equal
 
 pytestmark = pytest.mark.skipif(not mutations.supported(), reason="another inductor lowering")
-
-
-@contextlib.contextmanager
-def fresh_inductor():
-    """Every compile lowered afresh (no FX graph or AOTAutograd cache hit skips lowering)."""
-    with (
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-    ):
-        yield
 
 
 @pytest.fixture

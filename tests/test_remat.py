@@ -210,6 +210,16 @@ def test_remat_under_torch_compile_fullgraph_matches_eager():
 
 
 # -- the train step -------------------------------------------------------------------------------
+def _train(loss_fn, opt, state, batch, steps: int, **kw):
+    """``steps`` steps of ``make_train_step(loss_fn, opt, POLICY, **kw)``: (losses, state)."""
+    step = funcamp.make_train_step(loss_fn, opt, POLICY, **kw)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+    return torch.stack(losses), state
+
+
 def _run_step(way: str, steps: int = 2, **kw):
     model, batch = _net(way, n=1), _batch()
     params, buffers = funcamp.params_and_buffers(model)
@@ -219,12 +229,7 @@ def _run_step(way: str, steps: int = 2, **kw):
     def loss_fn(p, b, batch):
         return _loss(lambda x: torch.func.functional_call(model, (p, b), (x,)), *batch)
 
-    step = funcamp.make_train_step(loss_fn, opt, POLICY, **kw)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(metrics["loss"])
-    return torch.stack(losses), state
+    return _train(loss_fn, opt, state, batch, steps, **kw)
 
 
 def _leaves(tree):
@@ -278,12 +283,7 @@ def _hf_run(ckpt: bool | str, steps: int = 2, trainable=None, **kw):
     def loss_fn(p, b, batch):
         return torch.func.functional_call(model, (p, b), (), batch).loss
 
-    step = funcamp.make_train_step(loss_fn, opt, POLICY, **kw)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(metrics["loss"])
-    return torch.stack(losses), state
+    return _train(loss_fn, opt, state, batch, steps, **kw)
 
 
 def _not_embeddings(path: str) -> bool:
