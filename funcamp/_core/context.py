@@ -5,18 +5,24 @@ hints depend on which: *compiling* (dynamo is tracing: ``torch.compile``), *insi
 transform* (``grad``, ``vmap``, ``jvp``: functorch wrapper tensors), or *plain eager*. Every
 question about the context goes through the functions below: ``torch.compiler.is_compiling()``
 is called in this module only.
+
+``import funcamp`` does not import dynamo (nor, through it, any inductor module): the one mark
+funcamp's own code needs from dynamo at definition time, :func:`constant_result`, is set without
+importing it on the torch releases where that is what dynamo's decorator does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
-import torch._dynamo
+
+from funcamp._core.version import torch_release
 
 __all__ = [
     "compiling",
+    "constant_result",
     "dual_level_active",
     "eager_path",
     "in_transform",
@@ -26,6 +32,37 @@ __all__ = [
     "transform_level",
     "transform_while_tracing",
 ]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+#: torch releases whose ``torch.compiler.assume_constant_result(fn)`` only sets
+#: ``fn._dynamo_marked_constant = True`` (the attribute dynamo reads when it meets ``fn``):
+#: tests/test_context.py checks it on the torch it runs with.
+MARK_RELEASES = frozenset({"2.13", "2.14"})
+
+
+def constant_result(fn: F) -> F:
+    """``torch.compiler.assume_constant_result(fn)``: under ``torch.compile``, a call of ``fn``
+    is run at trace time and its result is a constant of the graph.
+
+    On :data:`MARK_RELEASES` the mark is set as torch's decorator sets it, so that defining a
+    marked function does not import dynamo (and inductor modules with it) at ``import funcamp``;
+    on any other release torch's decorator itself runs.
+
+    Example:
+        >>> import torch
+        >>> from funcamp._core.context import constant_result
+        >>> @constant_result
+        ... def two() -> int:
+        ...     return 2
+        >>> torch.compile(lambda x: x * two(), backend="eager", fullgraph=True)(torch.ones(1))
+        tensor([2.])
+    """
+    if torch_release() in MARK_RELEASES:
+        fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+        return fn
+    return torch.compiler.assume_constant_result(fn)  # type: ignore[no-any-return]
 
 
 def compiling() -> bool:
@@ -43,7 +80,7 @@ def in_transform() -> bool:
     return transform_level() is not None
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def transform_while_tracing() -> bool:
     """:func:`in_transform`, asked while dynamo traces: its answer at trace time becomes a
     constant of the graph (dynamo cannot put the functorch level in a graph, and a graph traced

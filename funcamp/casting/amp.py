@@ -25,7 +25,7 @@ from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
 from funcamp._core.context import compiling, in_transform, transform_while_tracing
-from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, run_fp8
+from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, prepare_trace, run_fp8
 from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
 from funcamp.casting.reentry import backward_entries, reentered
 from funcamp.compiler.hooks import route_cross_entropy
@@ -58,6 +58,8 @@ class _Context(NamedTuple):
 
 @functools.lru_cache(maxsize=128)
 def mode_context(policy: Policy) -> _Context:
+    if policy.fp8 is not None:
+        prepare_trace()
     table: dict[Any, tuple[OpRule, str]] = {}
     for key, rule in policy.ops.dispatch_table().items():
         if rule is not OpRule.NONE:

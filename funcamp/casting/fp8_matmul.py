@@ -5,6 +5,7 @@ forward and backward, and the fallbacks for calls FP8 cannot run.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,7 +21,7 @@ from funcamp.casting.fp8 import (
 )
 from funcamp.policy.fp8 import E4M3, E5M2, Fp8Config
 
-__all__ = ["FP8_OPS", "Fp8Fallback", "Fp8Record", "run_fp8", "scaled_mm"]
+__all__ = ["FP8_OPS", "Fp8Fallback", "Fp8Record", "prepare_trace", "run_fp8", "scaled_mm"]
 
 
 def _pad_to_16(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -142,15 +143,13 @@ def _backward_mms(
 # dynamo inlines an autograd.Function's forward under torch.func.grad and drops its backward
 # (silently wrong gradients: pytorch/pytorch#193279); called through allow_in_graph functions,
 # the Function reaches AOT autograd whole and its backward is kept (measured, eager and
-# inductor).
-@torch._dynamo.allow_in_graph
+# inductor). Marked by prepare_trace, not here: allow_in_graph imports dynamo.
 def _current_linear(
     x: torch.Tensor, w: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
     return _CurrentLinear.apply(x, w, sx, sw, out_dtype)  # (out, xq, wq)
 
 
-@torch._dynamo.allow_in_graph
 def _delayed_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -160,6 +159,23 @@ def _delayed_linear(
     margin: int,
 ) -> tuple[torch.Tensor, ...]:
     return _DelayedLinear.apply(x, w, history, scale, out_dtype, margin)  # (out, xq, wq)
+
+
+_MARKED: list[bool] = []
+_MARK_LOCK = threading.Lock()
+
+
+def prepare_trace() -> None:
+    """Have dynamo put the FP8 linears in a graph whole (``torch.compiler.allow_in_graph``).
+
+    Called when a policy with FP8 is first given to :func:`funcamp.amp` (so before anything
+    can trace an FP8 call), not at import: ``allow_in_graph`` imports dynamo. Once per process,
+    under a lock."""
+    with _MARK_LOCK:
+        if not _MARKED:
+            torch.compiler.allow_in_graph(_current_linear)
+            torch.compiler.allow_in_graph(_delayed_linear)
+            _MARKED.append(True)
 
 
 class Fp8Record(NamedTuple):

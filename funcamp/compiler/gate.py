@@ -17,9 +17,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Literal
 
-import torch
-
 from funcamp._core.progress import logger
+from funcamp._core.version import torch_release
 
 __all__ = ["ALLOWLIST", "Choice", "check_choice", "decide", "patches", "release"]
 
@@ -43,8 +42,7 @@ def release() -> str:
         >>> release().count(".")
         1
     """
-    major, minor = torch.__version__.split(".")[:2]
-    return f"{major}.{minor}"
+    return torch_release()
 
 
 def check_choice(api: str, choice: Any) -> Choice:

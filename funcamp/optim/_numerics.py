@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import threading
 from typing import Any
@@ -32,7 +33,13 @@ __all__ = ["EXACT_SQRT", "FUSED_FMA", "exact_sqrt", "plain_exact_sqrt"]
 # Inductor (its decompositions, and prims.fma, registered by inductor_prims) is imported when a
 # trace first meets one of the ops below, not at `import funcamp`: each op's fake kernel, which
 # dynamo runs before inductor decomposes the graph, puts the pending lowerings in the table.
-_INDUCTOR = importlib.util.find_spec("torch._inductor") is not None
+_INDUCTOR_SPEC = importlib.util.find_spec("torch._inductor")  # found, not imported
+_INDUCTOR = _INDUCTOR_SPEC is not None
+# prims.fma is registered by inductor_prims; `find_spec` of that submodule would import its parent
+_INDUCTOR_PRIMS = _INDUCTOR_SPEC is not None and any(
+    os.path.exists(os.path.join(where, "inductor_prims.py"))
+    for where in _INDUCTOR_SPEC.submodule_search_locations or ()
+)
 _PENDING: dict[Any, Any] = {}  # op -> its lowering, until the first trace
 _PENDING_LOCK = threading.Lock()
 
@@ -131,7 +138,7 @@ def _define_fma() -> Any:
     torch's CPU kernel) wherever it runs as a kernel, and inductor's decomposition table maps it
     to the prim. None on a torch without the prim (the traced path then emulates in float64).
     """
-    if importlib.util.find_spec("torch._inductor.inductor_prims") is None:  # pragma: no cover
+    if not _INDUCTOR_PRIMS:  # pragma: no cover
         return None  # torch builds without inductor (prims.fma is registered by inductor_prims)
     return _define_op(
         "fma",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 
-import torch
+from funcamp._core.context import constant_result
 
 __all__ = ["glob_match"]
 
 
-@torch._dynamo.assume_constant_result
+@constant_result
 def glob_match(path: str, pattern: str) -> bool:
     """Whether the module path ``path`` (``"layers.0.mlp"``) matches the glob ``pattern``.
 
