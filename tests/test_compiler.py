@@ -26,7 +26,17 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import funcamp
-from funcamp.compiler import cpp_bundle, gate, hooks, layouts, live_reads, switch
+from funcamp._core import context
+from funcamp.compiler import (
+    cpp_bundle,
+    cross_entropy,
+    gate,
+    hooks,
+    layouts,
+    live_reads,
+    release,
+    switch,
+)
 from funcamp.train.compile import compile_fn, fresh_code, patches_for
 
 try:
@@ -57,24 +67,35 @@ def _fresh(fn):
 # -- import: nothing patched, no compiler module loaded ----------------------------------------
 
 _PROBE = """
-import json, sys
-import torch._dynamo
-base = {m for m in sys.modules if m.startswith("torch._inductor")}
+import json, sys, time
+import torch
+start = time.perf_counter()
 import funcamp
+seconds = time.perf_counter() - start
+loaded = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))
+patch_modules = sorted(m for m in sys.modules if m.startswith("funcamp.compiler.")
+                       and m.rsplit(".", 1)[1] not in ("gate", "hooks"))
+# funcamp's dynamo marks still act once dynamo is there: a module policy's glob match (a
+# constant of the trace, see funcamp/policy/modules.py) compiles with no graph break
+policy = funcamp.get_policy("mixed_bfloat16").with_module_policies({"0": "float32"})
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+f = funcamp.amp(lambda x: model(x), policy)
+out = torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2, 4))
 from torch._dynamo.variables.user_defined import UserDefinedClassVariable
 print(json.dumps({
-    "extra": sorted(m for m in sys.modules if m.startswith("torch._inductor") and m not in base),
-    "patch_modules": sorted(m for m in sys.modules if m.startswith("funcamp.compiler.")
-                            and m.rsplit(".", 1)[1] not in ("gate", "hooks")),
-    "dynamo_patched": hasattr(UserDefinedClassVariable._call_cross_entropy_loss, "__wrapped__"),
+    "loaded": loaded, "patch_modules": patch_modules, "seconds": seconds,
+    "equal": torch.equal(out, f(torch.ones(2, 4))),
+    "dynamo_patched_by_amp": hasattr(UserDefinedClassVariable._call_cross_entropy_loss,
+                                     "__wrapped__"),
 }))
 """
 
 
-def test_import_funcamp_patches_nothing_and_loads_no_compiler_module():
-    """``import funcamp`` imports no inductor module beyond those ``import torch._dynamo``
-    itself imports (no lowering, IR, code cache or decompositions), none of the patch modules,
-    and leaves dynamo as it is."""
+def test_import_funcamp_imports_no_compiler_module_and_patches_nothing():
+    """``import funcamp`` imports neither dynamo nor any inductor module (nor any of funcamp's
+    patch modules); funcamp's marks for dynamo still act when a compile comes later. The one
+    dynamo patch, the cross-entropy routing, is installed when :func:`funcamp.amp` first wraps
+    a function (where this torch's dynamo has the special case it routes)."""
     out = subprocess.run(
         [sys.executable, "-c", _PROBE],
         capture_output=True,
@@ -83,7 +104,28 @@ def test_import_funcamp_patches_nothing_and_loads_no_compiler_module():
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen == {"extra": [], "patch_modules": [], "dynamo_patched": False}
+    assert seen["loaded"] == [] and seen["patch_modules"] == []
+    assert seen["equal"] is True
+    funcamp.amp(lambda x: x, "float32")  # installs the routing in this process
+    assert seen["dynamo_patched_by_amp"] is cross_entropy.installed()
+
+
+def test_funcamps_constant_mark_is_what_dynamos_decorator_sets():
+    """:func:`funcamp._core.context.constant_result` sets dynamo's mark itself on the releases of
+    ``MARK_RELEASES`` (so that ``import funcamp`` need not import dynamo): there, torch's own
+    ``assume_constant_result`` must do exactly that and nothing else."""
+
+    def fn():
+        return 1
+
+    def ours():
+        return 1
+
+    assert context.constant_result(ours) is ours
+    if release() not in context.MARK_RELEASES:
+        pytest.skip(f"torch {release()}: funcamp calls torch's decorator itself")
+    assert torch.compiler.assume_constant_result(fn) is fn
+    assert vars(fn) == vars(ours) == {"_dynamo_marked_constant": True}
 
 
 # -- the gate ------------------------------------------------------------------------------------
@@ -269,11 +311,14 @@ def test_the_cross_entropy_routing_is_for_funcamps_amp_mode_only():
     """A torch function mode of the user's own keeps dynamo's fast path for an in-graph
     CrossEntropyLoss (the mode does not see it, as without funcamp); funcamp's amp mode gets
     it (the float32 loss eager amp computes)."""
-    funcamp.amp(lambda x: x, "float32")  # the routing is installed
+    funcamp.amp(lambda x: x, "float32")  # installs the routing
+    if not cross_entropy.installed():
+        pytest.skip(f"torch {release()}'s dynamo has no CrossEntropyLoss special case to route")
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
     assert _ce_under_user_mode(x, y).dtype == torch.float64  # eager: the mode sees the call
-    torch._dynamo.reset()
-    out = torch.compile(_ce_under_user_mode, backend="eager", fullgraph=True)(x, y)
+    with funcamp.compiler.patches(True):
+        torch._dynamo.reset()
+        out = torch.compile(_ce_under_user_mode, backend="eager", fullgraph=True)(x, y)
     assert out.dtype == torch.float32  # dynamo's own trace, untouched by funcamp
     amp_loss = funcamp.amp(lambda a, b: nn.CrossEntropyLoss()(a @ a.T, b), "mixed_bfloat16")
     x = torch.randn(4, 4)
@@ -281,11 +326,42 @@ def test_the_cross_entropy_routing_is_for_funcamps_amp_mode_only():
     with funcamp.compiler.patches(False):
         torch._dynamo.reset()
         unrouted = torch.compile(amp_loss, backend="eager", fullgraph=True)(x, y)
-    torch._dynamo.reset()
-    routed = torch.compile(amp_loss, backend="eager", fullgraph=True)(x, y)
+    with funcamp.compiler.patches(True):
+        torch._dynamo.reset()
+        routed = torch.compile(amp_loss, backend="eager", fullgraph=True)(x, y)
     torch._dynamo.reset()
     assert torch.equal(routed, eager)
     assert not torch.equal(unrouted, eager)  # off: dynamo's fast path (a bf16 loss)
+
+
+def test_by_default_the_routing_follows_the_allowlist_for_the_traced_tensors_device(
+    monkeypatch, caplog
+):
+    """``"auto"``: routed only where the device of the tensors the compiled function was called
+    with is on the allowlist with this release (here: a step's batch in a dict, and a module's
+    parameters); elsewhere dynamo's own trace, said once."""
+    funcamp.amp(lambda x: x, "float32")  # installs the routing
+    if not cross_entropy.installed():
+        pytest.skip(f"torch {release()}'s dynamo has no CrossEntropyLoss special case to route")
+    model = nn.Linear(4, 3)
+    loss = funcamp.amp(lambda m, b: nn.CrossEntropyLoss()(m(b["x"]), b["y"]), "mixed_bfloat16")
+    batch = {"x": torch.randn(5, 4), "y": torch.tensor([0, 1, 2, 0, 1])}
+    eager = loss(model, batch)
+
+    def compiled(allowlist):
+        monkeypatch.setattr(gate, "ALLOWLIST", frozenset(allowlist))
+        monkeypatch.setattr(gate, "_SAID", set())
+        torch._dynamo.reset()
+        with caplog.at_level(logging.INFO, logger="funcamp"):
+            return torch.compile(loss, backend="eager", fullgraph=True)(model, batch)
+
+    assert torch.equal(compiled({(release(), "cpu")}), eager)
+    caplog.clear()
+    assert not torch.equal(compiled({(release(), "cuda")}), eager)
+    assert caplog.text.count("compiler patches off for torch") == 1
+    assert not torch.equal(compiled({("0.0", "cpu")}), eager)  # another release
+    torch._dynamo.reset()
+    assert cross_entropy.trace_devices(None) == frozenset()
 
 
 # -- layouts: a tensor a fixed-stride custom op reads stays as traced ---------------------------

@@ -167,8 +167,8 @@ def test_a_unit_names_one_function_per_kernel():
 
 
 def test_a_compiled_train_step_builds_its_kernels_together_with_the_same_bits():
-    """make_train_step's compiled step (run_compiled turns bundling on): the same state after
-    two steps as with torch's one build per kernel."""
+    """make_train_step's compiled step with the patches chosen (run_compiled turns bundling on):
+    the same state after two steps as with torch's one build per kernel."""
 
     def run(env):
         os.environ["FUNCAMP_CPP_BUNDLE"] = env
@@ -185,7 +185,9 @@ def test_a_compiled_train_step_builds_its_kernels_together_with_the_same_bits():
                 return torch.func.functional_call(model, p, (x,)).square().mean()
 
             state = funcamp.TrainState.create(params, opt, policy)
-            step = funcamp.make_train_step(loss_fn, opt, policy, donate_state=False)
+            step = funcamp.make_train_step(
+                loss_fn, opt, policy, donate_state=False, compiler_patches=True
+            )
             x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
             torch._dynamo.reset()
             with fresh_cache():

@@ -101,14 +101,17 @@ def test_environment_switch(monkeypatch):
 
 
 def test_train_step_builds_no_dead_nodes_and_keeps_its_bits(node_counts, monkeypatch):
-    """make_train_step's donated AdamW step, with a skipped step among four: the same params,
-    optimizer state, scaler and metrics with and without, and no dead node built with."""
+    """make_train_step's donated AdamW step (the patches chosen: on whatever the allowlist),
+    with a skipped step among four: the same params, optimizer state, scaler and metrics with
+    and without, and no dead node built with."""
     runs = {}
     for setting in ("0", "1"):
         monkeypatch.setenv("FUNCAMP_LIVE_READS", setting)
         torch._dynamo.reset()
         node_counts.clear()
-        step, state = model_step(funcamp.adamw(1e-2, weight_decay=0.1), compile=True)
+        step, state = model_step(
+            funcamp.adamw(1e-2, weight_decay=0.1), compile=True, compiler_patches=True
+        )
         metrics = []
         data = batches()
         data[2] = (torch.full((4, 6), float("inf")), data[2][1])  # NaN grads: skipped

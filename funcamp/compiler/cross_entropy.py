@@ -18,10 +18,12 @@ any other module: ``__init__``, the global forward hooks and ``forward`` run as 
 bit. Any other trace, another torch function mode's included, keeps dynamo's own fast path.
 
 Installed once, under a lock, when :func:`funcamp.amp` first wraps a function (never at
-``import funcamp``). On for a torch release of :data:`funcamp.compiler.ALLOWLIST` (on any device:
-it changes which Python dynamo traces, not a kernel) unless a :func:`funcamp.compiler.patches`
-block or a step's ``compiler_patches=`` chooses; elsewhere off, said once. A torch whose dynamo
-has no such special case, or whose internals moved, is left alone (logged once).
+``import funcamp``). Which traces route is decided when dynamo meets the construction: as a
+:func:`funcamp.compiler.patches` block or a step's ``compiler_patches=`` chooses, else (``"auto"``)
+only where every device of the tensors the compiled function was called with is on
+:data:`funcamp.compiler.ALLOWLIST` with this torch release (elsewhere off, said once per release
+and device). A torch whose dynamo has no such special case, or whose internals moved, is left
+alone (logged once).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ try:  # dynamo's internals the patch goes through (torch 2.6-2.13)
 except ImportError:  # pragma: no cover - a torch without dynamo
     AttrSource = VariableTracker = user_defined = None
 
-__all__ = ["install", "routes"]
+__all__ = ["install", "installed", "routes", "trace_devices"]
 
 _LOCK = threading.Lock()
 _MODES: list[type] = []  # the mode classes that route (funcamp's amp mode)
@@ -71,14 +73,36 @@ def _amp_mode_active(tx: Any) -> bool:
     return False
 
 
-def routes() -> bool:
-    """Whether a trace started now routes (the gate's choice: :mod:`funcamp.compiler.gate`)."""
+def trace_devices(tx: Any) -> frozenset[str]:
+    """The device types of the tensors the compiled (outermost) function of the trace ``tx`` was
+    called with: in its arguments' pytrees, and the parameters and buffers of modules there."""
+    root = getattr(getattr(tx, "output", None), "root_tx", None)
+    values = list((getattr(root, "f_locals", None) or {}).values())
+    devices: set[str] = set()
+    for leaf in torch.utils._pytree.tree_leaves(values):
+        if isinstance(leaf, torch.nn.Module):
+            tensors = [*leaf.parameters(), *leaf.buffers()]
+            devices.update(t.device.type for t in tensors[:1])
+        elif isinstance(leaf, torch.Tensor):
+            devices.add(leaf.device.type)
+    return frozenset(devices)
+
+
+def routes(tx: Any) -> bool:
+    """Whether the trace ``tx`` routes: the innermost :func:`funcamp.compiler.patches` choice
+    (a step's ``compiler_patches=`` enters one), else whether every device of
+    :func:`trace_devices` (``"unknown"`` without any) is on the allowlist with this release."""
     choice = gate._CHOICE.get()
     if choice != "auto":
         return bool(choice)
-    if any(release == gate.release() for release, _ in gate.ALLOWLIST):
-        return True
-    return gate.decide("auto", "any device")
+    devices = sorted(trace_devices(tx)) or ["unknown"]
+    return all([gate.decide("auto", device) for device in devices])
+
+
+def installed() -> bool:
+    """Whether the routing is in place (after :func:`install`; False where this torch's dynamo
+    is not the one it was written against)."""
+    return _STATE == [True]
 
 
 def install(mode_class: type) -> bool:
@@ -105,7 +129,7 @@ def _patch() -> bool:
         return False
 
     def _call_cross_entropy_loss(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
-        if not (_amp_mode_active(tx) and routes()):
+        if not (_amp_mode_active(tx) and routes(tx)):
             return original(self, tx, args, kwargs)
         # With a source (an attribute of this module), dynamo takes its generic path for a
         # user class: the real constructor, then the module's __call__ when it is called.
