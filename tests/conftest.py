@@ -1,7 +1,28 @@
 """Fixtures shared by several test modules."""
 
+import devices
 import pytest
+import torch
 import torch.distributed as dist
+
+
+@pytest.fixture(scope="session")
+def test_device() -> torch.device:
+    """The device of the parity suites (``@pytest.mark.device_parity``): ``FUNCAMP_TEST_DEVICE``
+    (unset: the CPU; ``cuda``: the first GPU, and a skip naming the variable when torch sees
+    none; any other value: an error naming the variable). See tests/devices.py."""
+    device_type = devices.requested()
+    reason = devices.unavailable(device_type)
+    if reason is not None:
+        pytest.skip(reason)
+    return torch.device(device_type, 0) if device_type == "cuda" else torch.device(device_type)
+
+
+def pytest_report_header(config):
+    try:
+        return f"funcamp test device ({devices.ENV}): {devices.requested()}"
+    except ValueError as e:
+        return f"funcamp test device: {e}"
 
 
 @pytest.fixture
