@@ -4,7 +4,12 @@
 #     bash benchmarks/device_check.sh [OUTDIR]     # OUTDIR default: $OUT, else build/device_check
 #
 # Runs, each under its own timeout (all of it in about 8 minutes on one GPU), in this order:
-#   1. the CUDA-marked tests         python -m pytest -m cuda tests
+#   1. the CUDA tests and the        FUNCAMP_TEST_DEVICE=cuda python -m pytest -m "cuda or
+#      device parity suites          device_parity" tests (tests/test_device_parity.py: amp vs
+#                                    torch.autocast over torch's CUDA lists, the scaler vs
+#                                    GradScaler in float16, the optimizers vs torch.optim foreach/
+#                                    fused, the compiled donated step vs eager and torch.amp, FP8
+#                                    on compute capability >= 8.9; the 15 slowest are listed)
 #   2. the train-step benchmark      benchmarks/train_step.py --device cuda on the GPT (time per
 #                                    step of torch.amp's eager step and of funcamp's: compiled,
 #                                    donated, eager, and compiled with mode="reduce-overhead",
@@ -17,10 +22,13 @@
 # one runs. Exit status: 0 if every part passed, 1 if one failed, 2 without a CUDA device (found
 # out first, in seconds: nothing else runs).
 #
-# Needs no network: funcamp is imported from this checkout (PYTHONPATH); if pytest or hypothesis
-# is missing it tries `python -m pip install -e ".[test]"` once (that needs a package index or a
-# local wheel cache) and says so in the report. Set DEVICE_CHECK_BUDGET (seconds, default 465)
-# to change the overall budget; each part gets its share of what is left.
+# Needs no network: funcamp is imported from this checkout (PYTHONPATH); if pytest, hypothesis or
+# expecttest (torch's autocast and optimizer test lists need it) is missing it tries
+# `python -m pip install -e ".[test]"` once (that needs a package index or a local wheel cache)
+# and says so in the report. Set DEVICE_CHECK_BUDGET (seconds, default 465)
+# to change the overall budget. Each part's limit is its share (tests 210 s, train_step 110 s,
+# memory 90 s, fp8 50 s) plus whatever the parts before it left unused, capped by what is left
+# of the budget.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -71,9 +79,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
   | sed 's/^/- nvidia-smi: /' >>"$REPORT"
 
 # -- test dependencies (a bare torch machine may lack them)
-if ! "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
+if ! "$PY" -c "import pytest, hypothesis, expecttest" 2>/dev/null; then
   say ""
-  say "pytest or hypothesis is missing: running \`$PY -m pip install -e \".[test]\"\`."
+  say "pytest, hypothesis or expecttest is missing: running \`$PY -m pip install -e \".[test]\"\`."
   if timeout 180 "$PY" -m pip install -q -e ".[test]" >"$OUTDIR/pip_install.log" 2>&1; then
     say "Installed."
   else
@@ -81,18 +89,21 @@ if ! "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
   fi
 fi
 
-# run_part NAME SHARE_SECONDS COMMAND...: run with a timeout of min(SHARE, what is left),
-# log to OUTDIR/NAME.log, append its section to the report.
+# run_part NAME SHARE_SECONDS COMMAND...: run with a timeout of min(SHARE + CARRY, what is
+# left), log to OUTDIR/NAME.log, append its section to the report; CARRY is the time the parts
+# before it did not use.
+CARRY=0
 run_part() {
   local name=$1 share=$2
   shift 2
   local left=$((BUDGET - ($(date +%s) - START)))
-  local limit=$((share < left ? share : left))
+  local allowed=$((share + CARRY))
+  local limit=$((allowed < left ? allowed : left))
   {
     echo
     echo "## $name"
     echo
-    echo "\`$*\`"
+    echo "\`$(printf '%q ' "$@" | sed 's/ $//')\`"
     echo
   } >>"$REPORT"
   if [ "$limit" -lt 20 ]; then
@@ -110,6 +121,8 @@ run_part() {
     *) status="**FAILED** (exit $rc)" ;;
   esac
   [ $rc -ne 0 ] && FAILED=1
+  local used=$(($(date +%s) - t0))
+  CARRY=$((allowed > used ? allowed - used : 0))
   {
     echo "Status: $status, $(($(date +%s) - t0)) s (limit ${limit} s). Output tail ($name.log):"
     echo
@@ -120,12 +133,16 @@ run_part() {
   echo "device_check: $name: $status" >&2
 }
 
-run_part cuda_tests 90 "$PY" -m pytest -o addopts="" -p no:cacheprovider -m cuda -q -rs tests
-run_part train_step 150 "$PY" benchmarks/train_step.py --device cuda --models gpt --only bde \
-  --warmup 5 --iters 20 --rounds 5 --out "$OUTDIR/train_step.json"
-run_part memory 130 "$PY" benchmarks/memory.py --device cuda --models gpt512 \
-  --cell-timeout 100 --out "$OUTDIR/memory.json"
-run_part fp8 90 "$PY" benchmarks/fp8.py --device cuda --steps 10
+# A hung test must not eat the whole share: pytest-timeout (the test extra) when it is there.
+PER_TEST=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 150)
+run_part cuda_tests 210 env FUNCAMP_TEST_DEVICE=cuda "$PY" -m pytest -o addopts="" \
+  -p no:cacheprovider -m "cuda or device_parity" -q -rs --durations=15 ${PER_TEST[@]+"${PER_TEST[@]}"} tests
+run_part train_step 110 "$PY" benchmarks/train_step.py --device cuda --models gpt --only bde \
+  --warmup 5 --iters 20 --rounds 3 --out "$OUTDIR/train_step.json"
+run_part memory 90 "$PY" benchmarks/memory.py --device cuda --models gpt512 \
+  --cell-timeout 80 --out "$OUTDIR/memory.json"
+run_part fp8 50 "$PY" benchmarks/fp8.py --device cuda --steps 10
 
 {
   echo
