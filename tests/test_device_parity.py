@@ -95,7 +95,7 @@ _CPU_GROUPS = {
     "torch_fp32": ("torch", F32),
     "nn_fp32": ("nn", F32),
     "torch_need_autocast_promote": ("torch", F32),  # (op, args under bf16, args under f16)
-    "torch_expect_builtin_promote": ("torch", "listed"),  # (op, bf16 args, f16 args, dtype)
+    "torch_expect_builtin_promote": ("torch", "listed"),
     "methods_expect_builtin_promote": ("methods", "listed"),
 }
 GROUPS = _CUDA_GROUPS if DEVICE_TYPE == "cuda" else _CPU_GROUPS
@@ -119,7 +119,7 @@ def _group_entries(lists: Any, group: str, dtype: torch.dtype) -> list[tuple]:
     entries = []
     if group == "banned":
         return [(op, args, {}, module, F32) for op, args, module in raw]
-    if lists_suite is not None and "builtin_promote" in group:
+    if "builtin_promote" in group:  # CUDA: (op, args, dtype); CPU: (op, bf16 args, f16 args, dtype)
         for entry in raw:
             op, out_dtype = entry[0], entry[-1]
             args = entry[1] if len(entry) == 3 else entry[1 if dtype == BF16 else 2]
