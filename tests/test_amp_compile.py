@@ -178,6 +178,18 @@ def _mse_in_forward(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.
 
 IN_GRAPH_MODULES = [_ce_in_forward, _ce_forward_method, _ce_kwargs, _ce_subclass, _mse_in_forward]
 
+# A CrossEntropyLoss built inside a compiled amp function reaches the mode through funcamp's
+# routing (funcamp/compiler/cross_entropy.py), on by default only for the releases and devices
+# of funcamp.compiler.ALLOWLIST: elsewhere dynamo's own fast path gives the loss in the compute
+# dtype (docs/differences.md) -- what these tests then pin.
+ROUTED_BY_DEFAULT = (funcamp.compiler.release(), "cpu") in funcamp.compiler.ALLOWLIST
+routed_by_default = pytest.mark.xfail(
+    not ROUTED_BY_DEFAULT,
+    reason=f"torch {funcamp.compiler.release()} is not on funcamp.compiler.ALLOWLIST: an "
+    "in-graph CrossEntropyLoss is traced as dynamo traces it (docs/differences.md)",
+    strict=True,
+)
+
 
 @pytest.fixture(scope="module")
 def ce_inputs() -> tuple[torch.Tensor, ...]:
@@ -190,7 +202,12 @@ def ce_inputs() -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", CPU_AUTOCAST], ids=["default", "cpu"])
-@pytest.mark.parametrize("fn", IN_GRAPH_MODULES, ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "fn",
+    [f if f in (_ce_subclass, _mse_in_forward) else pytest.param(f, marks=routed_by_default)
+     for f in IN_GRAPH_MODULES],
+    ids=lambda f: f.__name__,
+)  # fmt: skip
 def test_loss_module_built_inside_compiled_amp_keeps_its_float32_rule(
     fn: Any, policy: Any, ce_inputs: Any
 ) -> None:
@@ -218,6 +235,7 @@ def test_loss_module_built_inside_compiled_amp_inductor(ce_inputs: Any) -> None:
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=0)
 
 
+@routed_by_default
 def test_module_built_inside_compiled_amp_gets_its_module_policy(ce_inputs: Any) -> None:
     """Hooks fire for the in-graph module: a class-keyed module policy applies, compiled."""
     # The base table leaves cross_entropy alone (bf16 logits give a bf16 loss); the module
