@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from funcamp._core.context import compiling, in_transform
+from funcamp._core.context import compiling, transform_while_tracing
 
 __all__ = [
     "bits_from_key",
@@ -87,7 +87,7 @@ def computed_once(x: torch.Tensor) -> torch.Tensor:
         not compiling()
         or not x.is_contiguous()
         or (x.requires_grad and torch.is_grad_enabled())
-        or in_transform()
+        or transform_while_tracing()  # compiling: asked as a constant of the trace
     ):
         return x
     return torch.as_strided(x, x.size(), x.stride())

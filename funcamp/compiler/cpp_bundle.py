@@ -1,11 +1,10 @@
 """One C++ build for a compiled step's CPU kernels, instead of one build per kernel.
 
 Inductor builds every CPU kernel of a graph as a Python extension of its own: one ``g++``
-process per kernel, each of which loads the precompiled ``cpp_prefix.h`` (~150 MB) and links
-against libtorch. That fixed part dominates: 1.3 s for a kernel of 5 KB, 2.1 s for one of 130 KB
-on a 2-core AMD EPYC (torch 2.13); a train step's 28 kernels (GPT-2 of the real-model suite) spend
-35 s of compiler time, 17 s of wall time on two compile threads. The same 28 kernels built as two
-translation units take 3.5 s (docs/benchmarks.md, "One build for many kernels").
+process per kernel, each of which loads the precompiled ``cpp_prefix.h`` and links against
+libtorch. That fixed part dominates the build of a small kernel, so a train step of a few dozen
+kernels spends most of its C++ compile time on it; the same kernels built as a few translation
+units take a fraction of it (measured in docs/benchmarks.md, "One build for many kernels").
 
 While :func:`bundling` is active, the kernels of a graph are built in *units*: consecutive
 kernels in the graph's order, cut once their sources reach :data:`UNIT_BYTES`, each kernel in a
@@ -207,8 +206,8 @@ def unit_source(kernels: list[tuple[list[str], str]]) -> str:
 
 
 #: A unit is cut once the sources held for it reach this many bytes: big enough that the fixed
-#: cost of a build (~1.2 s of the precompiled header and linking, on a 2-core AMD EPYC) is
-#: shared by several kernels, small enough that units build while inductor still generates
+#: cost of a build (the precompiled header and linking: docs/benchmarks.md) is shared by
+#: several kernels, small enough that units build while inductor still generates
 #: the rest of the graph.
 UNIT_BYTES = 48 * 1024
 

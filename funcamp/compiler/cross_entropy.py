@@ -36,7 +36,7 @@ import torch
 from funcamp._core.progress import logger
 from funcamp.compiler import gate
 
-try:  # dynamo's internals the patch goes through (torch 2.6-2.13)
+try:  # dynamo's internals the patch goes through (torch 2.13, 2.14)
     from torch._dynamo.source import AttrSource
     from torch._dynamo.variables import user_defined
     from torch._dynamo.variables.base import VariableTracker

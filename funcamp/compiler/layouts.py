@@ -15,8 +15,8 @@ graph whose saved inputs arrive channels-last.
 :class:`ChannelsLastConvBackward` records channels-last strides on exactly those tensors before
 inductor lowers the graph, where inductor's layout optimization will run the convolutions
 channels-last anyway: the activation is stored once, channels-last, and read as it is by both.
-The same kernels compute the same values; only layouts change (ResNet's step: 87 tiled
-transposes -> 33 in its generated code, docs/benchmarks.md).
+The same kernels compute the same values; only layouts change (fewer tiled transposes in
+the generated code: docs/benchmarks.md).
 
 A tensor is left as traced when any op that reads it takes its traced strides as a constraint:
 a custom op of fixed stride order or exact strides (``torch._C.Tag.needs_fixed_stride_order``,

@@ -9,16 +9,16 @@ them all, the *dead* ones too: every intermediate of the update (``m - g``, ``v 
 denominator, ...) reads the old params or state, and each becomes a buffer of its own, whose
 readers were lowered long before and already compute it inline. Nothing ever reads those
 buffers, and the scheduler drops them -- after building a scheduler node for each, the most
-expensive part of inductor's scheduling: ViT's step held 1,230 nodes, 593 of them dead
-(2.13; torch's own compiled optimizer graph: 520, 280 dead).
+expensive part of inductor's scheduling (on the real-model suite about half of a step's nodes
+were dead ones: docs/benchmarks.md, "Dead values at the state's writes").
 
 While :func:`live_reads_only` is active, a write stores only the values that can still be
 read: a value whose graph node's readers have all been lowered is gone from the lowering's
 environment (``torch.fx.Interpreter`` frees each value after its last reader), so nothing can
 read it any more but the values that computed it inline, which are themselves live (and stored
 now) or dead. The values stored, and so the kernels and their bits, are the ones inductor
-keeps anyway; only the nodes it would have built and dropped are not made (ViT: 637 nodes,
-Scheduler.__init__ 7.4 -> 3.8 s, docs/benchmarks.md). Everything else is inductor's own code;
+keeps anyway; only the nodes it would have built and dropped are not made (node counts and
+scheduling times in docs/benchmarks.md). Everything else is inductor's own code;
 a torch whose lowering does not look like this (no ``name_to_users``/``env``) runs it
 unchanged.
 
