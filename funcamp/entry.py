@@ -177,7 +177,7 @@ def make_train_step(
         compiler_patches: funcamp's changes to inductor for a compiled step (see
             ``compile_options`` and :mod:`funcamp.compiler`): ``"auto"`` (default) turns them on
             only for a torch release and device on :data:`funcamp.compiler.ALLOWLIST` (where the
-            test suite ran with them: torch 2.13 on the CPU) and says once that they are off
+            test suite ran with them: torch 2.13 and 2.14 on the CPU) and says once that they are off
             elsewhere; ``True`` turns them on anywhere, ``False`` compiles with torch's
             compiler untouched. They change no result bit (each is tested so), only compile
             time and layouts.

@@ -25,7 +25,7 @@ __all__ = ["ALLOWLIST", "Choice", "check_choice", "decide", "patches", "release"
 Choice = bool | Literal["auto"]
 
 #: ``(torch release, device type)`` pairs on which the whole suite has run with the patches on.
-ALLOWLIST: frozenset[tuple[str, str]] = frozenset({("2.13", "cpu")})
+ALLOWLIST: frozenset[tuple[str, str]] = frozenset({("2.13", "cpu"), ("2.14", "cpu")})
 
 _CHOICE: contextvars.ContextVar[Choice] = contextvars.ContextVar(
     "funcamp_compiler_patches", default="auto"
