@@ -249,6 +249,9 @@ VARIANTS: dict[str, Callable[..., Callable[[], Any]]] = {
     "funcamp_fused": lambda model, batch, **options: funcamp_step(
         model, batch, fused=True, **options
     ),
+    "funcamp_unpatched": lambda model, batch, **options: funcamp_step(
+        model, batch, compiler_patches=False, **options
+    ),
     "torch_model_fused": lambda model, batch, **options: torch_step(
         model, batch, compile_optimizer=False, fused=True, **options
     ),
@@ -259,5 +262,6 @@ DESCRIPTIONS = {
     "torch_model_opt": "torch.compile(model) + compiled optimizer.step + autocast + GradScaler",
     "torch_model": "torch.compile(model) + autocast + GradScaler, eager AdamW(foreach)",
     "funcamp_fused": "funcamp.make_train_step with funcamp.adamw(..., fused=True)",
+    "funcamp_unpatched": "funcamp.make_train_step(..., compiler_patches=False): torch's compiler",
     "torch_model_fused": "torch.compile(model) + autocast + GradScaler + AdamW(fused=True)",
 }

@@ -47,6 +47,8 @@ order reversed every other round (``--cold-rounds``):
     torch_model      torch.compile(model) + autocast + GradScaler, eager AdamW(foreach=True)
     funcamp_fused    funcamp's step with funcamp.adamw(..., fused=True): torch's fused kernel,
                      called by the compiled step (opt-in: --variants ...,funcamp_fused)
+    funcamp_unpatched  funcamp's step with compiler_patches=False: torch's compiler as it is
+                     (opt-in: --variants ...,funcamp_unpatched)
     torch_model_fused  torch.compile(model) + autocast + GradScaler + AdamW(fused=True) (torch
                      does not compile a fused optimizer: the same work as funcamp_fused)
 
@@ -551,6 +553,12 @@ def first_call_summary(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict
         ),
         "cold funcamp_fused / torch_model_fused": ratio(
             ("funcamp_fused", "cold"), ("torch_model_fused", "cold")
+        ),
+        "cold funcamp_unpatched / torch_model_opt": ratio(
+            ("funcamp_unpatched", "cold"), ("torch_model_opt", "cold")
+        ),
+        "cold funcamp / funcamp_unpatched": ratio(
+            ("funcamp", "cold"), ("funcamp_unpatched", "cold")
         ),
     }
 
