@@ -15,6 +15,9 @@ from funcamp.casting.fp8 import Fp8State, fp8_update, with_fp8_state
 from funcamp.casting.fp8_matmul import Fp8Fallback, Fp8Record
 from funcamp.casting.remat import remat
 from funcamp.casting.trace import AmpTrace, OpRecord, OpStats, trace
+from funcamp.checkpoints.format import CheckpointInfo
+from funcamp.checkpoints.save import checkpoint_info, load, save
+from funcamp.checkpoints.state_dict import load_state_dict, state_dict
 from funcamp.entry import make_train_step
 from funcamp.optim._base import Optimizer, apply_updates, chain
 from funcamp.optim._blocks import negate_gradients, scale_by_amsgrad
@@ -40,12 +43,9 @@ from funcamp.scaling.headroom import Headroom, headroom
 from funcamp.scaling.ops import scale, unscale, update
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import StepInfo, unscale_and_step
-from funcamp.train.checkpoint import load_state_dict, state_dict
-from funcamp.train.ckpt_format import CheckpointInfo
+from funcamp.search.policy_search import PolicyDecision, SearchReport, search_policy
 from funcamp.train.eval import make_eval_step
 from funcamp.train.loss import scaled_grad_and_value
-from funcamp.train.save import checkpoint_info, load, save
-from funcamp.train.search import PolicyDecision, SearchReport, search_policy
 from funcamp.train.state import TrainState, load_into_module, params_and_buffers
 
 __all__ = [

@@ -16,7 +16,7 @@ import torch
 from torch.func import functional_call
 
 import funcamp
-from funcamp.train.compile import CPU_STEP_OPTIONS, compile_fn, fresh_code, step_options_for
+from funcamp.train.compiling import CPU_STEP_OPTIONS, compile_fn, fresh_code, step_options_for
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:

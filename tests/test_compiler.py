@@ -37,7 +37,7 @@ from funcamp.compiler import (
     release,
     switch,
 )
-from funcamp.train.compile import compile_fn, fresh_code, patches_for
+from funcamp.train.compiling import compile_fn, fresh_code, patches_for
 
 try:
     from torch._inductor.utils import fresh_cache

@@ -13,8 +13,8 @@ import torch
 
 import funcamp
 import funcamp.distributed as fd
+from funcamp.checkpoints.format import state_checksum
 from funcamp.testing import assert_trees_equal
-from funcamp.train.ckpt_format import state_checksum
 
 POLICY = "autocast_cpu"  # torch.autocast("cpu", bfloat16)'s lists, bit for bit
 LR, WD = 1e-2, 0.1

@@ -16,7 +16,7 @@ import torch
 from bitwise import assert_bitwise
 
 import funcamp
-import funcamp.train.save
+import funcamp.checkpoints.save
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -282,7 +282,7 @@ def test_an_exception_in_the_middle_of_a_save_keeps_the_previous_checkpoint(save
         f.truncate(f.tell() // 2)  # half a file written...
         raise _Boom("disk full")  # ... then the failure
 
-    monkeypatch.setattr(funcamp.train.save.torch, "save", half_then_fail)
+    monkeypatch.setattr(funcamp.checkpoints.save.torch, "save", half_then_fail)
     with pytest.raises(_Boom):
         funcamp.save(saved, _state(seed=5), policy="mixed_float16", epoch=2)
     monkeypatch.undo()
@@ -299,7 +299,7 @@ def test_an_interrupt_before_the_rename_keeps_the_previous_checkpoint(saved, mon
     def interrupted(fd):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(funcamp.train.save.os, "fsync", interrupted)
+    monkeypatch.setattr(funcamp.checkpoints.save.os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
         funcamp.save(saved, _state(seed=5), policy="mixed_float16")
     monkeypatch.undo()
@@ -319,8 +319,8 @@ def test_the_file_is_fsynced_before_the_rename_and_the_directory_after(tmp_path,
         calls.append("replace")
         real_replace(a, b)
 
-    monkeypatch.setattr(funcamp.train.save.os, "fsync", fsync)
-    monkeypatch.setattr(funcamp.train.save.os, "replace", replace)
+    monkeypatch.setattr(funcamp.checkpoints.save.os, "fsync", fsync)
+    monkeypatch.setattr(funcamp.checkpoints.save.os, "replace", replace)
     funcamp.save(tmp_path / "c.pt", _state(), policy="mixed_float16")
     assert calls == ["fsync-file", "replace", "fsync-dir"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import funcamp
-from funcamp.train.describe import cache_support
+from funcamp.stepcache.key import cache_support
 
 SCALE = 1.0
 

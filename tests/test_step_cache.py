@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import funcamp
-from funcamp.train.describe import cache_support
+from funcamp.stepcache.key import cache_support
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -305,7 +305,7 @@ def test_bad_cache_dir(tmp_path, single_rank_group):
 
 
 def test_a_torch_without_precompile_warns_and_compiles(tmp_path, monkeypatch):
-    import funcamp.train.compile as train
+    import funcamp.train.wrapper as train
 
     monkeypatch.setattr(train, "cache_support", lambda: "torch 0.0 has none")
     model = cm.make_model()
@@ -318,7 +318,7 @@ def test_a_torch_without_precompile_warns_and_compiles(tmp_path, monkeypatch):
 
 KEY_CHILD = """
 import hashlib, sys, torch, funcamp
-from funcamp.train.cache import step_key
+from funcamp.stepcache.cache import step_key
 sys.path.insert(0, {here!r})
 import cache_model as cm
 
@@ -354,7 +354,7 @@ def test_the_key_is_the_same_in_every_process():
 
 
 def test_descriptions_compare_values_not_only_types():
-    from funcamp.train.describe import describe_value, is_opaque
+    from funcamp.stepcache.key import describe_value, is_opaque
 
     d = describe_value
     assert d({"half", "x"}) != d({"double", "x"})
@@ -369,7 +369,7 @@ def test_descriptions_compare_values_not_only_types():
 
 
 def test_checks_look_at_what_each_guard_looks_at():
-    from funcamp.train.describe import NO_PARAM, guard_views
+    from funcamp.stepcache.key import NO_PARAM, guard_views
 
     env = {"A": "1", "B": "2", "PATH": "/bin"}
     contains = {"DICT_CONTAINS": ["A", "B"]}  # two keys guarded on one dict: both compared
@@ -576,7 +576,7 @@ def test_a_note_that_a_step_cannot_be_saved_is_respected_until_deleted(tmp_path,
 def test_values_dynamo_folds_without_a_guard_are_in_the_key():
     """Autocast dtypes, the default dtype, distributed rank and world size, GPU availability:
     dynamo bakes them into a graph unguarded, so two processes that differ get two keys."""
-    from funcamp.train.describe import step_key
+    from funcamp.stepcache.key import step_key
 
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)

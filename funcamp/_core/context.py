@@ -85,7 +85,7 @@ def transform_while_tracing() -> bool:
     """:func:`in_transform`, asked while dynamo traces: its answer at trace time becomes a
     constant of the graph (dynamo cannot put the functorch level in a graph, and a graph traced
     under a transform is only ever run under it: dynamo guards on the functorch stack; a step
-    saved to disk is run only outside transforms, see funcamp/train/cache.py)."""
+    saved to disk is run only outside transforms, see funcamp/stepcache/cache.py)."""
     return torch._C._functorch.maybe_current_level() is not None
 
 

@@ -14,9 +14,8 @@ from funcamp.casting.amp import amp
 from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
 from funcamp.compiler.gate import check_choice
 from funcamp.policy.policy import Policy, as_policy
-from funcamp.train.compile import (
+from funcamp.train.compiling import (
     Patches,
-    check_specialize,
     compile_fn,
     first_device_type,
     fresh_code,
@@ -26,6 +25,7 @@ from funcamp.train.compile import (
 from funcamp.train.frozen import combine
 from funcamp.train.loss import clone_buffers
 from funcamp.train.state import TrainState
+from funcamp.train.wrapper import check_specialize
 
 __all__ = ["make_eval_step"]
 

@@ -315,8 +315,11 @@ def forward_backward(
     return grads, loss, aux, new_buffers, new_fp8
 
 
-# dynamo traces torch.autograd.grad into a graph only with this option (torch >= 2.7)
-_CAN_TRACE_AUTOGRAD = hasattr(torch._dynamo.config, "trace_autograd_ops")
+def can_trace_autograd() -> bool:
+    """Whether dynamo traces ``torch.autograd.grad`` into a graph (with its option
+    ``trace_autograd_ops``, torch >= 2.7). Asked after a failed trace, when dynamo is loaded
+    (``import funcamp`` does not load it)."""
+    return hasattr(torch._dynamo.config, "trace_autograd_ops")
 
 
 class Engine:
@@ -357,7 +360,7 @@ class Engine:
         ``grouped_mm``; or activation checkpointing, whose saved-tensor hooks torch.func does
         not support), differentiate with torch.autograd in the graph from now on and say so;
         True when the step should be traced again."""
-        if self.pieces or self.in_graph or not _CAN_TRACE_AUTOGRAD:
+        if self.pieces or self.in_graph or not can_trace_autograd():
             return False
         if not refuses_torch_func(error):
             return False

@@ -12,7 +12,7 @@ pipeline as one pure function, compiled whole with ``torch.compile(fullgraph=Tru
    :func:`funcamp.update` of the scaler; the new buffers, and the metrics.
 
 The same algorithm runs for every parallelism, in the one wrapper of
-:func:`funcamp.train.compile.wrap_step`. Options that a parallel piece does not compose with are
+:func:`funcamp.train.wrapper.wrap_step`. Options that a parallel piece does not compose with are
 refused in one place, :func:`check_step_options`, with the piece's reason.
 """
 
@@ -35,10 +35,10 @@ from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
-from funcamp.train.compile import check_cache_dir, check_specialize, describe_option, wrap_step
 from funcamp.train.loss import Engine, forward_backward, restore_buffers
 from funcamp.train.parallel import Parallel
 from funcamp.train.state import TrainState
+from funcamp.train.wrapper import check_cache_dir, check_specialize, describe_option, wrap_step
 
 __all__ = ["StepOptions", "build_train_step", "check_step_options"]
 

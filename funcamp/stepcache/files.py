@@ -1,5 +1,5 @@
 """The files of ``cache_dir``: which sources an entry depends on and whether they changed, and
-the note that a step cannot be saved (:mod:`funcamp.train.cache` reads and writes both)."""
+the note that a step cannot be saved (:mod:`funcamp.stepcache.cache` reads and writes both)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import torch
 
 from funcamp._core.atomic import atomic_write
-from funcamp.train.describe import UNSAVED_SUFFIX
+from funcamp.stepcache.key import UNSAVED_SUFFIX
 
 __all__ = [
     "changed_file",

@@ -66,7 +66,7 @@ except ImportError:  # pragma: no cover - other torch versions
 from funcamp._core.atomic import atomic_write
 from funcamp._core.context import in_transform, transform_while_tracing
 from funcamp._core.progress import COMPILING, logger
-from funcamp.train.cache_files import (
+from funcamp.stepcache.files import (
     changed_file,
     file_digest,
     modified,
@@ -74,7 +74,7 @@ from funcamp.train.cache_files import (
     note_unsaved,
     unsaved_reason,
 )
-from funcamp.train.describe import (
+from funcamp.stepcache.key import (
     CACHE_FORMAT,
     CONTEXT_GUARDS,
     NO_PARAM,

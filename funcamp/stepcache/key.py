@@ -19,17 +19,6 @@ from typing import Any
 
 import optree
 import torch
-from torch._functorch._aot_autograd.utils import top_saved_tensors_hooks
-
-try:  # torch's AOT precompile and its source record (torch >= 2.10)
-    from torch._dynamo import aot_compile as _aot_compile
-    from torch._dynamo.package import SourceInfo, _hash_sourcelines
-except ImportError:  # pragma: no cover - an older torch: cache_dir is ignored with a warning
-    _aot_compile = SourceInfo = _hash_sourcelines = None
-try:  # the helpers dynamo's guard sources read (G, L, __load_module, ...)
-    from torch._dynamo.guards import _get_closure_vars
-except ImportError:  # pragma: no cover - other torch versions
-    _get_closure_vars = None
 
 from funcamp._core.context import transform_level
 from funcamp._core.tree import NAMESPACE
@@ -37,6 +26,7 @@ from funcamp._core.version import __version__
 
 __all__ = [
     "GLOBAL_STATE_SOURCES",
+    "internals",
     "STEP_INPUTS",
     "cache_support",
     "describe_value",
@@ -53,6 +43,18 @@ SUFFIX = ".funcamp-step"
 UNSAVED_SUFFIX = ".funcamp-unsaved"
 
 
+@functools.cache
+def internals(name: str) -> Any:
+    """torch's module ``name`` (dynamo's AOT precompile, its guards, AOTAutograd's utilities),
+    imported when a step is first keyed, saved or loaded -- they import dynamo, which
+    ``import funcamp`` does not (and so this module, which the train step's guard filter reads,
+    is light); None where this torch has no such module."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # pragma: no cover - other torch versions
+        return None
+
+
 def cache_support() -> str | None:
     """``None`` when this torch can save and load compiled steps, else why not."""
     if not hasattr(torch.compiler, "load_compiled_function"):
@@ -60,7 +62,7 @@ def cache_support() -> str | None:
             f"torch {torch.__version__} has no torch.compiler.load_compiled_function "
             "(AOT precompile)"
         )
-    if _aot_compile is None:  # pragma: no cover - torch without AOT precompile
+    if internals("torch._dynamo.aot_compile") is None:  # pragma: no cover - no AOT precompile
         return f"torch {torch.__version__} has no torch._dynamo.aot_compile"
     return None
 
@@ -402,7 +404,7 @@ def _signature(leaves: list[Any], spec: Any) -> tuple[Any, ...] | None:
 
 
 def _context() -> tuple[Any, ...]:
-    hooks = top_saved_tensors_hooks()
+    hooks = internals("torch._functorch._aot_autograd.utils").top_saved_tensors_hooks()
     return (
         tuple(where_defined(type(m)) for m in torch.overrides._get_current_function_mode_stack()),
         torch._C._is_torch_function_enabled(),
@@ -494,7 +496,8 @@ def guard_views(kinds: dict[str, list[Any]], value: Any) -> tuple[Any, ...]:
 def _source_helpers() -> dict[str, Any]:
     """The helper functions dynamo's guard source names call (``___odict_getitem``, ...)."""
     try:
-        helpers = dict(_get_closure_vars()) if _get_closure_vars is not None else {}
+        closure_vars = getattr(internals("torch._dynamo.guards"), "_get_closure_vars", None)
+        helpers = dict(closure_vars()) if closure_vars is not None else {}
     except AttributeError:  # pragma: no cover - other torch versions
         helpers = {}
     helpers["__load_module"] = importlib.import_module

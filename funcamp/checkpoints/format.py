@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp._core.version import __version__
+from funcamp.checkpoints.state_dict import load_state_dict, state_dict
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.state import CONFIG, LEAVES
-from funcamp.train.checkpoint import load_state_dict, state_dict
 
 __all__ = ["CheckpointInfo"]
 

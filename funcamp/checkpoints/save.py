@@ -36,9 +36,8 @@ import torch
 
 from funcamp._core.atomic import atomic_write
 from funcamp._core.tree import NAMESPACE, describe
-from funcamp.policy.policy import Policy, as_policy
-from funcamp.train.checkpoint import state_dict
-from funcamp.train.ckpt_format import (
+from funcamp.checkpoints.dcp import load_distributed, save_distributed
+from funcamp.checkpoints.format import (
     FORMAT,
     FORMAT_VERSION,
     CheckpointInfo,
@@ -49,7 +48,8 @@ from funcamp.train.ckpt_format import (
     read_checkpoint,
     state_checksum,
 )
-from funcamp.train.save_dcp import load_distributed, save_distributed
+from funcamp.checkpoints.state_dict import state_dict
+from funcamp.policy.policy import Policy, as_policy
 
 __all__ = ["checkpoint_info", "load", "save"]
 

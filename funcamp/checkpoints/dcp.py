@@ -16,9 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from funcamp._core.atomic import atomic_write
 from funcamp._core.tree import describe
-from funcamp.policy.policy import Policy
-from funcamp.train.checkpoint import state_dict
-from funcamp.train.ckpt_format import (
+from funcamp.checkpoints.format import (
     DATA_PREFIX,
     FORMAT,
     FORMAT_VERSION,
@@ -31,6 +29,8 @@ from funcamp.train.ckpt_format import (
     read_checkpoint,
     state_checksum,
 )
+from funcamp.checkpoints.state_dict import state_dict
+from funcamp.policy.policy import Policy
 
 __all__ = []
 
