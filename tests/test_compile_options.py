@@ -16,7 +16,13 @@ import torch
 from torch.func import functional_call
 
 import funcamp
-from funcamp.train.compiling import CPU_STEP_OPTIONS, compile_fn, fresh_code, step_options_for
+from funcamp.train.compiling import (
+    CPU_STEP_OPTIONS,
+    FP8_STEP_OPTIONS,
+    compile_fn,
+    fresh_code,
+    step_options_for,
+)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
@@ -81,6 +87,26 @@ def test_only_the_cpu_gets_them():
     assert step_options_for("cpu", "inductor") == CPU_STEP_OPTIONS
     assert step_options_for("cuda", "inductor") == {}
     assert step_options_for("cpu", "aot_eager") == {}
+
+
+def test_an_fp8_policy_rounds_every_cast_on_every_device(monkeypatch):
+    """A step whose policy runs FP8 linears compiles with inductor rounding every cast as eager
+    code does (FP8_STEP_OPTIONS, under the caller's options); other policies do not."""
+    assert FP8_STEP_OPTIONS == {"emulate_precision_casts": True}
+    assert step_options_for("cuda", "inductor", fp8=True) == FP8_STEP_OPTIONS
+    assert step_options_for("cpu", "inductor", fp8=True) == {**CPU_STEP_OPTIONS, **FP8_STEP_OPTIONS}
+    assert step_options_for("cpu", "aot_eager", fp8=True) == {}
+    calls = _spy(monkeypatch)
+    fp8 = funcamp.get_policy("mixed_bfloat16").with_fp8(funcamp.Fp8Recipe.current())
+    for policy, options in [(fp8, {}), ("mixed_bfloat16", {}),
+                            (fp8, {"options": {"emulate_precision_casts": False}})]:  # fmt: skip
+        state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), policy)
+        step = funcamp.make_train_step(
+            lambda p, b, x: (x @ p["w"]).sum(), funcamp.sgd(0.1), policy, **options
+        )
+        step(state, torch.ones(3, 2))
+    rounded = [(kw["options"] or {}).get("emulate_precision_casts") for kw in calls]
+    assert rounded == [True, None, False]  # the caller's own setting wins
 
 
 def _double_plus_one(x: torch.Tensor) -> torch.Tensor:

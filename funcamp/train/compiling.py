@@ -34,6 +34,7 @@ from funcamp.train.state import TrainState
 
 __all__ = [
     "CPU_STEP_OPTIONS",
+    "FP8_STEP_OPTIONS",
     "compile_fn",
     "fresh_code",
     "input_guards_only",
@@ -85,20 +86,32 @@ def fresh_code(code: types.CodeType) -> types.CodeType:
 #: search for fusions that reordering a node's loops would allow ("loop ordering after fusion")
 #: tries the step's update nodes against the backward's, whose gradients arrive in other loop
 #: orders; on the CPU it found nothing to fuse in the real-model suite (the same output code on
-#: all nine models, docs/benchmarks.md) and cost up to 2.6 s of a 26-97 s first call.
+#: all nine models) and cost a few percent of a first call (docs/benchmarks.md).
 #: With funcamp's compiler patches on (:mod:`funcamp.compiler`), a CPU step also gets
 #: :class:`~funcamp.compiler.layouts.ChannelsLastConvBackward` as ``post_grad_custom_post_pass``
 #: (:func:`funcamp.compiler.hooks.inductor_options`).
 CPU_STEP_OPTIONS = {"loop_ordering_after_fusion": False}
 
+#: Inductor options a step (train or eval, any device) whose policy runs FP8 linears gets unless
+#: the caller sets them: every cast to a lower-precision dtype rounds, as in eager code. By
+#: default inductor lets a fused reader of a bfloat16 result see its unrounded float32 value;
+#: quantized to FP8, such values land on other codes than eager code's, and a compiled FP8 step
+#: drifted about 1 % from the eager one in 10 steps (with this option, the float32 rounding
+#: level; tests/test_device_parity.py).
+FP8_STEP_OPTIONS = {"emulate_precision_casts": True}
 
-def step_options_for(device_type: str | None, backend: Any) -> dict[str, Any]:
+
+def step_options_for(device_type: str | None, backend: Any, fp8: bool = False) -> dict[str, Any]:
     """The inductor options funcamp adds for a step on ``device_type`` (see
-    :data:`CPU_STEP_OPTIONS`); none for another backend or an option this torch lacks."""
-    if backend != "inductor" or device_type != "cpu":
+    :data:`CPU_STEP_OPTIONS`) and, with ``fp8``, for a policy with FP8 linears (see
+    :data:`FP8_STEP_OPTIONS`); none for another backend or an option this torch lacks."""
+    if backend != "inductor":
         return {}
+    options = dict(CPU_STEP_OPTIONS) if device_type == "cpu" else {}
+    if fp8:
+        options.update(FP8_STEP_OPTIONS)
     config = torch._inductor.config
-    return {k: v for k, v in CPU_STEP_OPTIONS.items() if hasattr(config, k)}
+    return {k: v for k, v in options.items() if hasattr(config, k)}
 
 
 def state_device_type(state: TrainState) -> str:
@@ -140,10 +153,12 @@ def compile_fn(
     *,
     specialize: bool = False,
     patches: bool = False,
+    fp8: bool = False,
 ) -> Callable[..., Any]:
     """``torch.compile(fn, fullgraph=True, ...)``, with :func:`input_guards_only` as the guard
     filter when ``specialize`` (and the caller gives none); ``device_type`` (the step's device,
-    when known) adds :func:`step_options_for` under the caller's options, and ``patches`` (on
+    when known) and ``fp8`` (the policy runs FP8 linears) add :func:`step_options_for` under the
+    caller's options, and ``patches`` (on
     for this compile: :func:`patches_for`) the compiler patches' inductor options
     (:func:`funcamp.compiler.hooks.inductor_options`)."""
     opts = dict(options)
@@ -169,7 +184,7 @@ def compile_fn(
         inner = {}
     # a mode is left only for another backend, which gets no inductor options
     patched = compiler_hooks.inductor_options(patches and backend == "inductor", device_type, inner)
-    inner = {**step_options_for(device_type, backend), **patched, **inner}
+    inner = {**step_options_for(device_type, backend, fp8), **patched, **inner}
     if "post_grad_custom_pre_pass" in patched:  # the patches' cache key, around the caller's
         inner["post_grad_custom_pre_pass"] = patched["post_grad_custom_pre_pass"]
     return torch.compile(

@@ -111,7 +111,13 @@ def make_eval_step(
     def compiled_for(device_type: str) -> tuple[Callable[..., Any], Patches]:
         # Built on the first call, when the params' device is known (the compiler patches').
         on = patches_for(compiler_patches, device_type, compile_options)
-        run = compile_fn(eval_step, compile_options, specialize=specialize, patches=on.on)
+        run = compile_fn(
+            eval_step,
+            compile_options,
+            specialize=specialize,
+            patches=on.on,
+            fp8=pol.fp8 is not None,
+        )
         return announce_first_call(run, "eval step"), on
 
     def step(state: Any, batch: Batch) -> Any:

@@ -170,6 +170,7 @@ def wrap_step(
     specialize: bool = False,
     cache: tuple[str, Callable[..., Any], str] | None = None,
     compiler_patches: Choice = "auto",
+    fp8: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """``step(state, batch)``: ``train_step`` compiled (or eager), as every funcamp train step
     runs -- one process, data parallel or sharded alike.
@@ -180,7 +181,8 @@ def wrap_step(
     checked against the params. ``specialize``: keep only the guards on the inputs
     (:func:`input_guards_only`). ``cache``, ``(directory, loss_fn, settings)``, keeps the
     compiled step on disk (:class:`funcamp.stepcache.cache.CachedStep`). ``compiler_patches``:
-    ``make_train_step``'s choice of funcamp's compiler patches (:func:`patches_for`)."""
+    ``make_train_step``'s choice of funcamp's compiler patches (:func:`patches_for`). ``fp8``:
+    the policy runs FP8 linears (inductor's options for them, :func:`step_options_for`)."""
     train_step.__code__ = fresh_code(train_step.__code__)
     patched: list[Patches] = []
 
@@ -190,7 +192,12 @@ def wrap_step(
         patched.append(on)
         compiled = announce_first_call(
             compile_fn(
-                train_step, compile_options, device_type, specialize=specialize, patches=on.on
+                train_step,
+                compile_options,
+                device_type,
+                specialize=specialize,
+                patches=on.on,
+                fp8=fp8,
             )
         )
         if cache is None:
@@ -199,7 +206,11 @@ def wrap_step(
         return _cached_step()(
             train_step,
             lambda keep: compile_fn(
-                train_step, {**compile_options, "guard_filter_fn": keep}, device_type, patches=on.on
+                train_step,
+                {**compile_options, "guard_filter_fn": keep},
+                device_type,
+                patches=on.on,
+                fp8=fp8,
             ),
             compiled,
             directory,
