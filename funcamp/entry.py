@@ -122,11 +122,10 @@ def make_train_step(
     pure step, which never modifies its input (the caller then holds two states at the step
     boundary).
 
-    The first call of a compiled step traces and compiles it -- measured on a 2-core AMD EPYC
-    (torch 2.13 CPU): 32-130 s for small Hugging Face and CNN models, 0.75-0.96x torch.compile of
-    the model and of ``optimizer.step`` (the same work; funcamp builds the graph's C++ kernels in
-    a few units while inductor still generates code: docs/benchmarks.md), 8.5 s (the CNN) with
-    warm compile caches, 2-4 s with ``cache_dir`` -- and
+    The first call of a compiled step traces and compiles it -- on a CPU up to minutes for a real
+    model, less than torch.compile of the model and of ``optimizer.step`` (the same work) where
+    funcamp's compiler patches are on, seconds with ``cache_dir`` (measured in
+    docs/benchmarks.md, "First calls on real models") -- and
     says so on stderr by default, with the time it took (``FUNCAMP_QUIET=1`` or the
     ``"funcamp"`` logger's level silences it; with logging configured the lines go through your
     handlers). With ``cache_dir`` a later process loads the compiled step instead of tracing it
@@ -156,8 +155,8 @@ def make_train_step(
             (default) keeps params and optimizer state whole. Not together with ``group``.
         cache_dir: a directory to keep the compiled step in (created if missing): the first
             call compiles it with torch's AOT precompile and saves it there; a later process
-            that builds the same step loads it without dynamo's trace (a GPT 4x256 step's
-            restart: 2.4 s of overhead instead of 13.2 s on a 2-core CPU). An entry is used only
+            that builds the same step loads it without dynamo's trace (docs/benchmarks.md, "Warm
+            start"). An entry is used only
             while it fits: filed under the versions, machine, options, loss code and input
             shapes, and checked on load against the current source files and everything the
             step is specialised on (model attributes, closure constants, globals); anything
@@ -185,7 +184,7 @@ def make_train_step(
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` filters dynamo's guards (see
             ``specialize``). A step
             compiled by inductor for the CPU turns inductor's ``loop_ordering_after_fusion`` off
-            (the same output code on the real-model suite, a first call up to 2.6 s shorter;
+            (the same output code on the real-model suite, a shorter first call;
             docs/benchmarks.md) unless ``options=`` sets it. With ``compiler_patches`` on
             (:mod:`funcamp.compiler`), it also keeps the activations a convolution's backward
             shares with other ops channels-last (inductor's ``post_grad_custom_post_pass``: the

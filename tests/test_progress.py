@@ -18,7 +18,7 @@ import pytest
 from funcamp._core import progress as _progress
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPILING = "funcamp: compiling the train step (first call; measured 32-130 s for small"
+COMPILING = "funcamp: compiling the train step (first call: up to minutes on a CPU"
 
 
 @contextlib.contextmanager

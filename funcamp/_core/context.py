@@ -142,7 +142,7 @@ def kernel_path(xs: Sequence[Any]) -> bool:
     optimizer kernels) may run: the eager path (:func:`eager_path`), or dynamo tracing plain
     CPU/CUDA tensors that autograd does not track, outside any ``torch.func`` transform. Compiled,
     inductor calls such a kernel as it is (an extern kernel) instead of generating code for it:
-    on the CPU every generated kernel costs ~0.7 s of C++ compile on the first call.
+    on the CPU every generated kernel is a C++ build on the first call.
 
     Traced, the transform is asked once, as a constant of the graph (a compiled ``grad``,
     ``vmap`` or ``jvp`` through the update takes the per-leaf ops): foreach kernels have no vmap

@@ -32,8 +32,8 @@ __all__ = ["COMPILING", "QUIET_ENV", "announce_first_call", "logger"]
 QUIET_ENV = "FUNCAMP_QUIET"
 
 COMPILING = (
-    "funcamp: compiling the train step (first call; measured 32-130 s for small CNN and Hugging "
-    "Face models on a 2-core AMD EPYC, a few seconds with cache_dir: docs/benchmarks.md)..."
+    "funcamp: compiling the train step (first call: up to minutes on a CPU for a real model, "
+    "seconds with cache_dir; docs/benchmarks.md)..."
 )
 
 

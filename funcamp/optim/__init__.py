@@ -45,7 +45,8 @@ rtol 1e-6, eager and compiled (``tests/test_optim_db.py``; docs/differences.md).
 ``adam``/``adamw`` with ``fused=True`` run torch's fused kernel instead (what
 ``torch.optim.Adam``/``AdamW(fused=True)`` run), eager and compiled, and give its params and
 moments bit for bit; a compiled step calls the kernel as it is rather than generating code for
-the update (a shorter first call on the CPU, where every generated kernel is ~0.7 s of C++).
+the update (a shorter first call on the CPU, where every generated kernel is a C++ build:
+docs/benchmarks.md).
 Contiguous float32 params only, outside ``torch.func`` transforms.
 
 Low-precision parameters

@@ -7,7 +7,7 @@ kernels read the flag themselves: no host sync). torch's own ops cannot be trace
 (functionalization refuses ``_fused_adamw_`` on a graph's inputs), while a custom op that
 declares what it mutates is traced as ``auto_functionalized`` and put back in place by inductor:
 a compiled step then calls torch's kernel as an extern kernel and inductor generates no code for
-the update (on the CPU every generated kernel costs ~0.7 s of C++ compile on the first call).
+the update (on the CPU every generated kernel is a C++ build on the first call).
 
 The ops have no autograd formula and no vmap rule: the optimizers that use them refuse
 ``torch.func`` transforms (:func:`funcamp.adamw` with ``fused=True``) or take them on the

@@ -160,9 +160,8 @@ def _sqrt_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 
 
 #: Elements per chunk of :func:`exact_sqrt` on CPU: a 2 MB float64 scratch (the scratch is
-#: the only memory the eager donated Adam step holds beyond torch.optim's; as fast as 2**20
-#: elements, ~10 % faster than 2**16, ~3x faster than a whole 4M-element leaf at once:
-#: measured on an AMD EPYC, one thread, under load).
+#: the only memory the eager donated Adam step holds beyond torch.optim's; measured as fast as
+#: 2**20 elements, faster than 2**16 and than a whole 4M-element leaf at once).
 _SQRT_CHUNK = 1 << 18
 
 
@@ -187,9 +186,9 @@ def exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     Why float64 is enough: a float32 rounding boundary (the midpoint of two float32 neighbours)
     is at least ``2**-51`` of ``sqrt(x)`` away from it (``x - m*m`` is a nonzero multiple of
     ``m``'s half-ulp squared), and a float64 root within that rounds like the exact one.
-    On CPU torch's float64 ``sqrt`` kernel is slow (~2.2 ns an element on an AMD EPYC, where
-    ``rsqrt`` takes ~1.3); ``1 / (1 / sqrt(x))`` -- ``rsqrt`` then ``reciprocal``, three float64
-    roundings, within ``3 * 2**-53`` -- rounds the same and is ~1.6x faster (checked on all
+    On CPU torch's float64 ``sqrt`` kernel is slower than its ``rsqrt``; ``1 / (1 / sqrt(x))``
+    -- ``rsqrt`` then ``reciprocal``, three float64 roundings, within ``3 * 2**-53`` -- rounds
+    the same and is faster (checked on all
     2**32 float32 bit patterns; the NaN of a negative input then has its sign bit set, as the
     hardware square root inductor uses gives it). A contiguous CPU tensor of more than ``2**18``
     elements goes through one 2 MB float64 scratch in chunks, so the root never holds a float64

@@ -1,8 +1,8 @@
 """A compiled train step kept on disk: ``make_train_step(..., cache_dir=...)``.
 
 torch's compile caches (inductor's FX graph cache, AOTAutograd's cache) make a second process
-skip code generation, but dynamo still traces the whole step again in every new process: about
-10 s of a GPT step's 13 s warm start here. This module saves what dynamo produced too (torch's
+skip code generation, but dynamo still traces the whole step again in every new process: most
+of a warm start (docs/benchmarks.md, "Warm start"). This module saves what dynamo produced too (torch's
 AOT precompile: ``torch.compile(fn).aot_compile`` and ``torch.compiler.load_compiled_function``),
 so a later process loads the step in a couple of seconds without tracing anything.
 

@@ -203,7 +203,7 @@ def _drop(record: logging.LogRecord) -> bool:
 def _quiet(logger: logging.Logger) -> Any:
     """Hold back what ``logger`` itself logs. A filter, not ``setLevel``: this runs on every
     call of a compiled step, and each ``setLevel`` clears the level cache of every logger
-    (~0.2 ms with torch's loggers)."""
+    (torch has many)."""
     logger.addFilter(_drop)
     try:
         yield

@@ -251,7 +251,7 @@ def wrap_step(
             run = runs[0]
             # A failed trace re-runs the step eagerly, only for the error message: a donated
             # state on copies (made then: a failed trace wrote nothing, and copying the whole
-            # state on every call cost 0.5 ms of a 3 ms step).
+            # state on every call would cost a sizeable part of a small step).
             new, metrics = run_compiled(
                 api,
                 run,
