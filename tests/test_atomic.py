@@ -15,8 +15,8 @@ import torch
 
 import funcamp
 from funcamp._core import atomic as _atomic
-from funcamp.train import cache as _step_cache
-from funcamp.train import save as _save
+from funcamp.checkpoints import save as _save
+from funcamp.stepcache import cache as _step_cache
 
 
 def _dead_pid() -> int:
