@@ -182,19 +182,19 @@ def make_train_step(
             time and layouts.
         **compile_options: passed to ``torch.compile`` (``backend=``, ``mode=``,
             ``options=``, ``dynamic=``); ``guard_filter_fn=`` filters dynamo's guards (see
-            ``specialize``). A step
-            compiled by inductor for the CPU turns inductor's ``loop_ordering_after_fusion`` off
-            (the same output code on the real-model suite, a shorter first call;
-            docs/benchmarks.md) unless ``options=`` sets it. With ``compiler_patches`` on
+            ``specialize``). A step compiled by inductor for the CPU turns inductor's
+            ``loop_ordering_after_fusion`` off (the same output code on the real-model suite,
+            a shorter first call) unless ``options=`` sets it. With ``compiler_patches`` on
             (:mod:`funcamp.compiler`), it also keeps the activations a convolution's backward
             shares with other ops channels-last (inductor's ``post_grad_custom_post_pass``: the
-            same bits, fewer transposes, ResNet's first call ~10 % shorter; unless ``options=``
+            same bits, fewer transposes, a shorter first call on a CNN; unless ``options=``
             sets that pass), builds its CPU kernels in a few C++ units instead of one build per
             kernel (the same code and bits; ``FUNCAMP_CPP_BUNDLE=0`` in the environment gives
             torch's builds back), and, where the step writes its state in place, keeps
             inductor from storing the update's dead intermediates before those writes (the
-            same kernels, half the scheduling time; ``FUNCAMP_LIVE_READS=0`` gives inductor's
+            same kernels, less scheduling time; ``FUNCAMP_LIVE_READS=0`` gives inductor's
             own lowering back); which of them are on enters inductor's FX graph cache key.
+            Each is measured in docs/benchmarks.md ("First calls on real models").
             ``fullgraph=False`` compiles a ``loss_fn`` with graph breaks in pieces: the
             gradients then come from ``torch.autograd.grad`` (dynamo cannot resume a frame
             inside ``torch.func.grad``), the rest of the step is unchanged.

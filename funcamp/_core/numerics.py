@@ -110,15 +110,15 @@ def spread(x: Any, n: int) -> list[Any]:
     copied once for every :data:`LEAVES_PER_COPY` leaves by one ``funcamp::copies`` call.
 
     Why: inductor's fusion search pairs each node with up to 64 later nodes that read a buffer
-    it reads (``max_fusion_buffer_group_pairwise_attempts``), at about half a millisecond a pair
-    (memory scoring). When every leaf's three or so update kernels read one shared scalar, that
-    is some 3n x 64 pairs in each of the fusion rounds: most of a compiled optimizer step's
-    scheduling time (GPT 4x256, 53 leaves: about half of inductor's time). A copy per few leaves
-    keeps the search to neighbours; the leaf's own kernels still fuse through the leaf's own
-    buffers. Inductor cannot look through the op, so the copies stay separate buffers; they cost
-    a clone each per step (about a microsecond on CPU). Values and results are unchanged. Off
-    the CPU (where each copy would be a kernel launch), in eager code, for few leaves and for a
-    tensor that autograd tracks, ``x`` is shared as is."""
+    it reads (``max_fusion_buffer_group_pairwise_attempts``), each pair scored for memory. When
+    every leaf's three or so update kernels read one shared scalar, that is some 3n x 64 pairs
+    in each of the fusion rounds: most of a compiled optimizer step's scheduling time (measured
+    on the GPT step in docs/benchmarks.md, "Compile time"). A copy per few leaves keeps the
+    search to neighbours; the leaf's own kernels still fuse through the leaf's own buffers.
+    Inductor cannot look through the op, so the copies stay separate buffers; they cost a clone
+    of a 0-d tensor each per step. Values and results are unchanged. Off the CPU (where each
+    copy would be a kernel launch), in eager code, for few leaves and for a tensor that autograd
+    tracks, ``x`` is shared as is."""
     if (
         n <= LEAVES_PER_COPY
         or not isinstance(x, torch.Tensor)

@@ -77,12 +77,12 @@ def computed_once(x: torch.Tensor) -> torch.Tensor:
     of its readers. Inductor gives up inlining only past some fan-out or op count, and the
     integer work here reads its values several times: each hash step reads its input twice
     (``x ^ (x >> 16)``, three steps a hash), so an inlined chain of hashes grows as a power of two
-    (the stochastic-rounding keys of 8 small leaves took minutes to compile), and the rounding
-    reads the bit pattern of a whole optimizer update up to six times (float16 params with Kahan
-    summation compiled a third faster with this). Fused into the same kernel, the buffer stays a
-    local value: the same kernels and memory traffic. Left alone where autograd or a functorch
-    transform (vmap, grad) would see the view, and for a non-contiguous ``x`` (whose strides
-    inductor's buffer need not share)."""
+    (the stochastic-rounding keys of a few small leaves were slow to compile), and the rounding
+    reads the bit pattern of a whole optimizer update up to six times (Kahan summation compiles
+    faster with this; both measured in docs/benchmarks.md, "Low-precision modes"). Fused into
+    the same kernel, the buffer stays a local value: the same kernels and memory traffic. Left
+    alone where autograd or a functorch transform (vmap, grad) would see the view, and for a
+    non-contiguous ``x`` (whose strides inductor's buffer need not share)."""
     if (
         not compiling()
         or not x.is_contiguous()

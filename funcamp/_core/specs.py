@@ -116,8 +116,9 @@ class NestedSpec:
     ``None`` nodes with tensor leaves (an optimizer's state, a train state), made without optree
     under ``torch.compile``, as :class:`DictSpec` is for a flat dict.
 
-    Dynamo traces optree's flattening in Python, some 350 bytecode instructions a leaf (about a
-    sixth of a GPT-2 step's trace went to flattening its AdamW state). Leaves come in optree's
+    Dynamo traces optree's flattening in Python, some 350 bytecode instructions a leaf (a large
+    part of a GPT-2 step's trace went to flattening its AdamW state; docs/benchmarks.md,
+    "Compile time"). Leaves come in optree's
     order (dict keys sorted, NamedTuple fields in order, ``None`` a node without children),
     ``flatten_up_to`` takes what optree's takes (a dict node a dict, ``OrderedDict`` or
     ``defaultdict`` with the same keys; the other nodes their own type), and the spec compares

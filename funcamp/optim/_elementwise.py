@@ -210,7 +210,8 @@ def build(
     def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
         if compiling():
             # update() runs the same checks while dynamo traces, so they still raise before
-            # anything runs; tracing them twice cost ~10 % of a GPT step's trace.
+            # anything runs; tracing them twice was a measurable part of a GPT step's trace
+            # (docs/benchmarks.md, "Compile time").
             _check_state_type(cfg, state)
         else:
             _checked(cfg, grads, state, params)

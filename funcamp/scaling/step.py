@@ -86,8 +86,9 @@ def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
     integer (the bits of ``-0.0``) when ``found_inf`` and the largest otherwise. Then
     ``p + delta`` is the new param, or ``p`` itself (``p + -0.0 == p`` bit for bit, signed zeros
     and infinities included), so the skip-step select costs one cheap vectorized pass over the
-    delta instead of a (scalar, twice as slow) ``torch.where`` pass over both trees. Declines (returns False, and the caller selects with ``torch.where``) for
-    CPU tensors while subnormals are flushed. A signaling-NaN param (torch never makes one)
+    delta instead of a ``torch.where`` pass over both trees (a slower, scalar loop on CPU:
+    docs/benchmarks.md, "The eager Adam step"). Declines (returns False, and the caller selects
+    with ``torch.where``) for CPU tensors while subnormals are flushed. A signaling-NaN param (torch never makes one)
     would come back quiet from a skipped step.
     """
     caps: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}

@@ -2,9 +2,9 @@
 
 torch's compile caches (inductor's FX graph cache, AOTAutograd's cache) make a second process
 skip code generation, but dynamo still traces the whole step again in every new process: most
-of a warm start (docs/benchmarks.md, "Warm start"). This module saves what dynamo produced too (torch's
-AOT precompile: ``torch.compile(fn).aot_compile`` and ``torch.compiler.load_compiled_function``),
-so a later process loads the step in a couple of seconds without tracing anything.
+of a warm start. This module saves what dynamo produced too (torch's AOT precompile:
+``torch.compile(fn).aot_compile``, ``torch.compiler.load_compiled_function``), so a later
+process loads the step without tracing anything (docs/benchmarks.md, "Warm start", has both).
 
 A saved step must never run where it no longer fits. dynamo specialises the graph on what the
 step reads besides its inputs (the model's attributes, closure constants, globals, the code

@@ -5,8 +5,9 @@ times the loss scale, with the loss itself back unscaled); :func:`forward_backwa
 step's use of it, with the model's buffers and the delayed-FP8 state threaded through. Three
 engines compute the same gradients: ``torch.func`` (the default, and what a compiled step
 traces), ``torch.autograd`` on leaf copies of the differentiated inputs (plain eager, where it is
-about 15 % faster with the same bits, and a step compiled in pieces or one whose model torch.func
-refuses -- traced into the graph then), chosen by :func:`engine`.
+faster with the same bits -- docs/benchmarks.md, "Whole train step" -- and a step compiled in
+pieces or one whose model torch.func refuses -- traced into the graph then), chosen by
+:func:`engine`.
 """
 
 from __future__ import annotations
