@@ -305,9 +305,9 @@ def test_bad_cache_dir(tmp_path, single_rank_group):
 
 
 def test_a_torch_without_precompile_warns_and_compiles(tmp_path, monkeypatch):
-    import funcamp.train.wrapper as train
+    import funcamp.stepcache.key as key
 
-    monkeypatch.setattr(train, "cache_support", lambda: "torch 0.0 has none")
+    monkeypatch.setattr(key, "cache_support", lambda: "torch 0.0 has none")
     model = cm.make_model()
     with pytest.warns(RuntimeWarning, match="`cache_dir` is ignored: torch 0.0 has none"):
         step = _step(model, str(tmp_path))

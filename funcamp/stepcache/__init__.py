@@ -6,5 +6,8 @@ specialised on still holds; ``key``: what an entry is keyed and checked on (valu
 digests, the machine, torch's context, the inputs' structure, dynamo's guard sources read back);
 ``files``: the source files an entry depends on and the note that a step cannot be saved.
 
-Imported only when a step is built with ``cache_dir=`` (``cache`` imports dynamo's internals);
-``key`` is light and also serves the train step's ``specialize=True`` guard filter."""
+Nothing here is imported by ``import funcamp``: the train step loads this package when a step
+is built with ``cache_dir=`` (``cache`` imports dynamo's internals at module level, ``key``
+reads more of them when a step is first keyed). The guard sources a saved step checks on every
+call are read as the ``specialize=True`` guard filter reads them
+(:mod:`funcamp._core.guard_sources`)."""

@@ -65,6 +65,7 @@ except ImportError:  # pragma: no cover - other torch versions
 
 from funcamp._core.atomic import atomic_write
 from funcamp._core.context import in_transform, transform_while_tracing
+from funcamp._core.guard_sources import is_mode_flag
 from funcamp._core.progress import COMPILING, logger
 from funcamp.stepcache.files import (
     changed_file,
@@ -88,7 +89,6 @@ from funcamp.stepcache.key import (
     first_change,
     guard_views,
     input_structure,
-    is_mode_flag,
     is_opaque,
     on_inputs,
     read_source,

@@ -1,7 +1,8 @@
 """Describing what a compiled step depends on, so that two processes can tell whether they hold
-"the same" thing: values (:func:`describe_value`), code digests, the machine, torch's context,
-the inputs' structure, and the step's key (:func:`step_key`); and reading dynamo's guard
-sources back (:func:`source_root`, the views a guard compares).
+"the same" thing: values (:func:`describe_value`), the step's settings, code digests, the
+machine, torch's context, the inputs' structure, and the step's key (:func:`step_key`); and
+reading dynamo's guards back (which a saved step checks on every call, the views a guard
+compares; the guard sources themselves are read by :mod:`funcamp._core.guard_sources`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ import optree
 import torch
 
 from funcamp._core.context import transform_level
+from funcamp._core.guard_sources import GLOBAL_STATE_SOURCES, STEP_INPUTS, source_root
 from funcamp._core.tree import NAMESPACE
 from funcamp._core.version import __version__
 
 __all__ = [
-    "GLOBAL_STATE_SOURCES",
-    "internals",
-    "STEP_INPUTS",
     "cache_support",
+    "describe_settings",
     "describe_value",
-    "is_mode_flag",
-    "source_root",
+    "internals",
     "step_key",
 ]
 
@@ -201,6 +200,13 @@ def _stateless(module: torch.nn.Module) -> bool:
     )
 
 
+def describe_settings(settings: tuple[Any, ...]) -> str:
+    """The text a step's build settings (policy, flags, options) enter its key as: their
+    ``repr``, with a callable among them (a ``headroom=`` filter) described by
+    :func:`describe_value` (its code and what it reads), not by its address."""
+    return repr(tuple(describe_value(v) if callable(v) else v for v in settings))
+
+
 def is_opaque(desc: Any) -> bool:
     """Whether a description holds an object known only by its type."""
     if not isinstance(desc, tuple) or not desc:
@@ -337,27 +343,6 @@ def _folded() -> tuple[Any, ...]:
         dist.is_available() and dist.is_initialized(),
         ranks,
     )
-
-
-#: The step's arguments; guards rooted in them (or in torch's global state) are the ones a
-#: step checks on every call -- here and in funcamp.train.step's default guard filter.
-STEP_INPUTS = ("state", "batch")
-
-GLOBAL_STATE_SOURCES = ("GlobalStateSource", "ShapeEnvSource")
-
-
-def source_root(source: Any) -> Any:
-    """The source a dynamo guard source is read from (``L['state']`` for
-    ``L['state'].params['w']``)."""
-    while getattr(source, "base", None) is not None:
-        source = source.base
-    return source
-
-
-def is_mode_flag(source: Any) -> bool:
-    """Whether a guard source reads a module's ``training`` flag (``....training``): the flag
-    ``model.train()`` / ``model.eval()`` sets, which a compiled step must follow."""
-    return type(source).__name__ == "AttrSource" and getattr(source, "member", None) == "training"
 
 
 # What torch.compiler.keep_portable_guards_unsafe keeps: with only these, torch's saved guard

@@ -24,10 +24,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from funcamp._core.guard_sources import GLOBAL_STATE_SOURCES, STEP_INPUTS, is_mode_flag, source_root
 from funcamp._core.tree import NAMESPACE
 from funcamp.compiler import hooks as compiler_hooks
 from funcamp.compiler.gate import Choice, decide
-from funcamp.stepcache.key import GLOBAL_STATE_SOURCES, STEP_INPUTS, is_mode_flag, source_root
 from funcamp.train.errors import explain
 from funcamp.train.loss import Engine
 from funcamp.train.state import TrainState

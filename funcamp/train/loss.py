@@ -316,10 +316,11 @@ def forward_backward(
     return grads, loss, aux, new_buffers, new_fp8
 
 
+@functools.cache
 def can_trace_autograd() -> bool:
     """Whether dynamo traces ``torch.autograd.grad`` into a graph (with its option
     ``trace_autograd_ops``, torch >= 2.7). Asked after a failed trace, when dynamo is loaded
-    (``import funcamp`` does not load it)."""
+    (``import funcamp`` does not load it); the answer is kept."""
     return hasattr(torch._dynamo.config, "trace_autograd_ops")
 
 

@@ -38,7 +38,7 @@ from funcamp.scaling.step import unscale_and_step
 from funcamp.train.loss import Engine, forward_backward, restore_buffers
 from funcamp.train.parallel import Parallel
 from funcamp.train.state import TrainState
-from funcamp.train.wrapper import check_cache_dir, check_specialize, describe_option, wrap_step
+from funcamp.train.wrapper import check_cache_dir, check_specialize, wrap_step
 
 __all__ = ["StepOptions", "build_train_step", "check_step_options"]
 
@@ -270,16 +270,14 @@ def build_train_step(
         with torch.no_grad():
             return _apply_step(plan, state, grads, loss, aux, new_buffers, new_fp8)
 
-    settings = repr(
-        (
-            pol,
-            opts.has_aux,
-            opts.returns_buffers,
-            opts.donate_state,
-            describe_option(opts.headroom),
-            opts.grad_norm,
-            opts.compiler_patches,
-        )
+    settings = (
+        pol,
+        opts.has_aux,
+        opts.returns_buffers,
+        opts.donate_state,
+        opts.headroom,
+        opts.grad_norm,
+        opts.compiler_patches,
     )
     step = wrap_step(
         API,

@@ -4,7 +4,7 @@
 first-call and per-call checks, the parallel piece's view of the state, the compile notice, the
 compiled (or eager) call through :func:`funcamp.train.compiling.run_compiled` and the on-disk
 step cache (``cache_dir``: :mod:`funcamp.stepcache`, imported only when a step is built with
-it). A donated state is recorded here (:func:`check_not_donated` refuses it when it comes
+it: it imports dynamo's internals, which ``import funcamp`` does not). A donated state is recorded here (:func:`check_not_donated` refuses it when it comes
 back), as are the checks of ``specialize`` and ``cache_dir`` that ``make_train_step`` and
 ``make_eval_step`` share.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -25,7 +26,6 @@ from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import NAMESPACE, describe
 from funcamp.compiler.gate import Choice
 from funcamp.scaling.state import ScalerState
-from funcamp.stepcache.key import cache_support, describe_value
 from funcamp.train.compiling import (
     Patches,
     compile_fn,
@@ -42,19 +42,14 @@ __all__ = [
     "check_cache_dir",
     "check_not_donated",
     "check_specialize",
-    "describe_option",
     "wrap_step",
 ]
 
 
-def _cached_step() -> Any:
-    """:class:`funcamp.stepcache.cache.CachedStep`, imported when a step is first built with
-    ``cache_dir=``: it imports dynamo's internals, which ``import funcamp`` does not."""
-    return importlib.import_module("funcamp.stepcache.cache").CachedStep
-
-
-def describe_option(value: Any) -> Any:
-    return describe_value(value) if callable(value) else value
+def _stepcache(module: str) -> types.ModuleType:
+    """``funcamp.stepcache.<module>``, imported when a step is built with ``cache_dir=``: the
+    step cache imports dynamo's internals, which ``import funcamp`` does not."""
+    return importlib.import_module(f"funcamp.stepcache.{module}")
 
 
 def check_specialize(
@@ -121,7 +116,7 @@ def check_cache_dir(
             f"'inductor' or 'aot_eager'), got {describe(options['backend'])}: a backend object "
             "cannot be told apart from another across processes"
         )
-    why = cache_support()
+    why = _stepcache("key").cache_support()
     if why is not None:
         warnings.warn(
             f"funcamp.{api}: `cache_dir` is ignored: {why}; the step compiles as usual "
@@ -168,7 +163,7 @@ def wrap_step(
     compile_options: dict[str, Any],
     donate_state: bool,
     specialize: bool = False,
-    cache: tuple[str, Callable[..., Any], str] | None = None,
+    cache: tuple[str, Callable[..., Any], tuple[Any, ...]] | None = None,
     compiler_patches: Choice = "auto",
     fp8: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
@@ -180,7 +175,8 @@ def wrap_step(
     structure; a donated state shares no memory. On the first call the optimizer state is
     checked against the params. ``specialize``: keep only the guards on the inputs
     (:func:`input_guards_only`). ``cache``, ``(directory, loss_fn, settings)``, keeps the
-    compiled step on disk (:class:`funcamp.stepcache.cache.CachedStep`). ``compiler_patches``:
+    compiled step on disk (:class:`funcamp.stepcache.cache.CachedStep`; ``settings``, what the
+    step was built with, enter its key). ``compiler_patches``:
     ``make_train_step``'s choice of funcamp's compiler patches (:func:`patches_for`). ``fp8``:
     the policy runs FP8 linears (inductor's options for them, :func:`step_options_for`)."""
     train_step.__code__ = fresh_code(train_step.__code__)
@@ -203,7 +199,7 @@ def wrap_step(
         if cache is None:
             return compiled
         directory, loss_fn, settings = cache
-        return _cached_step()(
+        return _stepcache("cache").CachedStep(
             train_step,
             lambda keep: compile_fn(
                 train_step,
@@ -215,7 +211,7 @@ def wrap_step(
             compiled,
             directory,
             loss_fn,
-            settings,
+            _stepcache("key").describe_settings(settings),
             compile_options,  # the device's options are in the key already: its tensors' device
             specialize=specialize,
         )
