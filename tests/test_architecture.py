@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
 import sys
 
 import pytest
@@ -44,6 +45,41 @@ def _diagram_layers() -> list[list[str]]:
 
 def test_the_layer_diagram_is_the_import_linter_contract():
     assert _diagram_layers() == _contract_layers()
+
+
+#: The library's packages and top-level modules (funcamp.testing sits beside the library).
+LIBRARY = sorted(
+    [f"funcamp.{p.parent.name}" for p in PACKAGE.glob("*/__init__.py")]
+    + [f"funcamp.{p.stem}" for p in PACKAGE.glob("*.py") if p.stem != "__init__"]
+)
+LIBRARY.remove("funcamp.testing")
+
+
+def test_every_library_package_is_in_one_layer_and_in_the_forbidden_contract():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layered = [m for layer in _contract_layers() for m in layer]
+    assert sorted(layered) == LIBRARY
+    (sources,) = [c["source_modules"] for c in config["contracts"] if c["type"] == "forbidden"]
+    assert sorted(sources) == LIBRARY
+
+
+@pytest.mark.parametrize("package", sorted(p.parent for p in PACKAGE.glob("*/__init__.py")))
+def test_each_package_says_what_it_owns(package):
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
+    assert doc and "TODO" not in doc
+
+
+def test_import_funcamp_leaves_the_step_cache_and_dynamo_unloaded():
+    """The step cache imports dynamo's internals; it is loaded when a step is built with
+    ``cache_dir=``, not by ``import funcamp``."""
+    probe = (
+        "import sys, funcamp; print(sorted(m for m in sys.modules if m.startswith("
+        "('funcamp.stepcache', 'torch._dynamo', 'torch._inductor'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def _imports_in_functions(tree: ast.AST) -> list[tuple[int, str]]:
