@@ -17,7 +17,7 @@ Inside the step (compiled as one graph when ``compile=True``):
   the mean, as with data parallelism;
 * the gradients of replicated leaves, the loss, rank 0's buffers, and this rank's squared norm
   and non-finite flag of its gradient shards travel in one all-reduce
-  (:func:`funcamp.distributed._reduce_step`), so ``found_inf``, ``loss`` and ``grad_norm`` are
+  (:func:`funcamp._core.collectives.all_reduce_step`), so ``found_inf``, ``loss`` and ``grad_norm`` are
   global: no rank steps when any rank overflowed;
 * unscale, the optimizer and the skip run on the local shards; :func:`funcamp.clip_by_global_norm`
   gets the global norm (one more small all-reduce).

@@ -111,7 +111,7 @@ def _pick(y: Scalar, i: int) -> Scalar:
 
 def _each(y: Scalar, n: int) -> Sequence[Scalar]:
     """``y`` leaf by leaf: its own list, or the one scalar for each of ``n`` leaves
-    (:func:`~funcamp.optim._numerics.spread`). Zipped with the leaves: dynamo traces
+    (:func:`~funcamp._core.numerics.spread`). Zipped with the leaves: dynamo traces
     ``enumerate`` in Python, ``zip`` and ``range`` natively."""
     return y if isinstance(y, (list, tuple)) else spread(y, n)
 
