@@ -334,23 +334,6 @@ def _torch_optim(name: str, kwargs: dict, device: torch.device, steps: int):
     return ps, {k: opt.state[p] for k, p in ps.items()}
 
 
-def _optim_step(opt: funcamp.Optimizer, impl: str, device: torch.device) -> Any:
-    """test_optim_db's step (fused: the donated ``unscale_and_step``) with the scaler on the
-    device."""
-    scaler = funcamp.ScalerState.noop(device=device)
-
-    def step(params, state, grads):
-        if impl == "fused":
-            params, state, _ = funcamp.unscale_and_step(
-                scaler, opt, grads, state, params, donate_state=True, grad_norm=False
-            )
-            return params, state
-        updates, state = opt.update(grads, state, params)
-        return funcamp.apply_updates(params, updates), state
-
-    return step
-
-
 @PARITY
 @pytest.mark.parametrize(("name", "kwargs"), _optim_configs())
 def test_optimizer_is_torch_optim(test_device, name, kwargs):
@@ -365,7 +348,7 @@ def test_optimizer_is_torch_optim(test_device, name, kwargs):
     opt = optim_suite._funcamp_opt(name, _for_funcamp(kwargs))
     params = {k: v.to(device) for k, v in optim_suite._params().items()}
     state = opt.init(params)
-    step = _optim_step(opt, optim_suite._impl(kwargs), device)
+    step = optim_suite._step_fn(opt, optim_suite._impl(kwargs), device)
     for i in range(steps):
         params, state = step(params, state, _on(optim_suite._grads(i), device))
     tol = {"rtol": optim_suite.RTOL, "atol": optim_suite.ATOL}

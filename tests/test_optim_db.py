@@ -131,8 +131,10 @@ def _torch_run(name: str, kwargs: dict, steps: int = STEPS, *, params=None, none
     return leaves, ps, {k: opt.state[p] for k, p in ps.items()}
 
 
-def _step_fn(opt: funcamp.Optimizer, impl: str):
-    scaler = funcamp.ScalerState.noop()
+def _step_fn(opt: funcamp.Optimizer, impl: str, device: torch.device | None = None):
+    """One update of ``opt`` (fused: the donated ``unscale_and_step``, the scaler on
+    ``device``)."""
+    scaler = funcamp.ScalerState.noop(device=device)
 
     def step(params, state, grads):
         if impl == "fused":
