@@ -262,6 +262,6 @@ DESCRIPTIONS = {
     "torch_model_opt": "torch.compile(model) + compiled optimizer.step + autocast + GradScaler",
     "torch_model": "torch.compile(model) + autocast + GradScaler, eager AdamW(foreach)",
     "funcamp_fused": "funcamp.make_train_step with funcamp.adamw(..., fused=True)",
-    "funcamp_unpatched": "funcamp.make_train_step(..., compiler_patches=False): torch's compiler",
+    "funcamp_unpatched": "funcamp.make_train_step(..., compile=funcamp.Compile(compiler_patches=False)): torch's compiler",
     "torch_model_fused": "torch.compile(model) + autocast + GradScaler + AdamW(fused=True)",
 }

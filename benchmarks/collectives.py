@@ -6,7 +6,7 @@ Rows (median over ``--runs``, milliseconds per step, measured on rank 0):
   ``funcamp.distributed.all_reduce_grads`` -- one flat buffer, one all-reduce.
 * ``all-reduce, per leaf``: the same gradients, one functional all-reduce per leaf (what a
   naive ``tree_map(all_reduce, grads)`` issues).
-* ``step, N ranks``: ``make_train_step(..., group=pg)``, each rank on ``batch / N`` rows.
+* ``step, N ranks``: ``make_train_step(..., parallel=DataParallel(pg))``, each rank on ``batch / N`` rows.
 * ``step, 1 process, batch / N``: the same local work without the collective (the difference
   to the row above is the cost of data parallelism per step).
 * ``step, 1 process, batch``: the whole batch in one process (the other rank idles).
@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     if not args.no_compile:
         modes.append(("compiled", {}))
     for mode, kw in modes:
-        dp = funcamp.make_train_step(loss_fn, opt, POLICY, group=pg, **kw)
+        dp = funcamp.make_train_step(loss_fn, opt, POLICY, parallel=fd.DataParallel(pg), **kw)
         local = funcamp.make_train_step(loss_fn, opt, POLICY, **kw)
         state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers)
 

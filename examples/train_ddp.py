@@ -1,4 +1,4 @@
-"""Data-parallel mixed-precision training with ``make_train_step(..., group=pg)``.
+"""Data-parallel mixed-precision training with ``make_train_step(..., parallel=DataParallel(pg))``.
 
     torchrun --nproc-per-node 2 examples/train_ddp.py              # CPU: gloo
     torchrun --nproc-per-node 8 examples/train_ddp.py --policy mixed_bfloat16   # GPUs: nccl
@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 import funcamp
+import funcamp.distributed as fd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples' shared setup
 from _common import init_distributed, policy_name
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> float:
             return nn.functional.mse_loss(pred, y)
 
         step = funcamp.make_train_step(
-            loss_fn, opt, args.policy, group=dist.group.WORLD, compile=not args.no_compile
+            loss_fn,
+            opt,
+            args.policy,
+            parallel=fd.DataParallel(dist.group.WORLD),
+            compile=not args.no_compile,
         )
 
         policy = funcamp.get_policy(args.policy)

@@ -1,4 +1,4 @@
-"""Sharded training of a Hugging Face GPT-2 with ``make_train_step(..., mesh=mesh)``.
+"""Sharded training of a Hugging Face GPT-2 with ``make_train_step(..., parallel=fd.Sharded(mesh))``.
 
     torchrun --nproc-per-node 2 examples/train_sharded.py            # CPU: gloo, compiled
     torchrun --nproc-per-node 2 examples/train_sharded.py --no-compile --steps 50
@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"{full_bytes / 2**20:.2f} MiB ({mine / full_bytes:.1%}; 1/{world} = {1 / world:.1%})",
             flush=True,
         )
-        step = funcamp.make_train_step(loss_fn, opt, policy, mesh=mesh, compile=not args.no_compile)
+        step = funcamp.make_train_step(
+            loss_fn, opt, policy, parallel=fd.Sharded(mesh), compile=not args.no_compile
+        )
 
         g = torch.Generator().manual_seed(1)  # the same global batches on every rank
         shard = args.batch // world

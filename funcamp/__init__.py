@@ -44,6 +44,7 @@ from funcamp.scaling.ops import scale, unscale, update
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import StepInfo, unscale_and_step
 from funcamp.search.policy_search import PolicyDecision, SearchReport, search_policy
+from funcamp.train.config import Compile
 from funcamp.train.eval import make_eval_step
 from funcamp.train.loss import scaled_grad_and_value
 from funcamp.train.state import TrainState, load_into_module, params_and_buffers
@@ -51,6 +52,7 @@ from funcamp.train.state import TrainState, load_into_module, params_and_buffers
 __all__ = [
     "AmpTrace",
     "CheckpointInfo",
+    "Compile",
     "Fp8Fallback",
     "Fp8Recipe",
     "Fp8Record",

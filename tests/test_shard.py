@@ -418,7 +418,7 @@ def test_shard_checks_its_arguments(mesh):
 def test_sharded_step_checks_its_arguments(mesh):
     from torch.distributed.device_mesh import init_device_mesh
 
-    with pytest.raises(ValueError, match=r"give `mesh` or `group`, not both"):
+    with pytest.raises(ValueError, match=r"give one of `group` and `mesh`"):
         funcamp.make_train_step(
             _loss_fn, _adamw(), POLICY, mesh=mesh, group=dist.group.WORLD, donate_state=False
         )

@@ -283,7 +283,7 @@ def test_bad_cache_dir(tmp_path, single_rank_group):
         )
     with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
         funcamp.make_train_step(
-            loss, opt, POLICY, cache_dir=tmp_path, guard_filter_fn=None, donate_state=False
+            loss, opt, POLICY, cache_dir=tmp_path, guard_filter_fn=lambda e: e, donate_state=False
         )
     with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
         funcamp.make_train_step(

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from funcamp._core.checks import check_flag, flatten_params
+from funcamp._core.checks import flatten_params
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import describe
 from funcamp.casting.amp import amp
 from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
-from funcamp.compiler.gate import check_choice
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.train.compiling import (
     Patches,
@@ -22,10 +22,10 @@ from funcamp.train.compiling import (
     patches_for,
     run_compiled,
 )
+from funcamp.train.config import Compile, new_spelling, resolve_compile
 from funcamp.train.frozen import combine
 from funcamp.train.loss import clone_buffers
 from funcamp.train.state import TrainState
-from funcamp.train.wrapper import check_specialize
 
 __all__ = ["make_eval_step"]
 
@@ -33,14 +33,24 @@ PyTree = Any
 Batch = Any
 
 
+def _eval_config(api: str, compile: Any, deprecated: dict[str, Any]) -> Compile | None:
+    """``compile=`` and the old keywords as one :class:`Compile`, warning for the old ones."""
+    if deprecated:
+        warnings.warn(
+            f"funcamp.{api}: {', '.join(f'{k}=' for k in deprecated)} is the old spelling; "
+            f"pass {new_spelling(deprecated)} instead",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return resolve_compile(api, compile, deprecated)
+
+
 def make_eval_step(
     fn: Callable[..., Any],
     policy: Policy | str,
     *,
-    compile: bool = True,
-    specialize: bool = False,
-    compiler_patches: bool | Literal["auto"] = "auto",
-    **compile_options: Any,
+    compile: bool | Compile = True,
+    **deprecated: Any,
 ) -> Callable[[Any, Batch], Any]:
     """Build ``eval_step(state, batch) -> fn(params, buffers, batch)``: evaluation under the
     policy, compiled, without gradients.
@@ -58,14 +68,10 @@ def make_eval_step(
     Args:
         fn: ``(params, buffers, batch) -> anything``, e.g. the train step's ``loss_fn``.
         policy: a :class:`funcamp.Policy` or a policy string.
-        compile: compile with ``torch.compile(fullgraph=True)`` (default); ``False`` runs eagerly.
-        specialize: keep only the guards on the inputs, as :func:`make_train_step`'s
-            ``specialize`` (default ``False``: a value ``fn`` reads from a closure, a global or
-            a module attribute that changes recompiles it).
-        compiler_patches: funcamp's changes to inductor, as for :func:`make_train_step`
-            (``"auto"``: on only for a torch release and device of
-            :data:`funcamp.compiler.ALLOWLIST`).
-        **compile_options: passed to ``torch.compile`` as for :func:`make_train_step`.
+        compile: ``True`` (default) compiles with ``torch.compile(fullgraph=True)``;
+            ``False`` runs eagerly; a :class:`funcamp.Compile` says how to compile.
+        **deprecated: the old spelling (``specialize=``, ``backend=``, ...): folded into
+            ``compile`` with a warning.
 
     Returns:
         ``eval_step(state, batch)``.
@@ -89,15 +95,11 @@ def make_eval_step(
     if not callable(fn):
         raise TypeError(f"funcamp.{api}: `fn` must be callable, got {describe(fn)}")
     pol = as_policy(policy, api)
-    check_flag(api, "compile", compile)
-    check_flag(api, "specialize", specialize)
-    check_specialize(api, specialize, compile, compile_options)
-    check_choice(api, compiler_patches)
-    if compile_options and not compile:
-        raise TypeError(
-            f"funcamp.{api}: compile options {sorted(compile_options)} must not be given with "
-            "compile=False"
-        )
+    cfg = _eval_config(api, compile, deprecated)
+    compiler_patches = "auto" if cfg is None else cfg.compiler_patches
+    specialize = cfg is not None and cfg.specialize
+    compile_options = {} if cfg is None else cfg.torch_options()
+    compile = cfg is not None
     run_fn = with_fp8_state(amp(fn, pol))
     fp8_stateful = needs_state(pol)
 

@@ -35,10 +35,11 @@ from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
+from funcamp.train.config import Compile, check_combinations, resolve_compile, unchecked
 from funcamp.train.loss import Engine, forward_backward, restore_buffers
 from funcamp.train.parallel import Parallel
 from funcamp.train.state import TrainState
-from funcamp.train.wrapper import check_cache_dir, check_specialize, wrap_step
+from funcamp.train.wrapper import check_cache_dir, wrap_step
 
 __all__ = ["StepOptions", "build_train_step", "check_step_options"]
 
@@ -70,6 +71,21 @@ class _Checked(NamedTuple):
     cache_dir: str | None
 
 
+def _as_config(opts: StepOptions, compile_options: dict[str, Any]) -> Compile | None:
+    """The step's compile settings as one :class:`Compile` (None: an eager step)."""
+    if not opts.compile:
+        if opts.specialize or opts.cache_dir is not None:
+            from_legacy = {"specialize": opts.specialize, "cache_dir": opts.cache_dir}
+            resolve_compile(API, False, {k: v for k, v in from_legacy.items() if v})
+        return None
+    return unchecked(
+        **compile_options,
+        cache_dir=opts.cache_dir,
+        specialize=opts.specialize,
+        compiler_patches=opts.compiler_patches,
+    )
+
+
 def check_step_options(
     loss_fn: Any,
     optimizer: Any,
@@ -94,7 +110,6 @@ def check_step_options(
         "specialize",
     ):
         check_flag(API, name, getattr(opts, name))
-    check_specialize(API, opts.specialize, opts.compile, compile_options)
     check_choice(API, opts.compiler_patches)
     if not (isinstance(opts.headroom, bool) or callable(opts.headroom)):
         raise TypeError(
@@ -106,18 +121,14 @@ def check_step_options(
             f"funcamp.{API}: compile options {sorted(compile_options)} must not be given with "
             "compile=False"
         )
-    asked = {
-        "donate_state": opts.donate_state,
-        "headroom": opts.headroom is not False,
-        "a delayed FP8 recipe": needs_state(pol),
-        "cache_dir": opts.cache_dir is not None,
-    }
-    for option, on in asked.items():
-        if on and option in parallel.refuses:
-            raise ValueError(
-                f"funcamp.{API}: {option} does not compose with {parallel.name}: "
-                f"{parallel.refuses[option]}"
-            )
+    check_combinations(
+        API,
+        _as_config(opts, compile_options),
+        parallel=parallel,
+        headroom=opts.headroom,
+        delayed_fp8=needs_state(pol),
+        donate_state=opts.donate_state,
+    )
     cache_dir = check_cache_dir(API, opts.cache_dir, opts.compile, compile_options)
     return _Checked(
         pol,

@@ -41,7 +41,6 @@ from funcamp.train.state import TrainState, check_donation, check_train_state
 __all__ = [
     "check_cache_dir",
     "check_not_donated",
-    "check_specialize",
     "wrap_step",
 ]
 
@@ -50,27 +49,6 @@ def _stepcache(module: str) -> types.ModuleType:
     """``funcamp.stepcache.<module>``, imported when a step is built with ``cache_dir=``: the
     step cache imports dynamo's internals, which ``import funcamp`` does not."""
     return importlib.import_module(f"funcamp.stepcache.{module}")
-
-
-def check_specialize(
-    api: str, specialize: bool, compile: bool, compile_options: dict[str, Any]
-) -> None:
-    """``specialize=True`` chooses the guards of a compiled step: not without compiling, and
-    not together with a guard filter of the caller's."""
-    if not specialize:
-        return
-    if not compile:
-        raise ValueError(
-            f"funcamp.{api}: specialize=True fixes what a compiled step reads besides its "
-            "inputs at its first call, but compile=False builds an eager step, which reads them "
-            "on every call; drop `specialize` or compile the step"
-        )
-    inner = compile_options.get("options") or {}
-    if "guard_filter_fn" in compile_options or "guard_filter_fn" in inner:
-        raise ValueError(
-            f"funcamp.{api}: give `specialize=True` or a `guard_filter_fn`, not both: both "
-            "choose which of dynamo's guards the step keeps"
-        )
 
 
 def check_cache_dir(
@@ -92,29 +70,6 @@ def check_cache_dir(
         raise ValueError(
             f"funcamp.{api}: `cache_dir` must be a directory, but {path!r} is a file; give "
             "a directory (it is created if missing)"
-        )
-    if not compile:
-        raise ValueError(
-            f"funcamp.{api}: `cache_dir` keeps the compiled step on disk, but compile=False "
-            "builds an eager step; drop `cache_dir` or compile the step"
-        )
-    if compile_options.get("fullgraph", True) is False:
-        raise ValueError(
-            f"funcamp.{api}: `cache_dir` saves the step as one compiled graph; a step "
-            "compiled in pieces (fullgraph=False) cannot be saved: drop one of the two"
-        )
-    options = compile_options
-    if "guard_filter_fn" in options or "guard_filter_fn" in (options.get("options") or {}):
-        raise ValueError(
-            f"funcamp.{api}: `cache_dir` and `guard_filter_fn` do not go together: a saved "
-            "step checks its inputs' tensors on every call and everything else it depends on "
-            "when it is loaded, whatever a guard filter would keep; drop one of the two"
-        )
-    if not isinstance(options.get("backend", "inductor"), str):
-        raise ValueError(
-            f"funcamp.{api}: `cache_dir` needs the compile backend by name (such as "
-            f"'inductor' or 'aot_eager'), got {describe(options['backend'])}: a backend object "
-            "cannot be told apart from another across processes"
         )
     why = _stepcache("key").cache_support()
     if why is not None:
