@@ -1,7 +1,19 @@
 """Treespecs made without optree while dynamo traces: :class:`DictSpec` for a flat ``str``-keyed
 dict of tensors, :class:`NestedSpec` for a tree of dicts, lists, tuples, NamedTuples and None,
 and :func:`flatten`/:func:`unflatten`, which use them under ``torch.compile`` (optree's C++
-flatten otherwise)."""
+flatten otherwise).
+
+Workaround of torch internals (docs/upstream.md#specs):
+
+- Root cause: dynamo runs optree's flatten as Python polyfills, whose tracing time grows with
+  the bytecode they execute.
+- Upstream: none; see docs/upstream.md#specs.
+- Why it is safe: the specs are used only while dynamo traces and are checked against optree's
+  by tests/test_tree.py.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: dynamo traces optree's C++ flatten natively.
+
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,18 @@ Python composites (``torch.nn.functional``, ``torch.functional``, a few ``Tensor
 re-entered as *unchecked copies* (:func:`_unchecked_copies`), C++ composites through their Python
 *twins* (``funcamp/casting/twins.py``). :func:`reentered` chooses, once per op table, which of them may
 reach a listed op; the mode re-enters those and runs every other call as called.
+
+Workaround of torch internals (docs/upstream.md#reentry):
+
+- Root cause: while a mode's __torch_function__ runs the mode is off, and a Python composite's
+  own has_torch_function check sends a naive re-entry straight back to the mode.
+- Upstream: none; the write-up is docs/upstream.md#reentry.
+- Why it is safe: the unchecked copies are the composites' own code with only the entry check
+  skipped; tests/test_opinfo.py compares every op with torch.autocast.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: torch lets a mode re-enter for the body of a composite (a 'run with this mode,
+  skip the entry dispatch' primitive).
+
 """
 
 from __future__ import annotations

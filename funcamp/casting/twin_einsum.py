@@ -4,6 +4,17 @@ See ``funcamp/casting/twins.py``: the twin makes the calls ATen's ``einsum`` ker
 aligned by permutation, diagonals for repeated labels, dimensions only one operand has summed
 first, then one ``bmm`` per pair of operands (or a ``mul`` when nothing is contracted) -- so the
 amp mode casts the ``bmm`` calls, and only them, as torch.autocast casts them.
+
+Workaround of torch internals (docs/upstream.md#cpp-composites):
+
+- Root cause: as for funcamp/casting/twins.py: ATen's einsum calls bmm inside its C++ kernel,
+  which a function mode cannot see.
+- Upstream: none; see docs/upstream.md#cpp-composites.
+- Why it is safe: the twin makes the calls ATen's kernel makes, so the bits match
+  (tests/test_opinfo.py, tests/test_amp_twins.py).
+- Tested on: torch 2.13 and 2.14.
+- Delete when: as for funcamp/casting/twins.py.
+
 """
 
 from __future__ import annotations

@@ -28,6 +28,20 @@ in a few translation units itself (as ``cpp_wrapper=True`` builds one file per g
 the Python wrapper and in parallel) would make this module unnecessary. Scope: on only inside
 :func:`bundling` in the thread that entered it (funcamp's own compiles, chosen by
 :mod:`funcamp.compiler.gate`); installed once, under a lock, the first time it is entered.
+
+Workaround of torch internals (docs/upstream.md#cpp-bundle):
+
+- Root cause: inductor builds each CPU kernel as its own Python extension, one g++ process each;
+  the fixed cost (prefix header, libtorch link) dominates small kernels.
+- Upstream: none asks for this; the write-up is docs/upstream.md#cpp-bundle (nearest:
+  pytorch/pytorch#147323, the opposite problem).
+- Why it is safe: the kernels' source, compiler, flags and cache are inductor's own, so the bits
+  are the same (tested); a kernel of another shape is built the usual way.
+- Tested on: torch 2.13 and 2.14 on the CPU (funcamp.compiler.ALLOWLIST); off elsewhere unless
+  asked for.
+- Delete when: inductor builds a graph's CPU kernels in a few translation units itself, or the
+  allowlist has no release left that needs it.
+
 """
 
 from __future__ import annotations

@@ -24,6 +24,20 @@ only where every device of the tensors the compiled function was called with is 
 :data:`funcamp.compiler.ALLOWLIST` with this torch release (elsewhere off, said once per release
 and device). A torch whose dynamo has no such special case, or whose internals moved, is left
 alone (logged once).
+
+Workaround of torch internals (docs/upstream.md#cross-entropy):
+
+- Root cause: dynamo replaces the construction of nn.CrossEntropyLoss with a bare
+  F.cross_entropy node (from pytorch/torchdynamo#450), which never reaches an active
+  TorchFunctionMode.
+- Upstream: none asks for it; the write-up is docs/upstream.md#cross-entropy.
+- Why it is safe: the routed subclass is identical and traced like any module, so the result is
+  eager's, bit for bit (tested); any other trace keeps dynamo's fast path; moved internals leave
+  it alone.
+- Tested on: torch 2.13 and 2.14 on the CPU (funcamp.compiler.ALLOWLIST); off elsewhere unless
+  asked for.
+- Delete when: dynamo keeps its fast path only while no torch function mode is on its stack.
+
 """
 
 from __future__ import annotations

@@ -29,6 +29,21 @@ covers the separate backward graphs of torch's training path; inductor choosing 
 tensor read by both a convolution and its backward in *one* graph would make this pass
 unnecessary. It reaches inductor through its public ``post_grad_custom_post_pass`` option, keyed
 by a digest of this file (:meth:`ChannelsLastConvBackward.uuid`).
+
+Workaround of torch internals (docs/upstream.md#layouts):
+
+- Root cause: in one forward-and-backward graph inductor fixes a tensor read by a convolution's
+  backward to its traced (NCHW) strides, so activations are stored twice.
+- Upstream: pytorch/pytorch#189239 covers torch's separate backward graphs; the one-graph case
+  is written up in docs/upstream.md#layouts.
+- Why it is safe: a public extension point (post_grad_custom_post_pass, keyed by this file's
+  digest); only layouts change, the values are the same (tested); fixed-stride ops are left
+  alone.
+- Tested on: torch 2.13 and 2.14 on the CPU (funcamp.compiler.ALLOWLIST); off elsewhere unless
+  asked for.
+- Delete when: inductor chooses the layout of a tensor read by both a convolution and its
+  backward in one graph.
+
 """
 
 from __future__ import annotations

@@ -30,6 +30,21 @@ realizing lazily at scheduling) would make this module unnecessary. Scope: on on
 :func:`live_reads_only` in the thread that entered it (funcamp's own compiles, chosen by
 :mod:`funcamp.compiler.gate`), and part of inductor's FX graph cache key there
 (:mod:`funcamp.compiler.keys`).
+
+Workaround of torch internals (docs/upstream.md#live-reads):
+
+- Root cause: GraphLowering.mark_buffer_mutated stores every registered reader of a buffer
+  before a write into it, the dead ones too; the scheduler builds and then drops a node for
+  each.
+- Upstream: none asks for the dead readers to be skipped; the write-up is docs/upstream.md#live-
+  reads (origin: pytorch/pytorch#105882).
+- Why it is safe: the values stored, and so the kernels and their bits, are those inductor keeps
+  anyway (tested); a lowering without name_to_users/env runs unchanged.
+- Tested on: torch 2.13 and 2.14 on the CPU (funcamp.compiler.ALLOWLIST); off elsewhere unless
+  asked for.
+- Delete when: inductor drops a reader once its FX value is freed, or realizes lazily at
+  scheduling.
+
 """
 
 from __future__ import annotations

@@ -17,15 +17,16 @@ does the loaded one. So each entry carries:
 - torch's record of every function the trace inlined, with a checksum of its source lines,
   compared with the files as they are now;
 - *specialisation checks*: every guard dynamo made on something other than the inputs'
-  tensors (which the step checks on every call), re-read from the new process's objects and
-  compared with what dynamo saw, the way the guard compares it (a type guard by type, a value
-  guard by value: constants by value, tensors by metadata, functions by their code, classes,
-  modules and torch ops by name, containers element by element); a value guard on an object
-  known only by its type, or on torch state funcamp does not model, refuses the save.
+  tensors, re-read from the new process's objects and compared the way the guard compares it;
+  a guard on an object known only by its type, or on unmodelled torch state, refuses the save.
 
 Anything that does not match, or any error while loading, compiles the step afresh (and
 replaces the entry). See docs/internals.md for the details. Entries are pickles, as torch's own
 artifacts are: load only cache directories you trust.
+
+Workaround of torch internals (docs/upstream.md#step-cache): AOT precompile re-checks nothing
+besides a loaded step's inputs; the checks above do. Tested on torch 2.13 and 2.14 (CPU).
+Delete when torch.compile ships a guard-checked cache of whole compiled functions.
 """
 
 from __future__ import annotations

@@ -3,6 +3,16 @@
 machine, torch's context, the inputs' structure, and the step's key (:func:`step_key`); and
 reading dynamo's guards back (which a saved step checks on every call, the views a guard
 compares; the guard sources themselves are read by :mod:`funcamp._core.guard_sources`).
+
+Workaround of torch internals (docs/upstream.md#step-cache):
+
+- Root cause: as for funcamp/stepcache/cache.py: deciding whether a saved step still fits needs
+  dynamo's guards, read back through private structures.
+- Upstream: see docs/upstream.md#step-cache.
+- Why it is safe: a guard it cannot read refuses the save; the step then compiles as usual.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: as for funcamp/stepcache/cache.py.
+
 """
 
 from __future__ import annotations

@@ -6,6 +6,17 @@ way out: a call dynamo cannot trace (a graph break), a Python branch on a tensor
 data-dependent guard), an op that fails on fake tensors although it runs eagerly, and a failure
 of the compiler backend itself. The step first re-runs eagerly: an error there is the model's own
 and is raised plainly instead (see ``make_train_step``).
+
+Workaround of torch internals (docs/upstream.md#errors):
+
+- Root cause: dynamo's failures are exceptions whose only stable description is their text.
+- Upstream: none; see docs/upstream.md#errors.
+- Why it is safe: an unmatched error is raised as it came, with dynamo's report chained; only
+  the added paragraph depends on the text.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: dynamo's exceptions carry a machine-readable kind (graph break, data-dependent
+  guard, fake-tensor failure).
+
 """
 
 from __future__ import annotations
