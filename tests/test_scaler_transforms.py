@@ -191,6 +191,19 @@ def test_vmapped_scalers_scaled_grad_and_value(has_aux):
     funcamp.testing.assert_trees_close(batched, alone, rtol=1e-5, atol=1e-3)
 
 
+def test_vmapped_scalers_scale_and_unscale():
+    members = _scalers()
+    grads = {"w": torch.randn(B, 3, 2), "b": torch.randn(B, 2)}
+    grads["b"][1, 0] = float("nan")
+    losses = torch.randn(B, dtype=torch.bfloat16)
+    got = vmap(funcamp.scale)(_stack(members), losses)
+    assert_bitwise(got, _stack([funcamp.scale(m, losses[i]) for i, m in enumerate(members)]))
+    got = vmap(funcamp.unscale)(_stack(members), grads)
+    want = [funcamp.unscale(m, _member(grads, i)) for i, m in enumerate(members)]
+    assert_bitwise(got, _stack(want))
+    assert got[1].tolist() == [False, True, False, False]
+
+
 def test_vmapped_scalers_train_an_ensemble_as_members_alone():
     """An ensemble, each member with its own scaler: per-member grads of the scaled loss, then
     unscale_and_step (one member overflows and is skipped) and update, vmapped over the
