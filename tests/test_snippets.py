@@ -130,6 +130,15 @@ def test_migration_guide():
         assert [s for _, _, s in logged[::4]] == list(range(12))
 
 
+def test_torch_func_recipes_guide():
+    """Per-sample gradients, ensembling, Jacobians, the NTK and float16 DP-SGD, each with
+    funcamp.amp; the page asserts what it shows."""
+    _run(
+        "docs/guides/torch-func-recipes.md",
+        (ROOT / "docs" / "guides" / "torch-func-recipes.md").read_text(),
+    )
+
+
 def test_property_testing_guide():
     # Fewer examples than the guide's 50, to keep the suite fast; the properties are the same.
     text = (ROOT / "docs" / "guides" / "property-testing.md").read_text()

@@ -209,10 +209,22 @@ def restore_buffers(api: str, new: PyTree, old: PyTree, returned: bool = True) -
 def engine(kind: str) -> GradAndValue:
     """The ``grad_and_value`` to differentiate with: ``"func"`` (``torch.func``),
     ``"autograd"`` (:func:`autograd_grad_and_value`) or ``"auto"``: autograd in plain eager
-    (same bits, faster), torch.func otherwise (compiling, inside a torch.func transform)."""
+    (same bits, faster), torch.func otherwise (compiling, inside a torch.func transform).
+    ``"auto"`` answers for the context it is asked in: ask where the gradient is taken."""
     if kind == "autograd" or (kind == "auto" and plain_eager()):
         return autograd_grad_and_value
     return torch.func.grad_and_value
+
+
+def auto_grad_and_value(
+    fn: Callable[..., Any], *, argnums: int | tuple[int, ...], has_aux: bool
+) -> Callable[..., Any]:
+    """``engine("auto")``, chosen each time the gradient is taken: a function built in plain
+    eager and run under ``vmap`` or ``torch.compile`` differentiates with torch.func there
+    (torch.func refuses ``requires_grad_()`` on the autograd engine's leaf copies, and dynamo
+    traces ``torch.autograd.grad`` only with ``trace_autograd_ops``), and in plain eager with
+    torch.autograd. Under dynamo ``plain_eager()`` is a constant of the trace."""
+    return engine("auto")(fn, argnums=argnums, has_aux=has_aux)
 
 
 def scaled_grad_and_value(
@@ -228,9 +240,10 @@ def scaled_grad_and_value(
     The first half of a mixed-precision step, as one piece: pass the grads (still scaled) to
     :func:`funcamp.unscale_and_step`. ``fn`` returns a 0-d floating loss, or ``(loss, aux)``
     with ``has_aux=True`` (then ``g`` returns ``(grads, (loss, aux))``). It is
-    ``torch.func.grad_and_value`` of the scaled loss -- composable with ``vmap`` and
-    ``torch.compile`` -- except in plain eager, where ``torch.autograd`` on leaf copies of the
-    arguments gives the same bits faster.
+    ``torch.func.grad_and_value`` of the scaled loss, so ``g`` composes with ``vmap``, ``grad``
+    and ``torch.compile(fullgraph=True)``, built inside or outside them. In plain eager
+    ``torch.autograd`` on leaf copies of the arguments gives the same bits faster. The engine
+    is chosen each call, where ``g`` runs.
 
     Example:
         >>> import torch, funcamp
@@ -240,6 +253,14 @@ def scaled_grad_and_value(
         ...     torch.ones(2), torch.ones(3, 2))
         >>> grads, loss  # d(1024 * mean((x @ w)**2)) / dw; the loss unscaled
         (tensor([4096., 4096.]), tensor(4.))
+
+        Per-sample gradients, with one scaler:
+
+        >>> g = funcamp.scaled_grad_and_value(lambda w, x: (x @ w).square(), scaler)
+        >>> grads, losses = torch.func.vmap(g, in_dims=(None, 0))(torch.ones(2), torch.eye(2))
+        >>> grads, losses
+        (tensor([[2048.,    0.],
+                [   0., 2048.]]), tensor([1., 1.]))
     """
     api = "scaled_grad_and_value"
     if not callable(fn):
@@ -248,7 +269,7 @@ def scaled_grad_and_value(
         raise TypeError(
             f"funcamp.{api}: `scaler` must be a funcamp.ScalerState, got {describe(scaler)}"
         )
-    return _scaled(api, fn, scaler, argnums, has_aux, engine("auto"))
+    return _scaled(api, fn, scaler, argnums, has_aux, auto_grad_and_value)
 
 
 def _scaled(
@@ -259,15 +280,18 @@ def _scaled(
     has_aux: bool,
     grad_and_value: GradAndValue,
 ) -> Callable[..., tuple[Any, Any]]:
-    def scaled_loss(*args: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
+    def scaled_loss(*args: Any) -> tuple[torch.Tensor, Any]:
         out = fn(*args)
         loss, aux = out if has_aux else (out, None)
         loss = _check_loss(api, loss).to(torch.float32)
-        return scale(scaler, loss), (loss.detach(), aux)
+        # Without aux the loss alone rides as torch.func's aux: vmap refuses a None output.
+        return scale(scaler, loss), ((loss.detach(), aux) if has_aux else loss.detach())
 
     def run(*args: Any) -> tuple[Any, Any]:
-        grads, (_, (loss, aux)) = grad_and_value(scaled_loss, argnums=argnums, has_aux=True)(*args)
-        return grads, ((loss, aux) if has_aux else loss)
+        # grad_and_value is called here, per call: auto_grad_and_value picks the engine for
+        # the context this call runs in (eager, a torch.func transform, dynamo).
+        grads, (_, value) = grad_and_value(scaled_loss, argnums=argnums, has_aux=True)(*args)
+        return grads, value
 
     return run
 
