@@ -38,15 +38,19 @@ from funcamp._core.atomic import atomic_write
 from funcamp._core.tree import NAMESPACE, describe
 from funcamp.checkpoints.dcp import load_distributed, save_distributed
 from funcamp.checkpoints.format import (
+    FILE_KEYS,
     FORMAT,
     FORMAT_VERSION,
+    HEADER_KEYS,
     CheckpointInfo,
-    as_info,
     check_and_rebuild,
     header_info,
     header_path,
+    parse_info,
     read_checkpoint,
     state_checksum,
+    verify,
+    verify_header,
 )
 from funcamp.checkpoints.state_dict import state_dict
 from funcamp.policy.policy import Policy, as_policy
@@ -166,6 +170,7 @@ def save(
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "info": info,
+        "info_checksum": state_checksum(info),  # checkpoint_info checks the header alone
         "state": sd,
         "checksum": state_checksum([info, sd]),
     }
@@ -175,11 +180,18 @@ def save(
 def checkpoint_info(path: PathLike) -> CheckpointInfo:
     """Read what a checkpoint written by :func:`save` records, without loading its state.
 
+    The header's CRC-32 is verified (for a file written before funcamp stored one for the
+    header, the whole file's). To read the state and the header of the same save -- a file
+    another process may replace between two calls -- use ``load(..., with_info=True)``.
+
     Args:
         path: the checkpoint file (or multi-rank checkpoint directory).
 
     Returns:
         A :class:`CheckpointInfo`: policy, scaler kind, versions and the caller's metadata.
+
+    Raises:
+        ValueError: a truncated, corrupted or foreign file (starting ``funcamp.checkpoint_info:``).
 
     Example:
         >>> import os, tempfile, torch, funcamp
@@ -190,8 +202,14 @@ def checkpoint_info(path: PathLike) -> CheckpointInfo:
         100
     """
     p = _check_path(path, "checkpoint_info")
-    raw = read_checkpoint(header_path(p), "checkpoint_info", mmap=not p.is_dir())
-    return as_info(raw["info"])
+    is_dir = p.is_dir()
+    raw = read_checkpoint(header_path(p), "checkpoint_info", mmap=not is_dir)
+    where = repr(str(p))
+    if is_dir:
+        verify(raw, HEADER_KEYS, "checkpoint_info", where)
+    else:
+        verify_header(raw, FILE_KEYS, "checkpoint_info", where)
+    return parse_info(raw, "checkpoint_info", where)
 
 
 def load(
@@ -201,7 +219,8 @@ def load(
     policy: Policy | str | None = None,
     convert: bool = False,
     group: Any = None,
-) -> PyTree:
+    with_info: bool = False,
+) -> PyTree | tuple[PyTree, CheckpointInfo]:
     """Load a checkpoint written by :func:`save` into the structure of ``template``.
 
     Reads with ``torch.load(weights_only=True)`` (no pickled code runs), verifies the stored
@@ -234,9 +253,11 @@ def load(
         policy: the policy the loaded state will train under; ``None`` skips the policy check.
         convert: cast the state to ``policy`` instead of refusing a different one (see above).
         group: the process group of a multi-rank checkpoint (every rank calls ``load``).
+        with_info: also return the checkpoint's :class:`CheckpointInfo` (its metadata), read
+            from the same file in the same call: the two always belong to the same save.
 
     Returns:
-        The state, with ``template``'s structure.
+        The state, with ``template``'s structure; with ``with_info``, ``(state, info)``.
 
     Raises:
         ValueError: a different policy or scaler kind, a state that does not fit the template,
@@ -259,19 +280,16 @@ def load(
     p = _check_path(path, "load")
     if not isinstance(convert, bool):
         raise TypeError(f"funcamp.load: `convert` must be a bool, got {describe(convert)}")
+    if not isinstance(with_info, bool):
+        raise TypeError(f"funcamp.load: `with_info` must be a bool, got {describe(with_info)}")
     if policy is not None:
         as_policy(policy, "load")
     if group is not None or p.is_dir():
-        return load_distributed(p, template, policy, convert, group)
+        state, info = load_distributed(p, template, policy, convert, group)
+        return (state, info) if with_info else state
     where = repr(str(p))
     raw = read_checkpoint(p, "load")
-    try:
-        info, sd, checksum = as_info(raw["info"]), raw["state"], raw["checksum"]
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"funcamp.load: {where} is corrupted (missing {e})") from e
-    if state_checksum([raw["info"], sd]) != checksum:
-        raise ValueError(
-            f"funcamp.load: {where} is corrupted (its contents do not match the CRC-32 stored "
-            "when it was saved); load an earlier checkpoint"
-        )
-    return check_and_rebuild(info, sd, template, policy, convert, where)
+    verify(raw, FILE_KEYS, "load", where)
+    info = parse_info(raw, "load", where)
+    state = check_and_rebuild(info, raw["state"], template, policy, convert, where)
+    return (state, info) if with_info else state
