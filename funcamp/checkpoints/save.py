@@ -31,11 +31,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import optree
 import torch
 
 from funcamp._core.atomic import atomic_write
-from funcamp._core.tree import NAMESPACE, describe
+from funcamp._core.tree import describe
 from funcamp.checkpoints.dcp import load_distributed, save_distributed
 from funcamp.checkpoints.format import (
     FILE_KEYS,
@@ -53,7 +52,7 @@ from funcamp.checkpoints.format import (
     verify_header,
 )
 from funcamp.checkpoints.state_dict import state_dict
-from funcamp.policy.policy import Policy, as_policy
+from funcamp.policy.policy import Policy, as_policy, off_policy_param
 
 __all__ = ["checkpoint_info", "load", "save"]
 
@@ -91,19 +90,13 @@ def _check_params_dtype(state: Any, policy: Policy) -> None:
     params = getattr(state, "params", None)
     if params is None or not hasattr(state, "opt_state"):
         return
-    paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
-    for path, leaf in zip(paths, leaves):
-        if (
-            isinstance(leaf, torch.Tensor)
-            and leaf.is_floating_point()
-            and leaf.dtype not in (policy.param_dtype, torch.float64)
-            and leaf.element_size() > 1  # FP8 leaves follow their own recipe
-        ):
-            where = "".join(f"[{k!r}]" for k in path)
-            raise ValueError(
-                f"funcamp.save: `policy` {str(policy)!r} keeps params in {policy.param_dtype}, but "
-                f"state.params{where} is {leaf.dtype}; pass the policy the state was trained with"
-            )
+    found = off_policy_param(policy, params)
+    if found is not None:
+        where, leaf = found
+        raise ValueError(
+            f"funcamp.save: `policy` {str(policy)!r} keeps params in {policy.param_dtype}, but "
+            f"state.params{where} is {leaf.dtype}; pass the policy the state was trained with"
+        )
 
 
 def save(
