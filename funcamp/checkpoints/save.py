@@ -110,11 +110,13 @@ def save(
     """Save a whole training state atomically, with what produced it.
 
     The file holds :func:`funcamp.state_dict` of ``state`` (any funcamp pytree: a
-    :class:`~funcamp.TrainState`, a dict of them, ...), the policy (``str`` and ``repr``), the
-    kind of every :class:`~funcamp.ScalerState` in it, the funcamp and torch versions, a CRC-32
-    of every value and ``metadata``. It is written to a temporary file in the same directory,
-    ``fsync``-ed and renamed over ``path``: the previous checkpoint survives any failure,
-    including the process being killed mid-write. Read it back with :func:`load`.
+    :class:`~funcamp.TrainState`, a dict of them, ...), the whole policy (dtypes, op table and
+    op rules, module rules, FP8: ``CheckpointInfo.policy_spec``), the kind of every
+    :class:`~funcamp.ScalerState` in it, the funcamp and torch versions, a CRC-32 of every value
+    (and one of the header) and ``metadata``. It is written to a temporary file in the same
+    directory, ``fsync``-ed and renamed over ``path``: the previous checkpoint survives any
+    failure, including the process being killed mid-write. A failure of the file system (a full
+    disk) raises ``OSError`` with its ``errno``, naming ``path``. Read it back with :func:`load`.
 
     Args:
         path: the checkpoint file (its directory must exist). With ``group``, a directory
@@ -221,9 +223,10 @@ def load(
     :func:`funcamp.load_state_dict`, which supplies the container types and the device), and
     checks what the checkpoint records:
 
-    * ``policy``: the policy the caller trains under. If it differs from the checkpoint's (its
-      ``str``, or its op-rule/module overrides), ``load`` raises ``ValueError`` naming both --
-      a resumed run never silently changes precision -- unless ``convert=True``.
+    * ``policy``: the policy the caller trains under. If it differs from the checkpoint's in
+      anything (dtypes, op table, op rules, module rules, FP8), ``load`` raises ``ValueError``
+      naming the first difference -- a resumed run never silently changes precision -- unless
+      ``convert=True``.
     * Each :class:`~funcamp.ScalerState` must be of the kind the template has at that place
       (a ``dynamic`` checkpoint does not silently become ``noop``), unless ``convert=True``.
 
