@@ -46,6 +46,20 @@ def test_temp_names_name_the_writer_and_match_the_pattern():
     assert _atomic.temp_name("ckpt.pt") != name
 
 
+@pytest.mark.parametrize("length", [150, 200, 255])
+def test_a_long_names_temp_name_is_never_longer_than_name_max(tmp_path, length):
+    long = "c" * (length - 3) + ".pt"
+    tmp = _atomic.temp_name(long)
+    assert len(tmp) <= _atomic.NAME_MAX and _atomic._pattern(long).fullmatch(tmp)
+    assert _atomic._pattern("d" + long[1:]).fullmatch(tmp) is None  # another name's hash
+    _write(tmp_path / long, b"new")
+    assert (tmp_path / long).read_bytes() == b"new"
+    dead = _dead_pid()
+    debris = tmp_path / tmp.replace(f".{os.getpid()}.", f".{dead}.")
+    debris.write_bytes(b"left behind")
+    assert _atomic.remove_debris(tmp_path / long) == [debris.name]
+
+
 def test_a_dead_writer_on_this_host_is_cleaned_at_once(tmp_path):
     debris = _plant(tmp_path, "c.pt", _atomic._HOST, _dead_pid())
     _write(tmp_path / "c.pt")

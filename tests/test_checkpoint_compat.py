@@ -75,7 +75,13 @@ def test_old_checkpoint_loads_into_the_current_state(rev: str, expected: Any) ->
     else:
         info = funcamp.checkpoint_info(DATA / f"{rev}.save.pt")
         assert info.metadata == {"step": 2}
-        state = funcamp.load(DATA / f"{rev}.save.pt", template, policy="mixed_bfloat16")
+        assert info.policy_spec is None  # written before funcamp stored the whole policy
+        state, same = funcamp.load(
+            DATA / f"{rev}.save.pt", template, policy="mixed_bfloat16", with_info=True
+        )
+        assert same == info
+        with pytest.raises(ValueError, match=r"first difference: policy: "):
+            funcamp.load(DATA / f"{rev}.save.pt", template, policy="mixed_float16")
     assert state.fp8 == funcamp.Fp8State()
     _assert_same(state, expected)
 

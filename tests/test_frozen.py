@@ -138,7 +138,9 @@ def test_no_weight_decay_on_frozen_and_zero_loss_grad_moves_nothing():
         pytest.param(lambda o: funcamp.accumulate(o, every=2), id="accumulate"),
         pytest.param(lambda o: funcamp.masked(o, lambda path: path != "1.bias"), id="masked"),
         pytest.param(
-            lambda o: funcamp.multi_transform({"a": o, "b": funcamp.sgd(0.1)}, lambda path: "a"),
+            lambda o: funcamp.multi_transform(
+                {"a": o, "b": funcamp.sgd(0.1)}, lambda path: "b" if path == "3.weight" else "a"
+            ),
             id="multi_transform",
         ),
         pytest.param(lambda o: funcamp.chain(funcamp.clip_by_global_norm(1.0), o), id="chain"),

@@ -383,7 +383,9 @@ def test_param_group_errors_name_the_argument():
     params = {"w": torch.ones(2), "b": torch.ones(1)}
     with pytest.raises(ValueError, match=r"funcamp\.multi_transform: `labels` must be keys of"):
         funcamp.multi_transform({"a": funcamp.sgd(0.1)}, {"w": "a", "b": "z"}).init(params)
-    with pytest.raises(TypeError, match=r"funcamp\.masked: `mask` must give a bool .* \['b'\]"):
+    with pytest.raises(
+        TypeError, match=r"funcamp\.masked: `mask` must hold Python bools .* \['b'\]"
+    ):
         funcamp.masked(funcamp.sgd(0.1), {"w": True, "b": 1}).init(params)
     with pytest.raises(ValueError, match=r"funcamp\.masked: `mask` must have the tree structure"):
         funcamp.masked(funcamp.sgd(0.1), {"w": True}).init(params)

@@ -121,7 +121,10 @@ def test_module_overrides_count_as_a_different_policy(tmp_path):
     base = funcamp.get_policy("bf16-mixed")
     custom = base.with_module_policies({torch.nn.LayerNorm: "float32"})
     funcamp.save(tmp_path / "c.pt", _state(base), policy=custom)
-    with pytest.raises(ValueError, match=r"module_policies=\{LayerNorm"):
+    with pytest.raises(
+        ValueError,
+        match=r"first difference: module rule #1: .class torch.nn.modules.normalization.LayerNorm. in the checkpoint, None in `policy`",
+    ):
         funcamp.load(tmp_path / "c.pt", _state(base), policy=base)
     funcamp.load(tmp_path / "c.pt", _state(base), policy=custom)  # the same: fine
 
@@ -421,3 +424,123 @@ def test_a_later_save_removes_what_a_killed_save_left_behind(tmp_path):
     funcamp.save(ckpt, _state(seed=2), policy="mixed_float16")  # the writer is dead
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt.pt", *others])
     assert_bitwise(funcamp.load(ckpt, _state(), policy="mixed_float16"), _state(seed=2))
+
+
+# ------------------------------------------------------- the whole policy, the header, the disk
+
+
+def test_other_op_rules_are_a_different_policy_named_by_the_first_difference(tmp_path):
+    base = funcamp.get_policy("mixed_float16")
+    saved_with = base.with_op_rules({"softmax": funcamp.OpRule.COMPUTE})
+    other = base.with_op_rules({"layer_norm": funcamp.OpRule.COMPUTE})
+    assert str(saved_with) == str(other) and repr(saved_with) == repr(other)
+    funcamp.save(tmp_path / "c.pt", _state(), policy=saved_with)
+    with pytest.raises(
+        ValueError,
+        match=r"first difference: op rule for 'layer_norm': 'float32' in the checkpoint, "
+        r"'compute' in `policy`",
+    ):
+        funcamp.load(tmp_path / "c.pt", _state(), policy=other)
+    funcamp.load(tmp_path / "c.pt", _state(), policy=saved_with)  # the same rules: fine
+    info = funcamp.checkpoint_info(tmp_path / "c.pt")
+    assert info.policy_spec["ops"] == {"table": "default", "rules": {"softmax": "compute"}}
+
+
+def test_fp8_and_module_rule_differences_are_named(tmp_path):
+    base = funcamp.get_policy("bf16-mixed")
+    fp8 = base.with_fp8(funcamp.Fp8Recipe.delayed(history=4))
+    funcamp.save(tmp_path / "c.pt", _state(base), policy=fp8)
+    with pytest.raises(ValueError, match=r"first difference: FP8 history: 4 in the checkpoint, 8"):
+        funcamp.load(
+            tmp_path / "c.pt", _state(base), policy=base.with_fp8(funcamp.Fp8Recipe.delayed(8))
+        )
+    nested = base.with_module_policies({"enc.*": "float32"})
+    funcamp.save(tmp_path / "m.pt", _state(base), policy=nested)
+    with pytest.raises(
+        ValueError, match=r"module rule 'path enc\.\*': compute dtype: 'float32' in the checkpoint"
+    ):
+        funcamp.load(
+            tmp_path / "m.pt",
+            _state(base),
+            policy=base.with_module_policies({"enc.*": "bf16-mixed"}),
+        )
+
+
+def test_checkpoint_info_verifies_its_checksum_against_every_bit_flip(tmp_path):
+    """One bit of every byte flipped in turn: checkpoint_info returns the saved header or raises
+    ``ValueError: funcamp.checkpoint_info: ...``, never altered metadata or another error."""
+    path = tmp_path / "c.pt"
+    funcamp.save(path, {"w": torch.ones(2)}, policy="mixed_float16", step=1234, epoch=7, note="abc")
+    good = funcamp.checkpoint_info(path)
+    data = path.read_bytes()
+    start = data.find(b"step")  # the pickled header: the metadata's keys and values
+    assert start > 0
+    altered = raised = 0
+    for at in range(max(0, start - 400), min(len(data), start + 400)):
+        flipped = bytearray(data)
+        flipped[at] ^= 1 << (at % 8)
+        path.write_bytes(bytes(flipped))
+        try:
+            info = funcamp.checkpoint_info(path)
+        except ValueError as e:
+            assert str(e).startswith("funcamp.checkpoint_info: "), e
+            raised += 1
+            continue
+        altered += info != good
+    assert altered == 0 and raised > 100
+
+
+def test_load_with_info_returns_the_state_and_the_header_of_one_file(tmp_path):
+    path = tmp_path / "c.pt"
+    funcamp.save(path, _trained(), policy="mixed_float16", step=9)
+    state, info = funcamp.load(path, _state(), policy="mixed_float16", with_info=True)
+    assert_bitwise(state, _trained())
+    assert info == funcamp.checkpoint_info(path) and info.metadata == {"step": 9}
+    with pytest.raises(TypeError, match=r"`with_info` must be a bool"):
+        funcamp.load(path, _state(), with_info="yes")
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC after ``room`` bytes, as a full disk does."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        self.room -= len(data)
+        if self.room < 0:
+            raise OSError(28, "No space left on device")
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("room", [0, 100, 2000])
+def test_a_full_disk_raises_oserror_enospc_naming_the_path(saved, monkeypatch, room):
+    import funcamp._core.atomic as atomic
+
+    good = saved.read_bytes()
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(atomic.os, "fdopen", lambda *a, **k: _FullDisk(real_fdopen(*a, **k), room))
+    with pytest.raises(OSError) as caught:
+        funcamp.save(saved, _state(seed=5), policy="mixed_float16")
+    monkeypatch.undo()
+    assert caught.value.errno == 28 and caught.value.filename == str(saved)
+    assert "No space left on device" in str(caught.value)
+    assert saved.read_bytes() == good
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["c.pt"]
+
+
+def test_a_file_name_as_long_as_allowed_saves(tmp_path):
+    path = tmp_path / ("c" * 250 + ".pt")  # 253 bytes: NAME_MAX is 255
+    funcamp.save(path, _state(), policy="mixed_float16")
+    funcamp.save(path, _state(seed=1), policy="mixed_float16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert_bitwise(funcamp.load(path, _state()), _state(seed=1))

@@ -159,3 +159,42 @@ def test_group_is_checked(single_rank_group, tmp_path):
         funcamp.save(tmp_path / "file.pt", _init(), policy=POLICY, group=single_rank_group)
     with pytest.raises(NotADirectoryError, match=r"funcamp.load: with `group`, .* is a file"):
         funcamp.load(tmp_path / "file.pt", _init(), group=single_rank_group)
+
+
+def test_a_full_disk_at_the_commit_is_an_oserror_and_with_info_reads_the_header(
+    single_rank_group, tmp_path, monkeypatch
+):
+    import errno
+    import os
+
+    import funcamp._core.atomic as atomic
+
+    funcamp.save(tmp_path / "c", _init(), policy=POLICY, group=single_rank_group, step=1)
+    state, info = funcamp.load(tmp_path / "c", _init(), policy=POLICY, with_info=True)
+    assert_bitwise(funcamp.state_dict(state), funcamp.state_dict(_init()))
+    assert info == funcamp.checkpoint_info(tmp_path / "c") and info.metadata == {"step": 1}
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    real_fdopen = os.fdopen  # only atomic_write uses it: the header's commit fails
+    monkeypatch.setattr(atomic.os, "fdopen", lambda *a, **k: Full(real_fdopen(*a, **k)))
+    with pytest.raises(OSError) as caught:
+        funcamp.save(tmp_path / "c", _init(), policy=POLICY, group=single_rank_group, step=2)
+    monkeypatch.undo()
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(tmp_path / "c")
+    assert funcamp.checkpoint_info(tmp_path / "c").metadata == {"step": 1}  # the previous one
+    assert os.path.isdir(tmp_path / "c")

@@ -7,7 +7,9 @@ power cut -- ``path`` holds either its previous contents or the new ones, never 
 
 An exception removes the temporary file; a killed process cannot. So every temporary file names
 its writer, ``.<name>.<host>.<pid>.<16 hex digits>.tmp``, and its writer holds an exclusive
-``flock`` on it while it writes. Before writing, :func:`atomic_write` removes the temporary files
+``flock`` on it while it writes. (``<name>`` is ``~`` and 16 hex digits of a hash of the name
+when the name is too long for what the temporary name adds: a temporary name is never longer
+than :data:`NAME_MAX` bytes.) Before writing, :func:`atomic_write` removes the temporary files
 of earlier writes to the same ``path`` whose writer is gone (:func:`remove_debris`), so a job
 that is killed and restarted again and again does not fill its disk. A file is removed only if
 its name has exactly that form for this ``path`` and
@@ -26,6 +28,7 @@ funcamp versions (``.<name>.<random>.tmp``, without a writer in the name) are ne
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import secrets
@@ -49,13 +52,30 @@ STALE_S = 60.0
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
 
 
+#: The longest file name (in bytes) most file systems take (``NAME_MAX``).
+NAME_MAX = 255
+
+# What temp_name adds around the name: ".", ".<host>.<pid>.<16 hex digits>.tmp".
+_EXTRA = 1 + 1 + 32 + 1 + 20 + 1 + 16 + 4
+
+
+def _stem(name: str) -> str:
+    """The part of a temporary file's name that stands for ``name``: ``name`` itself, or, when
+    the temporary name would then be longer than :data:`NAME_MAX` bytes, ``~`` and 16 hex
+    digits of its SHA-256 (so a temporary name is never longer than the name allows)."""
+    if len(os.fsencode(name)) + _EXTRA <= NAME_MAX:
+        return name
+    return "~" + hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+
+
 def temp_name(name: str) -> str:
-    """The name of a fresh temporary file for writing ``name``: it names this host and process."""
-    return f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    """The name of a fresh temporary file for writing ``name``: it names this host and process,
+    and is at most :data:`NAME_MAX` bytes long (a long ``name`` is replaced by its hash)."""
+    return f".{_stem(name)}.{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
 
 
 def _pattern(name: str) -> re.Pattern[str]:
-    return re.compile(rf"\.{re.escape(name)}\.([A-Za-z0-9-]+)\.(\d+)\.[0-9a-f]{{16}}\.tmp")
+    return re.compile(rf"\.{re.escape(_stem(name))}\.([A-Za-z0-9-]+)\.(\d+)\.[0-9a-f]{{16}}\.tmp")
 
 
 def _running(pid: int) -> bool:
@@ -115,7 +135,7 @@ def remove_debris(path: str | os.PathLike[str]) -> list[str]:
         return []
     p = Path(path)
     pattern = _pattern(p.name)
-    prefix = f".{p.name}."
+    prefix = f".{_stem(p.name)}."
     removed = []
     try:
         entries = list(os.scandir(p.parent))
@@ -148,7 +168,9 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
     is ``fsync``-ed and renamed over ``path``; then the directory is ``fsync``-ed.
 
     On any failure (an exception, ``KeyboardInterrupt``) the temporary file is removed and
-    ``path`` is untouched. The temporary files that killed writers left for ``path`` are removed
+    ``path`` is untouched. A failure of the file system (a full disk, a read-only directory)
+    raises ``OSError`` with its ``errno``, naming ``path``, even where ``write`` wrapped it in
+    another exception (``torch.save`` raises ``RuntimeError``). The temporary files that killed writers left for ``path`` are removed
     first (:func:`remove_debris`). The file gets the usual permissions (``0o666`` less the
     umask).
     """
@@ -156,7 +178,12 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
     remove_debris(p)
     tmp = p.parent / temp_name(p.name)
     # os.open with 0o666 (the umask applies), so the file gets the usual permissions.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as e:  # a read-only directory, ...: name the caller's path, not ours
+        raise OSError(
+            e.errno, f"{e.strerror} (creating a temporary file next to it)", str(p)
+        ) from e
     try:
         with os.fdopen(fd, "wb") as f:
             if fcntl is not None:
@@ -169,8 +196,28 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
                 os.replace(tmp, p)
         if os.name != "posix":  # pragma: no cover - Windows renames only a closed file
             os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise
+        error = _os_error(e) if isinstance(e, Exception) else None
+        if error is None:
+            raise
+        raise OSError(
+            error.errno,
+            f"{error.strerror or error} (while writing it; what was at this path is kept)",
+            str(p),
+        ) from e
     fsync_dir(p.parent)
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The ``OSError`` of a failed write, found in ``e``'s chain (``torch.save`` raises a
+    ``RuntimeError`` with the file's ``OSError`` as its context), or None."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None

@@ -21,13 +21,16 @@ from funcamp.checkpoints.format import (
     FORMAT,
     FORMAT_VERSION,
     HEADER,
+    HEADER_KEYS,
     TENSOR,
-    as_info,
+    CheckpointInfo,
     check_and_rebuild,
     check_policy,
     header_info,
+    parse_info,
     read_checkpoint,
     state_checksum,
+    verify,
 )
 from funcamp.checkpoints.state_dict import state_dict
 from funcamp.policy.policy import Policy
@@ -105,11 +108,14 @@ def save_distributed(
                 if old.name.startswith(DATA_PREFIX) and old.name != data and old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)
         except Exception as e:
-            error[0] = f"{type(e).__name__}: {e}"
+            error[0] = (e.errno if isinstance(e, OSError) else None, f"{type(e).__name__}: {e}")
             shutil.rmtree(p / data, ignore_errors=True)
     dist.broadcast_object_list(error, src=dist.get_global_rank(group, 0), group=group)
     if error[0] is not None:
-        raise RuntimeError(f"funcamp.save: rank 0 failed to commit {str(p)!r}: {error[0]}")
+        code, text = error[0]
+        if code is not None:  # a full disk, ...: an OSError on every rank, as in one process
+            raise OSError(code, f"funcamp.save: rank 0 failed to commit it: {text}", str(p))
+        raise RuntimeError(f"funcamp.save: rank 0 failed to commit {str(p)!r}: {text}")
 
 
 def _destinations(skeleton: Any, template_sd: Any, path: tuple[str, ...]) -> Any:
@@ -137,7 +143,10 @@ def _tensors_of(dest: Any, skeleton: Any, out: dict[str, Any]) -> None:
             _tensors_of(dest[k], v, out)
 
 
-def load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, group: Any) -> PyTree:
+def load_distributed(
+    p: Path, template: PyTree, policy: Any, convert: bool, group: Any
+) -> tuple[PyTree, CheckpointInfo]:
+    """The state of the multi-rank checkpoint ``p`` as ``template``'s tree, and its header."""
     if group is not None:
         _group_info(group, "load")
     where = repr(str(p))
@@ -149,13 +158,8 @@ def load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, grou
             )
         raise FileNotFoundError(f"funcamp.load: no checkpoint at {where}")
     raw = read_checkpoint(p / HEADER, "load")
-    try:
-        info, skeleton, data = as_info(raw["info"]), raw["structure"], raw["data"]
-        checksum = raw["checksum"]
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"funcamp.load: {where} is corrupted (missing {e})") from e
-    if state_checksum([raw["info"], skeleton, data]) != checksum:
-        raise ValueError(f"funcamp.load: {where} is corrupted (its header fails its CRC-32)")
+    verify(raw, HEADER_KEYS, "load", where)
+    info, skeleton, data = parse_info(raw, "load", where), raw["structure"], raw["data"]
     check_policy(info, policy, convert, where)
     dest = _destinations(skeleton, state_dict(template), ())
     tensors: dict[str, Any] = {}
@@ -170,4 +174,4 @@ def load_distributed(p: Path, template: PyTree, policy: Any, convert: bool, grou
             f"funcamp.load: the data of {where} could not be read (truncated or corrupted: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'})"
         ) from e
-    return check_and_rebuild(info, dest, template, policy, convert, where)
+    return check_and_rebuild(info, dest, template, policy, convert, where), info

@@ -15,6 +15,7 @@ import torch
 
 from funcamp._core.version import __version__
 from funcamp.checkpoints.state_dict import load_state_dict, state_dict
+from funcamp.policy.describe import describe_policy, policy_difference
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.state import CONFIG, LEAVES
 
@@ -33,6 +34,10 @@ DATA_PREFIX = "data-"
 
 TENSOR = "funcamp.tensor"  # placeholder tag in a multi-rank checkpoint's structure
 
+#: What the stored CRC-32 (``"checksum"``) covers: in a checkpoint file, in a multi-rank header.
+FILE_KEYS = ("info", "state")
+HEADER_KEYS = ("info", "structure", "data")
+
 _SCALER_KEYS = frozenset((*LEAVES, *CONFIG))
 
 
@@ -49,6 +54,9 @@ class CheckpointInfo(NamedTuple):
         torch_version: the torch version that wrote it.
         metadata: the keyword arguments given to :func:`save`.
         world_size: the number of ranks that wrote it (1 for a single file).
+        policy_spec: the whole policy as plain data (dtypes, op table and op rules, module
+            rules, FP8), what :func:`load` compares; ``None`` for checkpoints written before
+            funcamp stored it.
 
     Example:
         >>> import os, tempfile, torch, funcamp
@@ -68,6 +76,7 @@ class CheckpointInfo(NamedTuple):
     torch_version: str
     metadata: dict[str, Any]
     world_size: int
+    policy_spec: dict[str, Any] | None = None
 
 
 def _scaler_kinds(sd: Any, path: tuple[str, ...] = ()) -> dict[str, str]:
@@ -85,6 +94,7 @@ def header_info(sd: Any, policy: Policy, metadata: dict[str, Any], world: int) -
     return {
         "policy": str(policy),
         "policy_repr": repr(policy),
+        "policy_spec": describe_policy(policy),
         "scalers": _scaler_kinds(sd),
         "funcamp_version": __version__,
         "torch_version": str(torch.__version__),
@@ -105,7 +115,50 @@ def as_info(raw: dict[str, Any]) -> CheckpointInfo:
         torch_version=raw["torch_version"],
         metadata=raw["metadata"],
         world_size=raw["world_size"],
+        policy_spec=raw.get("policy_spec"),
     )
+
+
+def parse_info(raw: dict[str, Any], api: str, where: str) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` of a read checkpoint, or a ``ValueError`` saying it is
+    corrupted (a key or a value of the header damaged)."""
+    try:
+        return as_info(raw["info"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(
+            f"funcamp.{api}: {where} is corrupted (its header is damaged: {type(e).__name__} "
+            f"{e}); load an earlier checkpoint"
+        ) from e
+
+
+def verify(raw: dict[str, Any], keys: tuple[str, ...], api: str, where: str) -> None:
+    """Check the CRC-32 stored under ``raw["checksum"]`` against ``raw[k] for k in keys``."""
+    try:
+        ok = state_checksum([raw[k] for k in keys]) == raw["checksum"]
+    except KeyError as e:
+        raise ValueError(f"funcamp.{api}: {where} is corrupted (missing {e})") from e
+    if not ok:
+        raise ValueError(
+            f"funcamp.{api}: {where} is corrupted (its contents do not match the CRC-32 stored "
+            "when it was saved); load an earlier checkpoint"
+        )
+
+
+def verify_header(raw: dict[str, Any], keys: tuple[str, ...], api: str, where: str) -> None:
+    """Check the header's own CRC-32 (``raw["info_checksum"]``); a file written before funcamp
+    stored it is checked whole (``keys``: what ``raw["checksum"]`` covers)."""
+    if "info_checksum" not in raw:
+        verify(raw, keys, api, where)
+        return
+    try:
+        ok = state_checksum(raw["info"]) == raw["info_checksum"]
+    except KeyError as e:
+        raise ValueError(f"funcamp.{api}: {where} is corrupted (missing {e})") from e
+    if not ok:
+        raise ValueError(
+            f"funcamp.{api}: {where} is corrupted (its header does not match the CRC-32 stored "
+            "when it was saved); load an earlier checkpoint"
+        )
 
 
 def state_checksum(value: Any, crc: int = 0) -> int:
@@ -169,16 +222,20 @@ def check_policy(info: CheckpointInfo, policy: Any, convert: bool, where: str) -
             )
         return
     pol = as_policy(policy, "load")
-    if str(pol) == info.policy and repr(pol) == info.policy_repr:
+    if info.policy_spec is not None:
+        difference = policy_difference(info.policy_spec, describe_policy(pol))
+    elif str(pol) != info.policy:  # a checkpoint from before funcamp stored the whole policy
+        difference = f"policy: {info.policy!r} in the checkpoint, {str(pol)!r} in `policy`"
+    elif repr(pol) != info.policy_repr:
+        difference = f"policy: {info.policy_repr!r} in the checkpoint, {repr(pol)!r} in `policy`"
+    else:
+        difference = None
+    if difference is None or convert:
         return
-    if convert:
-        return
-    saved, given = (
-        (info.policy, str(pol)) if str(pol) != info.policy else (info.policy_repr, repr(pol))
-    )
+    given = f"`policy` is {str(pol)!r}" if str(pol) != info.policy else "`policy` differs"
     raise ValueError(
-        f"funcamp.load: {where} was saved under policy {saved!r}, but `policy` is {given!r}; "
-        f"resume under the checkpoint's policy (policy={info.policy!r}), or pass convert=True "
+        f"funcamp.load: {where} was saved under policy {info.policy!r}, but {given}; first "
+        f"difference: {difference}. Resume under the checkpoint's policy, or pass convert=True "
         "to cast the state to the new policy (floating tensors cast to the template's dtypes, a "
         "scaler of another kind replaced by the template's)"
     )

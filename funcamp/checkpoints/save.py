@@ -31,25 +31,28 @@ import os
 from pathlib import Path
 from typing import Any
 
-import optree
 import torch
 
 from funcamp._core.atomic import atomic_write
-from funcamp._core.tree import NAMESPACE, describe
+from funcamp._core.tree import describe
 from funcamp.checkpoints.dcp import load_distributed, save_distributed
 from funcamp.checkpoints.format import (
+    FILE_KEYS,
     FORMAT,
     FORMAT_VERSION,
+    HEADER_KEYS,
     CheckpointInfo,
-    as_info,
     check_and_rebuild,
     header_info,
     header_path,
+    parse_info,
     read_checkpoint,
     state_checksum,
+    verify,
+    verify_header,
 )
 from funcamp.checkpoints.state_dict import state_dict
-from funcamp.policy.policy import Policy, as_policy
+from funcamp.policy.policy import Policy, as_policy, off_policy_param
 
 __all__ = ["checkpoint_info", "load", "save"]
 
@@ -87,19 +90,13 @@ def _check_params_dtype(state: Any, policy: Policy) -> None:
     params = getattr(state, "params", None)
     if params is None or not hasattr(state, "opt_state"):
         return
-    paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
-    for path, leaf in zip(paths, leaves):
-        if (
-            isinstance(leaf, torch.Tensor)
-            and leaf.is_floating_point()
-            and leaf.dtype not in (policy.param_dtype, torch.float64)
-            and leaf.element_size() > 1  # FP8 leaves follow their own recipe
-        ):
-            where = "".join(f"[{k!r}]" for k in path)
-            raise ValueError(
-                f"funcamp.save: `policy` {str(policy)!r} keeps params in {policy.param_dtype}, but "
-                f"state.params{where} is {leaf.dtype}; pass the policy the state was trained with"
-            )
+    found = off_policy_param(policy, params)
+    if found is not None:
+        where, leaf = found
+        raise ValueError(
+            f"funcamp.save: `policy` {str(policy)!r} keeps params in {policy.param_dtype}, but "
+            f"state.params{where} is {leaf.dtype}; pass the policy the state was trained with"
+        )
 
 
 def save(
@@ -113,11 +110,13 @@ def save(
     """Save a whole training state atomically, with what produced it.
 
     The file holds :func:`funcamp.state_dict` of ``state`` (any funcamp pytree: a
-    :class:`~funcamp.TrainState`, a dict of them, ...), the policy (``str`` and ``repr``), the
-    kind of every :class:`~funcamp.ScalerState` in it, the funcamp and torch versions, a CRC-32
-    of every value and ``metadata``. It is written to a temporary file in the same directory,
-    ``fsync``-ed and renamed over ``path``: the previous checkpoint survives any failure,
-    including the process being killed mid-write. Read it back with :func:`load`.
+    :class:`~funcamp.TrainState`, a dict of them, ...), the whole policy (dtypes, op table and
+    op rules, module rules, FP8: ``CheckpointInfo.policy_spec``), the kind of every
+    :class:`~funcamp.ScalerState` in it, the funcamp and torch versions, a CRC-32 of every value
+    (and one of the header) and ``metadata``. It is written to a temporary file in the same
+    directory, ``fsync``-ed and renamed over ``path``: the previous checkpoint survives any
+    failure, including the process being killed mid-write. A failure of the file system (a full
+    disk) raises ``OSError`` with its ``errno``, naming ``path``. Read it back with :func:`load`.
 
     Args:
         path: the checkpoint file (its directory must exist). With ``group``, a directory
@@ -166,6 +165,7 @@ def save(
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "info": info,
+        "info_checksum": state_checksum(info),  # checkpoint_info checks the header alone
         "state": sd,
         "checksum": state_checksum([info, sd]),
     }
@@ -175,11 +175,18 @@ def save(
 def checkpoint_info(path: PathLike) -> CheckpointInfo:
     """Read what a checkpoint written by :func:`save` records, without loading its state.
 
+    The header's CRC-32 is verified (for a file written before funcamp stored one for the
+    header, the whole file's). To read the state and the header of the same save -- a file
+    another process may replace between two calls -- use ``load(..., with_info=True)``.
+
     Args:
         path: the checkpoint file (or multi-rank checkpoint directory).
 
     Returns:
         A :class:`CheckpointInfo`: policy, scaler kind, versions and the caller's metadata.
+
+    Raises:
+        ValueError: a truncated, corrupted or foreign file (starting ``funcamp.checkpoint_info:``).
 
     Example:
         >>> import os, tempfile, torch, funcamp
@@ -190,8 +197,14 @@ def checkpoint_info(path: PathLike) -> CheckpointInfo:
         100
     """
     p = _check_path(path, "checkpoint_info")
-    raw = read_checkpoint(header_path(p), "checkpoint_info", mmap=not p.is_dir())
-    return as_info(raw["info"])
+    is_dir = p.is_dir()
+    raw = read_checkpoint(header_path(p), "checkpoint_info", mmap=not is_dir)
+    where = repr(str(p))
+    if is_dir:
+        verify(raw, HEADER_KEYS, "checkpoint_info", where)
+    else:
+        verify_header(raw, FILE_KEYS, "checkpoint_info", where)
+    return parse_info(raw, "checkpoint_info", where)
 
 
 def load(
@@ -201,7 +214,8 @@ def load(
     policy: Policy | str | None = None,
     convert: bool = False,
     group: Any = None,
-) -> PyTree:
+    with_info: bool = False,
+) -> PyTree | tuple[PyTree, CheckpointInfo]:
     """Load a checkpoint written by :func:`save` into the structure of ``template``.
 
     Reads with ``torch.load(weights_only=True)`` (no pickled code runs), verifies the stored
@@ -209,9 +223,10 @@ def load(
     :func:`funcamp.load_state_dict`, which supplies the container types and the device), and
     checks what the checkpoint records:
 
-    * ``policy``: the policy the caller trains under. If it differs from the checkpoint's (its
-      ``str``, or its op-rule/module overrides), ``load`` raises ``ValueError`` naming both --
-      a resumed run never silently changes precision -- unless ``convert=True``.
+    * ``policy``: the policy the caller trains under. If it differs from the checkpoint's in
+      anything (dtypes, op table, op rules, module rules, FP8), ``load`` raises ``ValueError``
+      naming the first difference -- a resumed run never silently changes precision -- unless
+      ``convert=True``.
     * Each :class:`~funcamp.ScalerState` must be of the kind the template has at that place
       (a ``dynamic`` checkpoint does not silently become ``noop``), unless ``convert=True``.
 
@@ -234,9 +249,11 @@ def load(
         policy: the policy the loaded state will train under; ``None`` skips the policy check.
         convert: cast the state to ``policy`` instead of refusing a different one (see above).
         group: the process group of a multi-rank checkpoint (every rank calls ``load``).
+        with_info: also return the checkpoint's :class:`CheckpointInfo` (its metadata), read
+            from the same file in the same call: the two always belong to the same save.
 
     Returns:
-        The state, with ``template``'s structure.
+        The state, with ``template``'s structure; with ``with_info``, ``(state, info)``.
 
     Raises:
         ValueError: a different policy or scaler kind, a state that does not fit the template,
@@ -259,19 +276,16 @@ def load(
     p = _check_path(path, "load")
     if not isinstance(convert, bool):
         raise TypeError(f"funcamp.load: `convert` must be a bool, got {describe(convert)}")
+    if not isinstance(with_info, bool):
+        raise TypeError(f"funcamp.load: `with_info` must be a bool, got {describe(with_info)}")
     if policy is not None:
         as_policy(policy, "load")
     if group is not None or p.is_dir():
-        return load_distributed(p, template, policy, convert, group)
+        state, info = load_distributed(p, template, policy, convert, group)
+        return (state, info) if with_info else state
     where = repr(str(p))
     raw = read_checkpoint(p, "load")
-    try:
-        info, sd, checksum = as_info(raw["info"]), raw["state"], raw["checksum"]
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"funcamp.load: {where} is corrupted (missing {e})") from e
-    if state_checksum([raw["info"], sd]) != checksum:
-        raise ValueError(
-            f"funcamp.load: {where} is corrupted (its contents do not match the CRC-32 stored "
-            "when it was saved); load an earlier checkpoint"
-        )
-    return check_and_rebuild(info, sd, template, policy, convert, where)
+    verify(raw, FILE_KEYS, "load", where)
+    info = parse_info(raw, "load", where)
+    state = check_and_rebuild(info, raw["state"], template, policy, convert, where)
+    return (state, info) if with_info else state

@@ -27,15 +27,14 @@ from funcamp._core.checks import (
 from funcamp._core.context import compiling, in_transform
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import (
-    NAMESPACE,
     describe,
     flatten,
     leaf_path,
-    path_str,
     self_overlapping,
     unflatten,
 )
 from funcamp.optim._base import Capabilities, Optimizer, SetParam
+from funcamp.optim._masks import check_selects, leaf_values
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._paths import Ops, choose_ops
 
@@ -455,51 +454,15 @@ def _run_fused(
 
 
 def mask_flags(api: str, mask: Any, params: PyTree, *, strict: bool = False) -> list[bool]:
-    """One Python bool per leaf of ``params``, from a mask as optax's ``masked`` takes it: a
-    pytree of bools with the params' structure or a prefix of it (a bool then covers a whole
-    subtree), or a callable of the params returning one.
-
-    The mask is read along each param leaf's path (plain lookups, which dynamo folds while it
-    traces; optree cannot flatten a constant dict there). ``strict`` (``init``, eager) also
-    checks that the mask has nothing the params lack."""
-    tree = mask(params) if callable(mask) else mask
+    """One Python bool per leaf of ``params``, from a mask: a pytree of bools with the params'
+    structure or a prefix of it (a bool then covers a whole subtree), a callable of the dotted
+    leaf path returning a bool, or a callable of the params returning a pytree (optax's ``mask``):
+    see :mod:`funcamp.optim._masks`. ``strict`` (``init``, eager) also checks that the mask has
+    nothing the params lack, and that it selects at least one leaf."""
+    flags = leaf_values(api, "mask", mask, params, (bool,), strict=strict)
     if strict:
-        try:
-            optree.tree_broadcast_prefix(tree, params, namespace=NAMESPACE)
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                f"funcamp.{api}: `mask` must be a pytree of bools with the tree structure of the "
-                f"params {flatten(params)[1]} or a prefix of it (or a callable of the params "
-                f"returning one), got {optree.tree_structure(tree, namespace=NAMESPACE)}"
-            ) from e
-    out: list[bool] = []
-    for path in optree.tree_flatten_with_path(params, namespace=NAMESPACE)[0]:
-        node = tree
-        for key in path:
-            if isinstance(node, bool):
-                break
-            node = _mask_child(api, node, key, path)
-        if not isinstance(node, bool):
-            raise TypeError(
-                f"funcamp.{api}: `mask` must hold Python bools (True where the weight decay "
-                f"applies), got {describe(node)} for the param at {path_str(path)}"
-            )
-        out.append(node)
-    return out
-
-
-def _mask_child(api: str, node: Any, key: Any, path: tuple[Any, ...]) -> Any:
-    if isinstance(node, dict) and key in node:
-        return node[key]
-    if isinstance(node, (list, tuple)) and isinstance(key, int) and 0 <= key < len(node):
-        return node[key]
-    if isinstance(key, str) and hasattr(node, key):
-        return getattr(node, key)
-    raise ValueError(
-        f"funcamp.{api}: `mask` must have the tree structure of the params or a prefix of it "
-        f"(or be a callable of the params returning one): it has no {key!r} on the way to the "
-        f"param at {path_str(path)}"
-    )
+        check_selects(api, "mask", mask, params, flags, "drop the mask (or weight_decay=0.0)")
+    return flags
 
 
 def _check_grads_not_wider(api: str, gs: Tensors, ps: Tensors, grads: PyTree) -> None:

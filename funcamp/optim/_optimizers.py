@@ -29,7 +29,7 @@ Tensors = list[torch.Tensor]
 #: A learning rate: a Python float (fixed), a 0-d tensor, or a schedule of the step count.
 LearningRate = Any
 #: Where the weight decay applies: a pytree of bools with the params' structure (or a prefix of
-#: it), or a callable of the params returning one (optax's ``mask``).
+#: it), a callable of the dotted leaf path, or a callable of the params returning such a pytree.
 Mask = Any | Callable[[PyTree], PyTree]
 
 
@@ -390,11 +390,11 @@ def adamw(
         b2: decay of the second moment, in [0, 1).
         eps: added to the denominator (>= 0).
         weight_decay: decoupled decay rate (>= 0).
-        mask: where the weight decay applies (optax's ``mask``): a pytree of Python bools with
-            the params' structure, or a prefix of it (one bool for a whole subtree), or a
-            callable of the params returning one -- called on every update, with the params
-            (optax calls it with the params or the updates; funcamp's :func:`funcamp.masked`
-            takes a callable of the leaf path instead). ``None`` (default): every leaf.
+        mask: where the weight decay applies: a pytree of Python bools with the params'
+            structure or a prefix of it, a callable of the dotted leaf path returning a bool
+            (as :func:`funcamp.masked` takes), or a callable of the params returning such a
+            pytree (optax's ``mask``). It must select at least one leaf (checked by ``init``).
+            ``None`` (default): every leaf.
         amsgrad: keep the running maximum of the second moment (``max_exp_avg_sq`` in the
             state) and divide by its root, as ``torch.optim.AdamW(amsgrad=True)`` does (the
             maximum of the raw second moments, divided by the current bias correction; the
@@ -528,8 +528,8 @@ def lion(
         b2: decay of the momentum, in [0, 1).
         weight_decay: decoupled decay rate (>= 0); 1e-3 by default (optax's; lion-pytorch's is
             0.0).
-        mask: where the weight decay applies: a pytree of Python bools with the params'
-            structure (or a prefix of it), or a callable of the params returning one (see
+        mask: where the weight decay applies: a pytree of Python bools (or a prefix of the
+            params' structure), a callable of the leaf path or of the params (see
             :func:`funcamp.adamw`). ``None`` (default): every leaf.
         master_weights: keep float32 copies of half params.
         kahan: keep Kahan compensation buffers for half params.

@@ -20,7 +20,7 @@ from funcamp._core.checks import (
 )
 from funcamp._core.collectives import active_across
 from funcamp._core.numerics import hoist_scalar, math_dtype
-from funcamp._core.tree import NAMESPACE, describe, dotted_path, path_str, tree_select, unflatten
+from funcamp._core.tree import NAMESPACE, describe, dotted_path, tree_select, unflatten
 from funcamp.optim._base import (
     Capabilities,
     Optimizer,
@@ -29,6 +29,7 @@ from funcamp.optim._base import (
     is_set_param,
     learning_rate,
 )
+from funcamp.optim._masks import check_selects, leaf_values
 from funcamp.optim._paths import choose_ops
 
 __all__ = [
@@ -336,31 +337,6 @@ def accumulate_applies(opt_state: PyTree) -> torch.Tensor:
 # parameter groups: masked and multi_transform
 
 
-def _leaf_labels(api: str, arg: str, labels: Any, params: PyTree, kinds: tuple[type, ...]) -> list:
-    """One label per param leaf: ``labels`` is a pytree with the params' structure, or a
-    callable of the dotted leaf path (``"encoder.weight"``)."""
-    paths, _, spec = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
-    if callable(labels):
-        out = [labels(dotted_path(p)) for p in paths]
-    else:
-        try:
-            out = spec.flatten_up_to(labels)
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                f"funcamp.{api}: `{arg}` must have the tree structure of the params {spec} (or "
-                f"be a callable of the leaf path), got "
-                f"{optree.tree_structure(labels, namespace=NAMESPACE)}"
-            ) from e
-    for path, label in zip(paths, out):
-        if not isinstance(label, kinds):
-            want = " or ".join(k.__name__ for k in kinds)
-            raise TypeError(
-                f"funcamp.{api}: `{arg}` must give a {want} for each param leaf, got "
-                f"{describe(label)} at {path_str(path)}"
-            )
-    return out
-
-
 def _group(tree: PyTree, keys: list[str], chosen: list[bool]) -> dict[str, Any] | None:
     """The chosen leaves of ``tree`` as a dict keyed by their dotted paths (None for None)."""
     if tree is None:
@@ -376,9 +352,11 @@ def _param_groups(
     wrap: Callable[[dict[str, PyTree]], Any],
     unwrap: Callable[[Any], dict[str, PyTree]],
     single: str | None = None,
+    check: Callable[[PyTree, list[str | None]], None] | None = None,
 ) -> Optimizer:
     """Param groups: ``assign`` gives each leaf its group's label (None: frozen). ``single``: the
-    one group whose learning rate is the optimizer's (``masked``), else a dict by label."""
+    one group whose learning rate is the optimizer's (``masked``), else a dict by label.
+    ``check(params, labels)`` runs at ``init`` (a mask that selects nothing is refused there)."""
 
     def keys_and_groups(tree: PyTree) -> tuple[Any, list[str], list[str | None]]:
         paths, _, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
@@ -387,6 +365,8 @@ def _param_groups(
     def init(params: PyTree) -> Any:
         flatten_params(api, params)
         _, keys, owner = keys_and_groups(params)
+        if check is not None:
+            check(params, owner)
         return wrap(
             {
                 name: opt.init(_group(params, keys, [o == name for o in owner]))
@@ -488,8 +468,9 @@ def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimi
 
     Args:
         optimizer: the :class:`Optimizer` for the masked leaves (any low-precision mode).
-        mask: a pytree of Python bools with the params' structure, or a callable of the dotted
-            leaf path returning a bool.
+        mask: a pytree of Python bools with the params' structure (or a prefix of it), a
+            callable of the dotted leaf path returning a bool, or a callable of the params
+            returning such a pytree. It must select at least one leaf (checked by ``init``).
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.MaskedState`.
@@ -509,7 +490,7 @@ def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimi
         optree.tree_structure(mask, namespace=NAMESPACE)  # a pytree
 
     def assign(tree: PyTree) -> list[str | None]:
-        flags = _leaf_labels(api, "mask", mask, tree, (bool,))
+        flags = leaf_values(api, "mask", mask, tree, (bool,))
         return ["masked" if f else None for f in flags]
 
     return _param_groups(
@@ -519,6 +500,9 @@ def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimi
         lambda d: MaskedState(d["masked"]),
         _unwrap_masked,
         single="masked",
+        check=lambda params, owner: check_selects(
+            api, "mask", mask, params, [o is not None for o in owner], "freeze the params"
+        ),
     )
 
 
@@ -544,9 +528,10 @@ def multi_transform(
 
     Args:
         transforms: a dict from label to :class:`Optimizer`.
-        labels: a pytree of labels (strings) with the params' structure, or a callable of the
-            dotted leaf path (``"encoder.bias"``) returning the label. Every label must be a key
-            of ``transforms``.
+        labels: a pytree of labels (strings) with the params' structure (or a prefix of it), a
+            callable of the dotted leaf path (``"encoder.bias"``) returning the label, or of the
+            params returning such a pytree. Each is a key of ``transforms``; each transform must
+            get at least one leaf (checked by ``init``).
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.MultiTransformState`.
@@ -576,7 +561,7 @@ def multi_transform(
     transforms = dict(transforms)
 
     def assign(tree: PyTree) -> list[str | None]:
-        out = _leaf_labels(api, "labels", labels, tree, (str,))
+        out = leaf_values(api, "labels", labels, tree, (str,))
         unknown = sorted({x for x in out if x not in transforms})
         if unknown:
             raise ValueError(
@@ -597,4 +582,9 @@ def multi_transform(
             )
         return state.inner
 
-    return _param_groups(api, transforms, assign, MultiTransformState, unwrap)
+    def check(params: PyTree, owner: list[str | None]) -> None:
+        for name in transforms:
+            chosen = [o == name for o in owner]
+            check_selects(api, "labels", labels, params, chosen, f"drop {name!r}: no leaf gets it")
+
+    return _param_groups(api, transforms, assign, MultiTransformState, unwrap, check=check)

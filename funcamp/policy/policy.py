@@ -7,9 +7,10 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
+import optree
 import torch
 
-from funcamp._core.tree import map_tensors, tree_cast
+from funcamp._core.tree import NAMESPACE, map_tensors, tree_cast
 from funcamp.policy.fp8 import Fp8Config
 from funcamp.policy.ops import OPS_BY_NAME, OpKey, OpPolicy, OpRule, ops_name
 
@@ -329,6 +330,22 @@ class Policy:
         if self.fp8 is not None:
             parts.append(f"fp8={self.fp8!r}")
         return ", ".join(parts) + ")"
+
+
+def off_policy_param(policy: Policy, params: Any) -> tuple[str, torch.Tensor] | None:
+    """The first floating leaf of ``params`` that is not in ``policy.param_dtype``, with its
+    path (``"['w']"``), or None. float64 leaves are kept as they are by every policy, and
+    1-byte (FP8) leaves follow their own recipe: neither counts."""
+    paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+    for path, leaf in zip(paths, leaves):
+        if (
+            isinstance(leaf, torch.Tensor)
+            and leaf.is_floating_point()
+            and leaf.dtype not in (policy.param_dtype, torch.float64)
+            and leaf.element_size() > 1
+        ):
+            return "".join(f"[{k!r}]" for k in path), leaf
+    return None
 
 
 def check_module_key(key: Any, api: str) -> None:

@@ -30,8 +30,11 @@ import torch
 __all__ = ["compile_failure_message", "explain", "refuses_torch_func", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_FUNCAMP_DIR = os.path.dirname(os.path.abspath(__file__))
+# funcamp's own package root (not funcamp/train: amp and the tree helpers run inside the trace too)
+_FUNCAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
+_LIBRARY_DIRS = (_TORCH_DIR + os.sep, _FUNCAMP_DIR + os.sep)
+_INSTALLED = {"site-packages", "dist-packages"}  # under the stdlib's directory, not the stdlib
 
 #: What functorch says of an autograd function it cannot differentiate (torch 2.6-2.13): an
 #: ``autograd.Function`` written the old way, which is also how torch runs the formula of a
@@ -57,8 +60,12 @@ def refuses_torch_func(error: BaseException) -> bool:
 
 
 def _library(filename: str) -> bool:
+    if filename.startswith("<"):
+        return True
     path = os.path.abspath(filename)
-    return path.startswith((_TORCH_DIR, _FUNCAMP_DIR, _STDLIB_DIR)) or filename.startswith("<")
+    if path.startswith(_LIBRARY_DIRS):
+        return True
+    return path.startswith(_STDLIB_DIR + os.sep) and not _INSTALLED & set(path.split(os.sep))
 
 
 def user_frame(error: BaseException) -> str:

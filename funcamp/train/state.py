@@ -16,7 +16,7 @@ from funcamp._core.tree import NAMESPACE, describe, first_leaf, path_str, sharin
 from funcamp.casting.fp8 import Fp8State, needs_state
 from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import init_from_exact
-from funcamp.policy.policy import Policy, as_policy
+from funcamp.policy.policy import Policy, as_policy, off_policy_param
 from funcamp.scaling.state import ScalerState
 from funcamp.train.frozen import (
     Trainable,
@@ -356,15 +356,20 @@ def load_into_module(
     return module
 
 
-def check_train_state(api: str, state: TrainState, optimizer: Optimizer) -> None:
+def check_train_state(
+    api: str, state: TrainState, optimizer: Optimizer, policy: Policy | None = None
+) -> None:
     """First-call check: ``opt_state`` must be what ``optimizer.init(params)`` builds (its
-    structure and shapes, computed on the meta device, so nothing is allocated)."""
+    structure and shapes, computed on the meta device, so nothing is allocated); with
+    ``policy``, the state must be one built for it (:func:`check_fits_policy`)."""
     _check_params(api, state.params)
     if not isinstance(state.scaler, ScalerState):
         raise TypeError(
             f"funcamp.{api}: `state.scaler` must be a funcamp.ScalerState, got "
             f"{describe(state.scaler)}"
         )
+    if policy is not None:
+        check_fits_policy(api, state, policy)
     if not isinstance(state.fp8, Fp8State):
         raise TypeError(
             f"funcamp.{api}: `state.fp8` must be a funcamp.Fp8State (TrainState.create builds "
@@ -396,6 +401,32 @@ def check_train_state(api: str, state: TrainState, optimizer: Optimizer) -> None
                 f"{w.dtype} tensor of shape {tuple(w.shape)} to match `state.params` ({hint}), "
                 f"got {describe(g)}"
             )
+
+
+def check_fits_policy(api: str, state: TrainState, policy: Policy) -> None:
+    """The state was built for ``policy``: its trained params are in ``policy.param_dtype``
+    (float64 and FP8 leaves aside, as :func:`funcamp.save` checks), and a policy that computes
+    or keeps params in float16 has a loss scaler (not ``noop``)."""
+    fix = (
+        f"build the state for this policy (TrainState.create(params, optimizer, {str(policy)!r})), "
+        "or build the step with the state's policy"
+    )
+    found = off_policy_param(policy, state.params)
+    if found is not None:
+        where, leaf = found
+        raise ValueError(
+            f"funcamp.{api}: the step's policy {str(policy)!r} keeps params in "
+            f"{policy.param_dtype}, but state.params{where} is {leaf.dtype}: the state was "
+            f"built for another policy; {fix}"
+        )
+    needs = ScalerState.for_policy(policy).kind
+    if needs == "dynamic" and state.scaler.kind == "noop":
+        raise ValueError(
+            f"funcamp.{api}: the step's policy {str(policy)!r} runs in float16 and needs a loss "
+            f"scaler (ScalerState.dynamic(), what TrainState.create gives it), but state.scaler "
+            f"is a 'noop' one: float16 gradients would underflow unscaled. The state was built "
+            f"for another policy; {fix} (or pass scaler=ScalerState.dynamic() or .static(...))"
+        )
 
 
 def check_donation(api: str, state: TrainState) -> None:

@@ -303,6 +303,7 @@ def build_train_step(
         cache=None if checked.cache_dir is None else (checked.cache_dir, loss_fn, settings),
         compiler_patches=opts.compiler_patches,
         fp8=pol.fp8 is not None,
+        policy=pol,
     )
     step.__doc__ = (
         f"A funcamp train step ({'compiled' if opts.compile else 'eager'}, policy {pol}, "

@@ -25,6 +25,7 @@ import optree
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import NAMESPACE, describe
 from funcamp.compiler.gate import Choice
+from funcamp.policy.policy import Policy
 from funcamp.scaling.state import ScalerState
 from funcamp.train.compiling import (
     Patches,
@@ -121,6 +122,7 @@ def wrap_step(
     cache: tuple[str, Callable[..., Any], tuple[Any, ...]] | None = None,
     compiler_patches: Choice = "auto",
     fp8: bool = False,
+    policy: Policy | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """``step(state, batch)``: ``train_step`` compiled (or eager), as every funcamp train step
     runs -- one process, data parallel or sharded alike.
@@ -128,7 +130,8 @@ def wrap_step(
     On every call: ``state`` must be a :class:`TrainState`; the parallel piece gives the state
     the compiled step works on (and takes the new one back); the batch keeps the first batch's
     structure; a donated state shares no memory. On the first call the optimizer state is
-    checked against the params. ``specialize``: keep only the guards on the inputs
+    checked against the params, and the state against ``policy`` (its param dtypes and scaler
+    kind: :func:`check_fits_policy`). ``specialize``: keep only the guards on the inputs
     (:func:`input_guards_only`). ``cache``, ``(directory, loss_fn, settings)``, keeps the
     compiled step on disk (:class:`funcamp.stepcache.cache.CachedStep`; ``settings``, what the
     step was built with, enter its key). ``compiler_patches``:
@@ -184,7 +187,7 @@ def wrap_step(
         local = parallel.local(api, state)
         structure = optree.tree_structure(batch, namespace=NAMESPACE)
         if not expected:
-            check_train_state(api, local, optimizer)
+            check_train_state(api, local, optimizer, policy)
             expected.append(structure)
         elif structure != expected[0]:
             raise ValueError(
