@@ -160,8 +160,9 @@ VMAP_SDPA = (
     "before AutocastCPU: float32 output where eager autocast and amp give bfloat16"
 )
 VMAP_MHA = (
-    "autocast under vmap: multi_head_attention_forward's projections are biased linears, which "
-    "vmap decomposes as in issue 50 item 3 (float32 outputs where amp gives bfloat16)"
+    "autocast under vmap: multi_head_attention_forward's projections are biased linears (and "
+    "its masked scores a baddbmm), which vmap decomposes as in issue 50 item 3: float32 outputs "
+    "where amp, as eager autocast, gives bfloat16 (not traced op by op)"
 )
 VMAP_LINEAR_CE = (
     "autocast under vmap sees linear_cross_entropy's decomposition (its linear, as in issue 50 "
@@ -176,13 +177,14 @@ VMAP_LOWRANK = (
 AUTOCAST_BACKWARD_RAISES = (
     "autocast's backward raises a dtype mismatch under torch.func (the grad transform decomposes "
     "the op before AutocastCPU, which casts some inner ops only; linalg.pinv raises under eager "
-    "autograd too); amp runs. Where autocast runs, pinverse comes out bfloat16 (its inner "
+    "autograd too: docs/differences.md's gradients of bilinear and pinv row); amp runs. Where autocast runs, pinverse comes out bfloat16 (its inner "
     "matmul cast) where amp, as eager autocast, gives float32"
 )
 BILINEAR_BACKWARD = (
-    "funcamp, eager autograd too: autocast records _trilinear's own derivative on the float32 "
-    "inputs (its bmm casts happen inside the kernel, unseen by autograd); amp's bilinear twin "
-    "records bfloat16 bmm calls, so the gradients differ (up to 0.1, forward identical)"
+    "docs/differences.md's gradients of bilinear and pinv row (eager autograd too): autocast "
+    "records _trilinear's own derivative on the float32 inputs (its bmm casts happen inside the "
+    "kernel, unseen by autograd); amp's twin records bfloat16 bmm calls (up to 0.1 apart, "
+    "forward identical)"
 )
 LEAF_CAST_CACHE = (
     "docs/differences.md's leaf cast cache row: the input is a leaf that requires grad used by "
