@@ -1,5 +1,5 @@
 """torch's OpInfo database through ``vmap``, ``vjp`` and ``vmap(vjp)``: ``T(amp(f))`` against
-``T(torch.autocast(f))``.
+``T(torch.autocast(f))``, for every transform ``T`` of ``TRANSFORMS``.
 
 The eager peer suite (tests/test_opinfo.py) holds ``amp`` to ``torch.autocast("cpu", bf16)`` op by
 op. Under a torch.func transform the two meet the op at different levels: functorch's batching
@@ -14,7 +14,9 @@ same result under the same transform, on the same OpInfo samples (CPU, float32),
   as they are), keyword tensors left unbatched, ``randomness="different"`` with one seed;
 - ``vjp``: the op's vector-Jacobian product with respect to every floating tensor argument, for a
   fixed non-uniform cotangent (``cos(arange(n))`` shaped as each floating output);
-- ``vmap(vjp)``: the same per-sample vjp, vmapped over the batched sample (per-sample gradients).
+- ``vmap(vjp)``: the same per-sample vjp, vmapped over the batched sample (per-sample gradients);
+- ``vmap-input`` and ``vmap(vjp)-input``: the same with only the sample's input batched, the other
+  arguments shared by the batch (``in_dims=None``), as a model's weights are.
 
 Each side returns the op's floating outputs cast to float32 and records their dtypes before the
 cast (so a bfloat16 output is told apart from a float32 one and amp's output cast changes
@@ -22,8 +24,8 @@ nothing), plus the gradients. A sample agrees when both sides raise, or both giv
 and the same bytes (NaNs equal whatever their payload; the eager suite's uninitialized and
 unrepeatable ops compared as there). Ops: every op whose name is on autocast's CPU lists, every
 op that reaches one eagerly (``REACHES_LISTED``, measured), and every ``SAMPLE_EVERY``-th of the
-rest by name. CI runs the first sample of the quick subset; ``@pytest.mark.slow`` runs every sample
-of every selected op. ``python tests/test_opinfo_transforms.py`` prints docs/opinfo.md's table.
+rest by name. CI runs every sample of the ``QUICK`` ops; ``@pytest.mark.slow`` runs every sample of
+every selected op. ``python tests/test_opinfo_transforms.py`` prints docs/opinfo.md's table.
 
 Ops where amp and autocast differ under a transform are listed in ``DIFFERENT`` with the measured
 cause and run as strict xfails: they fail when they start agreeing.
@@ -60,7 +62,7 @@ POLICY = funcamp.get_policy("autocast_cpu")
 CPU_LISTS = funcamp.OpPolicy.autocast("cpu")
 B = 3
 SCALES = (1.0, 0.875, 0.75)
-TRANSFORMS = ("vmap", "vjp", "vmap(vjp)")
+TRANSFORMS = ("vmap", "vmap-input", "vjp", "vmap(vjp)", "vmap(vjp)-input")
 
 
 def _on_cpu_lists(name: str) -> bool:
@@ -253,6 +255,8 @@ DIFFERENT: dict[tuple[str, str], str] = {
     **{(t, "nn.functional.bilinear"): BILINEAR_BACKWARD for t in ("vjp", "vmap(vjp)")},
     **{(t, "linalg.matrix_power"): LEAF_CAST_CACHE for t in ("vjp", "vmap(vjp)")},
 }
+# With only the sample's input batched (the other arguments shared): the same ops, the same causes.
+DIFFERENT.update({(f"{t}-input", n): why for (t, n), why in DIFFERENT.items() if "vmap" in t})
 
 
 # -- batching ------------------------------------------------------------------------------------
@@ -265,16 +269,25 @@ def _batched(x: Any) -> Any:
         return torch.stack(copies)
 
 
-def _args(sample: Any, batch: bool) -> tuple[tuple[Any, ...], Any]:
-    """Fresh positional arguments of a sample (batched or not) and their vmap in_dims."""
+def _args(sample: Any, batch: str) -> tuple[tuple[Any, ...], Any, list[bool]]:
+    """Fresh positional arguments of a sample, their vmap in_dims and which leaves are batched:
+    ``batch`` is ``""`` (none), ``"all"`` (every tensor) or ``"input"`` (the sample's input only,
+    every tensor of it; the other arguments shared by the batch, as a model's weights are)."""
     args = (_fresh(sample.input), *_fresh(sample.args))
-    for leaf in pytree.tree_leaves(args):
-        if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
-            raise _Unsupported("sparse input (vmap takes strided tensors only)")
+    flat, spec = pytree.tree_flatten(args)
+    if any(isinstance(x, torch.Tensor) and x.layout != torch.strided for x in flat):
+        raise _Unsupported("sparse input (vmap takes strided tensors only)")
     if not batch:
-        return args, None
-    in_dims = pytree.tree_map(lambda x: 0 if isinstance(x, torch.Tensor) else None, args)
-    return pytree.tree_map(_batched, args), in_dims
+        return args, None, [False] * len(flat)
+    n_input = len(pytree.tree_leaves(args[0]))
+    batched = [
+        isinstance(x, torch.Tensor) and (batch == "all" or i < n_input) for i, x in enumerate(flat)
+    ]
+    if not any(batched):
+        raise _Unsupported("no tensor to batch")
+    in_dims = pytree.tree_unflatten([0 if b else None for b in batched], spec)
+    flat = [_batched(x) if b else x for x, b in zip(flat, batched)]
+    return pytree.tree_unflatten(flat, spec), in_dims, batched
 
 
 class _Unsupported(Exception):
@@ -309,8 +322,9 @@ def _program(
     ``vjp`` with ``torch.autograd.grad`` (the diagnosis of a difference)."""
     kwargs = _fresh(sample.kwargs)
     dtypes: list[torch.dtype] = []
-    batch = transform.startswith("vmap")
-    args, in_dims = _args(sample, batch)
+    batch = ("input" if transform.endswith("-input") else "all") if "vmap" in transform else ""
+    transform = transform.removesuffix("-input")
+    args, in_dims, batched = _args(sample, batch)
 
     def fwd(*a: Any) -> Any:
         return _outputs(op.op(*a, **kwargs), dtypes)
@@ -350,7 +364,14 @@ def _program(
     elif not eager:
         out = torch.func.vmap(inner, in_dims=in_dims, randomness="different")(*args)
     else:
-        rows = [inner(*pytree.tree_map(lambda x, b=b: _row(x, b), args)) for b in range(B)]
+        rows = [
+            inner(
+                *pytree.tree_unflatten(
+                    [_row(x, b) if t else x for x, t in zip(flat, batched)], spec
+                )
+            )
+            for b in range(B)
+        ]
         out = pytree.tree_map(lambda *xs: torch.stack(xs), *rows)
         dtypes[:] = dtypes[: len(dtypes) // B]
     if transform == "vmap":
@@ -358,9 +379,9 @@ def _program(
     return {"out": out[0], "grads": out[1], "dtypes": dtypes}
 
 
-def _row(x: Any, b: int) -> Any:
+def _row(x: torch.Tensor, b: int) -> torch.Tensor:
     """Sample ``b`` of a batched argument, as a fresh tensor."""
-    return x[b].clone() if isinstance(x, torch.Tensor) else x
+    return x[b].clone()
 
 
 def _amp(f: Any) -> Any:
