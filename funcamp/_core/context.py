@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from funcamp._core.version import torch_release
 
@@ -26,8 +27,10 @@ __all__ = [
     "dual_level_active",
     "eager_path",
     "in_transform",
+    "is_batched",
     "kernel_path",
     "plain_eager",
+    "marking_inputs",
     "tracks_grad",
     "transform_level",
     "transform_while_tracing",
@@ -87,6 +90,61 @@ def transform_while_tracing() -> bool:
     under a transform is only ever run under it: dynamo guards on the functorch stack; a step
     saved to disk is run only outside transforms, see funcamp/stepcache/cache.py)."""
     return torch._C._functorch.maybe_current_level() is not None
+
+
+def marking_inputs() -> bool:
+    """Whether ``torch.func`` itself is marking its inputs for differentiation right now.
+
+    Inside a transform, torch refuses ``tensor.requires_grad_()`` except where torch.func
+    allows it for its own call (``_set_tensor_requires_grad`` under
+    ``enable_inplace_requires_grad(True)``): the flag read here. A model's own call inside a
+    transform (a hook) runs with the flag off.
+    """
+    if compiling():
+        return _marking_while_tracing()
+    return torch._C._functorch.get_inplace_requires_grad_allowed()
+
+
+@constant_result
+def _marking_while_tracing() -> bool:
+    """:func:`marking_inputs` asked while dynamo traces: dynamo sets the flag at trace time as
+    it enters torch.func's context (and records the same toggle in the graph), and cannot trace
+    the getter itself."""
+    return torch._C._functorch.get_inplace_requires_grad_allowed()
+
+
+def is_batched(xs: Iterable[Any]) -> bool:
+    """Whether any tensor of ``xs`` is batched by some active ``vmap``, seen through
+    ``grad``'s wrappers (under ``vmap(grad(f))`` too): where torch's dispatch has run a batching
+    rule (or a decomposition) by the time torch.autocast sees the call.
+
+    Compiled, each answer is a constant of the graph: a functorch ``BatchedTensor`` on top, or,
+    under a transform stacked above a ``vmap`` (dynamo cannot unwrap a ``GradTrackingTensor``),
+    any tensor at all.
+    """
+    if compiling():
+        for x in xs:  # a loop, not any(): dynamo traces any() in Python
+            if isinstance(x, torch.Tensor) and (
+                torch._C._functorch.is_batchedtensor(x) or _vmap_below_while_tracing()
+            ):
+                return True
+        return False
+    functorch = torch._C._functorch
+    for x in xs:
+        while isinstance(x, torch.Tensor) and functorch.is_functorch_wrapped_tensor(x):
+            if functorch.is_batchedtensor(x):
+                return True
+            x = functorch.get_unwrapped(x)
+    return False
+
+
+@constant_result
+def _vmap_below_while_tracing() -> bool:
+    """Whether a ``vmap`` is active under the innermost transform, asked while dynamo traces
+    (dynamo keeps torch.func's interpreter stack as it traces the transforms)."""
+    interpreters = retrieve_all_functorch_interpreters()
+    vmap = torch._C._functorch.TransformType.Vmap
+    return any(i.key() == vmap for i in interpreters[:-1])
 
 
 def plain_eager() -> bool:

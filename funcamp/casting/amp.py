@@ -24,10 +24,16 @@ import torch.utils.checkpoint
 from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
-from funcamp._core.context import compiling, in_transform, transform_while_tracing
+from funcamp._core.context import (
+    compiling,
+    in_transform,
+    marking_inputs,
+    transform_while_tracing,
+)
 from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, prepare_trace, run_fp8
 from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
 from funcamp.casting.reentry import backward_entries, reentered
+from funcamp.casting.vmapped import BIAS_PRODUCTS, vmapped_bias_product
 from funcamp.compiler.hooks import route_cross_entropy
 from funcamp.policy.modules import glob_match
 from funcamp.policy.ops import DTYPE_ARG_OPS, OpPolicy, OpRule, name_index, op_name
@@ -281,11 +287,12 @@ class _AmpMode(TorchFunctionMode):
                     return unchecked(*args, **kwargs)
             if self.dormant():
                 return func(*args, **kwargs)
-        if func is _REQUIRES_GRAD_ and _asks_grad(args, kwargs) and _transformed():
+        if func is _REQUIRES_GRAD_ and _asks_grad(args, kwargs) and _foreign_mark():
             # transformers' enable_input_require_grads (gradient_checkpointing_enable) marks
             # the embeddings' output, for torch.autograd to reach a reentrant checkpoint behind
             # frozen embeddings. Under torch.func every value is tracked already; it refuses
-            # the call, which here means nothing: the tensor as it is.
+            # the call, which here means nothing: the tensor as it is. torch.func's own marks
+            # of its inputs (grad, vjp, jacrev when amp wraps the transform) run as they are.
             return args[0]
         ctx = self.ctx
         name = getattr(func, "__name__", None)
@@ -330,6 +337,13 @@ class _AmpMode(TorchFunctionMode):
                 self.recorder.record(func, None, ctx, args, kwargs, out, self)
             return out
         rule, name = entry
+        if rule is OpRule.COMPUTE and name in BIAS_PRODUCTS:
+            # Under vmap, as torch.autocast there: the product cast, the bias added in float32.
+            out = vmapped_bias_product(name, ctx.compute_dtype, args, kwargs)
+            if out is not None:
+                if self.recorder is not None:
+                    self.recorder.record(func, rule, ctx, args, kwargs, out, self)
+                return out
         cargs, ckwargs = cast_args(rule, name, ctx.compute_dtype, args, kwargs)
         out = func(*cargs, **ckwargs)
         if self.recorder is not None:
@@ -372,8 +386,11 @@ def _asks_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return flag is True
 
 
-def _transformed() -> bool:
-    return transform_while_tracing() if compiling() else in_transform()
+def _foreign_mark() -> bool:
+    """A ``requires_grad_()`` call inside a torch.func transform that torch.func does not make
+    itself (:func:`marking_inputs`): one torch.func would refuse."""
+    transformed = transform_while_tracing() if compiling() else in_transform()
+    return transformed and not marking_inputs()
 
 
 _NOOP_CONTEXT = torch.utils.checkpoint.noop_context_fn

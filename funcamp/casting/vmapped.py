@@ -1,0 +1,65 @@
+"""A product with a bias under ``vmap``, cast as torch.autocast casts it there.
+
+Under ``vmap`` functorch's batching runs before torch.autocast's kernel: ``linear``, ``addmm``,
+``baddbmm`` and ``addbmm`` with a batched argument decompose into a product (``mm``/``bmm``),
+which autocast casts, and a bias added to it, which autocast does not: the bias is added in
+float32 to the compute-dtype product and the result is float32. Unbatched, autocast casts the
+whole call (bias included) and the result is in the compute dtype. The mode follows autocast in
+both places (docs/differences.md says why, with numbers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from funcamp._core.context import is_batched
+
+__all__ = ["BIAS_PRODUCTS", "vmapped_bias_product"]
+
+#: The ops whose vmap decomposition leaves the bias outside the cast product.
+BIAS_PRODUCTS = frozenset({"linear", "addmm", "baddbmm", "addbmm"})
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype is not torch.float64:
+        return x.to(dtype)
+    return x
+
+
+def _addbmm_product(b1: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(b1, b2).sum(0)
+
+
+_PRODUCTS = {"addmm": torch.mm, "baddbmm": torch.bmm, "addbmm": _addbmm_product}
+
+
+def vmapped_bias_product(
+    name: str, dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``name(*args, **kwargs)`` as torch.autocast runs it under ``vmap``, or None where the
+    call is not such a product with a bias (nothing batched at the innermost ``vmap``, no bias,
+    ``beta=0``, ``out=``, unexpected arguments): the caller then casts it as a whole."""
+    if name == "linear":
+        if len(args) + len(kwargs) > 3 or set(kwargs) - {"input", "weight", "bias"}:
+            return None
+        names = ("input", "weight", "bias")
+        full = dict(zip(names, args, strict=False)) | kwargs
+        x, w, b = full.get("input"), full.get("weight"), full.get("bias")
+        if not isinstance(b, torch.Tensor) or not is_batched((x, w, b)):
+            return None
+        return torch.add(F.linear(_cast(x, dtype), _cast(w, dtype)), b)
+    if len(args) != 3 or set(kwargs) - {"beta", "alpha"}:
+        return None
+    bias, m1, m2 = args
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if beta == 0 or not isinstance(bias, torch.Tensor) or not is_batched(args):
+        return None
+    product = _PRODUCTS[name](_cast(m1, dtype), _cast(m2, dtype))
+    if alpha != 1:
+        product = product * alpha
+    if beta != 1:
+        bias = bias * beta
+    return torch.add(bias, product)
