@@ -300,3 +300,76 @@ def test_amp_orders_agree(model: str, transform: str) -> None:
         return
     assert _same(*runs)
     assert any(bool(t.ne(0).any()) for t in torch.utils._pytree.tree_leaves(runs[0]))
+
+
+# -- the CUDA-list preset -----------------------------------------------------------------------
+CUDA_LISTS = "mixed_bfloat16"  # OpPolicy.default(): torch's CUDA lists, bf16 compute
+CUDA_CELLS = [
+    (m, t, o)
+    for m in ("cnn", "dropout", "layernorm", "linear")
+    for t in ("grad", "jacrev", "vjp", "vmap", "vmap_grad", "ensemble")
+    for o in ORDERS
+    if KNOWN.get((m, t, o)) is None
+]
+
+
+@pytest.mark.parametrize(("model", "transform", "order"), CUDA_CELLS)
+def test_cuda_lists_preset_equals_autocast_with_cuda_rules_by_hand(
+    model: str, transform: str, order: str
+) -> None:
+    """torch.autocast("cpu") cannot run CUDA's lists; for the zoo's ops they coincide with
+    CPU's except layer_norm (float32 on CUDA's), which the reference model runs in float32 by
+    hand (``cuda_reference``) under torch.autocast("cpu")."""
+    case, ref_case = Case(model), Case(model, cuda_reference=True)
+    amped = _run(order, transform, case.f, case.params, case.x, _amp(CUDA_LISTS))
+    ref = _run(order, transform, ref_case.f, ref_case.params, ref_case.x, _autocast)
+    assert _same(amped, ref)
+
+
+def test_cuda_lists_layer_norm_runs_in_float32() -> None:
+    """The layernorm model is where the two presets differ: CUDA's list runs layer_norm in
+    float32 (what the reference does by hand), CPU's in the input's bf16."""
+    case = Case("layernorm")
+
+    def norm_dtypes(policy: str) -> list[tuple[torch.dtype, ...]]:
+        records = funcamp.trace(case.f, policy)(case.params, case.x[0]).records
+        return [r.input_dtypes for r in records if r.op == "layer_norm"]
+
+    assert norm_dtypes(CUDA_LISTS) == [(F32, F32, F32)]
+    assert norm_dtypes("autocast_cpu") == [(BF16, F32, F32)]
+
+
+# -- compiled (aot_eager) ---------------------------------------------------------------------
+COMPILED_QUICK = {("linear", "grad", "outside"), ("linear", "vmap", "inside")}
+
+
+def _compiled_cells() -> list[Any]:
+    cells = []
+    for m in ("layernorm", "linear", "cnn"):
+        for t in ("grad", "vjp", "vmap", "vmap_grad", "jacrev", "jvp"):
+            for o in ORDERS:
+                if KNOWN.get((m, t, o)) is not None:
+                    continue
+                slow = (m, t, o) not in COMPILED_QUICK
+                marks = [pytest.mark.slow] if slow else []
+                cells.append(pytest.param(m, t, o, marks=marks, id=f"{m}-{t}-{o}"))
+    return cells
+
+
+@pytest.mark.parametrize(("model", "transform", "order"), _compiled_cells())
+def test_compiled_equals_autocast_under_transform(model: str, transform: str, order: str) -> None:
+    """``torch.compile(T(amp(f)))`` and ``torch.compile(amp(T(f)))`` (aot_eager, fullgraph):
+    the eager reference, bit for bit."""
+    torch._dynamo.reset()
+    case = Case(model)
+    t = TRANSFORMS[transform]
+    amp = _amp("autocast_cpu")
+    if order == "inside":
+        amped = amp(case.f)  # built eagerly: amp reads its policy outside the trace
+        fn = torch.compile(lambda p, x: t(amped, p, x), backend="aot_eager", fullgraph=True)
+    else:
+        fn = torch.compile(amp(lambda p, x: t(case.f, p, x)), backend="aot_eager", fullgraph=True)
+    torch.manual_seed(7)
+    got = fn(case.params, case.x)
+    ref = _run(order, transform, case.f, case.params, case.x, _autocast)
+    assert _same(got, ref)
