@@ -373,3 +373,39 @@ def test_compiled_equals_autocast_under_transform(model: str, transform: str, or
     got = fn(case.params, case.x)
     ref = _run(order, transform, case.f, case.params, case.x, _autocast)
     assert _same(got, ref)
+
+
+# -- trace of a transformed function ----------------------------------------------------------
+def _traced_transforms(case: Case) -> dict[str, Callable[..., Any]]:
+    """Each transform of ``case.f`` with every tensor it needs made outside (tangents,
+    cotangents, stacked params), so that the ops the trace sees are the model's and torch.func's."""
+    f, p, x = case.f, case.params, case.x
+    x0, out = x[0], f(p, x)
+    loss = _loss(f)
+    stacked = stack_module_state_of([p, p])
+    return {
+        "grad": lambda: grad(loss)(p, x),
+        "grad_and_value": lambda: grad_and_value(loss)(p, x),
+        "vjp": lambda: vjp(lambda p: f(p, x), p)[1](out),
+        "jacrev": lambda: jacrev(f, argnums=1)(p, x0),
+        "jacfwd": lambda: jacfwd(f, argnums=1)(p, x0),
+        "jvp": lambda: jvp(lambda x: f(p, x), (x,), (x,)),
+        "hessian": lambda: hessian(loss, argnums=1)(p, x0),
+        "linearize": lambda: linearize(lambda x: f(p, x), x)[1](x),
+        "vmap": lambda: vmap(f, in_dims=(None, 0))(p, x),
+        "vmap_grad": lambda: vmap(grad(loss), in_dims=(None, 0))(p, x),
+        "ensemble": lambda: vmap(f, in_dims=(0, None))(stacked, x),
+    }
+
+
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS.keys() - {"functional_call"}))
+def test_trace_of_a_transformed_function_lists_the_model_ops_only(transform: str) -> None:
+    """torch.func's own calls (marking its inputs, grad-mode switches, ``dim``/``size``
+    checks, the ``autograd.grad`` it runs, ``make_dual``) are not the model's ops: ``trace``
+    lists the same ops under every transform as without one (plus the loss's, where T needs a
+    scalar)."""
+    case = Case("linear")
+    run = _traced_transforms(case)[transform]
+    ops = [r.op for r in funcamp.trace(run, "autocast_cpu")()]
+    scalar = transform in ("grad", "grad_and_value", "hessian", "vmap_grad")
+    assert ops == ["linear", *(["float", "pow", "mean"] if scalar else [])]
