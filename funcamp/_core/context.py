@@ -22,6 +22,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from funcamp._core.version import torch_release
 
 __all__ = [
+    "batched_below",
     "compiling",
     "constant_result",
     "dual_level_active",
@@ -114,19 +115,26 @@ def _marking_while_tracing() -> bool:
 
 
 def is_batched(xs: Iterable[Any]) -> bool:
-    """Whether any tensor of ``xs`` is batched by some active ``vmap``, seen through
-    ``grad``'s wrappers (under ``vmap(grad(f))`` too): where torch's dispatch has run a batching
-    rule (or a decomposition) by the time torch.autocast sees the call.
+    """Whether any tensor of ``xs`` is batched by the innermost ``vmap`` (a functorch
+    ``BatchedTensor`` itself, not under another transform's wrapper). Dynamo folds each answer
+    to a constant of the graph."""
+    for x in xs:  # noqa: SIM110 -- a loop, not any(): dynamo traces any() in Python
+        if isinstance(x, torch.Tensor) and torch._C._functorch.is_batchedtensor(x):
+            return True
+    return False
 
-    Compiled, each answer is a constant of the graph: a functorch ``BatchedTensor`` on top, or,
-    under a transform stacked above a ``vmap`` (dynamo cannot unwrap a ``GradTrackingTensor``),
-    any tensor at all.
+
+def batched_below(xs: Iterable[Any]) -> bool:
+    """Whether any tensor of ``xs`` is batched by a ``vmap`` under another transform's wrapper
+    (``vmap(grad(f))``: a ``GradTrackingTensor`` around a ``BatchedTensor``).
+
+    Compiled, the answer is a constant of the graph: whether a ``vmap`` is active under the
+    innermost transform (dynamo cannot unwrap a ``GradTrackingTensor``) and ``xs`` holds a
+    tensor.
     """
     if compiling():
-        for x in xs:  # a loop, not any(): dynamo traces any() in Python
-            if isinstance(x, torch.Tensor) and (
-                torch._C._functorch.is_batchedtensor(x) or _vmap_below_while_tracing()
-            ):
+        for x in xs:  # noqa: SIM110 -- a loop, not any(): dynamo traces any() in Python
+            if isinstance(x, torch.Tensor) and _vmap_below_while_tracing():
                 return True
         return False
     functorch = torch._C._functorch

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from funcamp._core.context import (
     compiling,
+    dual_level_active,
     in_transform,
     marking_inputs,
     transform_while_tracing,
@@ -143,10 +144,25 @@ def cast_args(
             dtype = _promote(dtype, v)
     else:
         return args, kwargs
-    args = tuple([_cast(a, dtype) for a in args])
+    cast = _cast_with_tangent if dual_level_active() else _cast
+    args = tuple([cast(a, dtype) for a in args])
     if kwargs:
-        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
     return args, kwargs
+
+
+def _cast_with_tangent(x: Any, dtype: torch.dtype) -> Any:
+    """``_cast`` under forward-mode AD (``jvp``, ``jacfwd``, ``hessian``, ``linearize``): a
+    tensor already in ``dtype`` is copied, so that its tangent is cast too. torch.autocast
+    casts the ops of the tangent formulas as well; a primal in ``dtype`` can carry a float32
+    tangent (layer_norm's, from a bf16 input and float32 weight), which would meet a bf16
+    operand in the next matmul's tangent formula (``expected m1 and m2 to have the same
+    dtype``)."""
+    if isinstance(x, torch.Tensor) and x.dtype is dtype and x.is_floating_point():
+        return x.to(dtype, copy=True)
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+        return type(x)(_cast_with_tangent(e, dtype) for e in x)
+    return _cast(x, dtype)
 
 
 # -- module policies ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from funcamp._core.context import is_batched
+from funcamp._core.context import batched_below, is_batched
 
 __all__ = ["BIAS_PRODUCTS", "vmapped_bias_product"]
 
@@ -36,19 +36,30 @@ def _addbmm_product(b1: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
 _PRODUCTS = {"addmm": torch.mm, "baddbmm": torch.bmm, "addbmm": _addbmm_product}
 
 
+def _decomposed_linear(x: Any, w: Any, b: Any) -> bool:
+    """Whether torch.autocast sees this ``linear`` after a decomposition that adds the bias
+    apart: batched by the innermost ``vmap``, or under ``grad`` above a ``vmap`` with a 1-d
+    input (the only input linear's own C++ body splits into ``matmul`` + ``add``; with more
+    dimensions it becomes one ``addmm``, which autocast casts whole, bias included)."""
+    if is_batched((x, w, b)):
+        return True
+    return isinstance(x, torch.Tensor) and x.dim() == 1 and batched_below((x, w, b))
+
+
 def vmapped_bias_product(
     name: str, dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``name(*args, **kwargs)`` as torch.autocast runs it under ``vmap``, or None where the
-    call is not such a product with a bias (nothing batched at the innermost ``vmap``, no bias,
-    ``beta=0``, ``out=``, unexpected arguments): the caller then casts it as a whole."""
+    call is not such a product with a bias (not decomposed: nothing batched at the innermost
+    ``vmap``, or addmm-type ops under ``grad`` above it; no bias, ``beta=0``, unexpected
+    arguments): the caller then casts it as a whole."""
     if name == "linear":
         if len(args) + len(kwargs) > 3 or set(kwargs) - {"input", "weight", "bias"}:
             return None
         names = ("input", "weight", "bias")
         full = dict(zip(names, args, strict=False)) | kwargs
         x, w, b = full.get("input"), full.get("weight"), full.get("bias")
-        if not isinstance(b, torch.Tensor) or not is_batched((x, w, b)):
+        if not isinstance(b, torch.Tensor) or not _decomposed_linear(x, w, b):
             return None
         return torch.add(F.linear(_cast(x, dtype), _cast(w, dtype)), b)
     if len(args) != 3 or set(kwargs) - {"beta", "alpha"}:
