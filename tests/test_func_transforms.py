@@ -451,3 +451,42 @@ def test_products_with_a_bias_under_vmap_as_autocast(op: str, under: str) -> Non
     assert box[0].dtype == ref.dtype and torch.equal(box[0], ref)
     decomposed = under == "vmap" or op == "linear_1d"
     assert ref.dtype == (F32 if decomposed else BF16)
+
+
+# -- differences under vmap (docs/differences.md) ---------------------------------------------
+def _raw_under(t: Callable[..., Any], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    box: list[Any] = []
+    funcamp.amp(lambda x: box.append(t(x)), "autocast_cpu")(x)
+    with torch.autocast("cpu", BF16):
+        ref = t(x)
+    return box[0], ref
+
+
+def test_difference_convolution_under_vmap() -> None:
+    """Under vmap CPU autocast sees ``convolution`` (batching rule of conv2d), which CPU's list
+    lacks (CUDA's has it): the convolution runs uncast, in float32. amp keeps conv2d's rule
+    (bf16), as unbatched and as on CUDA; sample by sample the two agree."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(4, 3, 3, 3, generator=g), torch.randn(4, generator=g)
+    x = torch.randn(2, 3, 6, 6, generator=g)
+    t = vmap(lambda x: F.conv2d(x, w, b))
+    ours, ref = _raw_under(t, x)
+    assert ref.dtype == F32 and torch.equal(ref, t(x))  # autocast: not cast at all
+    assert ours.dtype == BF16
+    one, one_ref = _raw_under(lambda x: F.conv2d(x, w, b), x[0])
+    assert torch.equal(one, one_ref) and torch.equal(ours[0], one)
+    assert 0 < (ours.float() - ref).abs().max() < 0.1
+
+
+def test_difference_float32_losses_under_vmap() -> None:
+    """Under vmap the CPU float32-list losses decompose before autocast sees them: their
+    pieces run in the input's bf16 (a bf16 loss). amp keeps the float32 rule."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 8, generator=g), torch.rand(2, 8, generator=g)
+    t = vmap(lambda x, y: F.binary_cross_entropy_with_logits(x.bfloat16(), y.bfloat16()))
+    box: list[Any] = []
+    funcamp.amp(lambda x, y: box.append(t(x, y)), "autocast_cpu")(x, y)
+    with torch.autocast("cpu", BF16):
+        ref = t(x, y)
+    assert ref.dtype == BF16 and box[0].dtype == F32
+    assert 0 < (box[0] - ref.float()).abs().max() < 0.02

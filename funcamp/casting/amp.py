@@ -34,7 +34,7 @@ from funcamp._core.context import (
 from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, prepare_trace, run_fp8
 from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
 from funcamp.casting.reentry import backward_entries, reentered
-from funcamp.casting.vmapped import BIAS_PRODUCTS, vmapped_bias_product
+from funcamp.casting.transforms import BIAS_PRODUCTS, cast_with_tangent, vmapped_bias_product
 from funcamp.compiler.hooks import route_cross_entropy
 from funcamp.policy.modules import glob_match
 from funcamp.policy.ops import DTYPE_ARG_OPS, OpPolicy, OpRule, name_index, op_name
@@ -144,25 +144,11 @@ def cast_args(
             dtype = _promote(dtype, v)
     else:
         return args, kwargs
-    cast = _cast_with_tangent if dual_level_active() else _cast
+    cast = cast_with_tangent if dual_level_active() else _cast
     args = tuple([cast(a, dtype) for a in args])
     if kwargs:
         kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
     return args, kwargs
-
-
-def _cast_with_tangent(x: Any, dtype: torch.dtype) -> Any:
-    """``_cast`` under forward-mode AD (``jvp``, ``jacfwd``, ``hessian``, ``linearize``): a
-    tensor already in ``dtype`` is copied, so that its tangent is cast too. torch.autocast
-    casts the ops of the tangent formulas as well; a primal in ``dtype`` can carry a float32
-    tangent (layer_norm's, from a bf16 input and float32 weight), which would meet a bf16
-    operand in the next matmul's tangent formula (``expected m1 and m2 to have the same
-    dtype``)."""
-    if isinstance(x, torch.Tensor) and x.dtype is dtype and x.is_floating_point():
-        return x.to(dtype, copy=True)
-    if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
-        return type(x)(_cast_with_tangent(e, dtype) for e in x)
-    return _cast(x, dtype)
 
 
 # -- module policies ----------------------------------------------------------------------------
@@ -535,6 +521,8 @@ def amp(fn: F, policy: Policy | str) -> F:
     cast at entry (autocast semantics), so gradients come back in the params' dtype. Works
     eagerly, under ``torch.func.grad/vjp/jvp/vmap/functional_call`` and inside
     ``torch.compile(fullgraph=True)``; nothing stays active after the call returns or raises.
+    It commutes with the torch.func transforms: ``grad(amp(f))`` and ``amp(grad(f))`` give the
+    same result (and so for ``vjp``, ``jacrev``, ``hessian``, ``vmap`` ...).
 
     Args:
         fn: the function to transform.
@@ -550,6 +538,12 @@ def amp(fn: F, policy: Policy | str) -> F:
         >>> g = funcamp.amp(f, "params=float32,compute=bfloat16,output=bfloat16")
         >>> g(torch.randn(2, 3), torch.randn(3, 3)).dtype   # matmul in bf16, softmax in f32
         torch.bfloat16
+        >>> w = torch.tensor([1.0, 2.0])
+        >>> loss = lambda w: (w * w).sum()
+        >>> funcamp.amp(torch.func.grad(loss), "float32")(w)   # either order
+        tensor([2., 4.])
+        >>> torch.func.grad(funcamp.amp(loss, "float32"))(w)
+        tensor([2., 4.])
     """
     check_fn(fn, "amp")
     pol = as_policy(policy, "amp")

@@ -1,4 +1,6 @@
-"""A product with a bias under ``vmap``, cast as torch.autocast casts it there.
+"""Casting under torch.func transforms, where torch.autocast sees what a function mode does not.
+
+A product with a bias under ``vmap``:
 
 Under ``vmap`` functorch's batching runs before torch.autocast's kernel: ``linear``, ``addmm``,
 ``baddbmm`` and ``addbmm`` with a batched argument decompose into a product (``mm``/``bmm``),
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 from funcamp._core.context import batched_below, is_batched
 
-__all__ = ["BIAS_PRODUCTS", "vmapped_bias_product"]
+__all__ = ["BIAS_PRODUCTS", "cast_with_tangent", "vmapped_bias_product"]
 
 #: The ops whose vmap decomposition leaves the bias outside the cast product.
 BIAS_PRODUCTS = frozenset({"linear", "addmm", "baddbmm", "addbmm"})
@@ -74,3 +76,17 @@ def vmapped_bias_product(
     if beta != 1:
         bias = bias * beta
     return torch.add(bias, product)
+
+
+def cast_with_tangent(x: Any, dtype: torch.dtype) -> Any:
+    """The mode's cast under forward-mode AD (``jvp``, ``jacfwd``, ``hessian``, ``linearize``): a
+    tensor already in ``dtype`` is copied, so that its tangent is cast too. torch.autocast
+    casts the ops of the tangent formulas as well; a primal in ``dtype`` can carry a float32
+    tangent (layer_norm's, from a bf16 input and float32 weight), which would meet a bf16
+    operand in the next matmul's tangent formula (``expected m1 and m2 to have the same
+    dtype``)."""
+    if isinstance(x, torch.Tensor) and x.dtype is dtype and x.is_floating_point():
+        return x.to(dtype, copy=True)
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+        return type(x)(cast_with_tangent(e, dtype) for e in x)
+    return _cast(x, dtype)
