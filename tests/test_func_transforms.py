@@ -490,3 +490,30 @@ def test_difference_float32_losses_under_vmap() -> None:
         ref = t(x, y)
     assert ref.dtype == BF16 and box[0].dtype == F32
     assert 0 < (box[0] - ref.float()).abs().max() < 0.02
+
+
+def _ntk(f: Callable[..., Any], p: Any, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """The empirical neural tangent kernel as torch's tutorial computes it: per-sample
+    Jacobians (``vmap(jacrev)``), contracted with ``einsum``."""
+
+    def one(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return f(p, x[None])[0]
+
+    j1 = vmap(jacrev(one), (None, 0))(p, x1)
+    j2 = vmap(jacrev(one), (None, 0))(p, x2)
+    return sum(torch.einsum("Naf,Mbf->NMab", a.flatten(2), b.flatten(2)) for a, b in zip(j1.values(), j2.values(), strict=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_neural_tangent_kernel(order: str) -> None:
+    """The NTK tutorial's computation, with amp inside (around the model) or outside (around
+    the whole kernel): equal to torch.autocast placed the same way, never zeros."""
+    case = Case("linear")
+    x1, x2 = case.x, case.x.flip(0)
+    if order == "inside":
+        ours = _ntk(_amp("autocast_cpu")(case.f), case.params, x1, x2)
+        ref = _ntk(_autocast(case.f), case.params, x1, x2)
+    else:
+        ours = _amp("autocast_cpu")(lambda: _ntk(case.f, case.params, x1, x2))()
+        ref = _autocast(lambda: _ntk(case.f, case.params, x1, x2))()
+    assert _same(ours, ref) and bool(ours.ne(0).any())
