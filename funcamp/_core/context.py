@@ -17,16 +17,20 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from funcamp._core.version import torch_release
 
 __all__ = [
+    "batched_below",
     "compiling",
     "constant_result",
     "dual_level_active",
     "eager_path",
     "in_transform",
+    "is_batched",
     "kernel_path",
+    "marking_inputs",
     "plain_eager",
     "tracks_grad",
     "transform_level",
@@ -87,6 +91,68 @@ def transform_while_tracing() -> bool:
     under a transform is only ever run under it: dynamo guards on the functorch stack; a step
     saved to disk is run only outside transforms, see funcamp/stepcache/cache.py)."""
     return torch._C._functorch.maybe_current_level() is not None
+
+
+def marking_inputs() -> bool:
+    """Whether ``torch.func`` itself is marking its inputs for differentiation right now.
+
+    Inside a transform, torch refuses ``tensor.requires_grad_()`` except where torch.func
+    allows it for its own call (``_set_tensor_requires_grad`` under
+    ``enable_inplace_requires_grad(True)``): the flag read here. A model's own call inside a
+    transform (a hook) runs with the flag off.
+    """
+    if compiling():
+        return _marking_while_tracing()
+    return torch._C._functorch.get_inplace_requires_grad_allowed()
+
+
+@constant_result
+def _marking_while_tracing() -> bool:
+    """:func:`marking_inputs` asked while dynamo traces: dynamo sets the flag at trace time as
+    it enters torch.func's context (and records the same toggle in the graph), and cannot trace
+    the getter itself."""
+    return torch._C._functorch.get_inplace_requires_grad_allowed()
+
+
+def is_batched(xs: Iterable[Any]) -> bool:
+    """Whether any tensor of ``xs`` is batched by the innermost ``vmap`` (a functorch
+    ``BatchedTensor`` itself, not under another transform's wrapper). Dynamo folds each answer
+    to a constant of the graph."""
+    for x in xs:  # noqa: SIM110 -- a loop, not any(): dynamo traces any() in Python
+        if isinstance(x, torch.Tensor) and torch._C._functorch.is_batchedtensor(x):
+            return True
+    return False
+
+
+def batched_below(xs: Iterable[Any]) -> bool:
+    """Whether any tensor of ``xs`` is batched by a ``vmap`` under another transform's wrapper
+    (``vmap(grad(f))``: a ``GradTrackingTensor`` around a ``BatchedTensor``).
+
+    Compiled, the answer is a constant of the graph: whether a ``vmap`` is active under the
+    innermost transform (dynamo cannot unwrap a ``GradTrackingTensor``) and ``xs`` holds a
+    tensor.
+    """
+    if compiling():
+        for x in xs:  # noqa: SIM110 -- a loop, not any(): dynamo traces any() in Python
+            if isinstance(x, torch.Tensor) and _vmap_below_while_tracing():
+                return True
+        return False
+    functorch = torch._C._functorch
+    for x in xs:
+        while isinstance(x, torch.Tensor) and functorch.is_functorch_wrapped_tensor(x):
+            if functorch.is_batchedtensor(x):
+                return True
+            x = functorch.get_unwrapped(x)
+    return False
+
+
+@constant_result
+def _vmap_below_while_tracing() -> bool:
+    """Whether a ``vmap`` is active under the innermost transform, asked while dynamo traces
+    (dynamo keeps torch.func's interpreter stack as it traces the transforms)."""
+    interpreters = retrieve_all_functorch_interpreters()
+    vmap = torch._C._functorch.TransformType.Vmap
+    return any(i.key() == vmap for i in interpreters[:-1])
 
 
 def plain_eager() -> bool:

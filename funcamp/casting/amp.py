@@ -24,10 +24,17 @@ import torch.utils.checkpoint
 from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
-from funcamp._core.context import compiling, in_transform, transform_while_tracing
+from funcamp._core.context import (
+    compiling,
+    dual_level_active,
+    in_transform,
+    marking_inputs,
+    transform_while_tracing,
+)
 from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, prepare_trace, run_fp8
 from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
 from funcamp.casting.reentry import backward_entries, reentered
+from funcamp.casting.transforms import BIAS_PRODUCTS, cast_with_tangent, vmapped_bias_product
 from funcamp.compiler.hooks import route_cross_entropy
 from funcamp.policy.modules import glob_match
 from funcamp.policy.ops import DTYPE_ARG_OPS, OpPolicy, OpRule, name_index, op_name
@@ -137,9 +144,10 @@ def cast_args(
             dtype = _promote(dtype, v)
     else:
         return args, kwargs
-    args = tuple([_cast(a, dtype) for a in args])
+    cast = cast_with_tangent if dual_level_active() else _cast
+    args = tuple([cast(a, dtype) for a in args])
     if kwargs:
-        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
     return args, kwargs
 
 
@@ -281,11 +289,12 @@ class _AmpMode(TorchFunctionMode):
                     return unchecked(*args, **kwargs)
             if self.dormant():
                 return func(*args, **kwargs)
-        if func is _REQUIRES_GRAD_ and _asks_grad(args, kwargs) and _transformed():
+        if func is _REQUIRES_GRAD_ and _asks_grad(args, kwargs) and _foreign_mark():
             # transformers' enable_input_require_grads (gradient_checkpointing_enable) marks
             # the embeddings' output, for torch.autograd to reach a reentrant checkpoint behind
             # frozen embeddings. Under torch.func every value is tracked already; it refuses
-            # the call, which here means nothing: the tensor as it is.
+            # the call, which here means nothing: the tensor as it is. torch.func's own marks
+            # of its inputs (grad, vjp, jacrev when amp wraps the transform) run as they are.
             return args[0]
         ctx = self.ctx
         name = getattr(func, "__name__", None)
@@ -330,6 +339,13 @@ class _AmpMode(TorchFunctionMode):
                 self.recorder.record(func, None, ctx, args, kwargs, out, self)
             return out
         rule, name = entry
+        if rule is OpRule.COMPUTE and name in BIAS_PRODUCTS:
+            # Under vmap, as torch.autocast there: the product cast, the bias added in float32.
+            out = vmapped_bias_product(name, ctx.compute_dtype, args, kwargs)
+            if out is not None:
+                if self.recorder is not None:
+                    self.recorder.record(func, rule, ctx, args, kwargs, out, self)
+                return out
         cargs, ckwargs = cast_args(rule, name, ctx.compute_dtype, args, kwargs)
         out = func(*cargs, **ckwargs)
         if self.recorder is not None:
@@ -372,8 +388,11 @@ def _asks_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return flag is True
 
 
-def _transformed() -> bool:
-    return transform_while_tracing() if compiling() else in_transform()
+def _foreign_mark() -> bool:
+    """A ``requires_grad_()`` call inside a torch.func transform that torch.func does not make
+    itself (:func:`marking_inputs`): one torch.func would refuse."""
+    transformed = transform_while_tracing() if compiling() else in_transform()
+    return transformed and not marking_inputs()
 
 
 _NOOP_CONTEXT = torch.utils.checkpoint.noop_context_fn
@@ -502,6 +521,8 @@ def amp(fn: F, policy: Policy | str) -> F:
     cast at entry (autocast semantics), so gradients come back in the params' dtype. Works
     eagerly, under ``torch.func.grad/vjp/jvp/vmap/functional_call`` and inside
     ``torch.compile(fullgraph=True)``; nothing stays active after the call returns or raises.
+    It commutes with the torch.func transforms: ``grad(amp(f))`` and ``amp(grad(f))`` give the
+    same result (and so for ``vjp``, ``jacrev``, ``hessian``, ``vmap`` ...).
 
     Args:
         fn: the function to transform.
@@ -517,6 +538,12 @@ def amp(fn: F, policy: Policy | str) -> F:
         >>> g = funcamp.amp(f, "params=float32,compute=bfloat16,output=bfloat16")
         >>> g(torch.randn(2, 3), torch.randn(3, 3)).dtype   # matmul in bf16, softmax in f32
         torch.bfloat16
+        >>> w = torch.tensor([1.0, 2.0])
+        >>> loss = lambda w: (w * w).sum()
+        >>> funcamp.amp(torch.func.grad(loss), "float32")(w)   # either order
+        tensor([2., 4.])
+        >>> torch.func.grad(funcamp.amp(loss, "float32"))(w)
+        tensor([2., 4.])
     """
     check_fn(fn, "amp")
     pol = as_policy(policy, "amp")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -17,6 +18,33 @@ from funcamp.policy.policy import Policy, as_policy, cast_floating
 __all__ = ["AmpTrace", "OpRecord", "OpStats", "trace"]
 
 _SKIP_NAMES = frozenset({"__get__", "__set__", "__torch_function__"})
+# Modules a call passes through on its way to the mode (a context manager's __enter__, a
+# Python Tensor method, funcamp's own mode and twins): the caller is the frame outside them.
+_PASS_THROUGH = ("funcamp.", "torch.overrides", "torch.autograd", "torch.utils._contextlib")
+_PASS_THROUGH_EXACT = frozenset({"contextlib", "torch._tensor", "torch.functional", "torch._ops"})
+
+# torch.func's own code, and the tracer ``linearize`` runs the function under (make_fx).
+_TORCH_FUNC_MACHINERY = (
+    "torch._functorch",
+    "torch.fx",
+    "torch._subclasses",
+    "torch._prims_common",
+)
+
+
+def _issued_by_torch_func() -> bool:
+    """Whether the call being recorded comes from torch.func's own code (its bookkeeping:
+    marking its inputs, switching grad mode, ``dim``/``size`` checks, the ``autograd.grad``
+    it runs, the graph ``linearize`` traces and replays) rather than from the traced function."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__") or ""
+        if frame.f_code.co_filename.startswith("<eval_with_key"):  # an fx graph's code
+            return True
+        if not (module.startswith(_PASS_THROUGH) or module in _PASS_THROUGH_EXACT):
+            return module.startswith(_TORCH_FUNC_MACHINERY)
+        frame = frame.f_back
+    return False
 
 
 class OpRecord(NamedTuple):
@@ -153,7 +181,7 @@ class _Recorder:
         mode: Any,
     ) -> None:
         name = getattr(func, "__name__", None) or repr(func)
-        if name in _SKIP_NAMES:
+        if name in _SKIP_NAMES or _issued_by_torch_func():
             return
         canonical = op_name(func) or name
         inplace = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
@@ -335,7 +363,10 @@ def trace(
     and subnormal (in the output's dtype), and the table and :meth:`AmpTrace.summary` show them:
     under ``mixed_float16`` the first op whose output is non-finite is the one that overflowed
     float16 (values past 65504); under ``float32`` the amax column shows which ops would.
-    Reading them back costs a host sync per op.
+    Reading them back costs a host sync per op. Under torch.func transforms (``fn`` a
+    ``grad``, ``vmap``, ... of a function, or calling one) the calls torch.func makes itself --
+    marking its inputs, switching grad mode, ``dim``/``size`` checks, the ``autograd.grad`` it
+    runs -- are not recorded: the records are the function's own ops.
 
     Args:
         fn: the function to run.
