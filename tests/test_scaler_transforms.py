@@ -328,7 +328,7 @@ F16 = "params=float32,compute=float16,output=float32,ops=autocast_cpu"
 
 def test_float16_dp_sgd_matches_grad_scaler():
     """float16 DP-SGD (per-sample grads of the scaled loss, clipped at ``C * scale``, averaged)
-    against torch: per-sample ``backward`` of ``GradScaler.scale(loss)`` under
+    against torch: ``vmap(grad)`` of ``GradScaler.scale(loss)`` under
     ``torch.autocast("cpu", float16)``, the same clip, then ``GradScaler.step``/``update``.
     The skipped steps and the scale sequence agree exactly, the params to float32 rounding."""
     params, x, y = _data()
@@ -349,12 +349,18 @@ def test_float16_dp_sgd_matches_grad_scaler():
         *state, info, _ = _dp_step(opt, loss_fn, clip, *state, x, ys)
         ours.append((bool(info.found_inf), float(state[2].scale)))
 
-        per_sample = []
-        for i in range(B):
+        # torch's own per-sample gradients: vmap(grad) of the scaled loss under autocast (the
+        # same transform funcamp's step runs, so autocast's vmap casting rules apply to both)
+        def scaled(p, xi, yi):
             with torch.autocast("cpu", dtype=torch.float16):
-                loss = _loss(model, x[i], ys[i])
-            per_sample.append(torch.autograd.grad(gs.scale(loss), list(model.values())))
-        grads = [torch.stack(g) for g in zip(*per_sample)]
+                loss = _loss(p, xi, yi)
+            return gs.scale(loss)
+
+        detached = {k: v.detach() for k, v in model.items()}
+        per_sample = torch.func.vmap(torch.func.grad(scaled), in_dims=(None, 0, 0))(
+            detached, x, ys
+        )
+        grads = [per_sample[k] for k in model]
         norms = torch.stack([g.flatten(1).square().sum(1) for g in grads]).sum(0).sqrt()
         factor = (clip * torch.tensor(gs.get_scale()) / norms).clamp(max=1.0)
         for p, g in zip(model.values(), grads):
