@@ -132,12 +132,12 @@ SELECTED = sorted({*LISTED, *_REST[::SAMPLE_EVERY], *QUICK})
 #: run in float32 under the transform, to autocast without torch.func, to autocast without its
 #: cast cache?); docs/opinfo.md has the counts and the largest differences.
 LINEAR_UNDER_VMAP = (
-    "issue 50 item 3, being fixed: under vmap aten::linear has no batching rule and decomposes "
-    "before AutocastCPU, which casts only the matmul's operands (bias added in float32, result "
-    "float32); amp casts all three arguments of linear and returns bfloat16"
+    "a biased linear under vmap(vjp): amp follows autocast's vmap decomposition (the bias added "
+    "in float32, docs/differences.md) on every sample but one (1 of 18), where autocast's "
+    "linear is cast whole (bfloat16) and amp's bias is added apart (float32)"
 )
 LINEAR_UNDER_GRAD = (
-    "item 3's cause under torch.func.vjp (no vmap): the grad transform decomposes a biased "
+    "the vmap cause under torch.func.vjp (no vmap): the grad transform decomposes a biased "
     "aten::linear of a 1-d or >2-d input before AutocastCPU, which casts the matmul only; the "
     "float32 bias is added in place into the bfloat16 product (up to 1.6e-2 apart); amp casts the "
     "bias first, as eager autocast does"
@@ -146,11 +146,6 @@ VMAP_UNLISTED = (
     "autocast under vmap: the batching rule lowers the op to one the CPU lists do not name "
     "(conv*d and conv_transpose*d to aten::convolution; prelu, linalg.vecdot), which autocast "
     "runs in float32, bit for bit the plain result; eager autocast and amp run it in bfloat16"
-)
-VMAP_ADDMM = (
-    "autocast under vmap: addmm/addbmm/baddbmm decompose before AutocastCPU, which casts only the "
-    "matrix product's operands: the added term is added in float32 and the result is float32 "
-    "(as item 3's linear); amp casts all the op's arguments and returns bfloat16"
 )
 VMAP_INNER_MATMUL = (
     "autocast under a transform: the op decomposes before AutocastCPU, which now casts the "
@@ -161,14 +156,8 @@ VMAP_SDPA = (
     "autocast under vmap: scaled_dot_product_attention decomposes into its math composite "
     "before AutocastCPU: float32 output where eager autocast and amp give bfloat16"
 )
-VMAP_MHA = (
-    "autocast under vmap: multi_head_attention_forward's projections are biased linears (and "
-    "its masked scores a baddbmm), which vmap decomposes as in issue 50 item 3: float32 outputs "
-    "where amp, as eager autocast, gives bfloat16 (not traced op by op)"
-)
 VMAP_LINEAR_CE = (
-    "autocast under vmap sees linear_cross_entropy's decomposition (its linear, as in issue 50 "
-    "item 3, and the loss): bfloat16 loss where amp gives float32 on some samples, values up to "
+    "autocast under vmap sees linear_cross_entropy's decomposition (its linear and the loss): bfloat16 loss where amp gives float32 on some samples, values up to "
     "0.77 apart on others; amp equals eager autocast on about half the differing samples "
     "(not investigated further)"
 )
@@ -195,7 +184,6 @@ LEAF_CAST_CACHE = (
     "gradients of ~5e3)"
 )
 DIFFERENT: dict[tuple[str, str], str] = {
-    ("vmap", "nn.functional.linear"): LINEAR_UNDER_VMAP,
     ("vmap(vjp)", "nn.functional.linear"): LINEAR_UNDER_VMAP,
     ("vjp", "nn.functional.linear"): LINEAR_UNDER_GRAD,
     **{
@@ -211,7 +199,6 @@ DIFFERENT: dict[tuple[str, str], str] = {
             "linalg.vecdot",
         )
     },
-    **{("vmap", n): VMAP_ADDMM for n in ("addmm", "addmm.decomposed", "addbmm", "baddbmm")},
     **{
         (t, n): VMAP_INNER_MATMUL
         for t in ("vmap", "vmap(vjp)")
@@ -219,7 +206,6 @@ DIFFERENT: dict[tuple[str, str], str] = {
         if (t, n) not in (("vmap(vjp)", "cdist"), ("vmap(vjp)", "pinverse"))
     },
     ("vmap", "nn.functional.scaled_dot_product_attention"): VMAP_SDPA,
-    ("vmap", "nn.functional.multi_head_attention_forward"): VMAP_MHA,
     **{
         ("vmap", n): VMAP_LINEAR_CE
         for n in (
@@ -229,8 +215,7 @@ DIFFERENT: dict[tuple[str, str], str] = {
         )
     },
     **{
-        (t, n): LINEAR_UNDER_GRAD
-        for t in ("vjp", "vmap(vjp)")
+        ("vjp", n): LINEAR_UNDER_GRAD
         for n in (
             "nn.functional.linear_cross_entropy",
             "nn.functional.linear_cross_entropy.chunked",

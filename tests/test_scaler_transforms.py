@@ -357,9 +357,7 @@ def test_float16_dp_sgd_matches_grad_scaler():
             return gs.scale(loss)
 
         detached = {k: v.detach() for k, v in model.items()}
-        per_sample = torch.func.vmap(torch.func.grad(scaled), in_dims=(None, 0, 0))(
-            detached, x, ys
-        )
+        per_sample = torch.func.vmap(torch.func.grad(scaled), in_dims=(None, 0, 0))(detached, x, ys)
         grads = [per_sample[k] for k in model]
         norms = torch.stack([g.flatten(1).square().sum(1) for g in grads]).sum(0).sqrt()
         factor = (clip * torch.tensor(gs.get_scale()) / norms).clamp(max=1.0)

@@ -71,10 +71,14 @@ def vmapped_bias_product(
     if beta == 0 or not isinstance(bias, torch.Tensor) or not is_batched(args):
         return None
     product = _PRODUCTS[name](_cast(m1, dtype), _cast(m2, dtype))
-    if alpha != 1:
-        product = product * alpha
     if beta != 1:
         bias = bias * beta
+    if name == "addmm" and alpha != 1:
+        # functorch's addmm decomposition scales the product inside a float32 add
+        # (one rounding); baddbmm's and addbmm's scale it first, in the compute dtype.
+        return torch.add(bias, product, alpha=alpha)
+    if alpha != 1:
+        product = product * alpha
     return torch.add(bias, product)
 
 
