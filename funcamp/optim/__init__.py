@@ -91,6 +91,22 @@ float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half 
 
 from funcamp.optim._base import Capabilities, SetParam, learning_rate
 from funcamp.optim._elementwise import elementwise
+from funcamp.optim._lr_schedulers import (
+    chained_lr,
+    constant_lr,
+    cosine_annealing_lr,
+    cosine_annealing_warm_restarts,
+    cyclic_lr,
+    exponential_lr,
+    join_schedules,
+    lambda_lr,
+    linear_lr,
+    multi_step_lr,
+    multiplicative_lr,
+    one_cycle_lr,
+    polynomial_lr,
+    step_lr,
+)
 from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRoundingState
 from funcamp.optim._paths import Ops
 from funcamp.optim._states import AdamState, LionState, SgdState
@@ -109,6 +125,20 @@ __all__ = [
     "SetParam",
     "SgdState",
     "StochasticRoundingState",
+    "chained_lr",
+    "constant_lr",
+    "cosine_annealing_lr",
+    "cosine_annealing_warm_restarts",
+    "cyclic_lr",
     "elementwise",
+    "exponential_lr",
+    "join_schedules",
+    "lambda_lr",
     "learning_rate",
+    "linear_lr",
+    "multi_step_lr",
+    "multiplicative_lr",
+    "one_cycle_lr",
+    "polynomial_lr",
+    "step_lr",
 ]

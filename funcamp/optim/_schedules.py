@@ -1,9 +1,10 @@
-"""Learning-rate schedules: pure functions of the step count (a tensor) returning a 0-d float32
+"""Learning-rate schedules: pure functions of the step count (a tensor) returning a 0-d float64
 tensor, so a changing learning rate never recompiles a compiled step.
 
 The count a schedule receives is the number of updates applied before this one (0 on the first
-step, as in optax). Schedules compute in float64 and round once to float32, so eager and compiled
-(inductor) values agree bit for bit.
+step, as in optax). Schedules compute in float64 and return it, unrounded: torch's learning rate
+is a Python float (a double), and funcamp's optimizers compute their step sizes from it in
+float64 and round once, as torch.optim does (``lr / bias_correction1`` for Adam).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ __all__ = [
     "linear_warmup_cosine_decay",
 ]
 
-#: A schedule maps the step count (0-d integer tensor) to a 0-d float32 tensor.
+#: A schedule maps the step count (0-d integer tensor) to a 0-d floating tensor (float64 for
+#: funcamp's own).
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -53,12 +55,12 @@ def constant_schedule(value: float) -> Schedule:
     Example:
         >>> import torch, funcamp
         >>> funcamp.constant_schedule(0.1)(torch.tensor(7))
-        tensor(0.1000)
+        tensor(0.1000, dtype=torch.float64)
     """
     value = check_real("constant_schedule", "value", value)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(_as_f64(count, "constant_schedule"), value).to(torch.float32)
+        return torch.full_like(_as_f64(count, "constant_schedule"), value)
 
     return schedule
 
@@ -92,7 +94,7 @@ def linear_schedule(
     def schedule(count: torch.Tensor) -> torch.Tensor:
         t = torch.clamp(_as_f64(count, api) - transition_begin, 0.0, float(transition_steps))
         frac = t / transition_steps
-        return (init_value + (end_value - init_value) * frac).to(torch.float32)
+        return init_value + (end_value - init_value) * frac
 
     return schedule
 
@@ -128,7 +130,7 @@ def cosine_decay_schedule(
         t = torch.clamp(_as_f64(count, api), 0.0, float(decay_steps))
         cosine = 0.5 * (1.0 + torch.cos(t * (math.pi / decay_steps)))
         decayed = (1.0 - alpha) * cosine**exponent + alpha
-        return (init_value * decayed).to(torch.float32)
+        return init_value * decayed
 
     return schedule
 
@@ -147,8 +149,9 @@ def linear_warmup_cosine_decay(
     Args:
         peak_value: value reached at count ``warmup_steps``.
         warmup_steps: length of the linear warmup (>= 0).
-        decay_steps: total length of the schedule *including* the warmup (>= warmup_steps + 1);
-            the value is ``end_value`` from count ``decay_steps`` on.
+        decay_steps: total length of the schedule *including* the warmup (>= 1); the value
+            is ``end_value`` from count ``max(decay_steps, warmup_steps)`` on (no cosine when
+            ``decay_steps <= warmup_steps``: a run shorter than its warmup, as nanoGPT allows).
         init_value: value at count 0.
         end_value: final value.
         exponent: power applied to the cosine factor (> 0).
@@ -162,13 +165,13 @@ def linear_warmup_cosine_decay(
     api = "linear_warmup_cosine_decay"
     peak_value = check_real(api, "peak_value", peak_value)
     warmup_steps = check_int(api, "warmup_steps", warmup_steps, minimum=0)
-    decay_steps = check_int(api, "decay_steps", decay_steps, minimum=warmup_steps + 1)
+    decay_steps = check_int(api, "decay_steps", decay_steps, minimum=1)
     init_value = check_real(api, "init_value", init_value)
     end_value = check_real(api, "end_value", end_value)
     exponent = check_real(api, "exponent", exponent)
     if exponent <= 0:
         raise ValueError(f"funcamp.{api}: `exponent` must be > 0, got {exponent!r}")
-    cosine_steps = decay_steps - warmup_steps
+    cosine_steps = decay_steps - warmup_steps  # <= 0: the warmup ends at end_value
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
         c = _as_f64(count, api)
@@ -177,9 +180,12 @@ def linear_warmup_cosine_decay(
             warm = init_value + (peak_value - init_value) * frac
         else:
             warm = torch.full_like(c, peak_value)
-        t = torch.clamp(c - warmup_steps, 0.0, float(cosine_steps))
-        cosine = (0.5 * (1.0 + torch.cos(t * (math.pi / cosine_steps)))) ** exponent
-        decay = end_value + (peak_value - end_value) * cosine
-        return torch.where(c < warmup_steps, warm, decay).to(torch.float32)
+        if cosine_steps > 0:
+            t = torch.clamp(c - warmup_steps, 0.0, float(cosine_steps))
+            cosine = (0.5 * (1.0 + torch.cos(t * (math.pi / cosine_steps)))) ** exponent
+            decay = end_value + (peak_value - end_value) * cosine
+        else:
+            decay = torch.full_like(c, end_value)
+        return torch.where(c < warmup_steps, warm, decay)
 
     return schedule
