@@ -220,7 +220,9 @@ def build(
     def rate(state: Any) -> torch.Tensor:
         _check_state_type(cfg, state)
         lr = cfg.lr_fn(state.count)[0]
-        return lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, device=state.count.device)
+        if isinstance(lr, torch.Tensor):
+            return lr
+        return torch.tensor(lr, dtype=torch.float64, device=state.count.device)  # torch's double
 
     fused_step = None
     if fused_kernel is not None and mode is None:

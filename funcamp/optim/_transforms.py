@@ -20,7 +20,15 @@ from funcamp._core.checks import (
 )
 from funcamp._core.collectives import active_across
 from funcamp._core.numerics import hoist_scalar, math_dtype
-from funcamp._core.tree import NAMESPACE, describe, dotted_path, path_str, tree_select, unflatten
+from funcamp._core.tree import (
+    NAMESPACE,
+    describe,
+    dotted_path,
+    insertion_order,
+    path_str,
+    tree_select,
+    unflatten,
+)
 from funcamp.optim._base import (
     Capabilities,
     Optimizer,
@@ -131,6 +139,10 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         ops = choose_ops(gs, owned=owned)
         g = ops.to_math(gs)
         norms = [torch.linalg.vector_norm(x) for x in g]
+        # summed in the params' own order (torch's model.parameters()), not the sorted keys'
+        order = insertion_order(grads if params is None else params)
+        if order is not None:
+            norms = [norms[i] for i in order]
         across = active_across()
         if across is None:
             total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
