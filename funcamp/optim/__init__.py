@@ -91,6 +91,7 @@ float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half 
 
 from funcamp.optim._base import Capabilities, SetParam, learning_rate
 from funcamp.optim._elementwise import elementwise
+from funcamp.optim._from_torch import from_torch
 from funcamp.optim._lr_schedulers import (
     chained_lr,
     constant_lr,
@@ -132,6 +133,7 @@ __all__ = [
     "cyclic_lr",
     "elementwise",
     "exponential_lr",
+    "from_torch",
     "join_schedules",
     "lambda_lr",
     "learning_rate",

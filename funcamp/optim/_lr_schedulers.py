@@ -529,6 +529,13 @@ def one_cycle_lr(
             (float(pct_start * total_steps) - 1, initial, max_lr),
             (total_steps - 1, max_lr, minimum),
         ]
+    return _mark(phased(api, phases, anneal_strategy, total_steps), initial)
+
+
+def phased(
+    api: str, phases: list[tuple[float, float, float]], anneal_strategy: str, total_steps: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """OneCycleLR's phases ``(end_step, start_lr, end_lr)``, as its ``get_lr`` walks them."""
 
     def anneal(start: float, end: float, pct: torch.Tensor) -> torch.Tensor:
         if anneal_strategy == "cos":
@@ -552,7 +559,7 @@ def one_cycle_lr(
         assert out is not None
         return out
 
-    return _mark(schedule, initial)
+    return schedule
 
 
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
