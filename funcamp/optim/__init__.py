@@ -91,6 +91,7 @@ float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half 
 
 from funcamp.optim._base import Capabilities, SetParam, learning_rate
 from funcamp.optim._elementwise import elementwise
+from funcamp.optim._ema import EmaState, ema_params, with_ema
 from funcamp.optim._from_torch import from_torch
 from funcamp.optim._lr_schedulers import (
     chained_lr,
@@ -117,6 +118,7 @@ __all__ = [
     "AccumulateState",
     "AdamState",
     "Capabilities",
+    "EmaState",
     "KahanState",
     "LionState",
     "MaskedState",
@@ -132,6 +134,7 @@ __all__ = [
     "cosine_annealing_warm_restarts",
     "cyclic_lr",
     "elementwise",
+    "ema_params",
     "exponential_lr",
     "from_torch",
     "join_schedules",
@@ -143,4 +146,5 @@ __all__ = [
     "one_cycle_lr",
     "polynomial_lr",
     "step_lr",
+    "with_ema",
 ]
