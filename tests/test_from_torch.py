@@ -274,11 +274,11 @@ class _Mine(torch.optim.Optimizer):
         ),
         (
             lambda m, p: (
-                o := torch.optim.SGD(m.parameters(), lr=0.1),
+                o := torch.optim.SGD(_groups(m), lr=0.1),
                 p,
                 LRS.ReduceLROnPlateau(o),
             ),
-            r"ReduceLROnPlateau reads a metric",
+            r"ReduceLROnPlateau over 2 param groups has no translation",
         ),
         (
             lambda m, p: (

@@ -317,3 +317,94 @@ EXACT = {"lambda", "multiplicative", "cyclic", "cyclic_tri2", "cyclic_exp", "cyc
 def test_equals_torch_lr_scheduler(name):
     make, ours = CASES[name]
     _check(_ours(ours, N), _torch_lrs(make, N), exact=name in EXACT)
+
+
+# --------------------------------------------------------------------------------------------
+# ReduceLROnPlateau: funcamp.optim.reduce_on_plateau + plateau_step
+
+METRICS = [5.0, 4.0, 4.0, 3.9999, 4.1, 4.2, 3.0, 3.0, 3.0, 3.0, 3.0, 2.0, float("nan"), 2.0,
+           2.5, 2.5, 2.5, 2.5, 2.5, 2.5]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "make_inner", "torch_extra"),
+    [
+        ({"patience": 1}, lambda: FO.from_torch, None),
+        (
+            {
+                "patience": 0,
+                "factor": 0.5,
+                "cooldown": 2,
+                "threshold_mode": "abs",
+                "threshold": 0.05,
+                "min_lr": 0.02,
+            },
+            None,
+            None,
+        ),
+        ({"mode": "max", "patience": 1, "factor": 0.3, "eps": 1e-3}, None, None),
+        ({"patience": 1}, None, lambda o: LRS.ExponentialLR(o, gamma=0.9)),  # optim_db's pairing
+    ],
+)
+def test_reduce_on_plateau_equals_torch(kwargs, make_inner, torch_extra):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ref = torch.nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    extra = torch_extra(torch_opt) if torch_extra else None
+    plateau_ref = LRS.ReduceLROnPlateau(torch_opt, **kwargs)
+    if make_inner is not None:  # through from_torch
+        mirror = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        plateau = FO.from_torch(
+            mirror, dict(model.named_parameters()), LRS.ReduceLROnPlateau(mirror, **kwargs)
+        )
+    else:
+        lr = FO.exponential_lr(0.1, 0.9) if torch_extra else 0.1
+        plateau = FO.reduce_on_plateau(funcamp.sgd(lr, momentum=0.9), **kwargs)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = plateau.init(params)
+    for epoch, metric in enumerate(METRICS):
+        for i in range(2):  # two steps an epoch
+            assert FO.learning_rate(plateau, state).item() == pytest.approx(
+                torch_opt.param_groups[0]["lr"], rel=1e-12
+            )
+            g = torch.Generator().manual_seed(10 * epoch + i)
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+            updates, state = plateau.update(grads, state, params)
+            params = funcamp.apply_updates(params, updates)
+            for k, p in ref.named_parameters():
+                p.grad = grads[k].clone()
+            torch_opt.step()
+            if extra is not None:
+                extra.step()
+        state = FO.plateau_step(plateau, state, metric)
+        plateau_ref.step(metric)
+    assert float(state.scale) < 1.0  # it reduced
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_plateau_step_compiles_without_recompiles():
+    plateau = FO.reduce_on_plateau(funcamp.sgd(0.1), patience=1)
+    state = plateau.init({"w": torch.zeros(2)})
+    step = torch.compile(lambda s, v: FO.plateau_step(plateau, s, v), backend="eager")
+    eager = state
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for m in (x for x in METRICS if not math.isnan(x)):  # dynamo guards a 0-d NaN input
+            state = step(state, torch.tensor(m, dtype=torch.float64))
+            eager = FO.plateau_step(plateau, eager, m)
+    assert all(torch.equal(a, b) for a, b in zip(state[1:], eager[1:]))
+
+
+def test_reduce_on_plateau_refuses():
+    with pytest.raises(ValueError, match=r"funcamp.optim.reduce_on_plateau: `mode` must be"):
+        FO.reduce_on_plateau(funcamp.sgd(0.1), mode="low")
+    with pytest.raises(ValueError, match=r"must declare a learning rate"):
+        FO.reduce_on_plateau(funcamp.clip_by_global_norm(1.0))
+    with pytest.raises(TypeError, match=r"plateau_step: `optimizer` must be a funcamp"):
+        FO.plateau_step(funcamp.sgd(0.1), (), 1.0)
+    opt = FO.reduce_on_plateau(funcamp.adamw(0.1, fused=True))
+    p = {"w": torch.ones(2)}
+    with pytest.raises(ValueError, match=r"updates are new params"):
+        opt.update(p, opt.init(p), p)

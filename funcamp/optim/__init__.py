@@ -111,6 +111,7 @@ from funcamp.optim._lr_schedulers import (
 )
 from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRoundingState
 from funcamp.optim._paths import Ops
+from funcamp.optim._plateau import PlateauState, plateau_step, reduce_on_plateau
 from funcamp.optim._states import AdamState, LionState, SgdState
 from funcamp.optim._transforms import AccumulateState, MaskedState, MultiTransformState
 
@@ -125,6 +126,7 @@ __all__ = [
     "MasterWeightsState",
     "MultiTransformState",
     "Ops",
+    "PlateauState",
     "SetParam",
     "SgdState",
     "StochasticRoundingState",
@@ -144,7 +146,9 @@ __all__ = [
     "multi_step_lr",
     "multiplicative_lr",
     "one_cycle_lr",
+    "plateau_step",
     "polynomial_lr",
+    "reduce_on_plateau",
     "step_lr",
     "with_ema",
 ]

@@ -14,6 +14,7 @@ from funcamp._core.tree import describe
 from funcamp.optim import _lr_schedulers as ls
 from funcamp.optim._base import Optimizer
 from funcamp.optim._optimizers import adam, adamw, sgd
+from funcamp.optim._plateau import reduce_on_plateau
 from funcamp.optim._transforms import multi_transform
 
 __all__ = ["OPTIMIZERS", "SCHEDULERS", "from_torch"]
@@ -168,8 +169,8 @@ SCHEDULERS: dict[type, ScheduleTranslator] = {
         "lr_lambda, total_steps) for the optimizer's learning rate"
     ),
     LRS.ReduceLROnPlateau: _refused(
-        "reads a metric, which a schedule of the step count cannot: chain "
-        "funcamp.optim.reduce_on_plateau(...) after the optimizer instead"
+        "reads a metric, which a schedule of the step count cannot: pass it as `scheduler` "
+        "alone (from_torch wraps the optimizer in funcamp.optim.reduce_on_plateau)"
     ),
 }
 
@@ -207,7 +208,8 @@ def from_torch(
     funcamp's ``fused=True`` (torch's kernel, bit for bit); ``foreach``, ``capturable`` and
     ``differentiable`` do not change the numbers. What has no translation is refused by name:
     tensor betas, a param in no group or in two, a scheduler stepped already or one that
-    cycles the momentum. Supported: ``SGD``, ``Adam``, ``AdamW`` (:data:`OPTIMIZERS`) and every
+    cycles the momentum. A ``ReduceLROnPlateau`` wraps the optimizer in
+    :func:`funcamp.optim.reduce_on_plateau` (feed it with :func:`funcamp.optim.plateau_step`). Supported: ``SGD``, ``Adam``, ``AdamW`` (:data:`OPTIMIZERS`) and every
     step-indexed lr_scheduler (:data:`SCHEDULERS`).
 
     Args:
@@ -251,6 +253,15 @@ def from_torch(
         )
     if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
         raise _refuse("`scheduler`", "must be an lr_scheduler of `optimizer`")
+    plateau = scheduler if isinstance(scheduler, LRS.ReduceLROnPlateau) else None
+    if plateau is not None:
+        if len(optimizer.param_groups) != 1:
+            raise _refuse(
+                "a ReduceLROnPlateau",
+                f"over {len(optimizer.param_groups)} param groups has no translation (one "
+                "factor for one group); use one param group",
+            )
+        scheduler = None
     names = {id(v): k for k, v in params.items()}
     labels: dict[str, str] = {}
     parts: dict[str, Optimizer] = {}
@@ -277,6 +288,18 @@ def from_torch(
             "which no param group of the optimizer holds; leave them out of `params` (and out "
             "of the params the optimizer updates: funcamp.TrainState's frozen params)",
         )
-    if len(parts) == 1:
+    if len(parts) > 1:
+        return multi_transform(parts, {k: labels[k] for k in params})
+    if plateau is None:
         return parts["group0"]
-    return multi_transform(parts, {k: labels[k] for k in params})
+    return reduce_on_plateau(
+        parts["group0"],
+        mode=plateau.mode,
+        factor=plateau.factor,
+        patience=plateau.patience,
+        threshold=plateau.threshold,
+        threshold_mode=plateau.threshold_mode,
+        cooldown=plateau.cooldown,
+        min_lr=float(plateau.min_lrs[0]),
+        eps=plateau.eps,
+    )
