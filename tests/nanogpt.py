@@ -112,7 +112,9 @@ def torch_optimizer(m):
 
 
 def torch_run(m, data, opt, sched=None, manual_lr=True):
-    """nanoGPT's loop: bf16 autocast, clip_grad_norm_, the optimizer, the scheduler."""
+    """nanoGPT's loop: bf16 autocast, clip_grad_norm_, the optimizer, the scheduler; returns
+    the grad norms clip_grad_norm_ returned."""
+    norms = []
     for it, (x, y) in enumerate(data):
         if manual_lr:
             for g in opt.param_groups:
@@ -120,9 +122,9 @@ def torch_run(m, data, opt, sched=None, manual_lr=True):
         with torch.autocast("cpu", torch.bfloat16):
             loss = m(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+        norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if sched is not None:
             sched.step()
-    return m, opt
+    return norms

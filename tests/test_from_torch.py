@@ -29,11 +29,12 @@ def _funcamp_run(model, data, opt):
 
     state = funcamp.TrainState.create(params, opt, "autocast_cpu", buffers=buffers)
     step = funcamp.make_train_step(loss_fn, opt, "autocast_cpu", compile=False)
-    lrs = []
+    lrs, norms = [], []
     for batch in data:
         lrs.append(funcamp.optim.learning_rate(opt, state.opt_state))
-        state, _ = step(state, batch)
-    return state, lrs
+        state, m = step(state, batch)
+        norms.append(m["grad_norm"])
+    return state, lrs, norms
 
 
 def _assert_bitwise(state, ref):
@@ -53,7 +54,7 @@ def test_nanogpt_loop_bit_identical_to_torch_optim():
     to float32 before the division, or with the norms summed in sorted-key order.)"""
     data = ng.batches(STEPS)
     ref = ng.model()
-    ng.torch_run(ref, data, ng.torch_optimizer(ref))
+    torch_norms = ng.torch_run(ref, data, ng.torch_optimizer(ref))
     opt = funcamp.chain(
         funcamp.clip_by_global_norm(ng.CLIP),
         funcamp.adamw(
@@ -65,9 +66,11 @@ def test_nanogpt_loop_bit_identical_to_torch_optim():
             fused=True,
         ),
     )
-    state, lrs = _funcamp_run(ng.model(), data, opt)
+    state, lrs, norms = _funcamp_run(ng.model(), data, opt)
     _assert_bitwise(state, ref)
     assert [x.item() for x in lrs] == [ng.get_lr(i) for i in range(STEPS)]
+    # the grad_norm metric is clip_grad_norm_'s total norm, summed in the same order
+    assert [x.item() for x in norms] == [x.item() for x in torch_norms]
 
 
 def test_nanogpt_from_torch_with_sequential_scheduler_bit_identical():
@@ -98,7 +101,7 @@ def test_nanogpt_from_torch_with_sequential_scheduler_bit_identical():
     for batch in data:  # the torch loop, recording its lr per step
         torch_lrs.append(torch_opt.param_groups[0]["lr"])
         ng.torch_run(ref, [batch], torch_opt, torch_sched, manual_lr=False)
-    state, lrs = _funcamp_run(model, data, opt)
+    state, lrs, _ = _funcamp_run(model, data, opt)
     _assert_bitwise(state, ref)
     assert [x["group0"].item() for x in lrs] == pytest.approx(torch_lrs, rel=1e-13)
 
