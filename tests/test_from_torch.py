@@ -352,3 +352,39 @@ def test_clip_by_global_norm_sums_in_the_params_order(nested):
         out, _ = clip.update(tree, clip.init(tree), tree)
         leaves = [v for d in out.values() for v in d.values()] if nested else list(out.values())
         assert all(torch.equal(a, b) for a, b in zip(leaves, ref)), seed
+
+
+class Lion(torch.optim.Optimizer):
+    """lion-pytorch's Lion (lucidrains, lion_pytorch/lion_pytorch.py), its update as written
+    there, under its module's name (the package is not a test dependency)."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad, lr, wd = p.grad, group["lr"], group["weight_decay"]
+                beta1, beta2 = group["betas"]
+                state = self.state[p]
+                if len(state) == 0:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.data.mul_(1.0 - lr * wd)
+                update = exp_avg.clone().mul_(beta1).add(grad, alpha=1.0 - beta1).sign_()
+                p.add_(update, alpha=-lr)
+                exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+
+
+Lion.__module__ = "lion_pytorch.lion_pytorch"
+
+
+def test_from_torch_lion_pytorch():
+    _compare(
+        lambda m: Lion(m.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+        lambda o: LRS.CosineAnnealingLR(o, T_max=8),
+        rtol=1e-6,
+    )

@@ -13,7 +13,7 @@ import torch
 from funcamp._core.tree import describe
 from funcamp.optim import _lr_schedulers as ls
 from funcamp.optim._base import Optimizer
-from funcamp.optim._optimizers import adam, adamw, sgd
+from funcamp.optim._optimizers import adam, adamw, lion, sgd
 from funcamp.optim._plateau import reduce_on_plateau
 from funcamp.optim._transforms import multi_transform
 
@@ -97,12 +97,30 @@ def _adam_like(decoupled: bool) -> Translator:
     return translate
 
 
-#: torch.optim class -> translator of one param group.
-OPTIMIZERS: dict[type, Callable[..., Optimizer]] = {
+def _lion(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer:
+    _check_keys(name, group, {"betas", "weight_decay", "use_triton"}, i)
+    if group.get("decoupled_weight_decay"):
+        raise _refuse(
+            f"{name} param group {i}'s `decoupled_weight_decay`=True",
+            "(lion-pytorch's weight decay scaled by lr / initial lr) has no funcamp translation",
+        )
+    b1, b2 = _floats(name, group, "betas", i)
+    return lion(lr, b1=b1, b2=b2, weight_decay=_floats(name, group, "weight_decay", i))
+
+
+#: optimizer class (or, for one outside torch, ``"module.QualName"``) -> translator of one
+#: param group.
+OPTIMIZERS: dict[type | str, Callable[..., Optimizer]] = {
     torch.optim.SGD: _sgd,
     torch.optim.Adam: _adam_like(False),
     torch.optim.AdamW: _adam_like(True),
+    "lion_pytorch.lion_pytorch.Lion": _lion,  # lucidrains' lion-pytorch (not in torch)
 }
+
+
+def _translator(optimizer: Any) -> Any:
+    cls = type(optimizer)
+    return OPTIMIZERS.get(cls) or OPTIMIZERS.get(f"{cls.__module__}.{cls.__qualname__}")
 
 
 def _no_momentum_cycle(s: Any) -> None:
@@ -210,7 +228,7 @@ def from_torch(
     tensor betas, a param in no group or in two, a scheduler stepped already or one that
     cycles the momentum. A ``ReduceLROnPlateau`` wraps the optimizer in
     :func:`funcamp.optim.reduce_on_plateau` (feed it with :func:`funcamp.optim.plateau_step`). Supported: ``SGD``, ``Adam``, ``AdamW`` (:data:`OPTIMIZERS`) and every
-    step-indexed lr_scheduler (:data:`SCHEDULERS`).
+    step-indexed lr_scheduler (:data:`SCHEDULERS`); lion-pytorch's ``Lion`` too.
 
     Args:
         optimizer: a ``torch.optim`` optimizer.
@@ -238,12 +256,10 @@ def from_torch(
             f"funcamp.{API}: `optimizer` must be a torch.optim.Optimizer, got {describe(optimizer)}"
         )
     name = type(optimizer).__name__
-    translate = OPTIMIZERS.get(type(optimizer))
+    translate = _translator(optimizer)
     if translate is None:
-        raise _refuse(
-            f"`optimizer` {name}",
-            f"has no funcamp translation yet (it knows {sorted(c.__name__ for c in OPTIMIZERS)})",
-        )
+        known = sorted(c if isinstance(c, str) else c.__name__ for c in OPTIMIZERS)
+        raise _refuse(f"`optimizer` {name}", f"has no funcamp translation yet (it knows {known})")
     if not isinstance(params, Mapping) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()
     ):
