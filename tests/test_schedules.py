@@ -408,3 +408,14 @@ def test_reduce_on_plateau_refuses():
     p = {"w": torch.ones(2)}
     with pytest.raises(ValueError, match=r"updates are new params"):
         opt.update(p, opt.init(p), p)
+
+
+def test_torch_schedules_compile_without_recompiles_and_match_eager():
+    """Traceable (no host sync): one graph per schedule over every count, equal to eager."""
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for name, (_, schedule) in sorted(CASES.items()):
+            torch._dynamo.reset()
+            compiled = torch.compile(schedule, backend="aot_eager", fullgraph=True)
+            for count in (0, 1, 7, 30, 399):
+                c = torch.tensor(count, dtype=torch.int32)
+                assert torch.equal(compiled(c), schedule(c)), (name, count)

@@ -319,7 +319,7 @@ def _tabulate(api: str, values: list[float]) -> Callable[[torch.Tensor], torch.T
     def schedule(count: torch.Tensor) -> torch.Tensor:
         c = _as_f64(count, api)
         i = torch.clamp(c, 0, last).to(torch.int64)
-        return table.to(c.device)[i]
+        return torch.index_select(table.to(c.device), 0, i.reshape(1)).reshape(())
 
     return schedule
 
