@@ -94,13 +94,11 @@ from funcamp.optim._elementwise import elementwise
 from funcamp.optim._ema import EmaState, ema_params, with_ema
 from funcamp.optim._from_torch import from_torch
 from funcamp.optim._lr_schedulers import (
-    chained_lr,
     constant_lr,
     cosine_annealing_lr,
     cosine_annealing_warm_restarts,
     cyclic_lr,
     exponential_lr,
-    join_schedules,
     lambda_lr,
     linear_lr,
     multi_step_lr,
@@ -112,6 +110,7 @@ from funcamp.optim._lr_schedulers import (
 from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRoundingState
 from funcamp.optim._paths import Ops
 from funcamp.optim._plateau import PlateauState, plateau_step, reduce_on_plateau
+from funcamp.optim._schedules import chained_lr, join_schedules
 from funcamp.optim._states import AdamState, LionState, SgdState
 from funcamp.optim._transforms import AccumulateState, MaskedState, MultiTransformState
 

@@ -35,6 +35,12 @@ class EmaState(NamedTuple):
         count: the updates applied so far (0-d int32; a skipped step does not advance it).
         averaged: the times the average was updated (0-d int32; torch's ``n_averaged``).
         ema: the average, a tree like the params (their dtypes, shapes and placements).
+
+    Example:
+        >>> import torch, funcamp
+        >>> state = funcamp.optim.with_ema(funcamp.sgd(0.1), 0.9).init({"w": torch.ones(1)})
+        >>> state.ema, state.averaged
+        ({'w': tensor([1.])}, tensor(0, dtype=torch.int32))
     """
 
     inner: Any
@@ -114,14 +120,6 @@ def with_ema(
         ema = optree.tree_map(lambda p: p.detach().clone(), params, namespace=NAMESPACE)
         return EmaState(optimizer.init(params), zero, zero.clone(), ema)
 
-    def check(state: Any) -> EmaState:
-        if not isinstance(state, EmaState):
-            raise TypeError(
-                f"funcamp.{api}: `state` must be an EmaState from this optimizer's init, got "
-                f"{describe(state)}"
-            )
-        return state
-
     def weight(count: torch.Tensor, averaged: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """``1 - d`` (a Python float, or a 0-d float64 tensor with warmup) and the copy flag."""
         if not warmup:
@@ -132,7 +130,7 @@ def with_ema(
         return 1.0 - d, t <= 0
 
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, EmaState]:
-        state = check(state)
+        state = _check(state)
         if params is None:
             raise ValueError(
                 f"funcamp.{api}: `update` needs the params (the average is of the new params): "
@@ -169,10 +167,10 @@ def with_ema(
     def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
         if inner_caps.preflight is None:
             return None
-        return inner_caps.preflight(grads, check(state).inner, params)
+        return inner_caps.preflight(grads, _check(state).inner, params)
 
     def rate(state: Any) -> Any:
-        return inner_caps.learning_rate(check(state).inner)  # type: ignore[misc]
+        return inner_caps.learning_rate(_check(state).inner)  # type: ignore[misc]
 
     return Optimizer(
         init,
@@ -183,6 +181,15 @@ def with_ema(
             learning_rate=None if inner_caps.learning_rate is None else rate,
         ),
     )
+
+
+def _check(state: Any) -> EmaState:
+    if not isinstance(state, EmaState):
+        raise TypeError(
+            "funcamp.optim.with_ema: `state` must be an EmaState from this optimizer's init, "
+            f"got {describe(state)}"
+        )
+    return state
 
 
 def ema_params(opt_state: Any) -> PyTree:

@@ -15,6 +15,7 @@ from funcamp.optim import _lr_schedulers as ls
 from funcamp.optim._base import Optimizer
 from funcamp.optim._optimizers import adam, adamw, lion, sgd
 from funcamp.optim._plateau import reduce_on_plateau
+from funcamp.optim._schedules import _mark, chained_lr, join_schedules
 from funcamp.optim._transforms import multi_transform
 
 __all__ = ["OPTIMIZERS", "SCHEDULERS", "from_torch"]
@@ -147,15 +148,15 @@ def _one_cycle(s: Any, i: int, base: float) -> Any:
     group = s.optimizer.param_groups[i]
     phases = [(p["end_step"], group[p["start_lr"]], group[p["end_lr"]]) for p in s._schedule_phases]
     sched = ls.phased("optim.one_cycle_lr", phases, s._anneal_func_type, s.total_steps)
-    return ls._mark(sched, group["initial_lr"])
+    return _mark(sched, group["initial_lr"])
 
 
 def _sequential(s: Any, i: int, base: float) -> Any:
-    return ls.join_schedules([_schedule(x, i) for x in s._schedulers], list(s._milestones))
+    return join_schedules([_schedule(x, i) for x in s._schedulers], list(s._milestones))
 
 
 def _chained(s: Any, i: int, base: float) -> Any:
-    return ls.chained_lr(*[_schedule(x, i) for x in s._schedulers])
+    return chained_lr(*[_schedule(x, i) for x in s._schedulers])
 
 
 def _refused(alternative: str) -> ScheduleTranslator:

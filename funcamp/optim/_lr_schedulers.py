@@ -17,7 +17,6 @@ Python doubles, exactly as torch calls it, and index the table by the count.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,16 +24,14 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_int, check_real
-from funcamp.optim._schedules import Schedule, _as_f64
+from funcamp.optim._schedules import Schedule, _as_f64, _mark
 
 __all__ = [
-    "chained_lr",
     "constant_lr",
     "cosine_annealing_lr",
     "cosine_annealing_warm_restarts",
     "cyclic_lr",
     "exponential_lr",
-    "join_schedules",
     "lambda_lr",
     "linear_lr",
     "multi_step_lr",
@@ -54,12 +51,6 @@ def _positive(api: str, name: str, value: Any) -> float:
     if value <= 0:
         raise ValueError(f"funcamp.{api}: `{name}` must be > 0, got {value!r}")
     return value
-
-
-def _mark(schedule: Callable[[torch.Tensor], torch.Tensor], base: float) -> Schedule:
-    """Record the base learning rate (torch's ``initial_lr``) for :func:`chained_lr`."""
-    schedule.base_lr = base  # type: ignore[attr-defined]
-    return schedule
 
 
 def step_lr(lr: float, step_size: int, gamma: float = 0.1) -> Schedule:
@@ -560,92 +551,3 @@ def phased(
         return out
 
     return schedule
-
-
-def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
-    """Join schedules at step boundaries (optax's ``join_schedules``; torch's
-    ``SequentialLR(schedulers, milestones)``): from ``boundaries[i]`` on, the value is
-    ``schedules[i + 1](count - boundaries[i])``, each schedule starting from its own count 0.
-
-    Args:
-        schedules: the schedules, one more than ``boundaries``.
-        boundaries: increasing step counts (ints >= 0).
-
-    Example:
-        >>> import torch, funcamp
-        >>> warm = funcamp.optim.linear_lr(1.0, start_factor=0.5, total_iters=2)
-        >>> decay = funcamp.optim.exponential_lr(1.0, gamma=0.5)
-        >>> s = funcamp.optim.join_schedules([warm, decay], [2])
-        >>> [s(torch.tensor(i)).item() for i in range(5)]
-        [0.5, 0.75, 1.0, 0.5, 0.25]
-    """
-    api = "optim.join_schedules"
-    schedules = list(schedules)
-    bounds = [check_int(api, "boundaries[i]", b, minimum=0) for b in boundaries]
-    if len(schedules) != len(bounds) + 1:
-        raise ValueError(
-            f"funcamp.{api}: `schedules` must hold one more schedule than `boundaries`, got "
-            f"{len(schedules)} schedules and {len(bounds)} boundaries"
-        )
-    for i, s in enumerate(schedules):
-        if not callable(s):
-            raise TypeError(f"funcamp.{api}: `schedules[{i}]` must be a schedule, got {s!r}")
-    if any(a > b for a, b in itertools.pairwise(bounds)):
-        raise ValueError(f"funcamp.{api}: `boundaries` must be increasing, got {bounds}")
-
-    def schedule(count: torch.Tensor) -> torch.Tensor:
-        c = count if isinstance(count, torch.Tensor) else torch.as_tensor(count)
-        out = schedules[0](c)
-        for b, s in zip(bounds, schedules[1:]):
-            value = s(torch.clamp(c - b, min=0))
-            out = torch.where(c >= b, value.to(out.dtype), out)
-        return out
-
-    base = getattr(schedules[0], "base_lr", None)
-    return schedule if base is None else _mark(schedule, base)
-
-
-def chained_lr(*schedules: Schedule) -> Schedule:
-    """torch's ``ChainedScheduler`` (or several schedulers stepped on one optimizer): each
-    scheduler multiplies the learning rate by its own factor, so the value is the base
-    learning rate times the product of each schedule's ``value / base``.
-
-    Args:
-        *schedules: schedules from this module (each knows its base learning rate), with the
-            same base (torch's ``initial_lr``, shared by the schedulers of one param group).
-
-    Example:
-        >>> import torch, funcamp
-        >>> s = funcamp.optim.chained_lr(
-        ...     funcamp.optim.constant_lr(1.0, factor=0.5, total_iters=2),
-        ...     funcamp.optim.exponential_lr(1.0, gamma=0.5),
-        ... )
-        >>> [s(torch.tensor(i)).item() for i in range(4)]
-        [0.5, 0.25, 0.25, 0.125]
-    """
-    api = "optim.chained_lr"
-    if not schedules:
-        raise ValueError(f"funcamp.{api}: `schedules` must hold at least one schedule, got none")
-    bases = []
-    for i, s in enumerate(schedules):
-        base = getattr(s, "base_lr", None)
-        if base is None:
-            raise TypeError(
-                f"funcamp.{api}: `schedules[{i}]` must be a schedule of funcamp.optim (one that "
-                f"knows its base learning rate), got {s!r}"
-            )
-        bases.append(base)
-    if any(b != bases[0] for b in bases):
-        raise ValueError(
-            f"funcamp.{api}: the schedules must share one base learning rate (the param "
-            f"group's lr), got {bases}"
-        )
-    base = bases[0]
-
-    def schedule(count: torch.Tensor) -> torch.Tensor:
-        out = schedules[0](count)
-        for s in schedules[1:]:
-            out = out * (s(count) / base) if base != 0 else out * 0
-        return out
-
-    return _mark(schedule, base)

@@ -28,6 +28,13 @@ class PlateauState(NamedTuple):
         best: the best metric so far (float64).
         num_bad: metrics since the best one (int32; torch's ``num_bad_epochs``).
         cooldown: steps of cooldown left (int32; torch's ``cooldown_counter``).
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.optim.reduce_on_plateau(funcamp.sgd(0.1))
+        >>> state = opt.init({"w": torch.ones(1)})
+        >>> state.scale, state.best
+        (tensor(1., dtype=torch.float64), tensor(inf, dtype=torch.float64))
     """
 
     inner: Any
