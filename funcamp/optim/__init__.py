@@ -28,7 +28,12 @@ Layout (the package's private modules, one idea each):
 * ``_transforms`` -- ``clip_by_global_norm``, ``accumulate``, ``masked``, ``multi_transform``;
 * ``_modes`` -- the low-precision modes;
 * ``_numerics`` -- float32 scalars, math dtypes, the ``funcamp::fma`` and ``funcamp::sqrt`` ops;
-* ``_paths`` -- the two execution paths (eager, traced), chosen in one place.
+* ``_paths`` -- the two execution paths (eager, traced), chosen in one place;
+* ``_schedules`` / ``_lr_schedulers`` -- optax's schedules and joins / torch.optim.lr_scheduler's
+  (``step_lr``, ``one_cycle_lr``, ...), float64 functions of the count;
+* ``_plateau`` -- ``reduce_on_plateau``/``plateau_step`` (``ReduceLROnPlateau``);
+* ``_ema`` -- ``with_ema``, an average of the weights in the optimizer state;
+* ``_from_torch`` -- ``from_torch``: a torch.optim optimizer and scheduler, by table.
 
 See the internals page of the docs for each operation's paths and their invariants.
 
