@@ -120,14 +120,17 @@ def _grads(model, i):
     return {k: torch.randn(v.shape, generator=g) for k, v in model.named_parameters()}
 
 
-def _compare(make_opt, make_sched=None, steps=12, rtol=1e-6, exact=False):
+def _compare(make_opt, make_sched=None, steps=12, rtol=1e-6, exact=False, total_steps=None):
     ref = _model()
     torch_opt = make_opt(ref)
     torch_sched = make_sched(torch_opt) if make_sched else None
     model = _model()
     mirror = make_opt(model)
     opt = funcamp.optim.from_torch(
-        mirror, dict(model.named_parameters()), make_sched(mirror) if make_sched else None
+        mirror,
+        dict(model.named_parameters()),
+        make_sched(mirror) if make_sched else None,
+        total_steps=total_steps,
     )
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = opt.init(params)
@@ -224,6 +227,25 @@ def test_from_torch_matches_torch_optim(name):
     _compare(*CONFIGS[name])
 
 
+def test_from_torch_tabulates_python_lambdas_with_total_steps():
+    """LambdaLR with a Python function (branches: not traceable) and MultiplicativeLR: torch's
+    learning rate exactly, and with fused AdamW the params bit for bit."""
+
+    def warmup(it):
+        return (it + 1) / 4 if it < 3 else 0.5 ** (it - 3)
+
+    for make_sched in (
+        lambda o: LRS.LambdaLR(o, warmup),
+        lambda o: LRS.MultiplicativeLR(o, lambda t: 0.9 if t % 2 else 0.97),
+    ):
+        _compare(
+            lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, fused=True),
+            make_sched,
+            exact=True,
+            total_steps=12,
+        )
+
+
 def test_from_torch_fused_adamw_groups_bit_identical():
     _compare(
         lambda m: torch.optim.AdamW(_groups(m, weight_decay=0.1), lr=0.01, fused=True),
@@ -289,7 +311,7 @@ class _Mine(torch.optim.Optimizer):
                 p,
                 LRS.MultiplicativeLR(o, lambda t: 0.9),
             ),
-            r"funcamp.optim.multiplicative_lr",
+            r"MultiplicativeLR is a running product .* pass total_steps=",
         ),
         (
             lambda m, p: (o := torch.optim.SGD(m.parameters(), lr=0.1), p, _stepped(o)),

@@ -27,8 +27,9 @@ LRS = torch.optim.lr_scheduler
 #: group's dict; ``lr`` is the learning rate or schedule to use; ``name``: the torch class's
 #: name, for messages).
 Translator = Callable[[Mapping[str, Any], Any, str], Optimizer]
-#: ``translate(scheduler, group_index, base_lr) -> schedule``.
-ScheduleTranslator = Callable[[Any, int, float], Any]
+#: ``translate(scheduler, group_index, base_lr, total_steps) -> schedule`` (``total_steps``:
+#: from_torch's, or None).
+ScheduleTranslator = Callable[[Any, int, float, Any], Any]
 
 #: group keys that do not change the numbers (the implementation flags, the schedulers' keys)
 _IGNORED = {
@@ -133,7 +134,7 @@ def _no_momentum_cycle(s: Any) -> None:
         )
 
 
-def _cyclic(s: Any, i: int, base: float) -> Any:
+def _cyclic(s: Any, i: int, base: float, n: int | None) -> Any:
     _no_momentum_cycle(s)
     up = round(s.total_size * s.step_ratio)
     custom = s._scale_fn_custom
@@ -143,7 +144,7 @@ def _cyclic(s: Any, i: int, base: float) -> Any:
     )  # fmt: skip
 
 
-def _one_cycle(s: Any, i: int, base: float) -> Any:
+def _one_cycle(s: Any, i: int, base: float, n: int | None) -> Any:
     _no_momentum_cycle(s)
     group = s.optimizer.param_groups[i]
     phases = [(p["end_step"], group[p["start_lr"]], group[p["end_lr"]]) for p in s._schedule_phases]
@@ -151,16 +152,25 @@ def _one_cycle(s: Any, i: int, base: float) -> Any:
     return _mark(sched, group["initial_lr"])
 
 
-def _sequential(s: Any, i: int, base: float) -> Any:
-    return join_schedules([_schedule(x, i) for x in s._schedulers], list(s._milestones))
+def _sequential(s: Any, i: int, base: float, n: int | None) -> Any:
+    return join_schedules([_schedule(x, i, n) for x in s._schedulers], list(s._milestones))
 
 
-def _chained(s: Any, i: int, base: float) -> Any:
-    return chained_lr(*[_schedule(x, i) for x in s._schedulers])
+def _chained(s: Any, i: int, base: float, n: int | None) -> Any:
+    return chained_lr(*[_schedule(x, i, n) for x in s._schedulers])
+
+
+def _multiplicative(s: Any, i: int, base: float, n: int | None) -> Any:
+    if n is None:
+        raise _refuse(
+            "a MultiplicativeLR",
+            "is a running product with no closed form: pass total_steps= to tabulate it",
+        )
+    return ls.multiplicative_lr(base, s.lr_lambdas[i], n)
 
 
 def _refused(alternative: str) -> ScheduleTranslator:
-    def translate(s: Any, i: int, base: float) -> Any:
+    def translate(s: Any, i: int, base: float, n: int | None) -> Any:
         raise _refuse(f"a {type(s).__name__}", alternative)
 
     return translate
@@ -168,25 +178,22 @@ def _refused(alternative: str) -> ScheduleTranslator:
 
 #: lr_scheduler class -> translator of one param group's schedule.
 SCHEDULERS: dict[type, ScheduleTranslator] = {
-    LRS.StepLR: lambda s, i, b: ls.step_lr(b, s.step_size, s.gamma),
-    LRS.MultiStepLR: lambda s, i, b: ls.multi_step_lr(b, list(s.milestones.elements()), s.gamma),
-    LRS.ExponentialLR: lambda s, i, b: ls.exponential_lr(b, s.gamma),
-    LRS.CosineAnnealingLR: lambda s, i, b: ls.cosine_annealing_lr(b, s.T_max, s.eta_min),
-    LRS.CosineAnnealingWarmRestarts: lambda s, i, b: ls.cosine_annealing_warm_restarts(
+    LRS.StepLR: lambda s, i, b, n: ls.step_lr(b, s.step_size, s.gamma),
+    LRS.MultiStepLR: lambda s, i, b, n: ls.multi_step_lr(b, list(s.milestones.elements()), s.gamma),
+    LRS.ExponentialLR: lambda s, i, b, n: ls.exponential_lr(b, s.gamma),
+    LRS.CosineAnnealingLR: lambda s, i, b, n: ls.cosine_annealing_lr(b, s.T_max, s.eta_min),
+    LRS.CosineAnnealingWarmRestarts: lambda s, i, b, n: ls.cosine_annealing_warm_restarts(
         b, s.T_0, s.T_mult, s.eta_min
     ),
-    LRS.LinearLR: lambda s, i, b: ls.linear_lr(b, s.start_factor, s.end_factor, s.total_iters),
-    LRS.ConstantLR: lambda s, i, b: ls.constant_lr(b, s.factor, s.total_iters),
-    LRS.PolynomialLR: lambda s, i, b: ls.polynomial_lr(b, s.total_iters, s.power),
-    LRS.LambdaLR: lambda s, i, b: ls.lambda_lr(b, s.lr_lambdas[i]),
+    LRS.LinearLR: lambda s, i, b, n: ls.linear_lr(b, s.start_factor, s.end_factor, s.total_iters),
+    LRS.ConstantLR: lambda s, i, b, n: ls.constant_lr(b, s.factor, s.total_iters),
+    LRS.PolynomialLR: lambda s, i, b, n: ls.polynomial_lr(b, s.total_iters, s.power),
+    LRS.LambdaLR: lambda s, i, b, n: ls.lambda_lr(b, s.lr_lambdas[i], n),
     LRS.CyclicLR: _cyclic,
     LRS.OneCycleLR: _one_cycle,
     LRS.SequentialLR: _sequential,
     LRS.ChainedScheduler: _chained,
-    LRS.MultiplicativeLR: _refused(
-        "is a running product with no closed form: use funcamp.optim.multiplicative_lr(lr, "
-        "lr_lambda, total_steps) for the optimizer's learning rate"
-    ),
+    LRS.MultiplicativeLR: _multiplicative,
     LRS.ReduceLROnPlateau: _refused(
         "reads a metric, which a schedule of the step count cannot: pass it as `scheduler` "
         "alone (from_torch wraps the optimizer in funcamp.optim.reduce_on_plateau)"
@@ -194,7 +201,7 @@ SCHEDULERS: dict[type, ScheduleTranslator] = {
 }
 
 
-def _schedule(s: Any, i: int) -> Any:
+def _schedule(s: Any, i: int, n: int | None = None) -> Any:
     translate = SCHEDULERS.get(type(s))
     if translate is None:
         raise _refuse(
@@ -209,13 +216,15 @@ def _schedule(s: Any, i: int) -> Any:
         )
     base_lrs = getattr(s, "base_lrs", None)
     base = base_lrs[i] if base_lrs else s.optimizer.param_groups[i].get("initial_lr")
-    return translate(s, i, base)
+    return translate(s, i, base, n)
 
 
 def from_torch(
     optimizer: torch.optim.Optimizer,
     params: Mapping[str, torch.Tensor],
     scheduler: Any = None,
+    *,
+    total_steps: int | None = None,
 ) -> Optimizer:
     """The funcamp optimizer of a torch.optim optimizer (and of its lr_scheduler): its
     ``init``/``update`` over a params dict with the names of ``params`` give torch.optim's
@@ -237,6 +246,9 @@ def from_torch(
             ``dict(model.named_parameters())`` (every tensor of a group must be in it).
         scheduler: an ``lr_scheduler`` on ``optimizer``, not stepped yet, or None (the groups'
             ``lr``).
+        total_steps: the run's length: ``LambdaLR``'s and ``MultiplicativeLR``'s Python
+            functions are then tabulated over it, as torch calls them (torch's numbers
+            exactly; without it a ``LambdaLR`` function gets the count as a tensor).
 
     Returns:
         An :class:`~funcamp.Optimizer`.
@@ -294,7 +306,7 @@ def from_torch(
             if key in labels:
                 raise _refuse(f"`params`' {key!r}", "is in two param groups")
             labels[key] = label
-        lr = group["lr"] if scheduler is None else _schedule(scheduler, i)
+        lr = group["lr"] if scheduler is None else _schedule(scheduler, i, total_steps)
         if not isinstance(lr, torch.Tensor) and not callable(lr):
             lr = float(lr)
         parts[label] = translate(group, lr, name, i)
