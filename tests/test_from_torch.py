@@ -6,6 +6,7 @@ import copy
 
 import nanogpt as ng
 import pytest
+import test_optim_db as db
 import torch
 
 import funcamp
@@ -409,4 +410,22 @@ def test_from_torch_lion_pytorch():
         lambda m: Lion(m.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
         lambda o: LRS.CosineAnnealingLR(o, T_max=8),
         rtol=1e-6,
+    )
+
+
+@pytest.mark.parametrize(("name", "desc", "kwargs"), db.CONFIGS, ids=db.IDS)
+def test_from_torch_every_optim_db_configuration(name, desc, kwargs):
+    """Every CPU configuration of torch's optim_db for SGD/Adam/AdamW, translated from the
+    torch optimizer itself: torch.optim's params after four steps (one with a zero grad)."""
+    params = db._params()
+    torch_opt = db.CLASSES[name](list(params.values()), **db._torch_kwargs(kwargs))
+    opt = funcamp.optim.from_torch(torch_opt, params)
+    ps = {k: v.clone() for k, v in params.items()}
+    state = opt.init(ps)
+    for i in range(db.STEPS):
+        updates, state = opt.update(db._grads(i), state, ps)
+        ps = funcamp.apply_updates(ps, updates)
+    _, want, _ = db._torch_run(name, kwargs)
+    torch.testing.assert_close(
+        ps, {k: v.detach() for k, v in want.items()}, rtol=db.RTOL, atol=db.ATOL
     )
