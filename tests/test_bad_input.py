@@ -200,7 +200,7 @@ def _cases() -> list[Any]:
         add(f"linear_schedule-{args}", funcamp.linear_schedule, *args)
     for args in [(0.1, 0), (0.1, 10, -0.5), (0.1, 10, 0.0, 0.0), (INF, 10)]:
         add(f"cosine_decay_schedule-{args}", funcamp.cosine_decay_schedule, *args)
-    for args in [(0.1, 10, 5), (0.1, -1, 5), (NAN, 1, 5), (0.1, 1, 5, 0.0, 0.0, -1.0)]:
+    for args in [(0.1, 10, 0), (0.1, -1, 5), (NAN, 1, 5), (0.1, 1, 5, 0.0, 0.0, -1.0)]:
         add(f"warmup_cosine-{args}", funcamp.linear_warmup_cosine_decay, *args)
 
     # optimizer update with states that do not match the params

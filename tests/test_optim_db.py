@@ -494,6 +494,5 @@ def test_scale_by_amsgrad_then_sgd_is_torch_amsgrad(backend):
     for i in range(STEPS):
         params, state = step(params, state, _grads(i))
     _check("Adam", kwargs, params, state[1])
-    assert funcamp.optim.learning_rate(opt, state) == torch.tensor(
-        1e-2
-    )  # sgd's: the block has none
+    # sgd's (the block has none), torch's lr: a double
+    assert funcamp.optim.learning_rate(opt, state) == torch.tensor(1e-2, dtype=torch.float64)

@@ -855,7 +855,7 @@ def _reference_step(state, optimizer, grads, opt_state, params):
     unscaled, found_inf = funcamp.unscale(state, grads)
     updates, new_state = optimizer.update(unscaled, opt_state, params)
     new_params = funcamp.apply_updates(params, updates)
-    leaves = optree.tree_leaves(unscaled, namespace=NAMESPACE)
+    leaves = list(unscaled.values())  # the params' order, as clip_grad_norm_ sums them
     norms = [n.to(torch.float32) for n in torch._foreach_norm(leaves)]
     norm = torch.linalg.vector_norm(torch.stack(norms))
     return (

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from funcamp._core.tree import NAMESPACE, describe, unflatten
+from funcamp._core.tree import NAMESPACE, describe, insertion_order, unflatten
 
 __all__ = [
     "Across",
@@ -30,6 +30,8 @@ __all__ = [
     "all_reduce_step",
     "any_across",
     "active_across",
+    "global_norm",
+    "in_params_order",
     "summing_across",
 ]
 
@@ -298,3 +300,21 @@ class summing_across:
 def active_across() -> Across | None:
     """The :class:`Across` of the innermost :class:`summing_across` block, or None."""
     return _ACROSS[-1] if _ACROSS else None
+
+
+def in_params_order(tree: Any, xs: list[Any]) -> list[Any]:
+    """``xs`` (one per leaf of ``tree``, in flatten order: dict keys sorted) in the order the
+    dicts of ``tree`` iterate -- ``model.parameters()`` order for a params dict, the order
+    torch's ``clip_grad_norm_`` sums a global norm in (a float sum depends on its order)."""
+    order = insertion_order(tree)
+    return xs if order is None else [xs[i] for i in order]
+
+
+def global_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of per-leaf norms, in float32, in their order; across the ranks of a sharded
+    step (:func:`active_across`: these are the norms of local shards)."""
+    across = active_across()
+    if across is None:
+        return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+    flag = torch.zeros((), dtype=torch.bool, device=norms[0].device)
+    return across.reduce(flag, [n.to(torch.float32).square() for n in norms])[1].sqrt()

@@ -173,6 +173,41 @@ def _flatten_with_path(tree: PyTree) -> tuple[list[str], list[Any], optree.PyTre
     return [path_str(p) for p in paths], leaves, spec
 
 
+def insertion_order(tree: PyTree) -> list[int] | None:
+    """The leaf indices of ``tree`` (in flatten order, where dict keys are sorted) in the order
+    its dicts iterate -- a model's ``named_parameters()`` order for a params dict -- or None
+    when the two orders agree. Reductions over the params follow it, as torch's do over
+    ``model.parameters()`` (a float sum depends on its order)."""
+    if type(tree) is dict and all(type(k) is str for k in tree):
+        keys = list(tree)
+        if all(not isinstance(v, (dict, list, tuple)) for v in tree.values()):  # flat: fast
+            ordered = sorted(keys)
+            if ordered == keys:
+                return None
+            index = {k: i for i, k in zip(range(len(ordered)), ordered)}
+            return [index[k] for k in keys]
+    paths = optree.tree_paths(tree, namespace=NAMESPACE)
+    index = {p: i for i, p in zip(range(len(paths)), paths)}
+    out: list[int] = []
+
+    def walk(node: Any, prefix: tuple[Any, ...]) -> None:
+        if prefix in index:
+            out.append(index[prefix])
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, (*prefix, k))
+        elif isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+            for i, v in zip(range(len(node)), node):
+                walk(v, (*prefix, i))
+        else:  # another node type: its own leaf order
+            out.extend(i for p, i in index.items() if p[: len(prefix)] == prefix)
+
+    walk(tree, ())
+    if len(out) != len(paths) or sorted(out) != list(range(len(paths))):
+        return None  # a tree this walk does not read: the flatten order
+    return None if out == list(range(len(paths))) else out
+
+
 def path_str(path: tuple[Any, ...]) -> str:
     """A readable pytree leaf path: ``['layer']['weight']`` (``<root>`` for the root)."""
     if not path:

@@ -28,7 +28,12 @@ Layout (the package's private modules, one idea each):
 * ``_transforms`` -- ``clip_by_global_norm``, ``accumulate``, ``masked``, ``multi_transform``;
 * ``_modes`` -- the low-precision modes;
 * ``_numerics`` -- float32 scalars, math dtypes, the ``funcamp::fma`` and ``funcamp::sqrt`` ops;
-* ``_paths`` -- the two execution paths (eager, traced), chosen in one place.
+* ``_paths`` -- the two execution paths (eager, traced), chosen in one place;
+* ``_schedules`` / ``_lr_schedulers`` -- optax's schedules and joins / torch.optim.lr_scheduler's
+  (``step_lr``, ``one_cycle_lr``, ...), float64 functions of the count;
+* ``_plateau`` -- ``reduce_on_plateau``/``plateau_step`` (``ReduceLROnPlateau``);
+* ``_ema`` -- ``with_ema``, an average of the weights in the optimizer state;
+* ``_from_torch`` -- ``from_torch``: a torch.optim optimizer and scheduler, by table.
 
 See the internals page of the docs for each operation's paths and their invariants.
 
@@ -91,8 +96,26 @@ float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half 
 
 from funcamp.optim._base import Capabilities, SetParam, learning_rate
 from funcamp.optim._elementwise import elementwise
+from funcamp.optim._ema import EmaState, ema_params, with_ema
+from funcamp.optim._from_torch import from_torch
+from funcamp.optim._lr_schedulers import (
+    constant_lr,
+    cosine_annealing_lr,
+    cosine_annealing_warm_restarts,
+    cyclic_lr,
+    exponential_lr,
+    lambda_lr,
+    linear_lr,
+    multi_step_lr,
+    multiplicative_lr,
+    one_cycle_lr,
+    polynomial_lr,
+    step_lr,
+)
 from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRoundingState
 from funcamp.optim._paths import Ops
+from funcamp.optim._plateau import PlateauState, plateau_step, reduce_on_plateau
+from funcamp.optim._schedules import chained_lr, join_schedules
 from funcamp.optim._states import AdamState, LionState, SgdState
 from funcamp.optim._transforms import AccumulateState, MaskedState, MultiTransformState
 
@@ -100,15 +123,36 @@ __all__ = [
     "AccumulateState",
     "AdamState",
     "Capabilities",
+    "EmaState",
     "KahanState",
     "LionState",
     "MaskedState",
     "MasterWeightsState",
     "MultiTransformState",
     "Ops",
+    "PlateauState",
     "SetParam",
     "SgdState",
     "StochasticRoundingState",
+    "chained_lr",
+    "constant_lr",
+    "cosine_annealing_lr",
+    "cosine_annealing_warm_restarts",
+    "cyclic_lr",
     "elementwise",
+    "ema_params",
+    "exponential_lr",
+    "from_torch",
+    "join_schedules",
+    "lambda_lr",
     "learning_rate",
+    "linear_lr",
+    "multi_step_lr",
+    "multiplicative_lr",
+    "one_cycle_lr",
+    "plateau_step",
+    "polynomial_lr",
+    "reduce_on_plateau",
+    "step_lr",
+    "with_ema",
 ]

@@ -125,7 +125,7 @@ def learning_rate(optimizer: Optimizer, opt_state: PyTree) -> Any:
         >>> state = opt.init(params)
         >>> _, state = opt.update({"w": torch.ones(1)}, state, params)
         >>> funcamp.optim.learning_rate(opt, state)
-        tensor(0.9000)
+        tensor(0.9000, dtype=torch.float64)
     """
     check_optimizer("optim.learning_rate", "optimizer", optimizer)
     rate = optimizer.capabilities.learning_rate

@@ -218,8 +218,7 @@ def build(
 
     def rate(state: Any) -> torch.Tensor:
         _check_state_type(cfg, state)
-        lr = cfg.lr_fn(state.count)[0]
-        return lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, device=state.count.device)
+        return _as_rate(cfg.lr_fn(state.count)[0], state.count.device)
 
     fused_step = None
     if fused_kernel is not None and mode is None:
@@ -240,6 +239,13 @@ def build(
             fused_step=fused_step,
             learning_rate=rate,
         ),
+    )
+
+
+def _as_rate(lr: Any, device: torch.device) -> torch.Tensor:
+    """The learning rate as a 0-d tensor: a Python float as float64 (torch's lr, a double)."""
+    return (
+        lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, dtype=torch.float64, device=device)
     )
 
 

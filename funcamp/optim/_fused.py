@@ -170,9 +170,12 @@ FUSED_SGD = _define("fused_sgd_", _sgd_kernel, _nothing, "_fused_sgd_", ("params
 
 def _lr_args(lr: Any, device: torch.device) -> tuple[float, torch.Tensor | None]:
     """A fused kernel's learning rate: a Python float as given (torch.optim passes it so), or a
-    tensor (a schedule's value) as float32 on the params' device."""
+    tensor (a schedule's value) on the params' device: float64 on the CPU, whose kernel reads
+    it as a double (a schedule's float64 value gives torch.optim's float-``lr`` numbers: the
+    step size ``lr / bias_correction1`` rounded once), float32 elsewhere."""
     if isinstance(lr, torch.Tensor):
-        return 0.0, lr.to(device=device, dtype=torch.float32)
+        dtype = torch.float64 if device.type == "cpu" else torch.float32
+        return 0.0, lr.to(device=device, dtype=dtype)
     return float(lr), None
 
 

@@ -18,7 +18,7 @@ from funcamp._core.checks import (
     flatten_params,
     state_leaves,
 )
-from funcamp._core.collectives import active_across
+from funcamp._core.collectives import global_norm, in_params_order
 from funcamp._core.numerics import hoist_scalar, math_dtype
 from funcamp._core.tree import NAMESPACE, describe, dotted_path, tree_select, unflatten
 from funcamp.optim._base import (
@@ -132,12 +132,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         ops = choose_ops(gs, owned=owned)
         g = ops.to_math(gs)
         norms = [torch.linalg.vector_norm(x) for x in g]
-        across = active_across()
-        if across is None:
-            total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
-        else:  # a sharded step: these are local shards, the norm is global
-            flag = torch.zeros((), dtype=torch.bool, device=norms[0].device)
-            total = across.reduce(flag, [n.to(torch.float32).square() for n in norms])[1].sqrt()
+        total = global_norm(in_params_order(grads if params is None else params, norms))
         coef = hoist_scalar(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return unflatten(spec, ops.mul(g, coef, into=g)), state
 

@@ -17,6 +17,7 @@ from funcamp._core.tree import (
     BITS,
     describe,
     flatten,
+    insertion_order,
     plan_select_write,
     plan_write,
     select_into,
@@ -52,8 +53,8 @@ class StepInfo(NamedTuple):
     Attributes:
         found_inf: 0-d bool, True when the scaled gradients had an inf or nan and the step was
             skipped.
-        grad_norm: 0-d float32, the global L2 norm of the unscaled gradients; ``None`` when
-            the step was asked not to compute it (``grad_norm=False``).
+        grad_norm: 0-d float32, the global L2 norm of the unscaled gradients (summed in the
+            grads dict's order, as ``clip_grad_norm_``); ``None`` with ``grad_norm=False``.
 
     Example:
         >>> import torch, funcamp
@@ -111,6 +112,16 @@ def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
         return True
 
     return mask
+
+
+def _in_order(grads: Any, idx: list[int], out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``out`` (the grads' floating leaves ``idx``) in the grads dict's insertion order, the
+    order torch's ``clip_grad_norm_`` sums ``model.parameters()`` in."""
+    order = insertion_order(grads)
+    if order is None:
+        return out
+    pos = {i: j for j, i in zip(range(len(idx)), idx)}
+    return [out[pos[i]] for i in order if i in pos]
 
 
 def _global_norm(leaves: list[torch.Tensor], device: torch.device, eager: bool) -> torch.Tensor:
@@ -269,7 +280,11 @@ def unscale_and_step(
         found_inf, total = across.reduce(found_inf, [x.float().square().sum() for x in out])
         norm = total.sqrt() if grad_norm else None
     else:
-        norm = _global_norm(out, state.scale.device, kernels) if grad_norm else None
+        norm = (
+            _global_norm(_in_order(grads, idx, out), state.scale.device, kernels)
+            if grad_norm
+            else None
+        )
     info = StepInfo(found_inf, norm)
     if (
         kernels

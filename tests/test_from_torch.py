@@ -1,0 +1,431 @@
+"""funcamp.optim.from_torch, and torch.optim's exact numbers on nanoGPT's loop."""
+
+from __future__ import annotations
+
+import copy
+
+import nanogpt as ng
+import pytest
+import test_optim_db as db
+import torch
+
+import funcamp
+
+LRS = torch.optim.lr_scheduler
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _funcamp_run(model, data, opt):
+    params, buffers = funcamp.params_and_buffers(model)
+
+    def loss_fn(p, b, batch):
+        return torch.func.functional_call(model, (p, b), batch)
+
+    state = funcamp.TrainState.create(params, opt, "autocast_cpu", buffers=buffers)
+    step = funcamp.make_train_step(loss_fn, opt, "autocast_cpu", compile=False)
+    lrs, norms = [], []
+    for batch in data:
+        lrs.append(funcamp.optim.learning_rate(opt, state.opt_state))
+        state, m = step(state, batch)
+        norms.append(m["grad_norm"])
+    return state, lrs, norms
+
+
+def _assert_bitwise(state, ref):
+    named = dict(ref.named_parameters())
+    assert list(state.params) == list(named)
+    bad = [k for k, v in state.params.items() if not torch.equal(v, named[k].detach())]
+    assert not bad, f"{len(bad)} of {len(named)} params differ: {bad[:3]}"
+
+
+STEPS = 30
+
+
+def test_nanogpt_loop_bit_identical_to_torch_optim():
+    """nanoGPT's loop ported by hand: its get_lr (tabulated), AdamW(fused=True) with decay and
+    no-decay groups, clip 0.25 (active at every step), bf16 autocast: the params after 30
+    steps equal torch.optim + clip_grad_norm_ bit for bit. (Fails with the step size rounded
+    to float32 before the division, or with the norms summed in sorted-key order.)"""
+    data = ng.batches(STEPS)
+    ref = ng.model()
+    torch_norms = ng.torch_run(ref, data, ng.torch_optimizer(ref))
+    opt = funcamp.chain(
+        funcamp.clip_by_global_norm(ng.CLIP),
+        funcamp.adamw(
+            funcamp.optim.lambda_lr(1.0, ng.get_lr, total_steps=STEPS),
+            b1=0.9,
+            b2=0.95,
+            weight_decay=ng.WD,
+            mask=lambda p: {k: v.dim() >= 2 for k, v in p.items()},
+            fused=True,
+        ),
+    )
+    state, lrs, norms = _funcamp_run(ng.model(), data, opt)
+    _assert_bitwise(state, ref)
+    assert [x.item() for x in lrs] == [ng.get_lr(i) for i in range(STEPS)]
+    # the grad_norm metric is clip_grad_norm_'s total norm, summed in the same order
+    assert [x.item() for x in norms] == [x.item() for x in torch_norms]
+
+
+def test_nanogpt_from_torch_with_sequential_scheduler_bit_identical():
+    """The same loop with torch's own warm-up + cosine (SequentialLR of LinearLR and
+    CosineAnnealingLR) translated by from_torch, groups and all."""
+    data = ng.batches(STEPS)
+
+    def sched(opt):
+        return LRS.SequentialLR(
+            opt,
+            [
+                LRS.LinearLR(opt, start_factor=0.1, total_iters=ng.WARMUP),
+                LRS.CosineAnnealingLR(opt, T_max=STEPS - ng.WARMUP, eta_min=ng.MIN_LR),
+            ],
+            [ng.WARMUP],
+        )
+
+    ref = ng.model()
+    torch_opt = ng.torch_optimizer(ref)
+    torch_sched = sched(torch_opt)
+    model = ng.model()
+    mirror_opt = ng.torch_optimizer(model)  # the user's torch objects, translated
+    opt = funcamp.chain(
+        funcamp.clip_by_global_norm(ng.CLIP),
+        funcamp.optim.from_torch(mirror_opt, dict(model.named_parameters()), sched(mirror_opt)),
+    )
+    torch_lrs = []
+    for batch in data:  # the torch loop, recording its lr per step
+        torch_lrs.append(torch_opt.param_groups[0]["lr"])
+        ng.torch_run(ref, [batch], torch_opt, torch_sched, manual_lr=False)
+    state, lrs, _ = _funcamp_run(model, data, opt)
+    _assert_bitwise(state, ref)
+    assert [x["group0"].item() for x in lrs] == pytest.approx(torch_lrs, rel=1e-13)
+
+
+# --------------------------------------------------------------------------------------------
+# from_torch on the three optimizers, with schedulers
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _grads(model, i):
+    g = torch.Generator().manual_seed(i)
+    return {k: torch.randn(v.shape, generator=g) for k, v in model.named_parameters()}
+
+
+def _compare(make_opt, make_sched=None, steps=12, rtol=1e-6, exact=False, total_steps=None):
+    ref = _model()
+    torch_opt = make_opt(ref)
+    torch_sched = make_sched(torch_opt) if make_sched else None
+    model = _model()
+    mirror = make_opt(model)
+    opt = funcamp.optim.from_torch(
+        mirror,
+        dict(model.named_parameters()),
+        make_sched(mirror) if make_sched else None,
+        total_steps=total_steps,
+    )
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = opt.init(params)
+    for i in range(steps):
+        lr = funcamp.optim.learning_rate(opt, state)
+        lr = lr if isinstance(lr, torch.Tensor) else lr["group0"]
+        assert lr.item() == pytest.approx(torch_opt.param_groups[0]["lr"], rel=1e-12)
+        grads = _grads(ref, i)
+        updates, state = opt.update(grads, state, params)
+        params = funcamp.apply_updates(params, updates)
+        for k, p in ref.named_parameters():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        if torch_sched is not None:
+            torch_sched.step()
+    for k, p in ref.named_parameters():
+        if exact:
+            assert torch.equal(params[k], p.detach()), k
+        else:
+            torch.testing.assert_close(params[k], p.detach(), rtol=rtol, atol=1e-7)
+
+
+def _groups(m, **decay):
+    return [
+        {"params": [m[0].weight, m[2].weight], **decay},
+        {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0},
+    ]
+
+
+CONFIGS = {
+    "sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), None),
+    "sgd_momentum_nesterov_wd": (
+        lambda m: torch.optim.SGD(
+            m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01
+        ),
+        lambda o: LRS.StepLR(o, step_size=3, gamma=0.5),
+    ),
+    "sgd_dampening_maximize": (
+        lambda m: torch.optim.SGD(
+            m.parameters(), lr=0.05, momentum=0.5, dampening=0.3, maximize=True
+        ),
+        lambda o: LRS.ExponentialLR(o, 0.9),
+    ),
+    "sgd_groups": (
+        lambda m: torch.optim.SGD(_groups(m, weight_decay=0.1, lr=0.2), lr=0.05, momentum=0.9),
+        lambda o: LRS.LinearLR(o, start_factor=0.4, end_factor=0.6, total_iters=4),
+    ),
+    "adam": (
+        lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+        lambda o: LRS.CosineAnnealingLR(o, T_max=5, eta_min=1e-3),
+    ),
+    "adam_amsgrad_wd_maximize": (
+        lambda m: torch.optim.Adam(
+            m.parameters(), lr=0.01, weight_decay=0.1, amsgrad=True, maximize=True
+        ),
+        lambda o: LRS.PolynomialLR(o, power=0.9, total_iters=4),
+    ),
+    "adam_decoupled": (
+        lambda m: torch.optim.Adam(
+            m.parameters(), lr=0.01, weight_decay=0.1, decoupled_weight_decay=True
+        ),
+        lambda o: LRS.ChainedScheduler(
+            [LRS.ConstantLR(o, factor=0.4, total_iters=4), LRS.ExponentialLR(o, gamma=0.9)]
+        ),
+    ),
+    "adamw_groups": (
+        lambda m: torch.optim.AdamW(_groups(m, weight_decay=0.1), lr=0.01, betas=(0.8, 0.9)),
+        lambda o: LRS.OneCycleLR(o, max_lr=[0.02, 0.01], total_steps=12, cycle_momentum=False),
+    ),
+    "adamw_foreach_cyclic": (
+        lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, foreach=True, eps=1e-6),
+        lambda o: LRS.CyclicLR(o, 1e-3, 1e-2, step_size_up=3, cycle_momentum=False),
+    ),
+    "adamw_warm_restarts_lambda": (
+        lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+        lambda o: LRS.SequentialLR(
+            o,
+            [
+                LRS.LambdaLR(o, lambda t: 1 / (1 + t)),
+                LRS.CosineAnnealingWarmRestarts(o, T_0=2, T_mult=2),
+            ],
+            [3],
+        ),
+    ),
+    "adam_multistep_tensor_lr": (
+        lambda m: torch.optim.Adam(m.parameters(), lr=torch.tensor(0.01)),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_from_torch_matches_torch_optim(name):
+    _compare(*CONFIGS[name])
+
+
+def test_from_torch_tabulates_python_lambdas_with_total_steps():
+    """LambdaLR with a Python function (branches: not traceable) and MultiplicativeLR: torch's
+    learning rate exactly, and with fused AdamW the params bit for bit."""
+
+    def warmup(it):
+        return (it + 1) / 4 if it < 3 else 0.5 ** (it - 3)
+
+    for make_sched in (
+        lambda o: LRS.LambdaLR(o, warmup),
+        lambda o: LRS.MultiplicativeLR(o, lambda t: 0.9 if t % 2 else 0.97),
+    ):
+        _compare(
+            lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, fused=True),
+            make_sched,
+            exact=True,
+            total_steps=12,
+        )
+
+
+def test_from_torch_fused_adamw_groups_bit_identical():
+    _compare(
+        lambda m: torch.optim.AdamW(_groups(m, weight_decay=0.1), lr=0.01, fused=True),
+        lambda o: LRS.MultiStepLR(o, milestones=[2, 5, 5], gamma=0.5),
+        exact=True,
+    )
+
+
+def test_from_torch_groups_become_multi_transform_by_identity():
+    m = _model()
+    opt = funcamp.optim.from_torch(
+        torch.optim.AdamW(_groups(m, weight_decay=0.1), lr=0.01), dict(m.named_parameters())
+    )
+    state = opt.init({k: v.detach() for k, v in m.named_parameters()})
+    assert sorted(state.inner) == ["group0", "group1"]
+    assert sorted(state.inner["group0"].exp_avg) == ["0.weight", "2.weight"]
+
+
+class _Mine(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda m, p: (_Mine(m.parameters()), p, None), r"`optimizer` _Mine has no funcamp"),
+        (
+            lambda m, p: (
+                torch.optim.Adam(m.parameters(), betas=(torch.tensor(0.9), torch.tensor(0.99))),
+                p,
+                None,
+            ),
+            r"Adam param group 0's `betas` holds tensors",
+        ),
+        (
+            lambda m, p: (torch.optim.SGD(m.parameters(), lr=0.1), {"w": p["0.weight"]}, None),
+            r"param group 0's param 1 .* is not in `params`",
+        ),
+        (
+            lambda m, p: (torch.optim.SGD(list(m.parameters())[:2], lr=0.1), p, None),
+            r"`params` holds \['2.weight', '2.bias'\] which no param group",
+        ),
+        (
+            lambda m, p: (
+                o := torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                p,
+                LRS.OneCycleLR(o, max_lr=0.1, total_steps=5),
+            ),
+            r"OneCycleLR\(cycle_momentum=True\) cycles the optimizer's momentum",
+        ),
+        (
+            lambda m, p: (
+                o := torch.optim.SGD(_groups(m), lr=0.1),
+                p,
+                LRS.ReduceLROnPlateau(o),
+            ),
+            r"ReduceLROnPlateau over 2 param groups has no translation",
+        ),
+        (
+            lambda m, p: (
+                o := torch.optim.SGD(m.parameters(), lr=0.1),
+                p,
+                LRS.MultiplicativeLR(o, lambda t: 0.9),
+            ),
+            r"MultiplicativeLR is a running product .* pass total_steps=",
+        ),
+        (
+            lambda m, p: (o := torch.optim.SGD(m.parameters(), lr=0.1), p, _stepped(o)),
+            r"has been stepped \(2 times\)",
+        ),
+        (
+            lambda m, p: (
+                torch.optim.SGD(m.parameters(), lr=0.1),
+                p,
+                LRS.StepLR(torch.optim.SGD(m.parameters(), lr=0.1), 2),
+            ),
+            r"`scheduler` must be an lr_scheduler of `optimizer`",
+        ),
+    ],
+)
+def test_from_torch_refuses_by_name(make, match):
+    m = _model()
+    args = make(m, dict(m.named_parameters()))
+    with pytest.raises((ValueError, TypeError), match=r"funcamp.optim.from_torch: .*" + match):
+        funcamp.optim.from_torch(*args)
+
+
+def _stepped(o):
+    s = LRS.StepLR(o, 2)
+    for _ in range(2):
+        o.step()
+        s.step()
+    return s
+
+
+def test_from_torch_keeps_the_loop_unchanged_by_a_copy():
+    """The translation reads the torch objects and changes nothing in them."""
+    m = _model()
+    o = torch.optim.AdamW(m.parameters(), lr=0.01)
+    s = LRS.StepLR(o, 2)
+    before = copy.deepcopy((o.state_dict(), s.state_dict()))
+    funcamp.optim.from_torch(o, dict(m.named_parameters()), s)
+    assert (o.state_dict(), s.state_dict()) == before
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_clip_by_global_norm_sums_in_the_params_order(nested):
+    """torch sums the per-tensor norms in model.parameters() order; funcamp in the params
+    dict's insertion order (not optree's sorted keys): the clipped grads are bit-identical."""
+    names = [f"{c}{i}" for i, c in enumerate("zyxwvutsrqponmlkjihg")]
+    clip = funcamp.clip_by_global_norm(1.0)
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        grads = {n: torch.randn(7, generator=g) * 10 ** (i % 5 - 2) for i, n in enumerate(names)}
+        tree = grads
+        if nested:  # {"b": names[10:], "a": names[:10]}: model.parameters() in that order
+            items = list(grads.items())
+            tree = {"b": dict(items[10:]), "a": dict(items[:10])}
+            grads = {**tree["b"], **tree["a"]}
+        ps = [torch.nn.Parameter(torch.zeros(7)) for _ in names]
+        for p, x in zip(ps, grads.values()):
+            p.grad = x.clone()
+        torch.nn.utils.clip_grad_norm_(ps, 1.0)
+        ref = [p.grad for p in ps]
+        out, _ = clip.update(tree, clip.init(tree), tree)
+        leaves = [v for d in out.values() for v in d.values()] if nested else list(out.values())
+        assert all(torch.equal(a, b) for a, b in zip(leaves, ref)), seed
+
+
+class Lion(torch.optim.Optimizer):
+    """lion-pytorch's Lion (lucidrains, lion_pytorch/lion_pytorch.py), its update as written
+    there, under its module's name (the package is not a test dependency)."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad, lr, wd = p.grad, group["lr"], group["weight_decay"]
+                beta1, beta2 = group["betas"]
+                state = self.state[p]
+                if len(state) == 0:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.data.mul_(1.0 - lr * wd)
+                update = exp_avg.clone().mul_(beta1).add(grad, alpha=1.0 - beta1).sign_()
+                p.add_(update, alpha=-lr)
+                exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+
+
+Lion.__module__ = "lion_pytorch.lion_pytorch"
+
+
+def test_from_torch_lion_pytorch():
+    _compare(
+        lambda m: Lion(m.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+        lambda o: LRS.CosineAnnealingLR(o, T_max=8),
+        rtol=1e-6,
+    )
+
+
+@pytest.mark.parametrize(("name", "desc", "kwargs"), db.CONFIGS, ids=db.IDS)
+def test_from_torch_every_optim_db_configuration(name, desc, kwargs):
+    """Every CPU configuration of torch's optim_db for SGD/Adam/AdamW, translated from the
+    torch optimizer itself: torch.optim's params after four steps (one with a zero grad)."""
+    params = db._params()
+    torch_opt = db.CLASSES[name](list(params.values()), **db._torch_kwargs(kwargs))
+    opt = funcamp.optim.from_torch(torch_opt, params)
+    ps = {k: v.clone() for k, v in params.items()}
+    state = opt.init(ps)
+    for i in range(db.STEPS):
+        updates, state = opt.update(db._grads(i), state, ps)
+        ps = funcamp.apply_updates(ps, updates)
+    _, want, _ = db._torch_run(name, kwargs)
+    torch.testing.assert_close(
+        ps, {k: v.detach() for k, v in want.items()}, rtol=db.RTOL, atol=db.ATOL
+    )
