@@ -19,6 +19,7 @@ from funcamp.checkpoints.format import CheckpointInfo
 from funcamp.checkpoints.save import checkpoint_info, load, save
 from funcamp.checkpoints.state_dict import load_state_dict, state_dict
 from funcamp.entry import make_train_step
+from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
 from funcamp.optim._base import Optimizer, apply_updates, chain
 from funcamp.optim._blocks import negate_gradients, scale_by_amsgrad
 from funcamp.optim._optimizers import adam, adamw, lion, sgd
@@ -35,6 +36,7 @@ from funcamp.optim._transforms import (
     masked,
     multi_transform,
 )
+from funcamp.optim._variants import asgd, nadam, radam, rprop
 from funcamp.policy.fp8 import Fp8Recipe
 from funcamp.policy.ops import OpPolicy, OpRule
 from funcamp.policy.policy import Policy, get_policy
@@ -71,11 +73,15 @@ __all__ = [
     "TrainState",
     "accumulate",
     "accumulate_applies",
+    "adadelta",
+    "adagrad",
     "adam",
+    "adamax",
     "adamw",
     "all_finite",
     "amp",
     "apply_updates",
+    "asgd",
     "chain",
     "checkpoint_info",
     "clip_by_global_norm",
@@ -95,10 +101,14 @@ __all__ = [
     "make_train_step",
     "masked",
     "multi_transform",
+    "nadam",
     "negate_gradients",
     "params_and_buffers",
+    "radam",
     "recompute_under",
     "remat",
+    "rmsprop",
+    "rprop",
     "save",
     "scale",
     "scale_by_amsgrad",

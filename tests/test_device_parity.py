@@ -362,7 +362,7 @@ def test_optimizer_is_torch_optim(test_device, name, kwargs):
         if field not in expected:
             assert got == (), (field, got)
             continue
-        want = {k: v.detach() for k, v in expected[field].items()}
+        want = torch.utils._pytree.tree_map(lambda x: x.detach(), expected[field])
         torch.testing.assert_close(got, want, **tol, msg=lambda m, f=field: f"{f}: {m}")
 
 

@@ -37,7 +37,10 @@ RTOL, ATOL = 1e-6, 1e-7
 STEPS = 4
 ZERO_STEP, ZERO_LEAF = 1, "b"  # this leaf's gradient is all zeros on this step
 SHAPES = {"w": (3, 4), "b": (5,), "v": (2, 1, 3)}
-NAMES = ("SGD", "Adam", "AdamW")
+NAMES = (
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD",
+    "Rprop",
+)  # fmt: skip
 IMPLS = ("foreach", "differentiable", "fused")
 
 
@@ -59,7 +62,30 @@ def _configs() -> list[tuple[str, str, dict]]:
 
 CONFIGS = _configs()
 IDS = [f"{name}-{desc}" for name, desc, _ in CONFIGS]
-CLASSES = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+CLASSES = {name: getattr(torch.optim, name) for name in NAMES}
+#: torch.optim's state per param, by funcamp state field (the buffers of the other optimizers).
+STATE_FIELDS = {
+    "RMSprop": ("square_avg", "momentum_buffer", "grad_avg"),
+    "Adagrad": ("sum",),
+    "Adadelta": ("square_avg", "acc_delta"),
+    "Adamax": ("exp_avg", "exp_inf"),
+    "NAdam": ("exp_avg", "exp_avg_sq", "mu_product"),
+    "RAdam": ("exp_avg", "exp_avg_sq"),
+    "ASGD": ("ax",),
+    "Rprop": ("prev", "step_size"),
+}
+#: funcamp's optimizer for each of them, and torch's keyword arguments it takes under another
+#: name (``betas`` is split into ``b1, b2``).
+FACTORIES = {
+    "RMSprop": funcamp.rmsprop,
+    "Adagrad": funcamp.adagrad,
+    "Adadelta": funcamp.adadelta,
+    "Adamax": funcamp.adamax,
+    "NAdam": funcamp.nadam,
+    "RAdam": funcamp.radam,
+    "ASGD": funcamp.asgd,
+    "Rprop": funcamp.rprop,
+}
 
 
 def _impl(kwargs: dict) -> str:
@@ -77,11 +103,15 @@ def _funcamp_opt(name: str, kwargs: dict) -> funcamp.Optimizer:
     """funcamp's optimizer for torch's kwargs (torch's defaults filled in: funcamp's own
     defaults are not what is tested here). A kwarg this does not know fails the test."""
     kw = {**_torch_defaults(name), **kwargs}
-    fused = bool(kw.pop("fused") or False)
+    fused = bool(kw.pop("fused", None) or False)
     for flag in ("foreach", "differentiable", "capturable"):
         kw.pop(flag, None)
     lr = kw.pop("lr")
     lr = lr.clone() if isinstance(lr, torch.Tensor) else lr
+    if name in FACTORIES:
+        if "betas" in kw:
+            kw["b1"], kw["b2"] = kw.pop("betas")
+        return FACTORIES[name](lr, **kw)
     if name == "SGD":
         args = {k: kw.pop(k) for k in ("momentum", "dampening", "weight_decay", "nesterov")}
         args["maximize"] = kw.pop("maximize")
@@ -167,6 +197,13 @@ def _funcamp_run(name: str, kwargs: dict, *, backend: str | None = None, steps: 
 def _expected_state(name: str, kwargs: dict, state: dict) -> dict:
     """torch's per-param state in the fields of funcamp's state."""
     out: dict = {}
+    if name in STATE_FIELDS:
+        for field in STATE_FIELDS[name]:
+            if all(field in s for s in state.values()):
+                out[field] = {k: s[field] for k, s in state.items()}
+        if name == "NAdam":  # one per param in torch, all equal: one in funcamp
+            out["mu_product"] = next(iter(out["mu_product"].values()))
+        return out
     if name == "SGD":
         if kwargs.get("momentum", 0.0):
             out["momentum"] = {k: s["momentum_buffer"] for k, s in state.items()}
@@ -196,7 +233,7 @@ def _check(name: str, kwargs: dict, params: dict, state, steps: int = STEPS) -> 
             assert got == (), (field, got)
             continue
         got = optree.tree_map(lambda x: x.detach(), got)
-        want = {k: v.detach() for k, v in expected[field].items()}
+        want = optree.tree_map(lambda x: x.detach(), expected[field])
         torch.testing.assert_close(
             got, want, rtol=RTOL, atol=ATOL, msg=lambda m, f=field: f"{f}: {m}"
         )
@@ -217,12 +254,14 @@ def _check_gradients(name: str, kwargs: dict) -> None:
 
     Two of torch's own limits: its amsgrad is differentiable through one step only (its
     ``torch.maximum`` saves ``exp_avg_sq``, which the next step changes in place, and backward
-    raises), so it is compared after one step; and SGD detaches its first momentum buffer
+    raises), so it is compared after one step -- as are Adamax (its ``exp_inf.mul_``) and
+    centered RMSprop (its ``grad_avg.lerp_``), for the same reason; and SGD detaches its first momentum buffer
     (``torch.clone(grad).detach()``), which drops the weight decay's term of the first step
     from the gradient: with momentum and weight decay funcamp's gradient is checked against
     finite differences instead (float64), and torch's is pinned as different
     (docs/differences.md)."""
-    steps = 1 if kwargs.get("amsgrad") else STEPS
+    one_step = kwargs.get("amsgrad") or name == "Adamax" or kwargs.get("centered")
+    steps = 1 if one_step else STEPS
     weights = {k: torch.linspace(-1.0, 2.0, math.prod(s)).reshape(s) for k, s in SHAPES.items()}
 
     def grad(leaves: dict, params: dict) -> tuple:
@@ -261,11 +300,29 @@ def _float64_run(name: str, kwargs: dict):
 # foreach=True is the unflagged path in funcamp: compiled once, as the configuration without it.
 # CI compiles every unflagged configuration and the fused ones of the defaults, maximize and
 # amsgrad; the other fused ones (the same kernels with other hyperparameters) are marked slow.
+# The other optimizers: one configuration each in CI (the one with the most options), the rest
+# slow.
 COMPILED_FUSED = ("default & fused", "maximize & fused", "amsgrad & fused")
+COMPILED_OTHERS = (
+    "RMSprop-maximize, centered, weight_decay, w/ momentum",
+    "Adagrad-lr_decay",
+    "Adadelta-rho",
+    "Adamax-maximize, weight_decay",
+    "NAdam-decoupled_weight_decay",
+    "RAdam-maximize",
+    "ASGD-maximize, nonzero weight_decay",
+    "Rprop-non-default etas",
+)
+
+
+def _compiled_in_ci(name: str, desc: str, kwargs: dict) -> bool:
+    if name in FACTORIES:
+        return f"{name}-{desc}" in COMPILED_OTHERS
+    return _impl(kwargs) == "plain" or desc in COMPILED_FUSED
+
+
 COMPILED = [
-    pytest.param(
-        *c, id=i, marks=() if _impl(c[2]) == "plain" or c[1] in COMPILED_FUSED else pytest.mark.slow
-    )
+    pytest.param(*c, id=i, marks=() if _compiled_in_ci(*c) else pytest.mark.slow)
     for c, i in zip(CONFIGS, IDS)
     if _impl(c[2]) in ("plain", "fused") and not c[2].get("foreach")
 ]
@@ -312,9 +369,12 @@ def test_a_param_without_gradients_is_a_masked_leaf(name, desc, kwargs):
         updates, state = opt.update({**_grads(i), "n": torch.zeros(4)}, state, ours)
         ours = funcamp.apply_updates(ours, updates)
     torch.testing.assert_close(ours, tps, rtol=RTOL, atol=ATOL)
-    assert torch.equal(ours["n"], extra) and tstate["n"] == {}
+    assert torch.equal(ours["n"], extra)
+    # torch keeps no state for it -- Adagrad's, made when it is built, stays at step 0
+    assert tstate["n"] == {} or (name == "Adagrad" and float(tstate["n"]["step"]) == 0)
     for field in state.inner._fields[1:-1]:
-        assert "n" not in (getattr(state.inner, field) or {})
+        tree = getattr(state.inner, field)
+        assert isinstance(tree, torch.Tensor) or "n" not in (tree or {})  # or one scalar
     if name == "SGD" and not kwargs.get("momentum") and not kwargs.get("weight_decay"):
         _, tps, _ = _torch_run(name, kwargs, none=lambda i, k: (i, k) == (ZERO_STEP, ZERO_LEAF))
         _, params, _, _ = _funcamp_run(name, kwargs)  # a zero gradient there
@@ -325,6 +385,16 @@ def test_a_param_without_gradients_is_a_masked_leaf(name, desc, kwargs):
 
 BAD_STEP = 2  # an inf in one gradient: the step is skipped (GradScaler's rule)
 SKIPPING = [
+    ("RMSprop", {"weight_decay": 0.1, "centered": True, "momentum": 0.1}, True, None),
+    ("RMSprop", {"centered": True, "momentum": 0.1, "maximize": True}, False, None),
+    ("Adagrad", {"initial_accumulator_value": 0.1, "lr_decay": 0.5}, True, None),
+    ("Adadelta", {"weight_decay": 0.1}, False, None),
+    ("Adamax", {"weight_decay": 0.1}, True, None),
+    ("NAdam", {"weight_decay": 0.1, "decoupled_weight_decay": True}, True, None),
+    ("NAdam", {"momentum_decay": 0.006}, False, "aot_eager"),
+    ("RAdam", {"weight_decay": 0.1}, True, None),
+    ("ASGD", {"t0": 1, "lambd": 0.1}, True, None),
+    ("Rprop", {"etas": (0.5, 1.5)}, True, None),
     ("Adam", {"weight_decay": 0.1, "amsgrad": True}, False, None),
     ("AdamW", {"weight_decay": 0.1, "amsgrad": True, "maximize": True}, True, None),
     ("AdamW", {"weight_decay": 0.1, "amsgrad": True}, False, None),
@@ -463,6 +533,7 @@ def test_amsgrad_state_is_sharded_like_the_moments(single_rank_group):
 @pytest.mark.parametrize("name", NAMES)
 def test_negate_gradients_in_front_is_maximize_bit_for_bit(name):
     kwargs = {"weight_decay": 0.1, "momentum": 0.9} if name == "SGD" else {"weight_decay": 0.1}
+    kwargs = {} if name == "Rprop" else kwargs  # no weight decay
     one = _funcamp_opt(name, {**kwargs, "maximize": True})
     two = funcamp.chain(funcamp.negate_gradients(), _funcamp_opt(name, kwargs))
     runs = []

@@ -2,7 +2,8 @@
 
 ``init(params) -> state``, ``update(grads, state, params) -> (updates, state)`` and
 :func:`funcamp.apply_updates`. The optimizers themselves (``funcamp.sgd``, ``adam``, ``adamw``,
-``lion``) and the combinators (``chain``, ``clip_by_global_norm``, ``accumulate``, ``masked``,
+``lion``, and torch.optim's others: ``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``, ``nadam``,
+``radam``, ``asgd``, ``rprop``) and the combinators (``chain``, ``clip_by_global_norm``, ``accumulate``, ``masked``,
 ``multi_transform``) are importable from ``funcamp``; this module holds their state types, the
 :class:`SetParam` update leaf, the declared :class:`Capabilities`, and the public building
 blocks for writing an optimizer: :func:`elementwise` and the :class:`Ops` its algorithm uses.
@@ -23,6 +24,9 @@ Layout (the package's private modules, one idea each):
 * ``_states`` -- the optimizers' state types;
 * ``_optimizers`` -- each optimizer's algorithm, written once (``sgd``, ``adam``/``adamw``,
   ``lion``);
+* ``_adaptive``, ``_variants`` -- torch.optim's other elementwise optimizers, each built with
+  :func:`elementwise` alone (``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``; ``nadam``,
+  ``radam``, ``asgd``, ``rprop``);
 * ``_blocks`` -- ``negate_gradients`` and ``scale_by_amsgrad``, torch.optim's ``maximize`` and
   ``amsgrad`` as transforms of their own;
 * ``_transforms`` -- ``clip_by_global_norm``, ``accumulate``, ``masked``, ``multi_transform``;
@@ -82,6 +86,11 @@ optimizer                   float32 param  bf16/f16 param    bf16/f16 + mode
 ``adam`` / ``adamw``        8 B            8 B               master 12, kahan 10, SR 8
 ``adam(amsgrad=True)``      12 B           12 B              master 16, kahan 14, SR 12
 ``lion``                    4 B            4 B               master 8, kahan 6, SR 4
+``rmsprop``                 4-12 B         4-12 B            + 4 / 2 / 0
+``adagrad`` / ``asgd``      4 B            4 B               + 4 / 2 / 0
+``adadelta`` / ``adamax``   8 B            8 B               + 4 / 2 / 0
+``nadam`` / ``radam``       8 B            8 B               + 4 / 2 / 0
+``rprop``                   8 B            8 B               + 4 / 2 / 0
 ``accumulate(opt, k)``      opt + 4 B      opt + 4 B         opt + 4 B
 ==========================  =============  ================  ==================
 
@@ -93,19 +102,39 @@ from funcamp.optim._base import Capabilities, SetParam, learning_rate
 from funcamp.optim._elementwise import elementwise
 from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRoundingState
 from funcamp.optim._paths import Ops
-from funcamp.optim._states import AdamState, LionState, SgdState
+from funcamp.optim._states import (
+    AdadeltaState,
+    AdagradState,
+    AdamaxState,
+    AdamState,
+    AsgdState,
+    LionState,
+    NadamState,
+    RadamState,
+    RmspropState,
+    RpropState,
+    SgdState,
+)
 from funcamp.optim._transforms import AccumulateState, MaskedState, MultiTransformState
 
 __all__ = [
     "AccumulateState",
+    "AdadeltaState",
+    "AdagradState",
     "AdamState",
+    "AdamaxState",
+    "AsgdState",
     "Capabilities",
     "KahanState",
     "LionState",
     "MaskedState",
     "MasterWeightsState",
     "MultiTransformState",
+    "NadamState",
     "Ops",
+    "RadamState",
+    "RmspropState",
+    "RpropState",
     "SetParam",
     "SgdState",
     "StochasticRoundingState",

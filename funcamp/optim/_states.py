@@ -6,7 +6,19 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["AdamState", "LionState", "SgdState"]
+__all__ = [
+    "AdadeltaState",
+    "AdagradState",
+    "AdamState",
+    "AdamaxState",
+    "AsgdState",
+    "LionState",
+    "NadamState",
+    "RadamState",
+    "RmspropState",
+    "RpropState",
+    "SgdState",
+]
 
 PyTree = Any
 
@@ -65,4 +77,132 @@ class LionState(NamedTuple):
 
     count: torch.Tensor
     exp_avg: PyTree
+    low: PyTree
+
+
+class RmspropState(NamedTuple):
+    """State of :func:`funcamp.rmsprop`: ``count``, ``square_avg``, ``momentum_buffer`` (with
+    ``momentum > 0``, else ``()``), ``grad_avg`` (with ``centered=True``, else ``()``) and
+    ``low``; torch.optim.RMSprop's per-param state of the same names.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.rmsprop(0.01).init({"w": torch.ones(1)}).square_avg
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    square_avg: PyTree
+    momentum_buffer: PyTree
+    grad_avg: PyTree
+    low: PyTree
+
+
+class AdagradState(NamedTuple):
+    """State of :func:`funcamp.adagrad`: ``count``, ``sum`` (starting at
+    ``initial_accumulator_value``) and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.adagrad(0.01, initial_accumulator_value=0.1).init({"w": torch.ones(1)}).sum
+        {'w': tensor([0.1000])}
+    """
+
+    count: torch.Tensor
+    sum: PyTree
+    low: PyTree
+
+
+class AdadeltaState(NamedTuple):
+    """State of :func:`funcamp.adadelta`: ``count``, ``square_avg``, ``acc_delta`` and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.adadelta().init({"w": torch.ones(1)}).acc_delta
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    square_avg: PyTree
+    acc_delta: PyTree
+    low: PyTree
+
+
+class AdamaxState(NamedTuple):
+    """State of :func:`funcamp.adamax`: ``count``, ``exp_avg``, ``exp_inf`` and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.adamax(0.002).init({"w": torch.ones(1)}).exp_inf
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    exp_inf: PyTree
+    low: PyTree
+
+
+class NadamState(NamedTuple):
+    """State of :func:`funcamp.nadam`: ``count``, ``exp_avg``, ``exp_avg_sq``, ``mu_product``
+    (a 0-d float32 tensor, the product of the momentum coefficients so far: torch.optim.NAdam
+    keeps one per param, all equal) and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.nadam(0.002).init({"w": torch.ones(1)}).mu_product
+        tensor(1.)
+    """
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    exp_avg_sq: PyTree
+    mu_product: torch.Tensor
+    low: PyTree
+
+
+class RadamState(NamedTuple):
+    """State of :func:`funcamp.radam`: ``count``, ``exp_avg``, ``exp_avg_sq`` and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.radam(0.001).init({"w": torch.ones(1)}).exp_avg
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    exp_avg_sq: PyTree
+    low: PyTree
+
+
+class AsgdState(NamedTuple):
+    """State of :func:`funcamp.asgd`: ``count``, ``ax`` (the averaged params) and ``low``.
+    torch.optim.ASGD's ``eta`` and ``mu`` are functions of the step count, computed each step.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.asgd(0.01).init({"w": torch.ones(1)}).ax
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    ax: PyTree
+    low: PyTree
+
+
+class RpropState(NamedTuple):
+    """State of :func:`funcamp.rprop`: ``count``, ``prev`` (the previous step's gradient, zero
+    where its sign flipped), ``step_size`` (per element; zero before the first step, which
+    starts it at the learning rate) and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.rprop(0.01).init({"w": torch.ones(1)}).step_size
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    prev: PyTree
+    step_size: PyTree
     low: PyTree

@@ -1,0 +1,144 @@
+"""torch.optim's other elementwise optimizers (``funcamp.rmsprop``, ``adagrad``, ``adadelta``,
+``adamax``, ``nadam``, ``radam``, ``asgd``, ``rprop``) beyond torch's own configurations
+(``tests/test_optim_db.py``): the branches its few steps do not reach (RAdam's rectified step,
+ASGD's averaging), low-precision params, ``accumulate``, ``multi_transform`` and checkpoints.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcamp
+from funcamp.testing import assert_trees_equal
+from tests.test_optim_db import _check, _funcamp_opt, _funcamp_run, _grads, _params
+
+LONG = [  # RAdam rectifies from step 6 (b2 = 0.999); ASGD averages from step t0 + 2
+    ("RAdam", {"weight_decay": 0.1, "decoupled_weight_decay": True}, 9),
+    ("RAdam", {"betas": (0.8, 0.9), "weight_decay": 0.1}, 7),
+    ("ASGD", {"t0": 1, "lambd": 0.1, "weight_decay": 0.1}, 6),
+    ("NAdam", {"momentum_decay": 0.1}, 9),
+    ("Adagrad", {"lr_decay": 0.5, "initial_accumulator_value": 0.1}, 6),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs", "steps"), LONG, ids=[c[0] for c in LONG])
+def test_longer_runs_match_torch_optim(name, kwargs, steps):
+    _, params, state, _ = _funcamp_run(name, kwargs, steps=steps)
+    _check(name, kwargs, params, state, steps=steps)
+
+
+HALF = ["RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop"]
+KWARGS = {
+    "RMSprop": {"centered": True, "momentum": 0.5, "weight_decay": 0.1},
+    "NAdam": {"weight_decay": 0.1, "decoupled_weight_decay": True},
+    "ASGD": {"t0": 1},
+}
+
+
+@pytest.mark.parametrize("name", HALF)
+def test_master_weights_follow_the_float32_run(name):
+    """bfloat16 params with ``master_weights=True``: the float32 masters are the float32 run
+    from the rounded initial params bit for bit, and the params are the masters rounded."""
+    kwargs = KWARGS.get(name, {})
+    start = {k: v.bfloat16() for k, v in _params().items()}
+    plain = _funcamp_opt(name, kwargs)
+    fl = {k: v.float() for k, v in start.items()}
+    fl_state = plain.init(fl)
+    for i in range(4):
+        updates, fl_state = plain.update(_grads(i), fl_state, fl)
+        fl = funcamp.apply_updates(fl, updates)
+    mw = _with_modes(name, kwargs, master_weights=True)
+    ps, state = start, mw.init(start)
+    for i in range(4):
+        updates, state = mw.update(_grads(i), state, ps)
+        ps = funcamp.apply_updates(ps, updates)
+    assert_trees_equal(state.low.master, fl)
+    assert_trees_equal(ps, {k: v.bfloat16() for k, v in fl.items()})
+
+
+def _with_modes(name: str, kwargs: dict, **modes):
+    from tests.test_optim_db import FACTORIES, _torch_defaults
+
+    kw = {**_torch_defaults(name), **kwargs}
+    for flag in ("foreach", "differentiable", "capturable", "fused"):
+        kw.pop(flag, None)
+    lr = kw.pop("lr")
+    if "betas" in kw:
+        kw["b1"], kw["b2"] = kw.pop("betas")
+    return FACTORIES[name](lr, **kw, **modes)
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic_rounding"])
+def test_other_modes_run_for_half_params(mode):
+    for name in HALF:
+        opt = _with_modes(name, KWARGS.get(name, {}), **{mode: True})
+        ps = {k: v.bfloat16() for k, v in _params().items()}
+        state = opt.init(ps)
+        for i in range(3):
+            updates, state = opt.update(_grads(i), state, ps)
+            ps = funcamp.apply_updates(ps, updates)
+        assert all(v.dtype == torch.bfloat16 and v.isfinite().all() for v in ps.values())
+
+
+def test_accumulate_and_multi_transform_compose():
+    """``accumulate(rmsprop, 2)`` is rmsprop on the mean of two gradients; a
+    ``multi_transform`` of nadam and rprop is each on its own leaves."""
+    opt = funcamp.accumulate(funcamp.rmsprop(1e-2, centered=True), 2)
+    ref = funcamp.rmsprop(1e-2, centered=True)
+    ps, state = _params(), opt.init(_params())
+    rp, rstate = _params(), ref.init(_params())
+    for i in range(4):
+        updates, state = opt.update(_grads(i), state, ps)
+        ps = funcamp.apply_updates(ps, updates)
+        if i % 2 == 1:
+            mean = {k: (_grads(i - 1)[k] + _grads(i)[k]) / 2 for k in ps}
+            updates, rstate = ref.update(mean, rstate, rp)
+            rp = funcamp.apply_updates(rp, updates)
+    torch.testing.assert_close(ps, rp, rtol=1e-6, atol=1e-7)
+
+    labels = {"w": "nadam", "b": "rprop", "v": "rprop"}
+    opts = {"nadam": funcamp.nadam(1e-2), "rprop": funcamp.rprop(1e-2)}
+    mt = funcamp.multi_transform(opts, labels)
+    ps, state = _params(), mt.init(_params())
+    alone = {name: (_params(), o.init(_params())) for name, o in opts.items()}
+    for i in range(3):
+        updates, state = mt.update(_grads(i), state, ps)
+        ps = funcamp.apply_updates(ps, updates)
+        for name, o in opts.items():
+            p, s = alone[name]
+            u, s = o.update(_grads(i), s, p)
+            alone[name] = (funcamp.apply_updates(p, u), s)
+    assert_trees_equal(ps["w"], alone["nadam"][0]["w"])
+    assert_trees_equal(ps["b"], alone["rprop"][0]["b"])
+
+
+def test_state_checkpoints_and_resumes(tmp_path):
+    """The states -- NAdam's 0-d ``mu_product`` included -- save and load with
+    :func:`funcamp.save`/:func:`funcamp.load`, and a resumed run is the uninterrupted one."""
+    for make in (lambda: funcamp.nadam(1e-2), lambda: funcamp.rprop(1e-2), funcamp.adadelta):
+        opt = make()
+        params, state = _params(), opt.init(_params())
+        for i in range(2):
+            updates, state = opt.update(_grads(i), state, params)
+            params = funcamp.apply_updates(params, updates)
+        path = tmp_path / "ckpt.pt"
+        funcamp.save(path, {"params": params, "opt": state}, policy="float32")
+        loaded = funcamp.load(path, {"params": _params(), "opt": opt.init(_params())})
+        assert_trees_equal(loaded, {"params": params, "opt": state})
+        assert not any(x is None for x in torch.utils._pytree.tree_leaves(tuple(state)))
+
+
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match=r"funcamp.rprop: `etas`"):
+        funcamp.rprop(0.1, etas=(1.0, 0.5))
+    with pytest.raises(ValueError, match=r"funcamp.rprop: `step_sizes`"):
+        funcamp.rprop(0.1, step_sizes=(1.0, 0.5))
+    with pytest.raises(ValueError, match=r"funcamp.adamax: `b2`"):
+        funcamp.adamax(0.1, b2=1.0)
+    with pytest.raises(ValueError, match=r"funcamp.adagrad: `lr_decay`"):
+        funcamp.adagrad(0.1, lr_decay=-0.5)
+    with pytest.raises(ValueError, match=r"funcamp.asgd: `weight_decay`"):
+        funcamp.asgd(0.1, weight_decay=-0.5)
+    with pytest.raises(ValueError, match=r"funcamp.rmsprop: `momentum`"):
+        funcamp.rmsprop(0.1, momentum=-1.0)
