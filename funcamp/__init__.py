@@ -22,6 +22,7 @@ from funcamp.entry import make_train_step
 from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
 from funcamp.optim._base import Optimizer, apply_updates, chain
 from funcamp.optim._blocks import negate_gradients, scale_by_amsgrad
+from funcamp.optim._muon import muon
 from funcamp.optim._optimizers import adam, adamw, lion, sgd
 from funcamp.optim._schedules import (
     constant_schedule,
@@ -101,6 +102,7 @@ __all__ = [
     "make_train_step",
     "masked",
     "multi_transform",
+    "muon",
     "nadam",
     "negate_gradients",
     "params_and_buffers",

@@ -142,3 +142,39 @@ def test_bad_arguments_name_the_fix():
         funcamp.asgd(0.1, weight_decay=-0.5)
     with pytest.raises(ValueError, match=r"funcamp.rmsprop: `momentum`"):
         funcamp.rmsprop(0.1, momentum=-1.0)
+
+
+def test_muon_for_hidden_matrices_adamw_for_the_rest():
+    """The usual pairing: ``multi_transform`` of Muon (the hidden matrices) and AdamW (the
+    embedding, the head, the biases) is ``torch.optim.Muon`` and ``torch.optim.AdamW`` stepped
+    side by side."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = {"embed": (10, 4), "h0.w": (4, 6), "h0.b": (6,), "h1.w": (6, 4), "head": (4, 10)}
+    hidden = {"h0.w", "h1.w"}
+    params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen) for k, s in shapes.items()} for _ in range(3)]
+    opt = funcamp.multi_transform(
+        {"muon": funcamp.muon(0.02), "adamw": funcamp.adamw(1e-3, weight_decay=0.1)},
+        {k: "muon" if k in hidden else "adamw" for k in shapes},
+    )
+    ps = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    topts = [
+        torch.optim.Muon([ps[k] for k in shapes if k in hidden], lr=0.02),
+        torch.optim.AdamW([ps[k] for k in shapes if k not in hidden], lr=1e-3, weight_decay=0.1),
+    ]
+    state = opt.init(params)
+    for g in grads:
+        updates, state = opt.update(g, state, params)
+        params = funcamp.apply_updates(params, updates)
+        for k, p in ps.items():
+            p.grad = g[k]
+        for t in topts:
+            t.step()
+    torch.testing.assert_close(params, {k: v.detach() for k, v in ps.items()}, rtol=1e-6, atol=1e-7)
+
+
+def test_muon_refuses_what_is_not_a_matrix():
+    with pytest.raises(ValueError, match=r"funcamp.muon: every param must be a 2-D matrix"):
+        funcamp.muon(0.02).init({"w": torch.zeros(2, 2), "b": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"funcamp.muon: `adjust_lr_fn`"):
+        funcamp.muon(0.02, adjust_lr_fn="arbitrary")

@@ -37,9 +37,10 @@ RTOL, ATOL = 1e-6, 1e-7
 STEPS = 4
 ZERO_STEP, ZERO_LEAF = 1, "b"  # this leaf's gradient is all zeros on this step
 SHAPES = {"w": (3, 4), "b": (5,), "v": (2, 1, 3)}
+MATRICES = {"w": (3, 4), "b": (5, 2), "v": (2, 3)}  # Muon's: 2-D params only
 NAMES = (
     "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD",
-    "Rprop",
+    "Rprop", "Muon",
 )  # fmt: skip
 IMPLS = ("foreach", "differentiable", "fused")
 
@@ -55,7 +56,8 @@ def _configs() -> list[tuple[str, str, dict]]:
         )
         for oi in inputs:
             out.append((name, oi.desc, dict(oi.kwargs)))
-            if not any(oi.kwargs.get(f) for f in IMPLS):  # the base: its foreach variant too
+            foreach = "foreach" in info.supported_impls  # Muon has none
+            if foreach and not any(oi.kwargs.get(f) for f in IMPLS):  # the base: its foreach too
                 out.append((name, f"{oi.desc} & foreach", {**oi.kwargs, "foreach": True}))
     return out
 
@@ -73,6 +75,7 @@ STATE_FIELDS = {
     "RAdam": ("exp_avg", "exp_avg_sq"),
     "ASGD": ("ax",),
     "Rprop": ("prev", "step_size"),
+    "Muon": ("momentum_buffer",),
 }
 #: funcamp's optimizer for each of them, and torch's keyword arguments it takes under another
 #: name (``betas`` is split into ``b1, b2``).
@@ -85,6 +88,7 @@ FACTORIES = {
     "RAdam": funcamp.radam,
     "ASGD": funcamp.asgd,
     "Rprop": funcamp.rprop,
+    "Muon": funcamp.muon,
 }
 
 
@@ -125,16 +129,20 @@ def _funcamp_opt(name: str, kwargs: dict) -> funcamp.Optimizer:
     return make(lr, b1, b2, fused=fused, **args)
 
 
-def _params() -> dict[str, torch.Tensor]:
+def _shapes(name: str | None) -> dict[str, tuple[int, ...]]:
+    return MATRICES if name == "Muon" else SHAPES
+
+
+def _params(name: str | None = None) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    return {k: torch.randn(s, generator=gen) for k, s in _shapes(name).items()}
 
 
-def _grads(step: int) -> dict[str, torch.Tensor]:
+def _grads(step: int, name: str | None = None) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
-    out = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    out = {k: torch.randn(s, generator=gen) for k, s in _shapes(name).items()}
     if step == ZERO_STEP:
-        out[ZERO_LEAF] = torch.zeros(SHAPES[ZERO_LEAF])
+        out[ZERO_LEAF] = torch.zeros(_shapes(name)[ZERO_LEAF])
     return out
 
 
@@ -150,11 +158,11 @@ def _torch_run(name: str, kwargs: dict, steps: int = STEPS, *, params=None, none
     params are clones of leaves that require grad, as torch's own tests make them); ``none(i,
     k)``: leaf ``k``'s gradient is None on step ``i``."""
     diff = bool(kwargs.get("differentiable"))
-    leaves = {k: v.requires_grad_(diff) for k, v in (params or _params()).items()}
+    leaves = {k: v.requires_grad_(diff) for k, v in (params or _params(name)).items()}
     ps = {k: v.clone() if diff else v for k, v in leaves.items()}
     opt = CLASSES[name](list(ps.values()), **_torch_kwargs(kwargs))
     for i in range(steps):
-        grads = _grads(i)
+        grads = _grads(i, name)
         for k, p in ps.items():
             p.grad = None if none is not None and none(i, k) else grads[k]
         opt.step()
@@ -181,7 +189,7 @@ def _step_fn(opt: funcamp.Optimizer, impl: str, device: torch.device | None = No
 def _funcamp_run(name: str, kwargs: dict, *, backend: str | None = None, steps: int = STEPS):
     opt = _funcamp_opt(name, kwargs)
     impl = _impl(kwargs)
-    leaves = {k: v.requires_grad_(impl == "differentiable") for k, v in _params().items()}
+    leaves = {k: v.requires_grad_(impl == "differentiable") for k, v in _params(name).items()}
     params = {k: v.clone() for k, v in leaves.items()}
     state = opt.init({k: v.detach() for k, v in params.items()})
     step = _step_fn(opt, impl)
@@ -190,7 +198,7 @@ def _funcamp_run(name: str, kwargs: dict, *, backend: str | None = None, steps: 
         counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
         step = torch.compile(step, fullgraph=True, backend=counter)
     for i in range(steps):
-        params, state = step(params, state, _grads(i))
+        params, state = step(params, state, _grads(i, name))
     return leaves, params, state, counter
 
 
@@ -312,6 +320,7 @@ COMPILED_OTHERS = (
     "RAdam-maximize",
     "ASGD-maximize, nonzero weight_decay",
     "Rprop-non-default etas",
+    "Muon-non-default weight_decay",
 )
 
 
@@ -359,14 +368,14 @@ def test_a_param_without_gradients_is_a_masked_leaf(name, desc, kwargs):
     it; in funcamp it is a leaf outside the mask of :func:`funcamp.masked` (zero updates, no
     state), or a frozen param of a ``TrainState``. The other leaves match as before. For plain
     SGD (no momentum, no weight decay), a None gradient on one step is a zero gradient."""
-    extra = torch.linspace(-1.0, 1.0, 4)
-    params = {**_params(), "n": extra.clone()}
+    extra = torch.linspace(-1.0, 1.0, 4).reshape(2, 2)
+    params = {**_params(name), "n": extra.clone()}
     _, tps, tstate = _torch_run(name, kwargs, params=params, none=lambda i, k: k == "n")
     opt = funcamp.masked(_funcamp_opt(name, kwargs), {**dict.fromkeys(SHAPES, True), "n": False})
-    ours = {**_params(), "n": extra.clone()}
+    ours = {**_params(name), "n": extra.clone()}
     state = opt.init(ours)
     for i in range(STEPS):
-        updates, state = opt.update({**_grads(i), "n": torch.zeros(4)}, state, ours)
+        updates, state = opt.update({**_grads(i, name), "n": torch.zeros(2, 2)}, state, ours)
         ours = funcamp.apply_updates(ours, updates)
     torch.testing.assert_close(ours, tps, rtol=RTOL, atol=ATOL)
     assert torch.equal(ours["n"], extra)
@@ -395,6 +404,7 @@ SKIPPING = [
     ("RAdam", {"weight_decay": 0.1}, True, None),
     ("ASGD", {"t0": 1, "lambd": 0.1}, True, None),
     ("Rprop", {"etas": (0.5, 1.5)}, True, None),
+    ("Muon", {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"}, True, None),
     ("Adam", {"weight_decay": 0.1, "amsgrad": True}, False, None),
     ("AdamW", {"weight_decay": 0.1, "amsgrad": True, "maximize": True}, True, None),
     ("AdamW", {"weight_decay": 0.1, "amsgrad": True}, False, None),
@@ -406,8 +416,8 @@ SKIPPING = [
 ]
 
 
-def _bad_grads(step: int) -> dict[str, torch.Tensor]:
-    grads = _grads(step)
+def _bad_grads(step: int, name: str | None = None) -> dict[str, torch.Tensor]:
+    grads = _grads(step, name)
     if step == BAD_STEP:
         grads["w"][1, 2] = math.inf
     return grads
@@ -430,19 +440,19 @@ def test_an_overflowing_step_skips_every_buffer(name, kwargs, donate, backend):
     if backend is not None:
         torch._dynamo.reset()
         step = torch.compile(step, fullgraph=True, backend=backend)
-    params = _params()
+    params = _params(name)
     state = opt.init(params)
     for i in range(STEPS):
         before = optree.tree_map(torch.clone, (params, state), namespace="funcamp")
-        params, state, found_inf = step(params, state, _bad_grads(i))
+        params, state, found_inf = step(params, state, _bad_grads(i, name))
         assert bool(found_inf) == (i == BAD_STEP)
         if i == BAD_STEP:
             assert_trees_equal((params, state), before)
-    ps = {k: torch.nn.Parameter(v) for k, v in _params().items()}
+    ps = {k: torch.nn.Parameter(v) for k, v in _params(name).items()}
     topt = CLASSES[name](list(ps.values()), **kwargs)
     for i in range(STEPS):
         if i != BAD_STEP:
-            for k, g in _grads(i).items():
+            for k, g in _grads(i, name).items():
                 ps[k].grad = g
             topt.step()
     expected = _expected_state(name, kwargs, {k: topt.state[p] for k, p in ps.items()})
@@ -530,7 +540,7 @@ def test_amsgrad_state_is_sharded_like_the_moments(single_rank_group):
 # ---------------------------------------------------------------- the optax way: composed blocks
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "Muon"])  # Muon has no maximize
 def test_negate_gradients_in_front_is_maximize_bit_for_bit(name):
     kwargs = {"weight_decay": 0.1, "momentum": 0.9} if name == "SGD" else {"weight_decay": 0.1}
     kwargs = {} if name == "Rprop" else kwargs  # no weight decay

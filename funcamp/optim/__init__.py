@@ -101,6 +101,7 @@ float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half 
 from funcamp.optim._base import Capabilities, SetParam, learning_rate
 from funcamp.optim._elementwise import elementwise
 from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRoundingState
+from funcamp.optim._muon import newton_schulz
 from funcamp.optim._paths import Ops
 from funcamp.optim._states import (
     AdadeltaState,
@@ -109,6 +110,7 @@ from funcamp.optim._states import (
     AdamState,
     AsgdState,
     LionState,
+    MuonState,
     NadamState,
     RadamState,
     RmspropState,
@@ -130,6 +132,7 @@ __all__ = [
     "MaskedState",
     "MasterWeightsState",
     "MultiTransformState",
+    "MuonState",
     "NadamState",
     "Ops",
     "RadamState",
@@ -140,4 +143,5 @@ __all__ = [
     "StochasticRoundingState",
     "elementwise",
     "learning_rate",
+    "newton_schulz",
 ]

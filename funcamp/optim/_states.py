@@ -13,6 +13,7 @@ __all__ = [
     "AdamaxState",
     "AsgdState",
     "LionState",
+    "MuonState",
     "NadamState",
     "RadamState",
     "RmspropState",
@@ -205,4 +206,18 @@ class RpropState(NamedTuple):
     count: torch.Tensor
     prev: PyTree
     step_size: PyTree
+    low: PyTree
+
+
+class MuonState(NamedTuple):
+    """State of :func:`funcamp.muon`: ``count``, ``momentum_buffer`` and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.muon(0.01).init({"w": torch.ones(1, 2)}).momentum_buffer
+        {'w': tensor([[0., 0.]])}
+    """
+
+    count: torch.Tensor
+    momentum_buffer: PyTree
     low: PyTree
