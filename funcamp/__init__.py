@@ -19,6 +19,7 @@ from funcamp.checkpoints.format import CheckpointInfo
 from funcamp.checkpoints.save import checkpoint_info, load, save
 from funcamp.checkpoints.state_dict import load_state_dict, state_dict
 from funcamp.entry import make_train_step
+from funcamp.optim._adafactor import adafactor
 from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
 from funcamp.optim._base import Optimizer, apply_updates, chain
 from funcamp.optim._blocks import negate_gradients, scale_by_amsgrad
@@ -75,6 +76,7 @@ __all__ = [
     "accumulate",
     "accumulate_applies",
     "adadelta",
+    "adafactor",
     "adagrad",
     "adam",
     "adamax",

@@ -28,11 +28,12 @@ def test_longer_runs_match_torch_optim(name, kwargs, steps):
     _check(name, kwargs, params, state, steps=steps)
 
 
-HALF = ["RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop"]
+HALF = ["RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adafactor"]
 KWARGS = {
     "RMSprop": {"centered": True, "momentum": 0.5, "weight_decay": 0.1},
     "NAdam": {"weight_decay": 0.1, "decoupled_weight_decay": True},
     "ASGD": {"t0": 1},
+    "Adafactor": {"weight_decay": 0.1},
 }
 
 
@@ -114,9 +115,11 @@ def test_accumulate_and_multi_transform_compose():
 
 
 def test_state_checkpoints_and_resumes(tmp_path):
-    """The states -- NAdam's 0-d ``mu_product`` included -- save and load with
+    """The states -- NAdam's 0-d ``mu_product`` and Adafactor's factored statistics included --
+    save and load with
     :func:`funcamp.save`/:func:`funcamp.load`, and a resumed run is the uninterrupted one."""
-    for make in (lambda: funcamp.nadam(1e-2), lambda: funcamp.rprop(1e-2), funcamp.adadelta):
+    makers = (lambda: funcamp.nadam(1e-2), lambda: funcamp.rprop(1e-2), funcamp.adadelta)
+    for make in (*makers, funcamp.adafactor):  # Adafactor's empty tensors for unkept stats
         opt = make()
         params, state = _params(), opt.init(_params())
         for i in range(2):

@@ -40,7 +40,7 @@ SHAPES = {"w": (3, 4), "b": (5,), "v": (2, 1, 3)}
 MATRICES = {"w": (3, 4), "b": (5, 2), "v": (2, 3)}  # Muon's: 2-D params only
 NAMES = (
     "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD",
-    "Rprop", "Muon",
+    "Rprop", "Muon", "Adafactor",
 )  # fmt: skip
 IMPLS = ("foreach", "differentiable", "fused")
 
@@ -76,6 +76,7 @@ STATE_FIELDS = {
     "ASGD": ("ax",),
     "Rprop": ("prev", "step_size"),
     "Muon": ("momentum_buffer",),
+    "Adafactor": ("row_var", "col_var", "variance"),
 }
 #: funcamp's optimizer for each of them, and torch's keyword arguments it takes under another
 #: name (``betas`` is split into ``b1, b2``).
@@ -89,6 +90,7 @@ FACTORIES = {
     "ASGD": funcamp.asgd,
     "Rprop": funcamp.rprop,
     "Muon": funcamp.muon,
+    "Adafactor": funcamp.adafactor,
 }
 
 
@@ -205,6 +207,10 @@ def _funcamp_run(name: str, kwargs: dict, *, backend: str | None = None, steps: 
 def _expected_state(name: str, kwargs: dict, state: dict) -> dict:
     """torch's per-param state in the fields of funcamp's state."""
     out: dict = {}
+    if name == "Adafactor":  # what torch keeps for a param, and an empty tensor for the rest
+        for field in STATE_FIELDS[name]:
+            out[field] = {k: s.get(field, torch.zeros(0)) for k, s in state.items()}
+        return out
     if name in STATE_FIELDS:
         for field in STATE_FIELDS[name]:
             if all(field in s for s in state.values()):
@@ -321,6 +327,7 @@ COMPILED_OTHERS = (
     "ASGD-maximize, nonzero weight_decay",
     "Rprop-non-default etas",
     "Muon-non-default weight_decay",
+    "Adafactor-maximize",
 )
 
 
@@ -405,6 +412,7 @@ SKIPPING = [
     ("ASGD", {"t0": 1, "lambd": 0.1}, True, None),
     ("Rprop", {"etas": (0.5, 1.5)}, True, None),
     ("Muon", {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"}, True, None),
+    ("Adafactor", {"weight_decay": 0.1, "d": 1.5}, True, None),
     ("Adam", {"weight_decay": 0.1, "amsgrad": True}, False, None),
     ("AdamW", {"weight_decay": 0.1, "amsgrad": True, "maximize": True}, True, None),
     ("AdamW", {"weight_decay": 0.1, "amsgrad": True}, False, None),

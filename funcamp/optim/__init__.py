@@ -27,6 +27,8 @@ Layout (the package's private modules, one idea each):
 * ``_adaptive``, ``_variants`` -- torch.optim's other elementwise optimizers, each built with
   :func:`elementwise` alone (``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``; ``nadam``,
   ``radam``, ``asgd``, ``rprop``);
+* ``_muon``, ``_adafactor`` -- ``muon`` (elementwise, its step orthogonalises each matrix) and
+  ``adafactor`` (a plain ``(init, update)`` pair: its statistics are factored);
 * ``_blocks`` -- ``negate_gradients`` and ``scale_by_amsgrad``, torch.optim's ``maximize`` and
   ``amsgrad`` as transforms of their own;
 * ``_transforms`` -- ``clip_by_global_norm``, ``accumulate``, ``masked``, ``multi_transform``;
@@ -91,10 +93,13 @@ optimizer                   float32 param  bf16/f16 param    bf16/f16 + mode
 ``adadelta`` / ``adamax``   8 B            8 B               + 4 / 2 / 0
 ``nadam`` / ``radam``       8 B            8 B               + 4 / 2 / 0
 ``rprop``                   8 B            8 B               + 4 / 2 / 0
+``muon``                    4 B            4 B               + 4 / 2 / 0
+``adafactor`` (a vector)    4 B            4 B               + 4 / 2 / 0
 ``accumulate(opt, k)``      opt + 4 B      opt + 4 B         opt + 4 B
 ==========================  =============  ================  ==================
 
-(The param itself is 4 B or 2 B on top.) Each algorithm buffer costs 4 B per element (8 B for
+(The param itself is 4 B or 2 B on top.) ``adafactor`` keeps 4 B per row and per column of a
+matrix (of each trailing matrix of a param with more dimensions), not per element. Each algorithm buffer costs 4 B per element (8 B for
 float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half params.
 """
 
@@ -105,6 +110,7 @@ from funcamp.optim._muon import newton_schulz
 from funcamp.optim._paths import Ops
 from funcamp.optim._states import (
     AdadeltaState,
+    AdafactorState,
     AdagradState,
     AdamaxState,
     AdamState,
@@ -122,6 +128,7 @@ from funcamp.optim._transforms import AccumulateState, MaskedState, MultiTransfo
 __all__ = [
     "AccumulateState",
     "AdadeltaState",
+    "AdafactorState",
     "AdagradState",
     "AdamState",
     "AdamaxState",

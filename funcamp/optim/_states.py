@@ -8,6 +8,7 @@ import torch
 
 __all__ = [
     "AdadeltaState",
+    "AdafactorState",
     "AdagradState",
     "AdamState",
     "AdamaxState",
@@ -220,4 +221,23 @@ class MuonState(NamedTuple):
 
     count: torch.Tensor
     momentum_buffer: PyTree
+    low: PyTree
+
+
+class AdafactorState(NamedTuple):
+    """State of :func:`funcamp.adafactor`: ``count``; ``row_var`` and ``col_var`` (the factored
+    second moment of each param with two or more dimensions: its shape with the last, resp.
+    the second-to-last, dimension 1) and ``variance`` (the whole second moment of a vector);
+    an empty tensor, shape ``(0,)``, where torch.optim.Adafactor keeps no such entry; ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.adafactor().init({"b": torch.ones(2)}).row_var
+        {'b': tensor([])}
+    """
+
+    count: torch.Tensor
+    row_var: PyTree
+    col_var: PyTree
+    variance: PyTree
     low: PyTree
