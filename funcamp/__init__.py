@@ -23,6 +23,7 @@ from funcamp.optim._adafactor import adafactor
 from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
 from funcamp.optim._base import Optimizer, apply_updates, chain
 from funcamp.optim._blocks import negate_gradients, scale_by_amsgrad
+from funcamp.optim._lbfgs import lbfgs
 from funcamp.optim._muon import muon
 from funcamp.optim._optimizers import adam, adamw, lion, sgd
 from funcamp.optim._schedules import (
@@ -94,6 +95,7 @@ __all__ = [
     "full_precision",
     "get_policy",
     "headroom",
+    "lbfgs",
     "linear_schedule",
     "linear_warmup_cosine_decay",
     "lion",

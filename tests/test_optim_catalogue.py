@@ -181,3 +181,66 @@ def test_muon_refuses_what_is_not_a_matrix():
         funcamp.muon(0.02).init({"w": torch.zeros(2, 2), "b": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"funcamp.muon: `adjust_lr_fn`"):
         funcamp.muon(0.02, adjust_lr_fn="arbitrary")
+
+
+def _lbfgs_configs() -> list:
+    from torch.testing._internal import common_optimizers
+
+    (info,) = [i for i in common_optimizers.optim_db if i.optim_cls is torch.optim.LBFGS]
+    return [pytest.param(dict(oi.kwargs), id=oi.desc) for oi in info.optim_inputs_func("cpu")]
+
+
+def _rosenbrock(params: dict) -> torch.Tensor:
+    """A non-quadratic loss over a dict of leaves (line searches and curvature pairs vary)."""
+    x = torch.cat([params[k].reshape(-1) for k in sorted(params)])
+    return (100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2).sum()
+
+
+@pytest.mark.parametrize("kwargs", _lbfgs_configs())
+def test_lbfgs_matches_torch_optim_with_a_closure(kwargs):
+    """Every CPU configuration of optim_db for LBFGS: ``funcamp.lbfgs`` with the loss function
+    gives torch.optim.LBFGS's params, loss and state (history included) over three updates,
+    bit for bit, its state restored from tensors between them."""
+    start = {"w": torch.tensor([[-1.2, 1.0], [0.5, -0.3]]), "b": torch.tensor([0.8, 1.1, -0.4])}
+    torch_kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    ours_kwargs = dict(torch_kwargs)
+    lr = ours_kwargs.pop("lr", 1.0)
+    opt = funcamp.lbfgs(lr.clone() if isinstance(lr, torch.Tensor) else lr, **ours_kwargs)
+    ps = {k: torch.nn.Parameter(start[k].clone()) for k in sorted(start)}  # funcamp's order
+    ref = torch.optim.LBFGS(list(ps.values()), **torch_kwargs)
+
+    def closure():
+        ref.zero_grad()
+        loss = _rosenbrock(ps)
+        loss.backward()
+        return loss
+
+    params, state = start, opt.init(start)
+    for _ in range(3):
+        updates, state = opt.update(None, state, params, value_fn=_rosenbrock)
+        params = funcamp.apply_updates(params, updates)
+        loss = ref.step(closure)
+        assert float(state.loss) == float(loss.detach())
+    assert_trees_equal(params, {k: v.detach() for k, v in ps.items()})
+    theirs = ref.state[ps["b"]]
+    assert int(state.func_evals) == theirs["func_evals"] and int(state.n_iter) == theirs["n_iter"]
+    assert torch.equal(state.d, theirs["d"]) and float(state.t) == float(theirs["t"])
+    k = int(state.history)
+    assert k == len(theirs["old_dirs"]) > 0
+    assert torch.equal(state.old_dirs[:k], torch.stack(theirs["old_dirs"]))
+    assert torch.equal(state.ro[:k], torch.stack(theirs["ro"]))
+
+
+def test_lbfgs_needs_the_loss_function_and_checkpoints(tmp_path):
+    opt = funcamp.lbfgs(history_size=4)
+    params = {"w": torch.tensor([[-1.2, 1.0]]), "b": torch.tensor([0.8])}
+    state = opt.init(params)
+    with pytest.raises(TypeError, match=r"funcamp.lbfgs: `value_fn` must be a function"):
+        opt.update(None, state, params)
+    updates, state = opt.update(None, state, params, value_fn=_rosenbrock)
+    params = funcamp.apply_updates(params, updates)
+    funcamp.save(tmp_path / "l.pt", {"p": params, "s": state}, policy="float32")
+    loaded = funcamp.load(tmp_path / "l.pt", {"p": params, "s": opt.init(params)})
+    a = opt.update(None, state, params, value_fn=_rosenbrock)
+    b = opt.update(None, loaded["s"], loaded["p"], value_fn=_rosenbrock)
+    assert_trees_equal(a, b)

@@ -29,6 +29,8 @@ Layout (the package's private modules, one idea each):
   ``radam``, ``asgd``, ``rprop``);
 * ``_muon``, ``_adafactor`` -- ``muon`` (elementwise, its step orthogonalises each matrix) and
   ``adafactor`` (a plain ``(init, update)`` pair: its statistics are factored);
+* ``_lbfgs`` -- ``lbfgs``: torch.optim.LBFGS's step on a flat copy of the params, given the loss
+  function (eager only);
 * ``_blocks`` -- ``negate_gradients`` and ``scale_by_amsgrad``, torch.optim's ``maximize`` and
   ``amsgrad`` as transforms of their own;
 * ``_transforms`` -- ``clip_by_global_norm``, ``accumulate``, ``masked``, ``multi_transform``;
@@ -115,6 +117,7 @@ from funcamp.optim._states import (
     AdamaxState,
     AdamState,
     AsgdState,
+    LbfgsState,
     LionState,
     MuonState,
     NadamState,
@@ -135,6 +138,7 @@ __all__ = [
     "AsgdState",
     "Capabilities",
     "KahanState",
+    "LbfgsState",
     "LionState",
     "MaskedState",
     "MasterWeightsState",

@@ -13,6 +13,7 @@ __all__ = [
     "AdamState",
     "AdamaxState",
     "AsgdState",
+    "LbfgsState",
     "LionState",
     "MuonState",
     "NadamState",
@@ -241,3 +242,32 @@ class AdafactorState(NamedTuple):
     col_var: PyTree
     variance: PyTree
     low: PyTree
+
+
+class LbfgsState(NamedTuple):
+    """State of :func:`funcamp.lbfgs`: torch.optim.LBFGS's state as tensors. ``count`` (updates
+    so far), ``func_evals`` and ``n_iter`` (int64: torch's counters), ``d`` and ``t`` (the last
+    direction and step size), ``old_dirs``/``old_stps``/``ro`` (the curvature history: its
+    first ``history`` rows, oldest first), ``h_diag``, ``prev_flat_grad``, ``prev_loss`` and
+    ``loss`` (the loss at the params the last update started from). Vectors are over the
+    params' concatenation.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.lbfgs(history_size=3).init({"w": torch.ones(2)}).old_dirs.shape
+        torch.Size([3, 2])
+    """
+
+    count: torch.Tensor
+    func_evals: torch.Tensor
+    n_iter: torch.Tensor
+    d: torch.Tensor
+    t: torch.Tensor
+    old_dirs: torch.Tensor
+    old_stps: torch.Tensor
+    ro: torch.Tensor
+    history: torch.Tensor
+    h_diag: torch.Tensor
+    prev_flat_grad: torch.Tensor
+    prev_loss: torch.Tensor
+    loss: torch.Tensor
