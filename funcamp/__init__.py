@@ -130,3 +130,22 @@ __all__ = [
     "update",
     "with_fp8_state",
 ]
+
+#: torch.optim classes funcamp has no optimizer for, with the reason and what to use instead.
+_ABSENT = {
+    "sparse_adam": (
+        "funcamp has no SparseAdam: torch.optim.SparseAdam updates only the rows present in "
+        "sparse gradients (nn.Embedding(sparse=True)), and funcamp's gradients are dense tensors "
+        "of the params' shapes; use funcamp.adam (dense Adam: the moments of rows without "
+        "gradient decay every step, unlike SparseAdam's), or funcamp.masked to leave whole "
+        "leaves alone"
+    ),
+}
+
+
+def __getattr__(name: str) -> object:
+    """A clear error for torch.optim optimizers funcamp does not have (``funcamp.sparse_adam``)."""
+    reason = _ABSENT.get(name.lower().replace("sparseadam", "sparse_adam"))
+    if reason is not None:
+        raise AttributeError(f"funcamp.{name}: {reason}")
+    raise AttributeError(f"module 'funcamp' has no attribute {name!r}")

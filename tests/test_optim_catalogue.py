@@ -244,3 +244,10 @@ def test_lbfgs_needs_the_loss_function_and_checkpoints(tmp_path):
     a = opt.update(None, state, params, value_fn=_rosenbrock)
     b = opt.update(None, loaded["s"], loaded["p"], value_fn=_rosenbrock)
     assert_trees_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["sparse_adam", "SparseAdam"])
+def test_sparse_adam_is_refused_naming_the_alternative(name):
+    with pytest.raises(AttributeError, match=r"funcamp has no SparseAdam.*use funcamp.adam"):
+        getattr(funcamp, name)
+    assert not hasattr(funcamp, "no_such_name")
