@@ -586,3 +586,25 @@ def test_scale_by_amsgrad_then_sgd_is_torch_amsgrad(backend):
     assert funcamp.optim.learning_rate(opt, state) == torch.tensor(
         1e-2
     )  # sgd's: the block has none
+
+
+TENSOR_BETAS = [
+    ("Adam", {}),
+    ("Adam", {"weight_decay": 0.1, "amsgrad": True, "lr": torch.tensor(0.01)}),
+    ("AdamW", {"weight_decay": 0.1, "maximize": True}),
+]
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize(("name", "kwargs"), TENSOR_BETAS)
+def test_tensor_betas_match_torch_optim(name, kwargs, backend):
+    """``betas`` as 0-d tensors, which torch.optim.Adam/AdamW accept on their single-tensor
+    path (their bias corrections then run as float32 tensor math): funcamp's ``b1``/``b2``
+    take them too, eager and compiled."""
+    kwargs = {**kwargs, "betas": (torch.tensor(0.8), torch.tensor(0.99)), "foreach": False}
+    if backend is not None:
+        torch._dynamo.reset()
+    _, params, state, counter = _funcamp_run(name, kwargs, backend=backend)
+    _check(name, kwargs, params, state)
+    if counter is not None:
+        assert counter.frame_count == 1

@@ -87,6 +87,29 @@ def _pair(api: str, name: str, value: Any) -> tuple[Any, Any]:
     return value[0], value[1]
 
 
+def _lerp_tensor(ops: Ops, xs: Tensors, ys: Tensors, w: torch.Tensor) -> Tensors:
+    """``torch.lerp(x, y, w)`` for a 0-d tensor weight, rounded as torch's CPU kernel: one
+    multiply-add from the nearer end (a ``where`` on the weight: no host sync)."""
+    diff = ops.sub(ys, xs)
+    near_x = ops.fma(diff, w, xs)
+    near_y = ops.fma(diff, w - 1.0, ys)
+    return ops.where(w.abs() < 0.5, near_x, near_y)
+
+
+def _beta(api: str, name: str, value: Any) -> Any:
+    """A decay in [0, 1): a Python float, or a 0-d floating tensor (as torch.optim.Adam
+    accepts; its value is read here, once)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not value.is_floating_point() or value.requires_grad:
+            raise TypeError(
+                f"funcamp.{api}: `{name}` must be a float or a 0-d floating tensor without "
+                f"grad, got {describe(value)}"
+            )
+        check_number(api, name, float(value), maximum=1.0)
+        return value.detach().clone()
+    return check_number(api, name, value, maximum=1.0)
+
+
 # --------------------------------------------------------------------------------------------
 # rmsprop
 
