@@ -317,8 +317,8 @@ def _optim_configs() -> list[Any]:
 
 
 def _for_funcamp(kwargs: dict) -> dict:
-    """torch's kwargs for funcamp: tensor betas (a torch.optim option funcamp does not take)
-    as the floats they hold."""
+    """torch's kwargs for funcamp: tensor betas as the floats they hold (funcamp's tensor
+    betas are checked against torch.optim on the CPU: test_optim_db)."""
     kw = dict(kwargs)
     if "betas" in kw:
         kw["betas"] = tuple(float(b) if isinstance(b, torch.Tensor) else b for b in kw["betas"])

@@ -209,7 +209,12 @@ def _expected_state(name: str, kwargs: dict, state: dict) -> dict:
     out: dict = {}
     if name == "Adafactor":  # what torch keeps for a param, and an empty tensor for the rest
         for field in STATE_FIELDS[name]:
-            out[field] = {k: s.get(field, torch.zeros(0)) for k, s in state.items()}
+            out[field] = {
+                k: s[field]
+                if field in s
+                else torch.zeros(0, device=s["row_var" if "row_var" in s else "variance"].device)
+                for k, s in state.items()
+            }
         return out
     if name in STATE_FIELDS:
         for field in STATE_FIELDS[name]:
