@@ -251,3 +251,28 @@ def test_sparse_adam_is_refused_naming_the_alternative(name):
     with pytest.raises(AttributeError, match=r"funcamp has no SparseAdam.*use funcamp.adam"):
         getattr(funcamp, name)
     assert not hasattr(funcamp, "no_such_name")
+
+
+BITWISE = [
+    ("RMSprop", {"weight_decay": 0.1, "centered": True, "momentum": 0.1}),
+    ("Adagrad", {"lr_decay": 0.5, "weight_decay": 0.1}),
+    ("Adadelta", {"weight_decay": 0.1}),
+    ("Adamax", {"weight_decay": 0.1}),
+    ("NAdam", {"weight_decay": 0.1, "decoupled_weight_decay": True}),
+    ("RAdam", {"weight_decay": 0.1}),
+    ("ASGD", {"t0": 1, "weight_decay": 0.1}),
+    ("Rprop", {}),
+    ("Muon", {}),
+    ("Adafactor", {"weight_decay": 0.1}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "kwargs"), BITWISE, ids=[c[0] for c in BITWISE])
+def test_eager_and_compiled_agree_bit_for_bit(name, kwargs):
+    """Eight steps (RAdam rectified, ASGD averaging) eager and compiled (aot_eager): the same
+    params and state, bit for bit."""
+    eager = _funcamp_run(name, kwargs, steps=8)[1:3]
+    torch._dynamo.reset()
+    compiled = _funcamp_run(name, kwargs, backend="aot_eager", steps=8)[1:3]
+    assert_trees_equal(eager, compiled)
