@@ -408,6 +408,7 @@ BAD_STEP = 2  # an inf in one gradient: the step is skipped (GradScaler's rule)
 SKIPPING = [
     ("RMSprop", {"weight_decay": 0.1, "centered": True, "momentum": 0.1}, True, None),
     ("RMSprop", {"centered": True, "momentum": 0.1, "maximize": True}, False, None),
+    ("RMSprop", {"centered": True, "momentum": 0.1}, True, "aot_eager"),  # compiled, donated
     ("Adagrad", {"initial_accumulator_value": 0.1, "lr_decay": 0.5}, True, None),
     ("Adadelta", {"weight_decay": 0.1}, False, None),
     ("Adamax", {"weight_decay": 0.1}, True, None),
