@@ -19,8 +19,12 @@ from funcamp.checkpoints.format import CheckpointInfo
 from funcamp.checkpoints.save import checkpoint_info, load, save
 from funcamp.checkpoints.state_dict import load_state_dict, state_dict
 from funcamp.entry import make_train_step
+from funcamp.optim._adafactor import adafactor
+from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
 from funcamp.optim._base import Optimizer, apply_updates, chain
 from funcamp.optim._blocks import negate_gradients, scale_by_amsgrad
+from funcamp.optim._lbfgs import lbfgs
+from funcamp.optim._muon import muon
 from funcamp.optim._optimizers import adam, adamw, lion, sgd
 from funcamp.optim._schedules import (
     constant_schedule,
@@ -35,6 +39,7 @@ from funcamp.optim._transforms import (
     masked,
     multi_transform,
 )
+from funcamp.optim._variants import asgd, nadam, radam, rprop
 from funcamp.policy.fp8 import Fp8Recipe
 from funcamp.policy.ops import OpPolicy, OpRule
 from funcamp.policy.policy import Policy, get_policy
@@ -73,11 +78,16 @@ __all__ = [
     "TrainState",
     "accumulate",
     "accumulate_applies",
+    "adadelta",
+    "adafactor",
+    "adagrad",
     "adam",
+    "adamax",
     "adamw",
     "all_finite",
     "amp",
     "apply_updates",
+    "asgd",
     "chain",
     "checkpoint_info",
     "clip_by_global_norm",
@@ -87,6 +97,7 @@ __all__ = [
     "full_precision",
     "get_policy",
     "headroom",
+    "lbfgs",
     "linear_schedule",
     "linear_warmup_cosine_decay",
     "lion",
@@ -97,10 +108,15 @@ __all__ = [
     "make_train_step",
     "masked",
     "multi_transform",
+    "muon",
+    "nadam",
     "negate_gradients",
     "params_and_buffers",
+    "radam",
     "recompute_under",
     "remat",
+    "rmsprop",
+    "rprop",
     "save",
     "scale",
     "scale_by_amsgrad",
@@ -116,3 +132,22 @@ __all__ = [
     "update",
     "with_fp8_state",
 ]
+
+#: torch.optim classes funcamp has no optimizer for, with the reason and what to use instead.
+_ABSENT = {
+    "sparse_adam": (
+        "funcamp has no SparseAdam: torch.optim.SparseAdam updates only the rows present in "
+        "sparse gradients (nn.Embedding(sparse=True)), and funcamp's gradients are dense tensors "
+        "of the params' shapes; use funcamp.adam (dense Adam: the moments of rows without "
+        "gradient decay every step, unlike SparseAdam's), or funcamp.masked to leave whole "
+        "leaves alone"
+    ),
+}
+
+
+def __getattr__(name: str) -> object:
+    """A clear error for torch.optim optimizers funcamp does not have (``funcamp.sparse_adam``)."""
+    reason = _ABSENT.get(name.lower().replace("sparseadam", "sparse_adam"))
+    if reason is not None:
+        raise AttributeError(f"funcamp.{name}: {reason}")
+    raise AttributeError(f"module 'funcamp' has no attribute {name!r}")

@@ -413,7 +413,14 @@ def test_from_torch_lion_pytorch():
     )
 
 
-@pytest.mark.parametrize(("name", "desc", "kwargs"), db.CONFIGS, ids=db.IDS)
+TRANSLATED = [
+    (c, i) for c, i in zip(db.CONFIGS, db.IDS, strict=True) if c[0] in ("SGD", "Adam", "AdamW")
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "desc", "kwargs"), [c for c, _ in TRANSLATED], ids=[i for _, i in TRANSLATED]
+)
 def test_from_torch_every_optim_db_configuration(name, desc, kwargs):
     """Every CPU configuration of torch's optim_db for SGD/Adam/AdamW, translated from the
     torch optimizer itself: torch.optim's params after four steps (one with a zero grad)."""

@@ -37,7 +37,11 @@ RTOL, ATOL = 1e-6, 1e-7
 STEPS = 4
 ZERO_STEP, ZERO_LEAF = 1, "b"  # this leaf's gradient is all zeros on this step
 SHAPES = {"w": (3, 4), "b": (5,), "v": (2, 1, 3)}
-NAMES = ("SGD", "Adam", "AdamW")
+MATRICES = {"w": (3, 4), "b": (5, 2), "v": (2, 3)}  # Muon's: 2-D params only
+NAMES = (
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD",
+    "Rprop", "Muon", "Adafactor",
+)  # fmt: skip
 IMPLS = ("foreach", "differentiable", "fused")
 
 
@@ -52,14 +56,42 @@ def _configs() -> list[tuple[str, str, dict]]:
         )
         for oi in inputs:
             out.append((name, oi.desc, dict(oi.kwargs)))
-            if not any(oi.kwargs.get(f) for f in IMPLS):  # the base: its foreach variant too
+            foreach = "foreach" in info.supported_impls  # Muon has none
+            if foreach and not any(oi.kwargs.get(f) for f in IMPLS):  # the base: its foreach too
                 out.append((name, f"{oi.desc} & foreach", {**oi.kwargs, "foreach": True}))
     return out
 
 
 CONFIGS = _configs()
 IDS = [f"{name}-{desc}" for name, desc, _ in CONFIGS]
-CLASSES = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+CLASSES = {name: getattr(torch.optim, name) for name in NAMES}
+#: torch.optim's state per param, by funcamp state field (the buffers of the other optimizers).
+STATE_FIELDS = {
+    "RMSprop": ("square_avg", "momentum_buffer", "grad_avg"),
+    "Adagrad": ("sum",),
+    "Adadelta": ("square_avg", "acc_delta"),
+    "Adamax": ("exp_avg", "exp_inf"),
+    "NAdam": ("exp_avg", "exp_avg_sq", "mu_product"),
+    "RAdam": ("exp_avg", "exp_avg_sq"),
+    "ASGD": ("ax",),
+    "Rprop": ("prev", "step_size"),
+    "Muon": ("momentum_buffer",),
+    "Adafactor": ("row_var", "col_var", "variance"),
+}
+#: funcamp's optimizer for each of them, and torch's keyword arguments it takes under another
+#: name (``betas`` is split into ``b1, b2``).
+FACTORIES = {
+    "RMSprop": funcamp.rmsprop,
+    "Adagrad": funcamp.adagrad,
+    "Adadelta": funcamp.adadelta,
+    "Adamax": funcamp.adamax,
+    "NAdam": funcamp.nadam,
+    "RAdam": funcamp.radam,
+    "ASGD": funcamp.asgd,
+    "Rprop": funcamp.rprop,
+    "Muon": funcamp.muon,
+    "Adafactor": funcamp.adafactor,
+}
 
 
 def _impl(kwargs: dict) -> str:
@@ -77,11 +109,15 @@ def _funcamp_opt(name: str, kwargs: dict) -> funcamp.Optimizer:
     """funcamp's optimizer for torch's kwargs (torch's defaults filled in: funcamp's own
     defaults are not what is tested here). A kwarg this does not know fails the test."""
     kw = {**_torch_defaults(name), **kwargs}
-    fused = bool(kw.pop("fused") or False)
+    fused = bool(kw.pop("fused", None) or False)
     for flag in ("foreach", "differentiable", "capturable"):
         kw.pop(flag, None)
     lr = kw.pop("lr")
     lr = lr.clone() if isinstance(lr, torch.Tensor) else lr
+    if name in FACTORIES:
+        if "betas" in kw:
+            kw["b1"], kw["b2"] = kw.pop("betas")
+        return FACTORIES[name](lr, **kw)
     if name == "SGD":
         args = {k: kw.pop(k) for k in ("momentum", "dampening", "weight_decay", "nesterov")}
         args["maximize"] = kw.pop("maximize")
@@ -95,16 +131,20 @@ def _funcamp_opt(name: str, kwargs: dict) -> funcamp.Optimizer:
     return make(lr, b1, b2, fused=fused, **args)
 
 
-def _params() -> dict[str, torch.Tensor]:
+def _shapes(name: str | None) -> dict[str, tuple[int, ...]]:
+    return MATRICES if name == "Muon" else SHAPES
+
+
+def _params(name: str | None = None) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    return {k: torch.randn(s, generator=gen) for k, s in _shapes(name).items()}
 
 
-def _grads(step: int) -> dict[str, torch.Tensor]:
+def _grads(step: int, name: str | None = None) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
-    out = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    out = {k: torch.randn(s, generator=gen) for k, s in _shapes(name).items()}
     if step == ZERO_STEP:
-        out[ZERO_LEAF] = torch.zeros(SHAPES[ZERO_LEAF])
+        out[ZERO_LEAF] = torch.zeros(_shapes(name)[ZERO_LEAF])
     return out
 
 
@@ -120,11 +160,11 @@ def _torch_run(name: str, kwargs: dict, steps: int = STEPS, *, params=None, none
     params are clones of leaves that require grad, as torch's own tests make them); ``none(i,
     k)``: leaf ``k``'s gradient is None on step ``i``."""
     diff = bool(kwargs.get("differentiable"))
-    leaves = {k: v.requires_grad_(diff) for k, v in (params or _params()).items()}
+    leaves = {k: v.requires_grad_(diff) for k, v in (params or _params(name)).items()}
     ps = {k: v.clone() if diff else v for k, v in leaves.items()}
     opt = CLASSES[name](list(ps.values()), **_torch_kwargs(kwargs))
     for i in range(steps):
-        grads = _grads(i)
+        grads = _grads(i, name)
         for k, p in ps.items():
             p.grad = None if none is not None and none(i, k) else grads[k]
         opt.step()
@@ -151,7 +191,7 @@ def _step_fn(opt: funcamp.Optimizer, impl: str, device: torch.device | None = No
 def _funcamp_run(name: str, kwargs: dict, *, backend: str | None = None, steps: int = STEPS):
     opt = _funcamp_opt(name, kwargs)
     impl = _impl(kwargs)
-    leaves = {k: v.requires_grad_(impl == "differentiable") for k, v in _params().items()}
+    leaves = {k: v.requires_grad_(impl == "differentiable") for k, v in _params(name).items()}
     params = {k: v.clone() for k, v in leaves.items()}
     state = opt.init({k: v.detach() for k, v in params.items()})
     step = _step_fn(opt, impl)
@@ -160,13 +200,29 @@ def _funcamp_run(name: str, kwargs: dict, *, backend: str | None = None, steps: 
         counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
         step = torch.compile(step, fullgraph=True, backend=counter)
     for i in range(steps):
-        params, state = step(params, state, _grads(i))
+        params, state = step(params, state, _grads(i, name))
     return leaves, params, state, counter
 
 
 def _expected_state(name: str, kwargs: dict, state: dict) -> dict:
     """torch's per-param state in the fields of funcamp's state."""
     out: dict = {}
+    if name == "Adafactor":  # what torch keeps for a param, and an empty tensor for the rest
+        for field in STATE_FIELDS[name]:
+            out[field] = {
+                k: s[field]
+                if field in s
+                else torch.zeros(0, device=s["row_var" if "row_var" in s else "variance"].device)
+                for k, s in state.items()
+            }
+        return out
+    if name in STATE_FIELDS:
+        for field in STATE_FIELDS[name]:
+            if all(field in s for s in state.values()):
+                out[field] = {k: s[field] for k, s in state.items()}
+        if name == "NAdam":  # one per param in torch, all equal: one in funcamp
+            out["mu_product"] = next(iter(out["mu_product"].values()))
+        return out
     if name == "SGD":
         if kwargs.get("momentum", 0.0):
             out["momentum"] = {k: s["momentum_buffer"] for k, s in state.items()}
@@ -196,7 +252,7 @@ def _check(name: str, kwargs: dict, params: dict, state, steps: int = STEPS) -> 
             assert got == (), (field, got)
             continue
         got = optree.tree_map(lambda x: x.detach(), got)
-        want = {k: v.detach() for k, v in expected[field].items()}
+        want = optree.tree_map(lambda x: x.detach(), expected[field])
         torch.testing.assert_close(
             got, want, rtol=RTOL, atol=ATOL, msg=lambda m, f=field: f"{f}: {m}"
         )
@@ -217,12 +273,14 @@ def _check_gradients(name: str, kwargs: dict) -> None:
 
     Two of torch's own limits: its amsgrad is differentiable through one step only (its
     ``torch.maximum`` saves ``exp_avg_sq``, which the next step changes in place, and backward
-    raises), so it is compared after one step; and SGD detaches its first momentum buffer
+    raises), so it is compared after one step -- as are Adamax (its ``exp_inf.mul_``) and
+    centered RMSprop (its ``grad_avg.lerp_``), for the same reason; and SGD detaches its first momentum buffer
     (``torch.clone(grad).detach()``), which drops the weight decay's term of the first step
     from the gradient: with momentum and weight decay funcamp's gradient is checked against
     finite differences instead (float64), and torch's is pinned as different
     (docs/differences.md)."""
-    steps = 1 if kwargs.get("amsgrad") else STEPS
+    one_step = kwargs.get("amsgrad") or name == "Adamax" or kwargs.get("centered")
+    steps = 1 if one_step else STEPS
     weights = {k: torch.linspace(-1.0, 2.0, math.prod(s)).reshape(s) for k, s in SHAPES.items()}
 
     def grad(leaves: dict, params: dict) -> tuple:
@@ -261,11 +319,31 @@ def _float64_run(name: str, kwargs: dict):
 # foreach=True is the unflagged path in funcamp: compiled once, as the configuration without it.
 # CI compiles every unflagged configuration and the fused ones of the defaults, maximize and
 # amsgrad; the other fused ones (the same kernels with other hyperparameters) are marked slow.
+# The other optimizers: one configuration each in CI (the one with the most options), the rest
+# slow.
 COMPILED_FUSED = ("default & fused", "maximize & fused", "amsgrad & fused")
+COMPILED_OTHERS = (
+    "RMSprop-maximize, centered, weight_decay, w/ momentum",
+    "Adagrad-lr_decay",
+    "Adadelta-rho",
+    "Adamax-maximize, weight_decay",
+    "NAdam-decoupled_weight_decay",
+    "RAdam-maximize",
+    "ASGD-maximize, nonzero weight_decay",
+    "Rprop-non-default etas",
+    "Muon-non-default weight_decay",
+    "Adafactor-maximize",
+)
+
+
+def _compiled_in_ci(name: str, desc: str, kwargs: dict) -> bool:
+    if name in FACTORIES:
+        return f"{name}-{desc}" in COMPILED_OTHERS
+    return _impl(kwargs) == "plain" or desc in COMPILED_FUSED
+
+
 COMPILED = [
-    pytest.param(
-        *c, id=i, marks=() if _impl(c[2]) == "plain" or c[1] in COMPILED_FUSED else pytest.mark.slow
-    )
+    pytest.param(*c, id=i, marks=() if _compiled_in_ci(*c) else pytest.mark.slow)
     for c, i in zip(CONFIGS, IDS)
     if _impl(c[2]) in ("plain", "fused") and not c[2].get("foreach")
 ]
@@ -302,19 +380,22 @@ def test_a_param_without_gradients_is_a_masked_leaf(name, desc, kwargs):
     it; in funcamp it is a leaf outside the mask of :func:`funcamp.masked` (zero updates, no
     state), or a frozen param of a ``TrainState``. The other leaves match as before. For plain
     SGD (no momentum, no weight decay), a None gradient on one step is a zero gradient."""
-    extra = torch.linspace(-1.0, 1.0, 4)
-    params = {**_params(), "n": extra.clone()}
+    extra = torch.linspace(-1.0, 1.0, 4).reshape(2, 2)
+    params = {**_params(name), "n": extra.clone()}
     _, tps, tstate = _torch_run(name, kwargs, params=params, none=lambda i, k: k == "n")
     opt = funcamp.masked(_funcamp_opt(name, kwargs), {**dict.fromkeys(SHAPES, True), "n": False})
-    ours = {**_params(), "n": extra.clone()}
+    ours = {**_params(name), "n": extra.clone()}
     state = opt.init(ours)
     for i in range(STEPS):
-        updates, state = opt.update({**_grads(i), "n": torch.zeros(4)}, state, ours)
+        updates, state = opt.update({**_grads(i, name), "n": torch.zeros(2, 2)}, state, ours)
         ours = funcamp.apply_updates(ours, updates)
     torch.testing.assert_close(ours, tps, rtol=RTOL, atol=ATOL)
-    assert torch.equal(ours["n"], extra) and tstate["n"] == {}
+    assert torch.equal(ours["n"], extra)
+    # torch keeps no state for it -- Adagrad's, made when it is built, stays at step 0
+    assert tstate["n"] == {} or (name == "Adagrad" and float(tstate["n"]["step"]) == 0)
     for field in state.inner._fields[1:-1]:
-        assert "n" not in (getattr(state.inner, field) or {})
+        tree = getattr(state.inner, field)
+        assert isinstance(tree, torch.Tensor) or "n" not in (tree or {})  # or one scalar
     if name == "SGD" and not kwargs.get("momentum") and not kwargs.get("weight_decay"):
         _, tps, _ = _torch_run(name, kwargs, none=lambda i, k: (i, k) == (ZERO_STEP, ZERO_LEAF))
         _, params, _, _ = _funcamp_run(name, kwargs)  # a zero gradient there
@@ -325,6 +406,19 @@ def test_a_param_without_gradients_is_a_masked_leaf(name, desc, kwargs):
 
 BAD_STEP = 2  # an inf in one gradient: the step is skipped (GradScaler's rule)
 SKIPPING = [
+    ("RMSprop", {"weight_decay": 0.1, "centered": True, "momentum": 0.1}, True, None),
+    ("RMSprop", {"centered": True, "momentum": 0.1, "maximize": True}, False, None),
+    ("RMSprop", {"centered": True, "momentum": 0.1}, True, "aot_eager"),  # compiled, donated
+    ("Adagrad", {"initial_accumulator_value": 0.1, "lr_decay": 0.5}, True, None),
+    ("Adadelta", {"weight_decay": 0.1}, False, None),
+    ("Adamax", {"weight_decay": 0.1}, True, None),
+    ("NAdam", {"weight_decay": 0.1, "decoupled_weight_decay": True}, True, None),
+    ("NAdam", {"momentum_decay": 0.006}, False, "aot_eager"),
+    ("RAdam", {"weight_decay": 0.1}, True, None),
+    ("ASGD", {"t0": 1, "lambd": 0.1}, True, None),
+    ("Rprop", {"etas": (0.5, 1.5)}, True, None),
+    ("Muon", {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"}, True, None),
+    ("Adafactor", {"weight_decay": 0.1, "d": 1.5}, True, None),
     ("Adam", {"weight_decay": 0.1, "amsgrad": True}, False, None),
     ("AdamW", {"weight_decay": 0.1, "amsgrad": True, "maximize": True}, True, None),
     ("AdamW", {"weight_decay": 0.1, "amsgrad": True}, False, None),
@@ -336,8 +430,8 @@ SKIPPING = [
 ]
 
 
-def _bad_grads(step: int) -> dict[str, torch.Tensor]:
-    grads = _grads(step)
+def _bad_grads(step: int, name: str | None = None) -> dict[str, torch.Tensor]:
+    grads = _grads(step, name)
     if step == BAD_STEP:
         grads["w"][1, 2] = math.inf
     return grads
@@ -360,19 +454,19 @@ def test_an_overflowing_step_skips_every_buffer(name, kwargs, donate, backend):
     if backend is not None:
         torch._dynamo.reset()
         step = torch.compile(step, fullgraph=True, backend=backend)
-    params = _params()
+    params = _params(name)
     state = opt.init(params)
     for i in range(STEPS):
         before = optree.tree_map(torch.clone, (params, state), namespace="funcamp")
-        params, state, found_inf = step(params, state, _bad_grads(i))
+        params, state, found_inf = step(params, state, _bad_grads(i, name))
         assert bool(found_inf) == (i == BAD_STEP)
         if i == BAD_STEP:
             assert_trees_equal((params, state), before)
-    ps = {k: torch.nn.Parameter(v) for k, v in _params().items()}
+    ps = {k: torch.nn.Parameter(v) for k, v in _params(name).items()}
     topt = CLASSES[name](list(ps.values()), **kwargs)
     for i in range(STEPS):
         if i != BAD_STEP:
-            for k, g in _grads(i).items():
+            for k, g in _grads(i, name).items():
                 ps[k].grad = g
             topt.step()
     expected = _expected_state(name, kwargs, {k: topt.state[p] for k, p in ps.items()})
@@ -460,9 +554,10 @@ def test_amsgrad_state_is_sharded_like_the_moments(single_rank_group):
 # ---------------------------------------------------------------- the optax way: composed blocks
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "Muon"])  # Muon has no maximize
 def test_negate_gradients_in_front_is_maximize_bit_for_bit(name):
     kwargs = {"weight_decay": 0.1, "momentum": 0.9} if name == "SGD" else {"weight_decay": 0.1}
+    kwargs = {} if name == "Rprop" else kwargs  # no weight decay
     one = _funcamp_opt(name, {**kwargs, "maximize": True})
     two = funcamp.chain(funcamp.negate_gradients(), _funcamp_opt(name, kwargs))
     runs = []
@@ -496,3 +591,25 @@ def test_scale_by_amsgrad_then_sgd_is_torch_amsgrad(backend):
     _check("Adam", kwargs, params, state[1])
     # sgd's (the block has none), torch's lr: a double
     assert funcamp.optim.learning_rate(opt, state) == torch.tensor(1e-2, dtype=torch.float64)
+
+
+TENSOR_BETAS = [
+    ("Adam", {}),
+    ("Adam", {"weight_decay": 0.1, "amsgrad": True, "lr": torch.tensor(0.01)}),
+    ("AdamW", {"weight_decay": 0.1, "maximize": True}),
+]
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize(("name", "kwargs"), TENSOR_BETAS)
+def test_tensor_betas_match_torch_optim(name, kwargs, backend):
+    """``betas`` as 0-d tensors, which torch.optim.Adam/AdamW accept on their single-tensor
+    path (their bias corrections then run as float32 tensor math): funcamp's ``b1``/``b2``
+    take them too, eager and compiled."""
+    kwargs = {**kwargs, "betas": (torch.tensor(0.8), torch.tensor(0.99)), "foreach": False}
+    if backend is not None:
+        torch._dynamo.reset()
+    _, params, state, counter = _funcamp_run(name, kwargs, backend=backend)
+    _check(name, kwargs, params, state)
+    if counter is not None:
+        assert counter.frame_count == 1

@@ -2,7 +2,8 @@
 
 ``init(params) -> state``, ``update(grads, state, params) -> (updates, state)`` and
 :func:`funcamp.apply_updates`. The optimizers themselves (``funcamp.sgd``, ``adam``, ``adamw``,
-``lion``) and the combinators (``chain``, ``clip_by_global_norm``, ``accumulate``, ``masked``,
+``lion``, and torch.optim's others: ``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``, ``nadam``,
+``radam``, ``asgd``, ``rprop``) and the combinators (``chain``, ``clip_by_global_norm``, ``accumulate``, ``masked``,
 ``multi_transform``) are importable from ``funcamp``; this module holds their state types, the
 :class:`SetParam` update leaf, the declared :class:`Capabilities`, and the public building
 blocks for writing an optimizer: :func:`elementwise` and the :class:`Ops` its algorithm uses.
@@ -23,6 +24,13 @@ Layout (the package's private modules, one idea each):
 * ``_states`` -- the optimizers' state types;
 * ``_optimizers`` -- each optimizer's algorithm, written once (``sgd``, ``adam``/``adamw``,
   ``lion``);
+* ``_adaptive``, ``_variants`` -- torch.optim's other elementwise optimizers, each built with
+  :func:`elementwise` alone (``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``; ``nadam``,
+  ``radam``, ``asgd``, ``rprop``);
+* ``_muon``, ``_adafactor`` -- ``muon`` (elementwise, its step orthogonalises each matrix) and
+  ``adafactor`` (a plain ``(init, update)`` pair: its statistics are factored);
+* ``_lbfgs`` -- ``lbfgs``: torch.optim.LBFGS's step on a flat copy of the params, given the loss
+  function (eager only);
 * ``_blocks`` -- ``negate_gradients`` and ``scale_by_amsgrad``, torch.optim's ``maximize`` and
   ``amsgrad`` as transforms of their own;
 * ``_transforms`` -- ``clip_by_global_norm``, ``accumulate``, ``masked``, ``multi_transform``;
@@ -87,10 +95,18 @@ optimizer                   float32 param  bf16/f16 param    bf16/f16 + mode
 ``adam`` / ``adamw``        8 B            8 B               master 12, kahan 10, SR 8
 ``adam(amsgrad=True)``      12 B           12 B              master 16, kahan 14, SR 12
 ``lion``                    4 B            4 B               master 8, kahan 6, SR 4
+``rmsprop``                 4-12 B         4-12 B            + 4 / 2 / 0
+``adagrad`` / ``asgd``      4 B            4 B               + 4 / 2 / 0
+``adadelta`` / ``adamax``   8 B            8 B               + 4 / 2 / 0
+``nadam`` / ``radam``       8 B            8 B               + 4 / 2 / 0
+``rprop``                   8 B            8 B               + 4 / 2 / 0
+``muon``                    4 B            4 B               + 4 / 2 / 0
+``adafactor`` (a vector)    4 B            4 B               + 4 / 2 / 0
 ``accumulate(opt, k)``      opt + 4 B      opt + 4 B         opt + 4 B
 ==========================  =============  ================  ==================
 
-(The param itself is 4 B or 2 B on top.) Each algorithm buffer costs 4 B per element (8 B for
+(The param itself is 4 B or 2 B on top.) ``adafactor`` keeps 4 B per row and per column of a
+matrix (of each trailing matrix of a param with more dimensions), not per element. Each algorithm buffer costs 4 B per element (8 B for
 float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half params.
 """
 
@@ -113,24 +129,51 @@ from funcamp.optim._lr_schedulers import (
     step_lr,
 )
 from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRoundingState
+from funcamp.optim._muon import newton_schulz
 from funcamp.optim._paths import Ops
 from funcamp.optim._plateau import PlateauState, plateau_step, reduce_on_plateau
 from funcamp.optim._schedules import chained_lr, join_schedules
-from funcamp.optim._states import AdamState, LionState, SgdState
+from funcamp.optim._states import (
+    AdadeltaState,
+    AdafactorState,
+    AdagradState,
+    AdamaxState,
+    AdamState,
+    AsgdState,
+    LbfgsState,
+    LionState,
+    MuonState,
+    NadamState,
+    RadamState,
+    RmspropState,
+    RpropState,
+    SgdState,
+)
 from funcamp.optim._transforms import AccumulateState, MaskedState, MultiTransformState
 
 __all__ = [
     "AccumulateState",
+    "AdadeltaState",
+    "AdafactorState",
+    "AdagradState",
     "AdamState",
+    "AdamaxState",
+    "AsgdState",
     "Capabilities",
     "EmaState",
     "KahanState",
+    "LbfgsState",
     "LionState",
     "MaskedState",
     "MasterWeightsState",
     "MultiTransformState",
+    "MuonState",
+    "NadamState",
     "Ops",
     "PlateauState",
+    "RadamState",
+    "RmspropState",
+    "RpropState",
     "SetParam",
     "SgdState",
     "StochasticRoundingState",
@@ -149,6 +192,7 @@ __all__ = [
     "linear_lr",
     "multi_step_lr",
     "multiplicative_lr",
+    "newton_schulz",
     "one_cycle_lr",
     "plateau_step",
     "polynomial_lr",

@@ -10,7 +10,7 @@ and the declared :class:`~funcamp.optim.Capabilities`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -65,6 +65,8 @@ def elementwise(
     kahan: bool = False,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    fill: Mapping[str, float] | None = None,
+    scalars: Mapping[str, float] | None = None,
 ) -> Optimizer:
     """Build an :class:`~funcamp.Optimizer` from an elementwise algorithm, written once.
 
@@ -95,6 +97,11 @@ def elementwise(
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash.
+        fill: a buffer's initial value where it is not zero (Adagrad's
+            ``initial_accumulator_value``).
+        scalars: state fields holding one 0-d float32 tensor for all leaves, by name with
+            their initial value (NAdam's ``mu_product``); ``step`` receives and returns each
+            in ``buffers`` as the tensor itself.
 
     Returns:
         An :class:`~funcamp.Optimizer` whose state is a ``state``, with its capabilities
@@ -125,6 +132,8 @@ def elementwise(
         kahan=kahan,
         stochastic_rounding=stochastic_rounding,
         seed=seed,
+        fill=fill,
+        scalars=scalars,
     )
 
 
@@ -143,6 +152,8 @@ def build(
     fused_kernel: FusedKernel | None = None,
     mask: Any = None,
     fused_update: FusedUpdate | None = None,
+    fill: Mapping[str, float] | None = None,
+    scalars: Mapping[str, float] | None = None,
 ) -> Optimizer:
     """:func:`elementwise`, plus a fused in-place kernel and a weight-decay mask for the
     built-in optimizers. With ``mask`` (see :func:`mask_flags`), ``step`` also gets
@@ -152,26 +163,9 @@ def build(
     to within rounding."""
     if not isinstance(api, str) or not api:
         raise TypeError(f"funcamp.optim.elementwise: `name` must be a non-empty str, got {api!r}")
-    fields = getattr(state_type, "_fields", None)
-    if (
-        not isinstance(state_type, type)
-        or not fields
-        or fields[0] != "count"
-        or fields[-1] != "low"
-    ):
-        raise TypeError(
-            f"funcamp.{api}: `state` must be a NamedTuple class with fields (count, <buffers>, "
-            f"low), got {describe(state_type)}"
-        )
     if not callable(step):
         raise TypeError(f"funcamp.{api}: `step` must be callable, got {describe(step)}")
-    names = tuple(fields[1:-1]) if buffers is None else tuple(buffers)
-    unknown = [b for b in names if b not in fields[1:-1]]
-    if unknown:
-        raise ValueError(
-            f"funcamp.{api}: `buffers` must be fields of {state_type.__name__} between count "
-            f"and low, got {unknown}"
-        )
+    names, filled, extra = _state_fields(api, state_type, buffers, fill, scalars)
     mode = select_mode(api, master_weights, kahan, stochastic_rounding, seed)
     cfg = _Config(
         api,
@@ -184,6 +178,8 @@ def build(
         seed,
         mask,
         fused_update,
+        filled,
+        extra,
     )
 
     def init(params: PyTree) -> Any:
@@ -249,6 +245,39 @@ def _as_rate(lr: Any, device: torch.device) -> torch.Tensor:
     )
 
 
+def _state_fields(
+    api: str,
+    state_type: type,
+    buffers: Sequence[str] | None,
+    fill: Mapping[str, float] | None,
+    scalars: Mapping[str, float] | None,
+) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]:
+    """The buffers in use, each with its initial value, and the 0-d fields with theirs,
+    checked against the fields of ``state_type``."""
+    fields = getattr(state_type, "_fields", None)
+    if (
+        not isinstance(state_type, type)
+        or not fields
+        or fields[0] != "count"
+        or fields[-1] != "low"
+    ):
+        raise TypeError(
+            f"funcamp.{api}: `state` must be a NamedTuple class with fields (count, <buffers>, "
+            f"low), got {describe(state_type)}"
+        )
+    names = tuple(fields[1:-1]) if buffers is None else tuple(buffers)
+    extra = dict(scalars or {})
+    unknown = [b for b in (*names, *extra) if b not in fields[1:-1]]
+    unknown += [b for b in (fill or {}) if b not in names]
+    if unknown:
+        raise ValueError(
+            f"funcamp.{api}: `buffers` must be fields of {state_type.__name__} between count "
+            f"and low (`scalars` too; `fill` names buffers in use), got {unknown}"
+        )
+    filled = tuple((b, float((fill or {}).get(b, 0.0))) for b in names)
+    return names, filled, tuple((b, float(v)) for b, v in extra.items())
+
+
 class _Config(NamedTuple):
     """An elementwise optimizer, as :func:`build` checked it (plain values: a compiled step is
     specialised on them, and a step kept on disk compares them when it is loaded)."""
@@ -263,6 +292,8 @@ class _Config(NamedTuple):
     seed: int
     mask: Any  # the weight-decay mask, or None
     fused_update: FusedUpdate | None  # the update is this kernel (``fused=True``)
+    fill: tuple[tuple[str, float], ...] = ()  # each buffer's initial value
+    scalars: tuple[tuple[str, float], ...] = ()  # the 0-d float32 fields, initial values
 
 
 def _init(cfg: _Config, params: PyTree) -> Any:
@@ -273,8 +304,12 @@ def _init(cfg: _Config, params: PyTree) -> Any:
         mask_flags(cfg.api, cfg.mask, params, strict=True)  # a mask that does not fit fails here
     device = leaves[0].device if leaves else torch.device("cpu")
     state = {f: () for f in cfg.state_type._fields}
-    for b in cfg.names:
-        state[b] = unflatten(spec, [torch.zeros_like(p, dtype=math_dtype(p.dtype)) for p in leaves])
+    for b, value in cfg.fill:
+        state[b] = unflatten(
+            spec, [torch.full_like(p, value, dtype=math_dtype(p.dtype)) for p in leaves]
+        )
+    for b, value in cfg.scalars:
+        state[b] = torch.full((), value, dtype=torch.float32, device=device)
     state["count"] = torch.zeros((), dtype=torch.int32, device=device)
     state["low"] = init_mode(cfg.mode, leaves, spec, cfg.seed)
     return cfg.state_type(**state)
@@ -298,6 +333,8 @@ def _checked(
     if ps is not None:
         _check_grads_not_wider(api, gs, ps, grads)
     check_count(api, "count", state.count)
+    for b, _ in cfg.scalars:
+        check_count(api, b, getattr(state, b), torch.float32)
     if gs and cfg.names:
         dtypes = [math_dtype(r.dtype) for r in (ps if ps is not None else gs)]
         for b in cfg.names:
@@ -330,14 +367,16 @@ def _run(
     bufs = {b: state_leaves(api, b, getattr(state, b), spec) for b in cfg.names}
     low_leaves = optree.tree_leaves(state.low)
     buf_leaves = [x for v in bufs.values() for x in v]
+    scalars = [getattr(state, b) for b, _ in cfg.scalars]
     ops: Ops = choose_ops(
-        [*gs, *(ps or ()), *buf_leaves, *low_leaves, count, lr],
+        [*gs, *(ps or ()), *buf_leaves, *low_leaves, *scalars, count, lr],
         owned=_owned_grads(gs, owned),
         device=gs[0].device,
         donated=buf_leaves,
         found_inf=found_inf,
     )
     g = ops.to_math(gs)
+    bufs.update((b, x) for (b, _), x in zip(cfg.scalars, scalars))
     pm = math_params(api, cfg.mode, state.low, ps, spec) if ps is not None else None
     flags = None
     if cfg.mask is not None and ps is not None:  # a callable mask raises here, before the step
@@ -348,6 +387,7 @@ def _run(
         deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count)
     updates, low = to_updates(api, cfg.mode, state.low, count, deltas, ps, spec)
     new_state = {b: unflatten(spec, new_bufs[b]) for b in cfg.names}
+    new_state.update((b, new_bufs[b]) for b, _ in cfg.scalars)
     return updates, state._replace(count=count + 1, low=low, **new_state)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_flag, check_number
+from funcamp.optim._adaptive import _beta, _lerp_tensor
 from funcamp.optim._base import Optimizer
 from funcamp.optim._elementwise import build
 from funcamp.optim._fused import FUSED_ADAM, fused_adam, fused_sgd
@@ -203,14 +204,31 @@ def _adam_step(
         # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
         t = (count + 1).to(torch.float64)
         lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
-        neg_step = ops.scalar(-(lr64 / (1.0 - torch.pow(b1, t))))
-        bc2_sqrt = ops.scalar(torch.sqrt(1.0 - torch.pow(b2, t)))
+        if isinstance(b1, torch.Tensor):  # torch's float32 tensor math: lr / bc1 is
+            bc1 = 1.0 - torch.pow(b1.float(), t.float())  # bc1.reciprocal() * lr
+            step = lr.float() / bc1 if isinstance(lr, torch.Tensor) else bc1.reciprocal() * lr
+            neg_step = ops.scalar(-step)
+        else:
+            neg_step = ops.scalar(-(lr64 / (1.0 - torch.pow(b1, t))))
+        if isinstance(b2, torch.Tensor):
+            bc2_sqrt = ops.scalar(torch.sqrt(1.0 - torch.pow(b2.float(), t.float())))
+        else:
+            bc2_sqrt = ops.scalar(torch.sqrt(1.0 - torch.pow(b2, t)))
         # v first, into a temporary, then m into the grads (when the eager path owns them). On
         # a donated state each goes into its buffer as it is kept, leaving the temporary for
         # the denominator and the grads for the step: torch.optim's memory (one temporary).
-        vb = ops.mul(buffers["exp_avg_sq"], b2)
-        v = ops.kept(ops.addcmul(vb, g, g, 1.0 - b2, into=vb), replaces=buffers["exp_avg_sq"])
-        m = ops.kept(ops.lerp(buffers["exp_avg"], g, 1.0 - b1, into=g), replaces=buffers["exp_avg"])
+        if isinstance(b2, torch.Tensor):  # torch's mul_(beta2).addcmul_(value=1 - beta2)
+            vb = ops.mul(buffers["exp_avg_sq"], ops.scalar(b2))
+            v = ops.fma(ops.mul(g, ops.scalar(1.0 - b2.float())), g, vb, into=vb)
+        else:
+            vb = ops.mul(buffers["exp_avg_sq"], b2)
+            v = ops.addcmul(vb, g, g, 1.0 - b2, into=vb)
+        v = ops.kept(v, replaces=buffers["exp_avg_sq"])
+        if isinstance(b1, torch.Tensor):
+            m = _lerp_tensor(ops, buffers["exp_avg"], g, ops.scalar(1.0 - b1.float()))
+        else:
+            m = ops.lerp(buffers["exp_avg"], g, 1.0 - b1, into=g)
+        m = ops.kept(m, replaces=buffers["exp_avg"])
         new = {"exp_avg": m, "exp_avg_sq": v}
         sq = v  # what the denominator is the root of
         if amsgrad:  # the running maximum, into the temporary when it is free (donated state)
@@ -257,8 +275,7 @@ def _adam(
 ) -> Optimizer:
     check_flag(api, "amsgrad", amsgrad)
     check_flag(api, "maximize", maximize)
-    b1 = check_number(api, "b1", b1, maximum=1.0)
-    b2 = check_number(api, "b2", b2, maximum=1.0)
+    b1, b2 = _beta(api, "b1", b1), _beta(api, "b2", b2)
     eps = check_number(api, "eps", eps)
     weight_decay = check_number(api, "weight_decay", weight_decay)
     check_flag(api, "fused", fused)
@@ -269,6 +286,11 @@ def _adam(
             raise ValueError(
                 f"funcamp.{api}: `fused=True` runs torch's fused kernel on float32 params and "
                 f"does not compose with {on[0]}=True (a low-precision mode); pass one or the other"
+            )
+        if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
+            raise ValueError(
+                f"funcamp.{api}: `fused=True` takes float betas (b1, b2); pass floats, or "
+                "fused=False for tensor betas"
             )
         if FUSED_ADAM is None:  # pragma: no cover - older torch
             raise ValueError(f"funcamp.{api}: `fused=True` needs torch._fused_adamw_ (torch>=2.4)")
@@ -289,8 +311,8 @@ def _adam(
 
 def adam(
     learning_rate: LearningRate,
-    b1: float = 0.9,
-    b2: float = 0.999,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
@@ -311,8 +333,9 @@ def adam(
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
             built; a value that is NaN, infinite or negative at run time skips the step).
-        b1: decay of the first moment, in [0, 1).
-        b2: decay of the second moment, in [0, 1).
+        b1: decay of the first moment, in [0, 1): a float, or a 0-d tensor as torch.optim
+            accepts (the bias corrections are then float32 tensor math, as torch's).
+        b2: decay of the second moment, in [0, 1) (a float or a 0-d tensor, as ``b1``).
         eps: added to the denominator (>= 0).
         weight_decay: L2 penalty (>= 0).
         amsgrad: keep the running maximum of the second moment (``max_exp_avg_sq`` in the
@@ -361,8 +384,8 @@ def adam(
 
 def adamw(
     learning_rate: LearningRate,
-    b1: float = 0.9,
-    b2: float = 0.999,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     *,
@@ -386,8 +409,9 @@ def adamw(
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
             built; a value that is NaN, infinite or negative at run time skips the step).
-        b1: decay of the first moment, in [0, 1).
-        b2: decay of the second moment, in [0, 1).
+        b1: decay of the first moment, in [0, 1): a float, or a 0-d tensor as torch.optim
+            accepts (the bias corrections are then float32 tensor math, as torch's).
+        b2: decay of the second moment, in [0, 1) (a float or a 0-d tensor, as ``b1``).
         eps: added to the denominator (>= 0).
         weight_decay: decoupled decay rate (>= 0).
         mask: where the weight decay applies: a pytree of Python bools with the params'

@@ -6,7 +6,22 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["AdamState", "LionState", "SgdState"]
+__all__ = [
+    "AdadeltaState",
+    "AdafactorState",
+    "AdagradState",
+    "AdamState",
+    "AdamaxState",
+    "AsgdState",
+    "LbfgsState",
+    "LionState",
+    "MuonState",
+    "NadamState",
+    "RadamState",
+    "RmspropState",
+    "RpropState",
+    "SgdState",
+]
 
 PyTree = Any
 
@@ -66,3 +81,193 @@ class LionState(NamedTuple):
     count: torch.Tensor
     exp_avg: PyTree
     low: PyTree
+
+
+class RmspropState(NamedTuple):
+    """State of :func:`funcamp.rmsprop`: ``count``, ``square_avg``, ``momentum_buffer`` (with
+    ``momentum > 0``, else ``()``), ``grad_avg`` (with ``centered=True``, else ``()``) and
+    ``low``; torch.optim.RMSprop's per-param state of the same names.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.rmsprop(0.01).init({"w": torch.ones(1)}).square_avg
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    square_avg: PyTree
+    momentum_buffer: PyTree
+    grad_avg: PyTree
+    low: PyTree
+
+
+class AdagradState(NamedTuple):
+    """State of :func:`funcamp.adagrad`: ``count``, ``sum`` (starting at
+    ``initial_accumulator_value``) and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.adagrad(0.01, initial_accumulator_value=0.1).init({"w": torch.ones(1)}).sum
+        {'w': tensor([0.1000])}
+    """
+
+    count: torch.Tensor
+    sum: PyTree
+    low: PyTree
+
+
+class AdadeltaState(NamedTuple):
+    """State of :func:`funcamp.adadelta`: ``count``, ``square_avg``, ``acc_delta`` and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.adadelta().init({"w": torch.ones(1)}).acc_delta
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    square_avg: PyTree
+    acc_delta: PyTree
+    low: PyTree
+
+
+class AdamaxState(NamedTuple):
+    """State of :func:`funcamp.adamax`: ``count``, ``exp_avg``, ``exp_inf`` and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.adamax(0.002).init({"w": torch.ones(1)}).exp_inf
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    exp_inf: PyTree
+    low: PyTree
+
+
+class NadamState(NamedTuple):
+    """State of :func:`funcamp.nadam`: ``count``, ``exp_avg``, ``exp_avg_sq``, ``mu_product``
+    (a 0-d float32 tensor, the product of the momentum coefficients so far: torch.optim.NAdam
+    keeps one per param, all equal) and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.nadam(0.002).init({"w": torch.ones(1)}).mu_product
+        tensor(1.)
+    """
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    exp_avg_sq: PyTree
+    mu_product: torch.Tensor
+    low: PyTree
+
+
+class RadamState(NamedTuple):
+    """State of :func:`funcamp.radam`: ``count``, ``exp_avg``, ``exp_avg_sq`` and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.radam(0.001).init({"w": torch.ones(1)}).exp_avg
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    exp_avg: PyTree
+    exp_avg_sq: PyTree
+    low: PyTree
+
+
+class AsgdState(NamedTuple):
+    """State of :func:`funcamp.asgd`: ``count``, ``ax`` (the averaged params) and ``low``.
+    torch.optim.ASGD's ``eta`` and ``mu`` are functions of the step count, computed each step.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.asgd(0.01).init({"w": torch.ones(1)}).ax
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    ax: PyTree
+    low: PyTree
+
+
+class RpropState(NamedTuple):
+    """State of :func:`funcamp.rprop`: ``count``, ``prev`` (the previous step's gradient, zero
+    where its sign flipped), ``step_size`` (per element; zero before the first step, which
+    starts it at the learning rate) and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.rprop(0.01).init({"w": torch.ones(1)}).step_size
+        {'w': tensor([0.])}
+    """
+
+    count: torch.Tensor
+    prev: PyTree
+    step_size: PyTree
+    low: PyTree
+
+
+class MuonState(NamedTuple):
+    """State of :func:`funcamp.muon`: ``count``, ``momentum_buffer`` and ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.muon(0.01).init({"w": torch.ones(1, 2)}).momentum_buffer
+        {'w': tensor([[0., 0.]])}
+    """
+
+    count: torch.Tensor
+    momentum_buffer: PyTree
+    low: PyTree
+
+
+class AdafactorState(NamedTuple):
+    """State of :func:`funcamp.adafactor`: ``count``; ``row_var`` and ``col_var`` (the factored
+    second moment of each param with two or more dimensions: its shape with the last, resp.
+    the second-to-last, dimension 1) and ``variance`` (the whole second moment of a vector);
+    an empty tensor, shape ``(0,)``, where torch.optim.Adafactor keeps no such entry; ``low``.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.adafactor().init({"b": torch.ones(2)}).row_var
+        {'b': tensor([])}
+    """
+
+    count: torch.Tensor
+    row_var: PyTree
+    col_var: PyTree
+    variance: PyTree
+    low: PyTree
+
+
+class LbfgsState(NamedTuple):
+    """State of :func:`funcamp.lbfgs`: torch.optim.LBFGS's state as tensors. ``count`` (updates
+    so far), ``func_evals`` and ``n_iter`` (int64: torch's counters), ``d`` and ``t`` (the last
+    direction and step size), ``old_dirs``/``old_stps``/``ro`` (the curvature history: its
+    first ``history`` rows, oldest first), ``h_diag``, ``prev_flat_grad``, ``prev_loss`` and
+    ``loss`` (the loss at the params the last update started from). Vectors are over the
+    params' concatenation.
+
+    Example:
+        >>> import torch, funcamp
+        >>> funcamp.lbfgs(history_size=3).init({"w": torch.ones(2)}).old_dirs.shape
+        torch.Size([3, 2])
+    """
+
+    count: torch.Tensor
+    func_evals: torch.Tensor
+    n_iter: torch.Tensor
+    d: torch.Tensor
+    t: torch.Tensor
+    old_dirs: torch.Tensor
+    old_stps: torch.Tensor
+    ro: torch.Tensor
+    history: torch.Tensor
+    h_diag: torch.Tensor
+    prev_flat_grad: torch.Tensor
+    prev_loss: torch.Tensor
+    loss: torch.Tensor

@@ -1,0 +1,218 @@
+"""Adafactor with torch.optim.Adafactor's semantics: a plain ``Optimizer(init, update)`` (its
+factored statistics are not shaped like the params, and its step sizes are norms of whole
+leaves), with the low-precision modes of the elementwise optimizers.
+
+torch.optim reads its norms with ``.item()`` and computes the step sizes in Python doubles; here
+they are float64 0-d tensors, rounded to float32 where torch's kernels round a Python scalar, so
+nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from funcamp._core.checks import (
+    check_count,
+    check_flag,
+    check_number,
+    check_real,
+    flatten_grads,
+    flatten_params,
+    learning_rate_fn,
+    state_leaves,
+)
+from funcamp._core.numerics import math_dtype
+from funcamp._core.tree import describe, leaf_path, unflatten
+from funcamp.optim._base import Capabilities, Optimizer
+from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
+from funcamp.optim._states import AdafactorState
+
+__all__ = ["adafactor"]
+
+PyTree = Any
+LearningRate = Any
+
+
+def _shapes(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``row_var``, ``col_var`` and ``variance`` shapes for a param (``(0,)``: not kept)."""
+    if p.dim() > 1:
+        row, col = list(p.shape), list(p.shape)
+        row[-1] = 1
+        col[-2] = 1
+        return tuple(row), tuple(col), (0,)
+    return (0,), (0,), tuple(p.shape)
+
+
+def _leaf(
+    g: torch.Tensor,
+    p: torch.Tensor,
+    bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    lr64: Any,
+    weight: torch.Tensor,
+    rho: torch.Tensor,
+    cfg: tuple[float | None, float, float, float],
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One leaf of torch.optim's ``_single_tensor_adafactor``: the delta and the new buffers."""
+    eps1, eps2, d, weight_decay = cfg
+    eps1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
+    row_var, col_var, variance = bufs
+    # alpha = max(eps2, ||p|| / sqrt(numel)) * rho_t, from the param before the decay
+    norm = torch.linalg.vector_norm(p).to(torch.float64) / math.sqrt(p.numel())
+    alpha = torch.clamp(norm, min=eps2) * rho
+    new_p = p
+    if weight_decay != 0:
+        decay = 1.0 - lr64 * weight_decay  # a Python float or a float64 tensor
+        new_p = p * (decay.to(p.dtype) if isinstance(decay, torch.Tensor) else decay)
+    if g.dim() > 1:
+        row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / g.size(-1)
+        row_var = torch.lerp(row_var, row_mean, weight)
+        col_mean = torch.linalg.vector_norm(g, dim=-2, keepdim=True).square() / g.size(-2)
+        col_var = torch.lerp(col_var, col_mean, weight)
+        estimate = row_var @ col_var
+        estimate = estimate / row_var.mean(dim=-2, keepdim=True).clamp(min=eps1)
+    else:
+        variance = torch.lerp(variance, g * g, weight)
+        estimate = variance
+    update = estimate.clamp(min=eps1 * eps1).rsqrt() * g
+    unorm = torch.linalg.vector_norm(update).to(torch.float64)
+    denom = torch.clamp(unorm / (math.sqrt(update.numel()) * d), min=1.0)
+    step = (-alpha / denom).to(update.dtype)
+    new_p = torch.addcmul(new_p, update, step)  # p.add_(update, alpha=step): one rounding
+    return new_p - p, (row_var, col_var, variance)
+
+
+def adafactor(
+    learning_rate: LearningRate = 1e-2,
+    beta2_decay: float = -0.8,
+    eps: tuple[float | None, float] = (None, 1e-3),
+    d: float = 1.0,
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Adafactor (Shazeer and Stern 2018) with torch.optim.Adafactor's semantics and defaults.
+
+    The second moment of a matrix (of each trailing matrix of a higher-dimensional param) is
+    kept factored, as its row and column means (``row_var``, ``col_var``: O(rows + cols)
+    memory); a vector keeps it whole (``variance``). Their decay is ``1 - t**beta2_decay``;
+    the update ``g / sqrt(v)`` is clipped to RMS ``d`` and scaled by
+    ``max(eps2, rms(p)) * min(lr, 1 / sqrt(t))`` (the relative step size); the weight decay is
+    decoupled, ``p *= 1 - lr * weight_decay``. A param sharded as a DTensor reduces its norms
+    and means through DTensor's collectives.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        beta2_decay: the decay exponent of the second moment (<= 0).
+        eps: ``(eps1, eps2)``: the floor of the variance estimate (None: the param dtype's
+            machine epsilon) and of the params' RMS.
+        d: the update's clipping threshold (>= 1).
+        weight_decay: decoupled weight decay (>= 0).
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.AdafactorState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adafactor(0.01)
+        >>> params = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+        >>> state = opt.init(params)
+        >>> state.row_var["w"].shape, state.col_var["w"].shape, state.variance["b"].shape
+        (torch.Size([2, 1]), torch.Size([1, 3]), torch.Size([3]))
+        >>> grads = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+        >>> updates, state = opt.update(grads, state, params)
+        >>> funcamp.apply_updates(params, updates)["b"]
+        tensor([0.9900, 0.9900, 0.9900])
+    """
+    api = "adafactor"
+    check_flag(api, "maximize", maximize)
+    beta2_decay = check_real(api, "beta2_decay", beta2_decay, low=None, high=0.0, high_open=False)
+    if not isinstance(eps, (tuple, list)) or len(eps) != 2:
+        raise TypeError(f"funcamp.{api}: `eps` must be a pair (eps1, eps2), got {describe(eps)}")
+    eps1 = None if eps[0] is None else check_number(api, "eps[0]", eps[0])
+    eps2 = check_number(api, "eps[1]", eps[1])
+    d = check_number(api, "d", d, minimum=1.0)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    mode = select_mode(api, master_weights, kahan, stochastic_rounding, seed)
+    lr_fn = learning_rate_fn(api, learning_rate)
+    cfg = (eps1, eps2, d, weight_decay)
+
+    def init(params: PyTree) -> AdafactorState:
+        leaves, spec = flatten_params(api, params)
+        device = leaves[0].device if leaves else torch.device("cpu")
+        shapes = [_shapes(p) for p in leaves]
+        bufs = [
+            unflatten(
+                spec,
+                [
+                    torch.zeros(s[i], dtype=math_dtype(p.dtype), device=p.device)
+                    for s, p in zip(shapes, leaves)
+                ],
+            )
+            for i in range(3)
+        ]
+        return AdafactorState(
+            torch.zeros((), dtype=torch.int32, device=device),
+            *bufs,
+            init_mode(mode, leaves, spec, seed),
+        )
+
+    def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        if not isinstance(state, AdafactorState):
+            raise TypeError(
+                f"funcamp.{api}: `state` must be an AdafactorState from this optimizer's init, "
+                f"got {type(state).__name__}"
+            )
+        gs, ps, spec = flatten_grads(api, grads, params, need_params=True)
+        check_count(api, "count", state.count)
+        bufs = [state_leaves(api, f, getattr(state, f), spec) for f in AdafactorState._fields[1:4]]
+        for i, p in zip(range(len(ps)), ps):
+            for f, want, x in zip(AdafactorState._fields[1:4], _shapes(p), (b[i] for b in bufs)):
+                if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+                    raise ValueError(
+                        f"funcamp.{api}: `state.{f}` leaf {leaf_path(grads, i)} must be a tensor "
+                        f"of shape {want}, got {describe(x)}; build the state with init(params)"
+                    )
+        check_mode_state(api, mode, state.low, ps, spec, grads)
+        count = state.count
+        if not gs:
+            return unflatten(spec, []), state._replace(count=count + 1)
+        lr = lr_fn(count)[0]
+        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        t = (count + 1).to(torch.float64)
+        weight = torch.pow(t, beta2_decay).to(torch.float32)  # torch's lerp weight, rounded
+        inv_sqrt = 1.0 / torch.sqrt(t)  # torch's min(lr, 1 / step**0.5), in float64
+        if isinstance(lr64, torch.Tensor):
+            rho = torch.minimum(lr64.to(t.device), inv_sqrt)
+        else:
+            rho = torch.clamp(inv_sqrt, max=lr64)
+        pm = math_params(api, mode, state.low, ps, spec)
+        deltas, new = [], ([], [], [])
+        for i, g, p in zip(range(len(gs)), gs, pm):
+            g = g.to(p.dtype)
+            g = -g if maximize else g
+            w = weight.to(p.device, p.dtype)
+            delta, leaf_bufs = _leaf(g, p, tuple(b[i] for b in bufs), lr64, w, rho, cfg)
+            deltas.append(delta)
+            for out, x in zip(new, leaf_bufs):
+                out.append(x)
+        updates, low = to_updates(api, mode, state.low, count, deltas, ps, spec)
+        trees = [unflatten(spec, xs) for xs in new]
+        return updates, AdafactorState(count + 1, *trees, low)
+
+    def rate(state: Any) -> torch.Tensor:
+        lr = lr_fn(state.count)[0]
+        return lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, device=state.count.device)
+
+    return Optimizer(init, update, Capabilities(learning_rate=rate))

@@ -1,0 +1,454 @@
+"""torch.optim's adaptive elementwise optimizers, each an algorithm written once with
+:func:`funcamp.optim.elementwise`: RMSprop, Adagrad, Adadelta, Adamax (NAdam, RAdam, ASGD and
+Rprop are in ``_variants``; both modules share the helpers below).
+
+Each ``step`` does torch.optim's single-tensor operations in their order, rounding as its CPU
+kernels round: ``add(alpha=)``, ``lerp`` and ``addcmul`` are one fused multiply-add
+(``ops.fma``), ``addcdiv(value=v)`` is ``p + (v * x) / y`` (three roundings), a Python scalar
+operand is rounded to float32. Scalars torch computes from the step number in Python doubles
+(bias corrections, step sizes) are computed from the step count as float64 tensors and rounded
+to float32 once. Where torch's update is ``p.add_(d, alpha=-lr)`` (one rounding) the update
+leaf is ``new_p - p`` when the params are given (as :func:`funcamp.sgd` does). Nothing syncs
+with the host and nothing branches on a tensor's value (RAdam's rectification and ASGD's
+averaging switch are ``where`` selections).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from funcamp._core.checks import check_flag, check_number
+from funcamp._core.tree import describe
+from funcamp.optim._base import Optimizer
+from funcamp.optim._elementwise import elementwise
+from funcamp.optim._paths import Ops
+from funcamp.optim._states import (
+    AdadeltaState,
+    AdagradState,
+    AdamaxState,
+    RmspropState,
+)
+
+__all__ = ["adadelta", "adagrad", "adamax", "rmsprop"]
+
+PyTree = Any
+Tensors = list[torch.Tensor]
+LearningRate = Any
+
+
+def _modes(master_weights: bool, kahan: bool, stochastic_rounding: bool, seed: int) -> dict:
+    return dict(
+        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
+        seed=seed,
+    )  # fmt: skip
+
+
+def _map(fn: Callable[..., torch.Tensor], *lists: Tensors) -> Tensors:
+    """``fn`` leaf by leaf (plain torch ops: right on both paths, never in place)."""
+    return [fn(*xs) for xs in zip(*lists)]
+
+
+def _f64(lr: Any) -> Any:
+    return lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+
+
+def _steps(count: torch.Tensor) -> torch.Tensor:
+    """torch.optim's ``step`` (1 on the first update) as a float64 0-d tensor."""
+    return (count + 1).to(torch.float64)
+
+
+def _prologue(ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float) -> Tensors:
+    """``grad = -grad`` (maximize; exact), then ``grad.add(param, alpha=weight_decay)``."""
+    if maximize:
+        g = ops.mul(g, -1.0)
+    if weight_decay > 0:
+        g = ops.fma(p, weight_decay, g)
+    return g
+
+
+def _add_scaled(ops: Ops, d: Tensors, neg_lr: Any, p: Any) -> Tensors:
+    """The update of ``p.add_(d, alpha=neg_lr)``: ``new_p - p`` with ``new_p`` rounded once as
+    torch's kernel rounds it, or ``neg_lr * d`` without params."""
+    if p is None:
+        return ops.mul(d, neg_lr)
+    return ops.sub(ops.fma(d, neg_lr, p), p)
+
+
+def _betas(api: str, b1: float, b2: float) -> tuple[float, float]:
+    return check_number(api, "b1", b1, maximum=1.0), check_number(api, "b2", b2, maximum=1.0)
+
+
+def _pair(api: str, name: str, value: Any) -> tuple[Any, Any]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"funcamp.{api}: `{name}` must be a pair of floats, got {describe(value)}")
+    return value[0], value[1]
+
+
+def _lerp_tensor(ops: Ops, xs: Tensors, ys: Tensors, w: torch.Tensor) -> Tensors:
+    """``torch.lerp(x, y, w)`` for a 0-d tensor weight, rounded as torch's CPU kernel: one
+    multiply-add from the nearer end (a ``where`` on the weight: no host sync)."""
+    diff = ops.sub(ys, xs)
+    near_x = ops.fma(diff, w, xs)
+    near_y = ops.fma(diff, w - 1.0, ys)
+    return ops.where(w.abs() < 0.5, near_x, near_y)
+
+
+def _beta(api: str, name: str, value: Any) -> Any:
+    """A decay in [0, 1): a Python float, or a 0-d floating tensor (as torch.optim.Adam
+    accepts; its value is read here, once)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not value.is_floating_point() or value.requires_grad:
+            raise TypeError(
+                f"funcamp.{api}: `{name}` must be a float or a 0-d floating tensor without "
+                f"grad, got {describe(value)}"
+            )
+        check_number(api, name, float(value), maximum=1.0)
+        return value.detach().clone()
+    return check_number(api, name, value, maximum=1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# rmsprop
+
+
+def _rmsprop_step(
+    alpha: float, eps: float, weight_decay: float, momentum: float, centered: bool, maximize: bool
+) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.RMSprop: square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha);
+        # centered: grad_avg.lerp_(grad, 1 - alpha), avg = square_avg.addcmul(grad_avg,
+        # grad_avg, value=-1).sqrt_(); else avg = square_avg.sqrt(); avg.add_(eps); momentum:
+        # buf.mul_(momentum).addcdiv_(grad, avg), p.add_(buf, alpha=-lr); else
+        # p.addcdiv_(grad, avg, value=-lr).
+        g = _prologue(ops, g, p, maximize, weight_decay)
+        sa = ops.addcmul(ops.mul(buffers["square_avg"], alpha), g, g, 1.0 - alpha)
+        new: dict[str, Tensors] = {}
+        if centered:
+            ga = ops.lerp(buffers["grad_avg"], g, 1.0 - alpha)
+            avg = ops.sqrt(ops.addcmul(sa, ga, ga, -1.0))
+        else:
+            avg = ops.sqrt(sa)
+        avg = ops.add(avg, eps, into=avg)
+        neg_lr = ops.scalar(-lr)
+        if momentum > 0:
+            buf = ops.add(ops.mul(buffers["momentum_buffer"], momentum), ops.div(g, avg))
+            deltas = _add_scaled(ops, buf, neg_lr, p)
+            new["momentum_buffer"] = ops.kept(buf, replaces=buffers["momentum_buffer"])
+        else:
+            deltas = ops.div(ops.mul(g, neg_lr), avg)
+        if centered:
+            new["grad_avg"] = ops.kept(ga, replaces=buffers["grad_avg"])
+        new["square_avg"] = ops.kept(sa, replaces=buffers["square_avg"])
+        return deltas, new
+
+    return step
+
+
+def rmsprop(
+    learning_rate: LearningRate,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    centered: bool = False,
+    *,
+    maximize: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """RMSprop with torch.optim.RMSprop's semantics and defaults.
+
+    ``v = alpha * v + (1 - alpha) * g**2``; the step is ``-lr * g / (sqrt(v) + eps)``
+    (``sqrt(v - mean(g)**2)`` with ``centered``), through a momentum buffer with ``momentum``.
+    ``eps`` is added after the root (optax's ``rmsprop(eps_in_sqrt=False)``).
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        alpha: smoothing constant of the squared gradients, in [0, 1].
+        eps: added to the denominator (>= 0).
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        momentum: momentum factor (>= 0).
+        centered: normalise by the estimated variance of the gradient.
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.RmspropState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.rmsprop(0.01)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -2.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([-0.1000,  0.1000])}
+    """
+    api = "rmsprop"
+    check_flag(api, "centered", centered)
+    check_flag(api, "maximize", maximize)
+    alpha = check_number(api, "alpha", alpha, maximum=1.0, maximum_open=False)
+    eps = check_number(api, "eps", eps)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    momentum = check_number(api, "momentum", momentum)
+    buffers = ["square_avg"]
+    if momentum > 0:
+        buffers.append("momentum_buffer")
+    if centered:
+        buffers.append("grad_avg")
+    return elementwise(
+        api,
+        RmspropState,
+        _rmsprop_step(alpha, eps, weight_decay, momentum, centered, maximize),
+        learning_rate,
+        buffers=buffers,
+        needs_params=weight_decay > 0,
+        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# adagrad
+
+
+def _adagrad_step(lr_decay: float, weight_decay: float, eps: float, maximize: bool) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.Adagrad: clr = lr / (1 + (step - 1) * lr_decay) (double);
+        # state_sum.addcmul_(grad, grad, value=1); std = state_sum.sqrt().add_(eps);
+        # p.addcdiv_(grad, std, value=-clr).
+        g = _prologue(ops, g, p, maximize, weight_decay)
+        neg_clr = ops.scalar(-(_f64(lr) / (1.0 + count.to(torch.float64) * lr_decay)))
+        s = ops.addcmul(buffers["sum"], g, g, 1.0)
+        std = ops.sqrt(s)
+        std = ops.add(std, eps, into=std)
+        deltas = ops.div(ops.mul(g, neg_clr), std)
+        return deltas, {"sum": ops.kept(s, replaces=buffers["sum"])}
+
+    return step
+
+
+def adagrad(
+    learning_rate: LearningRate,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-10,
+    *,
+    maximize: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Adagrad with torch.optim.Adagrad's semantics and defaults (dense gradients).
+
+    ``sum += g**2``; the step is ``-clr * g / (sqrt(sum) + eps)`` with
+    ``clr = lr / (1 + count * lr_decay)``. torch.optim.Adagrad's ``fused=True`` is its own
+    kernel for the same math: use this (``unscale_and_step(..., donate_state=True)`` updates
+    the state in place).
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        lr_decay: learning-rate decay per step (>= 0).
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        initial_accumulator_value: the accumulator's initial value (>= 0).
+        eps: added to the denominator (>= 0).
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.AdagradState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adagrad(0.5)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -2.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates), state.sum
+        ({'w': tensor([-0.5000,  0.5000])}, {'w': tensor([1., 4.])})
+    """
+    api = "adagrad"
+    check_flag(api, "maximize", maximize)
+    lr_decay = check_number(api, "lr_decay", lr_decay)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    iav = check_number(api, "initial_accumulator_value", initial_accumulator_value)
+    eps = check_number(api, "eps", eps)
+    return elementwise(
+        api,
+        AdagradState,
+        _adagrad_step(lr_decay, weight_decay, eps, maximize),
+        learning_rate,
+        needs_params=weight_decay > 0,
+        fill={"sum": iav},
+        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# adadelta
+
+
+def _adadelta_step(rho: float, eps: float, weight_decay: float, maximize: bool) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.Adadelta: square_avg.mul_(rho).addcmul_(grad, grad, value=1 - rho);
+        # std = square_avg.add(eps).sqrt_(); delta = acc_delta.add(eps).sqrt_();
+        # delta.div_(std).mul_(grad); acc_delta.mul_(rho).addcmul_(delta, delta, value=1 - rho);
+        # p.add_(delta, alpha=-lr).
+        g = _prologue(ops, g, p, maximize, weight_decay)
+        sa = ops.addcmul(ops.mul(buffers["square_avg"], rho), g, g, 1.0 - rho)
+        std = ops.sqrt(ops.add(sa, eps))
+        delta = ops.sqrt(ops.add(buffers["acc_delta"], eps))
+        delta = ops.mul(ops.div(delta, std, into=delta), g)
+        acc = ops.addcmul(ops.mul(buffers["acc_delta"], rho), delta, delta, 1.0 - rho)
+        deltas = _add_scaled(ops, delta, ops.scalar(-lr), p)
+        new = {
+            "square_avg": ops.kept(sa, replaces=buffers["square_avg"]),
+            "acc_delta": ops.kept(acc, replaces=buffers["acc_delta"]),
+        }
+        return deltas, new
+
+    return step
+
+
+def adadelta(
+    learning_rate: LearningRate = 1.0,
+    rho: float = 0.9,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Adadelta with torch.optim.Adadelta's semantics and defaults (``learning_rate=1.0``).
+
+    ``v = rho * v + (1 - rho) * g**2``; ``d = sqrt(u + eps) / sqrt(v + eps) * g``;
+    ``u = rho * u + (1 - rho) * d**2``; the step is ``-lr * d``.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (1.0: Zeiler's).
+        rho: decay of the running averages, in [0, 1].
+        eps: added inside both square roots (>= 0).
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.AdadeltaState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adadelta()
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -2.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([-0.0032,  0.0032])}
+    """
+    api = "adadelta"
+    check_flag(api, "maximize", maximize)
+    rho = check_number(api, "rho", rho, maximum=1.0, maximum_open=False)
+    eps = check_number(api, "eps", eps)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    return elementwise(
+        api,
+        AdadeltaState,
+        _adadelta_step(rho, eps, weight_decay, maximize),
+        learning_rate,
+        needs_params=weight_decay > 0,
+        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# adamax
+
+
+def _adamax_step(b1: float, b2: float, eps: float, weight_decay: float, maximize: bool) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.Adamax: exp_avg.lerp_(grad, 1 - b1); torch.maximum(exp_inf.mul_(b2),
+        # grad.abs().add_(eps), out=exp_inf); clr = lr / (1 - b1**step) (double);
+        # p.addcdiv_(exp_avg, exp_inf, value=-clr).
+        g = _prologue(ops, g, p, maximize, weight_decay)
+        neg_clr = ops.scalar(-(_f64(lr) / (1.0 - torch.pow(b1, _steps(count)))))
+        m = ops.lerp(buffers["exp_avg"], g, 1.0 - b1)
+        norm = ops.add(_map(torch.abs, g), eps)
+        u = ops.maximum(ops.mul(buffers["exp_inf"], b2), norm, into=norm)
+        deltas = ops.div(ops.mul(m, neg_clr), u)
+        new = {
+            "exp_avg": ops.kept(m, replaces=buffers["exp_avg"]),
+            "exp_inf": ops.kept(u, replaces=buffers["exp_inf"]),
+        }
+        return deltas, new
+
+    return step
+
+
+def adamax(
+    learning_rate: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Adamax (Adam with the infinity norm) with torch.optim.Adamax's semantics.
+
+    ``m = b1 * m + (1 - b1) * g``; ``u = max(b2 * u, |g| + eps)``; the step is
+    ``-lr / (1 - b1**t) * m / u``. torch's ``betas=(b1, b2)`` are ``b1, b2`` here.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the infinity norm, in [0, 1).
+        eps: added to ``|g|`` (>= 0).
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.AdamaxState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adamax(0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -2.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)
+        {'w': tensor([-0.1000,  0.1000])}
+    """
+    api = "adamax"
+    check_flag(api, "maximize", maximize)
+    b1, b2 = _betas(api, b1, b2)
+    eps = check_number(api, "eps", eps)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    return elementwise(
+        api,
+        AdamaxState,
+        _adamax_step(b1, b2, eps, weight_decay, maximize),
+        learning_rate,
+        needs_params=weight_decay > 0,
+        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    )

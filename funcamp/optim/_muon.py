@@ -1,0 +1,204 @@
+"""Muon (momentum orthogonalised by Newton-Schulz) with torch.optim.Muon's semantics, written
+with :func:`funcamp.optim.elementwise`: the algorithm gets each leaf whole, so the
+orthogonalisation is a per-leaf function like any other op; the momentum, the weight decay and
+the step are torch.optim's operations, rounded as its kernels round them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import optree
+import torch
+
+from funcamp._core.checks import check_flag, check_int, check_number
+from funcamp._core.tree import NAMESPACE, describe, path_str
+from funcamp.optim._adaptive import LearningRate, Tensors, _f64, _modes
+from funcamp.optim._base import Optimizer
+from funcamp.optim._elementwise import elementwise
+from funcamp.optim._paths import Ops
+from funcamp.optim._states import MuonState
+
+__all__ = ["muon", "newton_schulz"]
+
+PyTree = Any
+#: torch.optim.Muon's defaults: the quintic's coefficients, its steps and the norm's floor.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+EPS = 1e-7
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def newton_schulz(
+    x: torch.Tensor,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    ns_steps: int = NS_STEPS,
+    eps: float = EPS,
+) -> torch.Tensor:
+    """The orthogonalisation of a 2-D ``x`` by ``ns_steps`` quintic Newton-Schulz iterations in
+    bfloat16, as torch.optim.Muon computes it: ``x / max(||x||, eps)`` (transposed when it has
+    more rows than columns), then ``X = a X + (b A + c A @ A) @ X`` with ``A = X @ X.T``.
+
+    Args:
+        x: a 2-D tensor.
+        ns_coefficients: ``(a, b, c)``.
+        ns_steps: the number of iterations.
+        eps: the floor of the norm.
+
+    Returns:
+        A bfloat16 tensor of ``x``'s shape, whose singular values are near 1.
+
+    Example:
+        >>> import torch, funcamp
+        >>> o = funcamp.optim.newton_schulz(torch.tensor([[3.0, 0.0], [0.0, 0.5]]))
+        >>> o.dtype, o.diagonal().float().round(decimals=1)
+        (torch.bfloat16, tensor([0.7000, 1.0000]))
+    """
+    a, b, c = ns_coefficients
+    o = x.bfloat16()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        o = o.T
+    o = o / o.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = o @ o.T
+        gram = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        o = torch.addmm(o, gram, o, beta=a)
+    return o.T if tall else o
+
+
+def _ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+def _muon_step(
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    ns: tuple[tuple[float, float, float], int, float],
+    adjust_lr_fn: str | None,
+) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.Muon: buf.lerp_(grad, 1 - momentum); update = grad.lerp(buf, momentum)
+        # (nesterov) or buf; update = NS(update) (bfloat16); adjusted_lr = lr * ratio(shape);
+        # p.mul_(1 - lr * weight_decay); p.add_(update, alpha=-adjusted_lr).
+        buf = ops.lerp(buffers["momentum_buffer"], g, 1.0 - momentum)
+        update = ops.lerp(g, buf, momentum) if nesterov else buf
+        dtypes = [x.dtype for x in g]
+        orth = [newton_schulz(x, *ns).to(d) for x, d in zip(update, dtypes)]
+        lr64 = _f64(lr)
+        neg = [ops.scalar(-(lr64 * _ratio(adjust_lr_fn, x.shape))) for x in g]
+        new = {"momentum_buffer": ops.kept(buf, replaces=buffers["momentum_buffer"])}
+        if p is None:
+            return ops.mul(orth, neg), new
+        new_p = p if weight_decay == 0 else ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+        return ops.sub(ops.fma(orth, neg, new_p), p), new
+
+    return step
+
+
+def muon(
+    learning_rate: LearningRate = 1e-3,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = EPS,
+    ns_steps: int = NS_STEPS,
+    adjust_lr_fn: str | None = None,
+    *,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Muon with torch.optim.Muon's semantics and defaults, for 2-D params (hidden matrices).
+
+    ``buf = momentum * buf + (1 - momentum) * g`` (a ``lerp``); the direction is
+    ``g + momentum * (buf - g)`` with ``nesterov``, else ``buf``; it is orthogonalised by
+    :func:`funcamp.optim.newton_schulz` (bfloat16, as torch's); then
+    ``p = p * (1 - lr * weight_decay) - adjusted_lr * O`` with ``adjusted_lr = lr *
+    sqrt(max(1, rows / cols))`` (``adjust_lr_fn="original"`` or None) or ``lr * 0.2 *
+    sqrt(max(rows, cols))`` (``"match_rms_adamw"``, Moonshot's). Every param must be a matrix:
+    pair Muon with another optimizer for the rest through :func:`funcamp.multi_transform`
+    (docs/guides/writing-an-optimizer.md shows the usual Muon + AdamW split). A param sharded
+    as a DTensor is orthogonalised by DTensor's own matmul rules (whole-matrix collectives).
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        weight_decay: decoupled weight decay (>= 0).
+        momentum: momentum factor, in [0, 1).
+        nesterov: use the Nesterov direction.
+        ns_coefficients: the quintic's ``(a, b, c)``.
+        eps: the floor of the norm the direction is divided by (>= 0).
+        ns_steps: Newton-Schulz iterations (an int in [0, 100)).
+        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"``.
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.MuonState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.muon(0.1, weight_decay=0.0)
+        >>> params = {"w": torch.zeros(2, 2)}
+        >>> g = {"w": torch.tensor([[1.0, 0.0], [0.0, 1.0]])}
+        >>> updates, state = opt.update(g, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)["w"].diagonal()
+        tensor([-0.1125, -0.1125])
+        >>> funcamp.muon(0.1).init({"b": torch.zeros(3)})
+        Traceback (most recent call last):
+        ...
+        ValueError: funcamp.muon: every param must be a 2-D matrix (torch.optim.Muon's rule); the param at ['b'] has shape (3,): optimize it with another optimizer through funcamp.multi_transform (AdamW for biases, norms and embeddings, as in the Muon + AdamW split)
+    """
+    api = "muon"
+    check_flag(api, "nesterov", nesterov)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    momentum = check_number(api, "momentum", momentum, maximum=1.0)
+    eps = check_number(api, "eps", eps)
+    ns_steps = check_int(api, "ns_steps", ns_steps, minimum=0)
+    if ns_steps >= 100:
+        raise ValueError(f"funcamp.{api}: `ns_steps` must be an int < 100, got {ns_steps}")
+    if not isinstance(ns_coefficients, (tuple, list)) or len(ns_coefficients) != 3:
+        raise TypeError(
+            f"funcamp.{api}: `ns_coefficients` must be three floats (a, b, c), got "
+            f"{describe(ns_coefficients)}"
+        )
+    coefficients = tuple(
+        check_number(api, f"ns_coefficients[{i}]", c, minimum=-math.inf)
+        for i, c in enumerate(ns_coefficients)
+    )
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(
+            f"funcamp.{api}: `adjust_lr_fn` must be None, 'original' or 'match_rms_adamw', "
+            f"got {adjust_lr_fn!r}"
+        )
+    opt = elementwise(
+        api,
+        MuonState,
+        _muon_step(momentum, nesterov, weight_decay, (coefficients, ns_steps, eps), adjust_lr_fn),
+        learning_rate,
+        needs_params=weight_decay > 0,
+        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    )
+
+    def init(params: PyTree) -> MuonState:
+        leaves = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
+        for path, x in zip(leaves[0], leaves[1]):
+            if isinstance(x, torch.Tensor) and x.dim() != 2:
+                raise ValueError(
+                    f"funcamp.{api}: every param must be a 2-D matrix (torch.optim.Muon's rule); "
+                    f"the param at {path_str(path)} has shape {tuple(x.shape)}: optimize it with "
+                    "another optimizer through funcamp.multi_transform (AdamW for biases, norms "
+                    "and embeddings, as in the Muon + AdamW split)"
+                )
+        return opt.init(params)
+
+    return Optimizer(init, opt.update, opt.capabilities)

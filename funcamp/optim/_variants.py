@@ -1,0 +1,450 @@
+"""torch.optim's NAdam, RAdam, ASGD and Rprop, each an algorithm written once with
+:func:`funcamp.optim.elementwise`, rounding as torch.optim's single-tensor CPU path (see
+``_adaptive``). RAdam's rectification and ASGD's averaging switch are ``where`` selections on
+the step count: no host sync, no branch on a tensor's value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from funcamp._core.checks import check_flag, check_number
+from funcamp.optim._adaptive import (
+    LearningRate,
+    Tensors,
+    _betas,
+    _f64,
+    _map,
+    _modes,
+    _pair,
+    _prologue,
+    _steps,
+)
+from funcamp.optim._base import Optimizer
+from funcamp.optim._elementwise import elementwise
+from funcamp.optim._paths import Ops
+from funcamp.optim._states import AsgdState, NadamState, RadamState, RpropState
+
+__all__ = ["asgd", "nadam", "radam", "rprop"]
+
+
+# --------------------------------------------------------------------------------------------
+# nadam
+
+
+def _nadam_step(
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    momentum_decay: float,
+    decoupled: bool,
+    maximize: bool,
+) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.NAdam: bias_correction2 = 1 - b2**step; p.mul_(1 - lr * wd) (decoupled)
+        # or grad.add(p, alpha=wd); mu = b1 * (1 - 0.5 * 0.96**(step * momentum_decay)),
+        # mu_next the same at step + 1 (doubles); mu_product *= mu (float32);
+        # exp_avg.lerp_(grad, 1 - b1); exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2);
+        # denom = exp_avg_sq.div(bias_correction2).sqrt().add_(eps);
+        # p.addcdiv_(grad, denom, value=-lr * (1 - mu) / (1 - mu_product));
+        # p.addcdiv_(exp_avg, denom, value=-lr * mu_next / (1 - mu_product * mu_next)).
+        if maximize:
+            g = ops.mul(g, -1.0)
+        lr64 = _f64(lr)
+        base = p
+        if weight_decay > 0 and decoupled:
+            base = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+        elif weight_decay > 0:
+            g = ops.fma(p, weight_decay, g)
+        t = _steps(count)
+        bc2 = ops.scalar(1.0 - torch.pow(b2, t))
+        mu = b1 * (1.0 - 0.5 * torch.pow(0.96, t * momentum_decay))
+        mu_next = b1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1.0) * momentum_decay))
+        mu_product = buffers["mu_product"] * ops.scalar(mu)
+        mp = mu_product.to(torch.float64)
+        c1 = ops.scalar(-lr64 * (1.0 - mu) / (1.0 - mp))
+        c2 = ops.scalar((-lr64 * mu_next) / (1.0 - mp * mu_next))
+        m = ops.lerp(buffers["exp_avg"], g, 1.0 - b1)
+        v = ops.addcmul(ops.mul(buffers["exp_avg_sq"], b2), g, g, 1.0 - b2)
+        denom = ops.sqrt(ops.div(v, bc2))
+        denom = ops.add(denom, eps, into=denom)
+        a = ops.div(ops.mul(g, c1), denom)
+        b = ops.div(ops.mul(m, c2), denom)
+        if base is None:
+            deltas = ops.add(a, b, into=a)
+        else:
+            deltas = ops.sub(ops.add(ops.add(base, a), b), p)
+        new = {
+            "exp_avg": ops.kept(m, replaces=buffers["exp_avg"]),
+            "exp_avg_sq": ops.kept(v, replaces=buffers["exp_avg_sq"]),
+            "mu_product": mu_product,
+        }
+        return deltas, new
+
+    return step
+
+
+def nadam(
+    learning_rate: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum_decay: float = 4e-3,
+    *,
+    decoupled_weight_decay: bool = False,
+    maximize: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """NAdam (Adam with Nesterov momentum, Dozat 2016) with torch.optim.NAdam's semantics:
+    its momentum schedule ``mu_t = b1 * (1 - 0.5 * 0.96**(t * momentum_decay))`` and the
+    product of the ``mu_t`` kept in the state.
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: L2 penalty (>= 0), or decoupled (AdamW's) with
+            ``decoupled_weight_decay``.
+        momentum_decay: the momentum schedule's decay (>= 0).
+        decoupled_weight_decay: ``p *= 1 - lr * weight_decay`` instead of the L2 term.
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.NadamState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.nadam(0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -2.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates), state.mu_product
+        ({'w': tensor([-0.1056,  0.1056])}, tensor(0.4501))
+    """
+    api = "nadam"
+    check_flag(api, "maximize", maximize)
+    check_flag(api, "decoupled_weight_decay", decoupled_weight_decay)
+    b1, b2 = _betas(api, b1, b2)
+    eps = check_number(api, "eps", eps)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    momentum_decay = check_number(api, "momentum_decay", momentum_decay)
+    return elementwise(
+        api,
+        NadamState,
+        _nadam_step(b1, b2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize),
+        learning_rate,
+        buffers=("exp_avg", "exp_avg_sq"),
+        needs_params=weight_decay > 0,
+        scalars={"mu_product": 1.0},
+        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# radam
+
+
+def _radam_step(
+    b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool
+) -> Any:
+    rho_inf = 2.0 / (1.0 - b2) - 1.0
+
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.RAdam: weight decay as NAdam's; exp_avg.lerp_(grad, 1 - b1);
+        # exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2); bc1, bc2 = 1 - b**step;
+        # rho_t = rho_inf - 2 * step * b2**step / bc2 (doubles); with rho_t > 5:
+        # p.add_(exp_avg / bc1 * lr * (bc2**0.5 / (exp_avg_sq.sqrt() + eps)) * rect,
+        # alpha=-1), else p.add_(exp_avg / bc1 * lr, alpha=-1). `x / tensor` is
+        # `tensor.reciprocal() * x` in torch.
+        if maximize:
+            g = ops.mul(g, -1.0)
+        lr64 = _f64(lr)
+        base = None
+        if weight_decay > 0 and decoupled:
+            base = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+        elif weight_decay > 0:
+            g = ops.fma(p, weight_decay, g)
+        t = _steps(count)
+        bc1 = 1.0 - torch.pow(b1, t)
+        bc2 = 1.0 - torch.pow(b2, t)
+        rho_t = rho_inf - 2.0 * t * torch.pow(b2, t) / bc2
+        on = rho_t > 5.0
+        safe = torch.where(on, rho_t, torch.full_like(rho_t, 6.0))  # no NaN in the other branch
+        rect = torch.sqrt(
+            (safe - 4.0) * (safe - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * safe)
+        )
+        m = ops.lerp(buffers["exp_avg"], g, 1.0 - b1)
+        v = ops.addcmul(ops.mul(buffers["exp_avg_sq"], b2), g, g, 1.0 - b2)
+        scaled = ops.mul(ops.div(m, ops.scalar(bc1)), ops.scalar(lr))
+        root = ops.sqrt(v)
+        root = ops.add(root, eps, into=root)
+        adaptive = ops.mul(_map(torch.reciprocal, root), ops.scalar(torch.sqrt(bc2)))
+        rectified = ops.mul(ops.mul(scaled, adaptive), ops.scalar(rect))
+        steps = ops.where(on, rectified, scaled)
+        if base is None:
+            deltas = ops.mul(steps, -1.0)
+        else:
+            deltas = ops.sub(ops.sub(base, steps), p)
+        new = {
+            "exp_avg": ops.kept(m, replaces=buffers["exp_avg"]),
+            "exp_avg_sq": ops.kept(v, replaces=buffers["exp_avg_sq"]),
+        }
+        return deltas, new
+
+    return step
+
+
+def radam(
+    learning_rate: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    decoupled_weight_decay: bool = False,
+    maximize: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """RAdam (rectified Adam, Liu et al. 2020) with torch.optim.RAdam's semantics: the
+    adaptive step, scaled by the rectification term, once the variance estimate is tractable
+    (``rho_t > 5``), the bias-corrected momentum alone before (a ``where`` on the step count:
+    no host sync).
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        b1: decay of the first moment, in [0, 1).
+        b2: decay of the second moment, in [0, 1).
+        eps: added to the denominator (>= 0).
+        weight_decay: L2 penalty (>= 0), or decoupled (AdamW's) with
+            ``decoupled_weight_decay``.
+        decoupled_weight_decay: ``p *= 1 - lr * weight_decay`` instead of the L2 term.
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.RadamState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.radam(0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -2.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates)  # not rectified yet: momentum SGD
+        {'w': tensor([-0.1000,  0.2000])}
+    """
+    api = "radam"
+    check_flag(api, "maximize", maximize)
+    check_flag(api, "decoupled_weight_decay", decoupled_weight_decay)
+    b1, b2 = _betas(api, b1, b2)
+    eps = check_number(api, "eps", eps)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    return elementwise(
+        api,
+        RadamState,
+        _radam_step(b1, b2, eps, weight_decay, decoupled_weight_decay, maximize),
+        learning_rate,
+        needs_params=weight_decay > 0,
+        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# asgd
+
+
+def _asgd_step(lambd: float, alpha: float, t0: float, weight_decay: float, maximize: bool) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.ASGD, before the step `step`: eta = lr / (1 + lambd * lr * (step -
+        # 1))**alpha and mu = 1 / max(1, step - 1 - t0) (1 on the first step), each a float32
+        # tensor; p.mul_(1 - lambd * eta); p.add_(grad, alpha=-eta); ax.add_(p.sub(ax).mul_(mu))
+        # where mu != 1, else ax.copy_(p).
+        g = _prologue(ops, g, p, maximize, weight_decay)
+        lr64 = _f64(lr)
+        c = count.to(torch.float64)
+        eta = (lr64 / torch.pow(1.0 + lambd * lr64 * c, alpha)).to(torch.float32)
+        eta = eta.to(torch.float64)
+        mu = torch.where(count == 0, torch.ones_like(c), 1.0 / torch.clamp(c - t0, min=1.0)).to(
+            torch.float32
+        )
+        new_p = ops.mul(p, ops.scalar(1.0 - lambd * eta))
+        new_p = ops.fma(g, ops.scalar(-eta), new_p, into=new_p)
+        ax = buffers["ax"]
+        averaged = ops.add(ops.mul(ops.sub(new_p, ax), mu), ax)
+        ax = ops.where(mu == 1.0, new_p, averaged)
+        deltas = ops.sub(new_p, p)
+        return deltas, {"ax": ops.kept(ax, replaces=buffers["ax"])}
+
+    return step
+
+
+def asgd(
+    learning_rate: LearningRate,
+    lambd: float = 1e-4,
+    alpha: float = 0.75,
+    t0: float = 1e6,
+    weight_decay: float = 0.0,
+    *,
+    maximize: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Averaged SGD with torch.optim.ASGD's semantics: SGD with the step size
+    ``eta = lr / (1 + lambd * lr * count)**alpha`` and the decay ``p *= 1 - lambd * eta``, and
+    the running average of the params from step ``t0`` on in the state's ``ax``.
+
+    torch.optim keeps ``eta`` and ``mu`` in its state; here they are functions of the step
+    count (with a schedule, ``eta`` uses this step's learning rate; torch's uses the previous
+    step's).
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        lambd: decay term (>= 0).
+        alpha: power of the ``eta`` update (>= 0).
+        t0: the step from which the params are averaged (>= 0).
+        weight_decay: L2 penalty added to the gradient (>= 0).
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.AsgdState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.asgd(0.5, lambd=0.0)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -2.0])}, opt.init(params), params)
+        >>> funcamp.apply_updates(params, updates), state.ax
+        ({'w': tensor([-0.5000,  1.0000])}, {'w': tensor([-0.5000,  1.0000])})
+    """
+    api = "asgd"
+    check_flag(api, "maximize", maximize)
+    lambd = check_number(api, "lambd", lambd)
+    alpha = check_number(api, "alpha", alpha)
+    t0 = check_number(api, "t0", t0)
+    weight_decay = check_number(api, "weight_decay", weight_decay)
+    return elementwise(
+        api,
+        AsgdState,
+        _asgd_step(lambd, alpha, t0, weight_decay, maximize),
+        learning_rate,
+        needs_params=True,
+        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# rprop
+
+
+def _rprop_step(etaminus: float, etaplus: float, smin: float, smax: float, maximize: bool) -> Any:
+    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+        # torch.optim.Rprop: sign = grad.mul(prev).sign() -> etaplus / etaminus / 1;
+        # step_size.mul_(sign).clamp_(min, max) (step_size starts at lr); grad = 0 where the
+        # sign flipped; p.addcmul_(grad.sign(), step_size, value=-1); prev.copy_(grad).
+        if maximize:
+            g = ops.mul(g, -1.0)
+        s = ops.sign(ops.mul(g, buffers["prev"]))
+        factor = _map(lambda x: torch.where(x > 0, etaplus, torch.where(x < 0, etaminus, 1.0)), s)
+        lr32 = ops.scalar(lr)
+        first = count == 0
+        size = _map(lambda x: torch.where(first, lr32, x), buffers["step_size"])
+        size = _map(lambda x: torch.clamp(x, smin, smax), ops.mul(size, factor))
+        g = _map(lambda x, y: torch.where(y < 0, 0.0, x), g, s)
+        deltas = ops.mul(ops.mul(ops.sign(g), size), -1.0)
+        new = {
+            "prev": ops.kept(g, replaces=buffers["prev"]),
+            "step_size": ops.kept(size, replaces=buffers["step_size"]),
+        }
+        return deltas, new
+
+    return step
+
+
+def rprop(
+    learning_rate: LearningRate,
+    etas: tuple[float, float] = (0.5, 1.2),
+    step_sizes: tuple[float, float] = (1e-6, 50.0),
+    *,
+    maximize: bool = False,
+    master_weights: bool = False,
+    kahan: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> Optimizer:
+    """Rprop (resilient backpropagation) with torch.optim.Rprop's semantics: a step size per
+    element, multiplied by ``etas[1]`` while the gradient keeps its sign and by ``etas[0]``
+    when it flips (the step is then skipped), clamped to ``step_sizes``; the update is
+    ``-sign(g) * step_size``.
+
+    The learning rate is the initial step size (read on the first update only).
+
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        etas: ``(etaminus, etaplus)``, with ``0 < etaminus < 1 < etaplus``.
+        step_sizes: ``(min, max)`` step size, ``0 <= min <= max``.
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
+
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.RpropState`.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.rprop(0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = opt.init(params)
+        >>> for g in ([1.0, -2.0], [1.0, 2.0]):
+        ...     updates, state = opt.update({"w": torch.tensor(g)}, state, params)
+        ...     params = funcamp.apply_updates(params, updates)
+        >>> params, state.step_size
+        ({'w': tensor([-0.2200,  0.1000])}, {'w': tensor([0.1200, 0.0500])})
+    """
+    api = "rprop"
+    check_flag(api, "maximize", maximize)
+    etaminus, etaplus = _pair(api, "etas", etas)
+    smin, smax = _pair(api, "step_sizes", step_sizes)
+    etaminus = check_number(api, "etas[0]", etaminus)
+    etaplus = check_number(api, "etas[1]", etaplus)
+    if not 0.0 < etaminus < 1.0 < etaplus:
+        raise ValueError(
+            f"funcamp.{api}: `etas` must be (etaminus, etaplus) with 0 < etaminus < 1 < "
+            f"etaplus, got {etas!r}"
+        )
+    smin = check_number(api, "step_sizes[0]", smin)
+    smax = check_number(api, "step_sizes[1]", smax)
+    if smin > smax:
+        raise ValueError(
+            f"funcamp.{api}: `step_sizes` must be (min, max) with min <= max, got {step_sizes!r}"
+        )
+    return elementwise(
+        api,
+        RpropState,
+        _rprop_step(etaminus, etaplus, smin, smax, maximize),
+        learning_rate,
+        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    )
