@@ -116,11 +116,14 @@ def make_train_step(
     memory with the state changes too, such as a module's parameters when the params came from
     :func:`params_and_buffers` with a float32 ``param_dtype`` (the module then follows training,
     as with ``torch.optim``). No two state tensors may share memory and none may require grad
-    (checked on every call: a clear error). The scaler state (a few scalars) is always returned
+    (checked on every call: a clear error), nor share memory between its own elements (an
+    expanded tensor; checked once per state). The scaler state (a few scalars) is always returned
     fresh. All or nothing: every check and every computation that can fail runs before the first
-    write, so a step that raises leaves the state as it was. ``donate_state=False`` builds the
-    pure step, which never modifies its input (the caller then holds two states at the step
-    boundary).
+    write, so such a failure leaves the state as it was; a step that raises after its first write
+    (an interrupt, an allocation failure) leaves the state marked, and every later step,
+    ``save`` or ``load_into_module`` of it is refused with an error pointing to the last
+    checkpoint (docs/concepts.md). ``donate_state=False`` builds the pure step, which never
+    modifies its input (the caller then holds two states at the step boundary).
 
     The first call of a compiled step traces and compiles it -- on a CPU up to minutes for a real
     model, less than torch.compile of the model and of ``optimizer.step`` (the same work) where

@@ -48,7 +48,7 @@ from funcamp.checkpoints.format import (
     read_checkpoint,
     state_checksum,
 )
-from funcamp.checkpoints.state_dict import state_dict
+from funcamp.checkpoints.state_dict import encode
 from funcamp.policy.policy import Policy, as_policy
 
 __all__ = ["checkpoint_info", "load", "save"]
@@ -117,7 +117,9 @@ def save(
     kind of every :class:`~funcamp.ScalerState` in it, the funcamp and torch versions, a CRC-32
     of every value and ``metadata``. It is written to a temporary file in the same directory,
     ``fsync``-ed and renamed over ``path``: the previous checkpoint survives any failure,
-    including the process being killed mid-write. Read it back with :func:`load`.
+    including the process being killed mid-write. Read it back with :func:`load`. A state
+    donated to a train step (or whose donated step raised part-way) is refused: its tensors
+    hold another state than its scaler's.
 
     Args:
         path: the checkpoint file (its directory must exist). With ``group``, a directory
@@ -150,7 +152,7 @@ def save(
     _check_params_dtype(state, pol)
     for key, value in metadata.items():
         _check_metadata(key, value)
-    sd = state_dict(state)
+    sd = encode(state, "save")  # refuses a donated state
     if group is not None:
         save_distributed(p, sd, state, pol, metadata, group)
         return
