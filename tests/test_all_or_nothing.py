@@ -33,6 +33,8 @@ from funcamp._core import donation
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
+_SLOW = pytest.mark.slow
+
 
 def _mlp_params(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
@@ -161,9 +163,6 @@ _OPTIMIZERS = {
 }
 
 
-_SLOW = pytest.mark.slow
-
-
 @pytest.mark.parametrize(
     ("name", "dtype"),
     [pytest.param(name, torch.float32, id=f"{name}-f32") for name in _OPTIMIZERS]
@@ -286,7 +285,7 @@ def _aux_loss(params, buffers, batch):
     return ((params["w"] - 1.0) ** 2).sum(), {"w": params["w"], "view": params["w"][:1]}
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("backend", [None, "aot_eager", pytest.param("inductor", marks=_SLOW)])
 def test_aux_never_aliases_the_state(backend):
     """An aux that is a param (or a view of one) is the value of that step, not the memory the
     next steps write into."""
