@@ -51,7 +51,7 @@ from funcamp.checkpoints.format import (
     verify,
     verify_header,
 )
-from funcamp.checkpoints.state_dict import state_dict
+from funcamp.checkpoints.state_dict import encode
 from funcamp.policy.policy import Policy, as_policy, off_policy_param
 
 __all__ = ["checkpoint_info", "load", "save"]
@@ -116,7 +116,9 @@ def save(
     (and one of the header) and ``metadata``. It is written to a temporary file in the same
     directory, ``fsync``-ed and renamed over ``path``: the previous checkpoint survives any
     failure, including the process being killed mid-write. A failure of the file system (a full
-    disk) raises ``OSError`` with its ``errno``, naming ``path``. Read it back with :func:`load`.
+    disk) raises ``OSError`` with its ``errno``, naming ``path``. Read it back with :func:`load`. A state
+    donated to a train step (or whose donated step raised part-way) is refused: its tensors
+    hold another state than its scaler's.
 
     Args:
         path: the checkpoint file (its directory must exist). With ``group``, a directory
@@ -149,7 +151,7 @@ def save(
     _check_params_dtype(state, pol)
     for key, value in metadata.items():
         _check_metadata(key, value)
-    sd = state_dict(state)
+    sd = encode(state, "save")  # refuses a donated state
     if group is not None:
         save_distributed(p, sd, state, pol, metadata, group)
         return

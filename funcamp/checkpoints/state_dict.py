@@ -16,10 +16,11 @@ from typing import Any
 import optree
 import torch
 
+from funcamp._core.donation import refuse_consumed
 from funcamp._core.tree import NAMESPACE, describe
 from funcamp.scaling.state import CONFIG, LEAVES, ScalerState, check_scaler_values
 
-__all__ = ["load_state_dict", "state_dict"]
+__all__ = ["encode", "load_state_dict", "state_dict"]
 
 PyTree = Any
 
@@ -73,13 +74,16 @@ def _children(node: Any, path: tuple[Any, ...], api: str) -> tuple[list[Any], li
     return [str(e) for e in out.entries], list(out.children)
 
 
-def _encode(node: Any, path: tuple[Any, ...]) -> Any:
+def _encode(node: Any, path: tuple[Any, ...], api: str) -> Any:
     if isinstance(node, torch.Tensor):
         return _save_tensor(node)
     if isinstance(node, _SCALARS):
         return node
+    if isinstance(node, ScalerState):  # the key of a donated state (funcamp._core.donation)
+        where = f" at {_path(path[:-1])}" if len(path) > 1 else ""
+        refuse_consumed(api, node, f"the state{where}")
     keys, children = _children(node, path, "state_dict")
-    encoded = {k: _encode(c, (*path, k)) for k, c in zip(keys, children)}
+    encoded = {k: _encode(c, (*path, k), api) for k, c in zip(keys, children)}
     if isinstance(node, ScalerState):
         encoded.update({name: getattr(node, name) for name in CONFIG})
     return encoded
@@ -91,7 +95,8 @@ def state_dict(tree: PyTree) -> dict[str, Any]:
     Works for any pytree: dicts, lists, tuples, NamedTuples, :class:`~funcamp.ScalerState` (its
     static configuration included) and other nodes registered in the ``"funcamp"`` optree
     namespace. The result saves with ``torch.save`` and loads with
-    ``torch.load(..., weights_only=True)``. A bare leaf is saved as ``{"value": leaf}``.
+    ``torch.load(..., weights_only=True)``. A bare leaf is saved as ``{"value": leaf}``. A
+    :class:`~funcamp.TrainState` donated to a train step is refused (see ``make_train_step``).
 
     Example:
         >>> import torch, funcamp
@@ -100,7 +105,12 @@ def state_dict(tree: PyTree) -> dict[str, Any]:
         >>> sd["params"]["w"], sd["scaler"]["scale"], sd["scaler"]["kind"]
         (tensor([1., 1.]), tensor(8.), 'static')
     """
-    encoded = _encode(tree, ())
+    return encode(tree, "state_dict")
+
+
+def encode(tree: PyTree, api: str) -> dict[str, Any]:
+    """:func:`state_dict` for ``funcamp.<api>``: refuses a state donated to a train step."""
+    encoded = _encode(tree, (), api)
     return {_ROOT_LEAF_KEY: encoded} if _is_leaf(tree) else encoded
 
 
@@ -149,7 +159,7 @@ def _decode(template: Any, value: Any, path: tuple[Any, ...]) -> Any:
         # taking the template's value, so those checkpoints still load.
         kept = dict(zip(keys, children))
         added = [k for k in missing if k in template._field_defaults and _holds_nothing(kept[k])]
-        value = {**value, **{k: _encode(kept[k], (*path, k)) for k in added}}
+        value = {**value, **{k: _encode(kept[k], (*path, k), "load_state_dict") for k in added}}
         missing = [k for k in missing if k not in added]
     if missing or unexpected:
         where = _path((*path, (missing or unexpected)[0]))

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from funcamp._core.context import compiling, dual_level_active, eager_path, tracks_grad
+from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype, f32, hoist_scalar, math_dtype, spread
 from funcamp._core.tree import where_into
 from funcamp.optim._numerics import EXACT_SQRT, FUSED_FMA, exact_sqrt, plain_exact_sqrt
@@ -277,6 +278,7 @@ class EagerOps(Ops):
     def kept(self, xs: Tensors, replaces: Tensors | None = None) -> Tensors:
         apply = self._apply
         if apply is not None and replaces is not None and self._commits(xs, replaces):
+            writing()  # the first write into a donated state (funcamp._core.donation)
             for old, new in zip(replaces, xs):  # old = where(found_inf, old, new), in place
                 where_into(apply.to(old.device), new, old, self._masks)
                 self._donated.pop(id(old))  # written once

@@ -12,6 +12,7 @@ import torch
 from funcamp._core.checks import check_flag, check_grads_match
 from funcamp._core.collectives import Across, any_across, summing_across
 from funcamp._core.context import compiling, eager_path
+from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype
 from funcamp._core.tree import (
     BITS,
@@ -292,6 +293,8 @@ def unscale_and_step(
         and caps.fused_step is not None
         and (not traced or fused_unscale(flatten(params)[0]))
     ):
+        if not traced:  # the kernel writes the donated state (funcamp._core.donation)
+            writing()
         new_state = caps.fused_step(out, opt_state, params, found_inf)
         if new_state is not None:
             return params, new_state, info
@@ -310,6 +313,8 @@ def unscale_and_step(
         # Both trees are matched before either is written: all or nothing.
         write_params = plan_write(params_out, params)
         write_opt_state = plan_write(opt_state_out, opt_state)
+        if not traced:
+            writing()
         params_out, opt_state_out = write_params(), write_opt_state()
     return params_out, opt_state_out, info
 

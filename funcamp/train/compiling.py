@@ -268,6 +268,7 @@ def run_compiled(
     engine: Engine | None = None,
     first: bool = False,
     patches: Patches = NO_PATCHES,
+    marks: tuple[Callable[[], None], Callable[[], None]] | None = None,
 ) -> Any:
     """``run(*args)`` (a compiled function), with a dynamo failure explained: a model torch.func
     refuses is traced again with torch.autograd (``engine``); otherwise ``eagerly()`` re-runs the
@@ -277,18 +278,24 @@ def run_compiled(
     that record a model's outputs -- Mixtral's router logits -- under a lock), and then
     compiles. A failure only the compiler has becomes one paragraph naming the way out.
     ``patches``: funcamp's compiler patches are on for this compile
-    (:func:`funcamp.compiler.hooks.running`)."""
+    (:func:`funcamp.compiler.hooks.running`). ``marks``, ``(begin, undo)`` for a donated
+    state: ``begin()`` runs just before each call of ``run`` (whose graph writes the state),
+    ``undo()`` when dynamo failed before the graph ran (:mod:`funcamp._core.donation`)."""
     tracing = engine.tracing() if engine is not None else contextlib.nullcontext()
     hooks = _saved_tensors_hooks_state()
     try:
         # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
         # raises; the eager re-run gives the plain error, so that log is held back.
         with _quiet(_FAKE_TENSOR_LOG), tracing, compiler_hooks.running(*patches), _tracing_config():
+            if marks is not None:
+                marks[0]()
             return run(*args)
     except torch._dynamo.exc.TorchDynamoException as e:
+        if marks is not None:
+            marks[1]()
         _restore_saved_tensors_hooks(hooks)
         if engine is not None and engine.switch(e):
-            return run_compiled(api, run, args, eagerly, engine, first, patches)
+            return run_compiled(api, run, args, eagerly, engine, first, patches, marks)
 
         def rerun() -> None:
             with torch.compiler.set_stance("force_eager"):
@@ -305,7 +312,7 @@ def run_compiled(
         failure = explain(api, e, rerun)  # raises the model's own error, if it has one
         if first:
             try:
-                return run_compiled(api, run, args, eagerly, engine, patches=patches)
+                return run_compiled(api, run, args, eagerly, engine, patches=patches, marks=marks)
             except RuntimeError as again:
                 if again.__cause__ is None:  # not the paragraph: raise it as it came
                     raise

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import flatten_params
+from funcamp._core.donation import refuse_consumed
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import describe
 from funcamp.casting.amp import amp
@@ -124,6 +125,7 @@ def make_eval_step(
 
     def step(state: Any, batch: Batch) -> Any:
         if isinstance(state, TrainState):
+            refuse_consumed(api, state.scaler)
             params, buffers, fp8 = combine(state.params, state.frozen), state.buffers, state.fp8
         elif isinstance(state, tuple) and len(state) == 2 and not fp8_stateful:
             (params, buffers), fp8 = state, Fp8State()

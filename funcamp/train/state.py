@@ -11,6 +11,7 @@ import optree
 import torch
 
 from funcamp._core.checks import flatten_params
+from funcamp._core.donation import refuse_consumed
 from funcamp._core.hints import optimizer_type_error
 from funcamp._core.tree import NAMESPACE, describe, first_leaf, path_str, sharing_memory
 from funcamp.casting.fp8 import Fp8State, needs_state
@@ -29,6 +30,7 @@ from funcamp.train.frozen import (
 __all__ = [
     "TrainState",
     "check_donation",
+    "check_overlap",
     "check_train_state",
     "load_into_module",
     "params_and_buffers",
@@ -282,8 +284,9 @@ def load_into_module(
 
     Raises:
         ValueError: a name the module does not have, a parameter (or a given buffer dict's
-            buffer) of the module missing from ``state``, or a value whose shape differs from
-            the module's tensor -- nothing is written then.
+            buffer) of the module missing from ``state``, a value whose shape differs from
+            the module's tensor, or a state donated to a train step (or whose donated step
+            raised part-way) -- nothing is written then.
 
     Example:
         >>> import torch, funcamp
@@ -299,6 +302,7 @@ def load_into_module(
             f"funcamp.{api}: `module` must be a torch.nn.Module, got {describe(module)}"
         )
     if isinstance(state, TrainState):
+        refuse_consumed(api, state.scaler)
         if buffers is not None:
             raise TypeError(
                 f"funcamp.{api}: `buffers` must not be given with a TrainState (its buffers "
@@ -451,4 +455,30 @@ def check_donation(api: str, state: TrainState) -> None:
             f"funcamp.{api}: with donate_state=True (the default) the state's tensors are "
             f"written in place, but {shared[0]} and {shared[1]} share memory; give each its own tensor "
             "(clone one) or build the step with donate_state=False"
+        )
+
+
+def check_overlap(api: str, state: TrainState) -> None:
+    """With ``donate_state=True``, once per state: no state tensor may have elements that share
+    memory (an expanded tensor: stride 0), which torch refuses to write in place -- after the
+    step's first writes. Checked before any write, naming the leaf."""
+    trees = {
+        "state.params": state.params,
+        "state.buffers": state.buffers,
+        "state.opt_state": state.opt_state,
+    }
+    leaf = first_leaf(
+        trees,
+        lambda x: (
+            isinstance(x, torch.Tensor)
+            and not x.is_contiguous()
+            and torch._debug_has_internal_overlap(x) == 1
+        ),  # 1: certainly overlapping
+    )
+    if leaf is not None:
+        raise ValueError(
+            f"funcamp.{api}: with donate_state=True (the default) the state's tensors are "
+            f"written in place, but elements of {leaf} share memory (an expanded tensor, "
+            "stride 0), which torch cannot write in place; give it its own memory "
+            "(`.clone()` it, or `.contiguous()`) or build the step with donate_state=False"
         )

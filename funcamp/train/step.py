@@ -23,9 +23,18 @@ from typing import Any, NamedTuple
 
 import torch
 
+from funcamp._core import donation
 from funcamp._core.checks import check_flag
+from funcamp._core.context import compiling
 from funcamp._core.hints import optimizer_type_error
-from funcamp._core.tree import describe, plan_write, tree_select
+from funcamp._core.tree import (
+    describe,
+    flatten,
+    plan_write,
+    storage_key,
+    tree_select,
+    unflatten,
+)
 from funcamp.casting.amp import amp, recompute_under
 from funcamp.casting.fp8 import needs_state, with_fp8_state
 from funcamp.compiler.gate import check_choice
@@ -169,6 +178,30 @@ def _metrics(
     return metrics
 
 
+def _own_aux(aux: Any, state: TrainState, returns_buffers: bool) -> Any:
+    """``aux`` with every tensor that shares memory with the state's params (or, with
+    ``returns_buffers``, its buffers: ``loss_fn`` saw them) copied: a donated step writes them,
+    so an aux that is a param, or a view of one, would change with every later step.
+    Compiled, every aux tensor is copied (the aliasing is not known in Python; in the graph a
+    copy of a computed value fuses with it); eager, only those that share memory."""
+    leaves, spec = flatten(aux)
+    if not any(isinstance(x, torch.Tensor) for x in leaves):
+        return aux
+    if compiling():
+        return unflatten(spec, [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves])
+    trees = (state.params, state.buffers) if returns_buffers else (state.params,)
+    owned = {storage_key(x) for x in flatten(trees)[0] if isinstance(x, torch.Tensor)}
+    return unflatten(
+        spec,
+        [
+            x.clone()
+            if isinstance(x, torch.Tensor) and storage_key(x) in owned and x.numel()
+            else x
+            for x in leaves
+        ],
+    )
+
+
 class _Plan(NamedTuple):
     """What the step's second half reads: fixed when the step is built."""
 
@@ -209,6 +242,8 @@ def _apply_step(
             include=checked.headroom_include,
         )
     lr = learning_rate(optimizer, state.opt_state)  # before a donated count is overwritten
+    if opts.has_aux and opts.donate_state:  # before the writes: an aux param would change
+        aux = _own_aux(aux, state, opts.returns_buffers)
     # The grads are this step's own: donating them lets the eager path unscale in place.
     params, opt_state, info = unscale_and_step(
         state.scaler,
@@ -229,6 +264,8 @@ def _apply_step(
     if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
         new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
     if write_buffers is not None:
+        if not compiling():  # each first write marks the state the wrapper armed
+            donation.writing()  # (compiled: marked before the call)
         new_buffers = write_buffers()
     metrics = _metrics(
         loss, info.grad_norm, state.scaler, found_inf, new_scaler, aux, opts.has_aux, room, lr

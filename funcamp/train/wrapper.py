@@ -4,8 +4,10 @@
 first-call and per-call checks, the parallel piece's view of the state, the compile notice, the
 compiled (or eager) call through :func:`funcamp.train.compiling.run_compiled` and the on-disk
 step cache (``cache_dir``: :mod:`funcamp.stepcache`, imported only when a step is built with
-it: it imports dynamo's internals, which ``import funcamp`` does not). A donated state is recorded here (:func:`check_not_donated` refuses it when it comes
-back), as are the checks of ``specialize`` and ``cache_dir`` that ``make_train_step`` and
+it: it imports dynamo's internals, which ``import funcamp`` does not). What becomes of a donated
+state is recorded here, in :mod:`funcamp._core.donation` -- marked before the step's first
+write, donated once it returned (:func:`check_not_donated` refuses it when it comes back) --
+as are the checks of ``specialize`` and ``cache_dir`` that ``make_train_step`` and
 ``make_eval_step`` share.
 """
 
@@ -16,17 +18,17 @@ import importlib
 import os
 import types
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import optree
 
+from funcamp._core import donation
+from funcamp._core.donation import refuse_consumed
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import NAMESPACE, describe
 from funcamp.compiler.gate import Choice
 from funcamp.policy.policy import Policy
-from funcamp.scaling.state import ScalerState
 from funcamp.train.compiling import (
     Patches,
     compile_fn,
@@ -37,7 +39,12 @@ from funcamp.train.compiling import (
 )
 from funcamp.train.loss import Engine, clone_buffers
 from funcamp.train.parallel import Parallel
-from funcamp.train.state import TrainState, check_donation, check_train_state
+from funcamp.train.state import (
+    TrainState,
+    check_donation,
+    check_overlap,
+    check_train_state,
+)
 
 __all__ = [
     "check_cache_dir",
@@ -84,28 +91,61 @@ def check_cache_dir(
     return path
 
 
-# The states donated to train steps (their tensors now hold newer states), known by their
-# scaler state objects: handed to a train step again, they are refused, as JAX refuses a
-# donated buffer, after any number of steps. The returned state shares the donated one's
-# tensors (written in place) and even its containers, but its ScalerState is always a new
-# object (TrainState.create gives each state its own), and a ScalerState can be weakly
-# referenced: the set holds no state alive, and costs nothing once the old state is gone.
-_DONATED: weakref.WeakSet[ScalerState] = weakref.WeakSet()
-
-
 def check_not_donated(api: str, state: TrainState) -> None:
-    """Refuse a state an earlier call donated (``donate_state=True``, the default)."""
-    try:
-        donated = state.scaler in _DONATED
-    except TypeError:  # not a ScalerState (refused by the state checks that follow)
-        donated = False
-    if donated:
-        raise ValueError(
-            f"funcamp.{api}: `state` was donated to an earlier train step: its tensors now "
-            "hold the state that call returned. Keep only the returned state "
-            "(`state, metrics = step(state, batch)`), or build the step with "
-            "donate_state=False to keep the input state unchanged"
+    """Refuse a state an earlier call donated (``donate_state=True``, the default), or whose
+    donated step raised after its first write (:mod:`funcamp._core.donation`)."""
+    refuse_consumed(api, state.scaler)
+
+
+def _checked_call(
+    api: str,
+    state: Any,
+    batch: Any,
+    parallel: Parallel,
+    optimizer: Any,
+    expected: list[Any],
+    donate_state: bool,
+    policy: Policy | None,
+) -> TrainState:
+    """The checks of every call of a train step; returns the state the step works on (the
+    parallel piece's view). ``expected`` holds the first batch's structure once known."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"funcamp.{api}: `state` must be a funcamp.TrainState (see "
+            f"TrainState.create), got {describe(state)}"
         )
+    check_not_donated(api, state)
+    local = parallel.local(api, state)
+    structure = optree.tree_structure(batch, namespace=NAMESPACE)
+    if not expected:
+        check_train_state(api, local, optimizer, policy)
+        expected.append(structure)
+    elif structure != expected[0]:
+        raise ValueError(
+            f"funcamp.{api}: `batch` must keep the structure of the first batch "
+            f"{expected[0]}, got {structure}; build another step for batches of another "
+            "structure (new shapes or dtypes only recompile)"
+        )
+    if donate_state:
+        check_donation(api, local)
+        if donation.status(state.scaler) is None:  # once per state: a returned one is checked
+            check_overlap(api, local)
+    return local
+
+
+def _compiled_marks(
+    key: Any, compile_options: dict[str, Any]
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(begin, undo)`` for :func:`run_compiled`: mark the state before the compiled call (its
+    writes run inside the graph); undo it when the trace of a whole-graph step fails, before
+    the graph runs (nothing written). A step compiled in pieces (``fullgraph=False``) may have
+    run a piece before a later trace fails: it stays marked."""
+    previous = donation.status(key)
+    whole = compile_options.get("fullgraph", True) is not False
+    return (
+        lambda: donation.begin(key),
+        (lambda: donation.restore(key, previous)) if whole else (lambda: None),
+    )
 
 
 def wrap_step(
@@ -178,49 +218,45 @@ def wrap_step(
     expected: list[Any] = []
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        if not isinstance(state, TrainState):
-            raise TypeError(
-                f"funcamp.{api}: `state` must be a funcamp.TrainState (see "
-                f"TrainState.create), got {describe(state)}"
-            )
-        check_not_donated(api, state)
-        local = parallel.local(api, state)
-        structure = optree.tree_structure(batch, namespace=NAMESPACE)
-        if not expected:
-            check_train_state(api, local, optimizer, policy)
-            expected.append(structure)
-        elif structure != expected[0]:
-            raise ValueError(
-                f"funcamp.{api}: `batch` must keep the structure of the first batch "
-                f"{expected[0]}, got {structure}; build another step for batches of another "
-                "structure (new shapes or dtypes only recompile)"
-            )
+        local = _checked_call(
+            api, state, batch, parallel, optimizer, expected, donate_state, policy
+        )
+        key = state.scaler
+        try:
+            if not compile:
+                if donate_state:  # marked at the first write (a loss_fn that raises: intact)
+                    donation.arm(key)
+                new, metrics = train_step(local, batch)
+            else:
+                if not runs:
+                    runs.append(compiled_for(state_device_type(local)))
+                # A failed trace re-runs the step eagerly, only for the error message: a donated
+                # state on copies (made then: a failed trace wrote nothing, and copying the whole
+                # state on every call would cost a sizeable part of a small step).
+                new, metrics = run_compiled(
+                    api,
+                    runs[0],
+                    (local, batch),
+                    lambda: train_step(clone_buffers(local) if donate_state else local, batch),
+                    engine,
+                    first=len(expected) == 1,
+                    patches=patched[0],
+                    marks=_compiled_marks(key, compile_options) if donate_state else None,
+                )
+                if len(expected) == 1:  # the first compiled call: free what its trace holds
+                    expected.append("compiled")
+                    gc.collect()
+        except BaseException as e:
+            if donate_state:
+                donation.arm(None)
+                donation.failed(key, e)
+            raise
+        out = parallel.wrap(new._replace(frozen=local.frozen))
         if donate_state:
-            check_donation(api, local)
-        if not compile:
-            new, metrics = train_step(local, batch)
-        else:
-            if not runs:
-                runs.append(compiled_for(state_device_type(local)))
-            run = runs[0]
-            # A failed trace re-runs the step eagerly, only for the error message: a donated
-            # state on copies (made then: a failed trace wrote nothing, and copying the whole
-            # state on every call would cost a sizeable part of a small step).
-            new, metrics = run_compiled(
-                api,
-                run,
-                (local, batch),
-                lambda: train_step(clone_buffers(local) if donate_state else local, batch),
-                engine,
-                first=len(expected) == 1,
-                patches=patched[0],
-            )
-            if len(expected) == 1:  # the first compiled call: free what its trace still holds
-                expected.append("compiled")
-                gc.collect()
-        if donate_state:
-            _DONATED.add(state.scaler)
-        return parallel.wrap(new._replace(frozen=local.frozen)), metrics
+            donation.arm(None)
+            donation.set_status(key, donation.DONATED)
+            donation.set_status(out.scaler, donation.CHECKED)
+        return out, metrics
 
     step.train_step = train_step  # type: ignore[attr-defined]
     return step

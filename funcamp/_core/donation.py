@@ -1,0 +1,114 @@
+"""What became of a state given to a donating train step: the one registry every use consults.
+
+A donated train step writes the new state into the tensors of the state it was given. Each
+state is known by a key object -- its :class:`funcamp.ScalerState`, which every step returns new
+and ``TrainState.create`` gives each state its own -- and the registry records, weakly (it
+keeps nothing alive), what happened to it:
+
+* :data:`CHECKED`: the state passed the once-per-state checks of a donating step (a state that
+  step returned is checked already: its tensors are the given ones, or new);
+* :data:`WRITING`: a donated step is writing into its tensors, or began to and raised;
+* :data:`DONATED`: a donated step wrote into it and returned the new state;
+* ``"raised part-way (<exception>)"``: a donated step raised after its first write.
+
+A step marks its state :data:`WRITING` *before* its first write and :data:`DONATED` only after it
+returned, so a state whose step was interrupted anywhere in between (``KeyboardInterrupt``, an
+allocation failure, a torch error on one write) stays marked: :func:`refuse_consumed` refuses it
+in every later step, ``save``, ``state_dict`` and ``load_into_module``. The eager step marks at
+its first write (:func:`writing`, armed by the wrapper with :func:`arm`, so that a ``loss_fn``
+that raises leaves a usable state); the compiled one before the compiled call (its writes run
+inside the graph), and a trace that fails before the graph runs unmarks it (:func:`restore`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+__all__ = [
+    "CHECKED",
+    "DONATED",
+    "WRITING",
+    "arm",
+    "begin",
+    "failed",
+    "refuse_consumed",
+    "restore",
+    "set_status",
+    "status",
+    "writing",
+]
+
+CHECKED = "checked"
+WRITING = "writing"
+DONATED = "donated"
+
+_STATUS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_ARMED = threading.local()
+
+
+def status(key: Any) -> str | None:
+    """What became of the state known by ``key`` (None: nothing known)."""
+    try:
+        return _STATUS.get(key)
+    except TypeError:  # not weakly referenceable: never registered
+        return None
+
+
+def set_status(key: Any, value: str) -> None:
+    _STATUS[key] = value
+
+
+def begin(key: Any) -> None:
+    """Mark the state known by ``key`` as being written (before the first write)."""
+    _STATUS[key] = WRITING
+
+
+def restore(key: Any, previous: str | None) -> None:
+    """Undo :func:`begin` when nothing was written after all (a trace that failed)."""
+    if previous is None:
+        _STATUS.pop(key, None)
+    else:
+        _STATUS[key] = previous
+
+
+def failed(key: Any, error: BaseException) -> None:
+    """A donated step raised: if it had begun writing, record how it ended."""
+    if status(key) == WRITING:
+        _STATUS[key] = f"raised part-way ({type(error).__name__})"
+
+
+def arm(key: Any) -> None:
+    """The state the eager step on this thread marks at its first write (None: none)."""
+    _ARMED.key = key
+
+
+def writing() -> None:
+    """Called by an eager donated step just before its first write: mark the armed state."""
+    key = getattr(_ARMED, "key", None)
+    if key is not None:
+        _ARMED.key = None
+        _STATUS[key] = WRITING
+
+
+def refuse_consumed(api: str, key: Any, what: str = "`state`") -> None:
+    """Raise if the state known by ``key`` was donated, or its donated step raised part-way."""
+    got = status(key)
+    if got is None or got == CHECKED:
+        return
+    if got == DONATED:
+        raise ValueError(
+            f"funcamp.{api}: {what} was donated to an earlier train step: its tensors now "
+            "hold the state that call returned. Keep only the returned state "
+            "(`state, metrics = step(state, batch)`), or build the step with "
+            "donate_state=False to keep the input state unchanged"
+        )
+    how = "raised part-way" if got == WRITING else got
+    raise ValueError(
+        f"funcamp.{api}: {what} was donated to a train step that {how}, after it had begun "
+        "writing the new state into the state's tensors: some may hold new values and others "
+        "old ones, so the state (and a module sharing its tensors) cannot be used. Reload the "
+        "last checkpoint (funcamp.load), or build the step with donate_state=False, which "
+        "leaves its input state unchanged whatever happens"
+    )
