@@ -35,6 +35,7 @@ from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
+from funcamp.train.compiling import rounds_casts
 from funcamp.train.loss import Engine, forward_backward, restore_buffers
 from funcamp.train.parallel import Parallel
 from funcamp.train.state import TrainState
@@ -291,7 +292,7 @@ def build_train_step(
         specialize=opts.specialize,
         cache=None if checked.cache_dir is None else (checked.cache_dir, loss_fn, settings),
         compiler_patches=opts.compiler_patches,
-        fp8=pol.fp8 is not None,
+        eager_casts=rounds_casts(pol),
     )
     step.__doc__ = (
         f"A funcamp train step ({'compiled' if opts.compile else 'eager'}, policy {pol}, "
