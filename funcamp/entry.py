@@ -68,6 +68,13 @@ def make_train_step(
     a half dtype). Given a callable of the leaf path (``"mix.weight"``) instead of ``True``,
     only the leaves it accepts are measured (leave out those a float32 module policy computes).
 
+    With :func:`funcamp.accumulate` each call is one micro-batch, and a window of ``every``
+    calls is ``torch.amp.GradScaler``'s optimizer step: an inf or nan in any micro-batch skips
+    the window's update whole, the scaler updates once per window (on the call that applies),
+    ``found_inf`` is the window's so far, ``skipped`` counts skipped windows, and ``grad_norm``
+    on the applying call is the accumulated gradient's norm (``clip_grad_norm_``'s after
+    ``unscale_``).
+
     Data parallel (``group=pg``): every rank of ``pg`` runs the step on its own shard of the
     batch (shards of equal size) and ends with the same state, as with DDP. The world size and
     this process's rank are read when the step is built. After the backward pass one all-reduce
@@ -79,7 +86,7 @@ def make_train_step(
     rank holds rank 0's, bit for bit). ``grad_norm`` is the norm of the averaged gradients;
     ``aux`` stays this rank's own. With :func:`funcamp.accumulate` the gradients are averaged
     on *every* micro-step, not only on the one that applies the update (DDP's ``no_sync``):
-    whether a micro-step applies is a device-side value (skipped micro-steps do not count), and
+    whether a micro-step applies is a device-side value (kept in the optimizer state), and
     a collective issued only on that step needs its value on the host -- a host sync
     (``torch.cond`` reads it with ``.item()``). See the data-parallel guide.
 

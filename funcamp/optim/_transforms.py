@@ -22,6 +22,8 @@ from funcamp._core.collectives import active_across
 from funcamp._core.numerics import hoist_scalar, math_dtype
 from funcamp._core.tree import NAMESPACE, describe, dotted_path, path_str, tree_select, unflatten
 from funcamp.optim._base import (
+    ACCUMULATES,
+    CLIPS,
     Capabilities,
     Optimizer,
     SetParam,
@@ -33,13 +35,17 @@ from funcamp.optim._paths import choose_ops
 
 __all__ = [
     "AccumulateState",
+    "AccumulationWindow",
     "MaskedState",
     "MultiTransformState",
     "accumulate",
     "accumulate_applies",
+    "accumulation_window",
     "clip_by_global_norm",
+    "close_window",
     "masked",
     "multi_transform",
+    "reporting_accumulated",
 ]
 
 PyTree = Any
@@ -49,19 +55,22 @@ Tensors = list[torch.Tensor]
 class AccumulateState(NamedTuple):
     """State of :func:`funcamp.accumulate`: ``micro_step`` (0-d int32, micro-batches summed so
     far), ``applies`` (0-d bool, whether the next update applies), ``grad_sum`` (params-shaped
-    float32 sums) and ``inner`` (the wrapped optimizer's state).
+    float32 sums), ``inner`` (the wrapped optimizer's state) and ``overflowed`` (0-d bool, a
+    micro-batch of this window had an inf or nan gradient: the window's update will be
+    skipped; kept by :func:`funcamp.unscale_and_step`).
 
     Example:
         >>> import torch, funcamp
         >>> s = funcamp.accumulate(funcamp.sgd(0.1), every=2).init({"w": torch.zeros(1)})
-        >>> s.micro_step, s.applies, s.grad_sum
-        (tensor(0, dtype=torch.int32), tensor(False), {'w': tensor([0.])})
+        >>> s.micro_step, s.applies, s.grad_sum, s.overflowed
+        (tensor(0, dtype=torch.int32), tensor(False), {'w': tensor([0.])}, tensor(False))
     """
 
     micro_step: torch.Tensor
     applies: torch.Tensor
     grad_sum: PyTree
     inner: PyTree
+    overflowed: torch.Tensor
 
 
 class MaskedState(NamedTuple):
@@ -143,6 +152,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, Any]:
         return run(grads, state, params, ())
 
+    CLIPS.add(update)
     return Optimizer(init, update, Capabilities(fresh=True, update_owned=run))
 
 
@@ -157,15 +167,23 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
     the updates are zero and the inner optimizer's state is untouched; on the ``every``-th the
     averaged grads ``sum / every`` go through ``optimizer`` and its updates are returned, and the
     sum resets. With equal micro-batches and a mean loss this is one step on the concatenated
-    batch. The inner update is computed on every micro-step and selected with ``torch.where``
+    batch (torch's recipe divides each micro-batch's loss by ``every`` instead: the same
+    average). The inner update is computed on every micro-step and selected with ``torch.where``
     (no host sync), so each micro-step costs one inner update.
 
+    Under a loss scaler (:func:`funcamp.unscale_and_step`, the train step) the window is
+    ``torch.amp.GradScaler``'s optimizer step: an inf or nan gradient in any micro-batch skips
+    the whole update (the inner state, and the count schedules see, stay as they were; the
+    window starts afresh), and the train step updates the scaler once per window, on the
+    micro-step that applies (``growth_interval`` counts optimizer steps). Clip inside:
+    ``accumulate(chain(clip_by_global_norm(c), opt), every)`` clips the accumulated gradient;
+    :func:`funcamp.chain` refuses a clip in front of ``accumulate`` (it would clip each
+    micro-batch).
+
     Use :func:`accumulate_applies` on the state *before* an update to learn whether that update
-    applies (for example to all-reduce grads only then). When a micro-step is skipped because of
-    overflow and the caller keeps the old state (``tree_select``), that micro-batch is dropped and
-    accumulation continues: the next micro-batch takes its place, so an applied update always
-    averages ``every`` finite micro-batches, and the inner ``count`` (what schedules see) counts
-    applied updates only.
+    applies (for example to all-reduce grads only then). Called directly, outside
+    ``unscale_and_step``, it knows nothing of overflows: a caller that keeps the old state on a
+    bad micro-batch (``tree_select``) drops that micro-batch, and the next one takes its place.
 
     Args:
         optimizer: the inner :class:`Optimizer`.
@@ -201,6 +219,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
             torch.full_like(count, every == 1, dtype=torch.bool),
             unflatten(spec, sums),
             optimizer.init(params),
+            torch.zeros((), dtype=torch.bool, device=device),
         )
 
     def checked(
@@ -215,6 +234,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
         gs, ps, spec = flatten_grads(api, grads, params, need_params=False)
         check_count(api, "micro_step", state.micro_step)
         check_count(api, "applies", state.applies, torch.bool)
+        check_count(api, "overflowed", state.overflowed, torch.bool)
         if gs:
             sums = state_leaves(api, "grad_sum", state.grad_sum, spec)
             dtypes = [math_dtype(r.dtype) for r in (ps if ps is not None else gs)]
@@ -240,6 +260,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
     def rate(state: AccumulateState) -> Any:
         return learning_rate(optimizer, state.inner)
 
+    ACCUMULATES.add(update)
     return Optimizer(
         init,
         update,
@@ -272,13 +293,17 @@ def _accumulate(
     if not gs:
         inner_updates, inner = optimizer.update(grads, state.inner, params)
         inner = tree_select(apply, inner, state.inner)
-        return inner_updates, AccumulateState(micro, micro == every - 1, state.grad_sum, inner)
+        return inner_updates, AccumulateState(
+            micro, micro == every - 1, state.grad_sum, inner, state.overflowed
+        )
     sums = state_leaves(api, "grad_sum", state.grad_sum, spec)
     ops = choose_ops([*gs, *sums], owned=owned)
     sums = ops.add(sums, ops.to_math(gs))
     new_sums = [torch.where(apply, torch.zeros_like(s), s) for s in sums]
     avg = ops.div(sums, float(every)) if every > 1 else sums
     del sums
+    if _REPORTS:  # before the inner optimizer, which may overwrite avg in place
+        _REPORTS[-1](avg)
     avg_tree = unflatten(spec, avg)
     if owned and inner_caps.update_owned is not None:  # avg: this update's temporaries
         inner_updates, inner = inner_caps.update_owned(avg_tree, state.inner, params, avg)
@@ -298,7 +323,7 @@ def _accumulate(
         else:
             out.append(torch.where(apply, u, torch.zeros_like(u)))
     return unflatten(uspec, out), AccumulateState(
-        micro, micro == every - 1, unflatten(spec, new_sums), inner
+        micro, micro == every - 1, unflatten(spec, new_sums), inner, state.overflowed
     )
 
 
@@ -330,6 +355,105 @@ def accumulate_applies(opt_state: PyTree) -> torch.Tensor:
     for f in (s.applies for s in found[1:]):
         out = out & f.to(out.device)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# accumulation under a loss scaler: GradScaler's optimizer step (read by unscale_and_step)
+
+_REPORTS: list[Callable[[Tensors], None]] = []
+
+
+class reporting_accumulated:
+    """While it is active (``with reporting_accumulated(report): ...``), an :func:`accumulate`
+    update calls ``report(averaged_grads)`` (float32 leaves, not to be kept or written) before
+    its inner optimizer runs: :func:`funcamp.unscale_and_step` takes the accumulated gradient's
+    norm there."""
+
+    def __init__(self, report: Callable[[Tensors], None] | None) -> None:
+        self.report = report
+
+    def __enter__(self) -> None:
+        if self.report is not None:
+            _REPORTS.append(self.report)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.report is not None:
+            _REPORTS.pop()
+
+
+def _accumulate_states(opt_state: PyTree) -> list[AccumulateState]:
+    return [
+        x
+        for x in optree.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, AccumulateState), namespace=NAMESPACE
+        )
+        if isinstance(x, AccumulateState)
+    ]
+
+
+class AccumulationWindow(NamedTuple):
+    """The window of the :func:`accumulate` states in an optimizer state, read before an
+    update: ``applies`` (the update closes the window), ``overflowed`` (a micro-batch of the
+    window so far had an inf or nan gradient), and each state's own ``applies``."""
+
+    applies: torch.Tensor
+    overflowed: torch.Tensor
+    each: tuple[torch.Tensor, ...]
+
+
+def accumulation_window(opt_state: PyTree) -> AccumulationWindow | None:
+    """The :class:`AccumulationWindow` of ``opt_state``, or None when it holds no
+    :class:`AccumulateState` (each flag copied: a donated state is overwritten by the step)."""
+    found = _accumulate_states(opt_state)
+    if not found:
+        return None
+    each = tuple(s.applies.clone() for s in found)
+    applies, overflowed = each[0], found[0].overflowed
+    for s, a in zip(found[1:], each[1:]):
+        applies = applies & a.to(applies.device)
+        overflowed = overflowed | s.overflowed.to(overflowed.device)
+    return AccumulationWindow(applies, overflowed.clone(), each)
+
+
+def close_window(
+    opt_state: PyTree,
+    window: AccumulationWindow,
+    skipped: torch.Tensor,
+    window_inf: torch.Tensor,
+    in_place: bool,
+) -> PyTree:
+    """The optimizer state after a micro-step under a loss scaler: each :class:`AccumulateState`
+    records whether its window overflowed (``window_inf``, until the window closes) and, where the
+    window's update was ``skipped`` (the step kept the old state: its sums, its last micro-step),
+    starts a new window. ``in_place``: written into the state's tensors (a donated state)."""
+    each = iter(window.each)
+
+    def close(s: Any) -> Any:
+        if not isinstance(s, AccumulateState):
+            return s
+        was_applying = next(each)
+        overflowed = window_inf.to(s.overflowed.device) & ~was_applying
+        skip = skipped.to(s.micro_step.device)
+        # the old state's last micro-step is every - 1: every == 1 when it is 0
+        applies = torch.where(skip, s.micro_step == 0, s.applies)
+        micro = torch.where(skip, torch.zeros_like(s.micro_step), s.micro_step)
+        if in_place:
+            s.applies.copy_(applies)
+            s.micro_step.copy_(micro)
+            s.overflowed.copy_(overflowed)
+            for x in optree.tree_leaves(s.grad_sum, namespace=NAMESPACE):
+                x.masked_fill_(skip.to(x.device), 0)
+            return s
+        sums = optree.tree_map(
+            lambda x: torch.where(skip.to(x.device), torch.zeros_like(x), x),
+            s.grad_sum,
+            namespace=NAMESPACE,
+        )
+        return AccumulateState(micro, applies, sums, s.inner, overflowed)
+
+    return optree.tree_map(
+        close, opt_state, is_leaf=lambda x: isinstance(x, AccumulateState), namespace=NAMESPACE
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from funcamp.casting.amp import amp, recompute_under
 from funcamp.casting.fp8 import needs_state, with_fp8_state
 from funcamp.compiler.gate import check_choice
 from funcamp.optim._base import Optimizer, learning_rate
+from funcamp.optim._transforms import accumulation_window
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
@@ -199,6 +200,7 @@ def _apply_step(
             include=checked.headroom_include,
         )
     lr = learning_rate(optimizer, state.opt_state)  # before a donated count is overwritten
+    window = accumulation_window(state.opt_state)  # funcamp.accumulate: None without it
     # The grads are this step's own: donating them lets the eager path unscale in place.
     params, opt_state, info = unscale_and_step(
         state.scaler,
@@ -216,6 +218,8 @@ def _apply_step(
     # scaler update to the consensus all the same.
     found_inf = info.found_inf if nonfinite is None else info.found_inf | nonfinite
     new_scaler = update(state.scaler, found_inf)
+    if window is not None:  # GradScaler's recipe: one update per optimizer step, not micro-step
+        new_scaler = tree_select(window.applies, new_scaler, state.scaler)
     if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
         new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
     if write_buffers is not None:
