@@ -200,3 +200,22 @@ def test_a_window_with_an_overflow_is_skipped_whole(donate):
         params = new
     assert found == [False, True, True, False, False, False]
     assert int(opt_state.inner.count) == 1 and not torch.equal(params["w"], torch.ones(2))
+
+
+def test_the_window_is_found_through_funcamps_combinators():
+    """Whether an optimizer holds an accumulate is known when it is built: chain, masked and
+    multi_transform pass it on; an optimizer without one is never searched."""
+    from funcamp.optim._transforms import accumulation_window
+
+    params = {"w": torch.ones(2), "b": torch.ones(1)}
+    acc = funcamp.accumulate(funcamp.sgd(0.1), every=2)
+    for opt in (
+        acc,
+        funcamp.chain(funcamp.sgd(0.1), acc),
+        funcamp.masked(acc, {"w": True, "b": False}),
+        funcamp.multi_transform({"a": acc, "s": funcamp.sgd(0.1)}, {"w": "a", "b": "s"}),
+    ):
+        window = accumulation_window(opt, opt.init(params))
+        assert window is not None and not bool(window.applies) and not bool(window.overflowed)
+    plain = funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.adam(0.1))
+    assert accumulation_window(plain, plain.init(params)) is None

@@ -401,9 +401,14 @@ class AccumulationWindow(NamedTuple):
     each: tuple[torch.Tensor, ...]
 
 
-def accumulation_window(opt_state: PyTree) -> AccumulationWindow | None:
-    """The :class:`AccumulationWindow` of ``opt_state``, or None when it holds no
-    :class:`AccumulateState` (each flag copied: a donated state is overwritten by the step)."""
+def accumulation_window(optimizer: Optimizer, opt_state: PyTree) -> AccumulationWindow | None:
+    """The :class:`AccumulationWindow` of ``opt_state``, or None when ``optimizer`` is not, and
+    does not hold, an :func:`accumulate` (each flag copied: a donated state is overwritten by
+    the step). Whether it does is known when it is built (:func:`funcamp.chain`,
+    :func:`masked` and :func:`multi_transform` pass it on), so an optimizer without one pays
+    no search of its state."""
+    if optimizer.update not in ACCUMULATES:
+        return None
     found = _accumulate_states(opt_state)
     if not found:
         return None
@@ -568,6 +573,8 @@ def _param_groups(
 
     fresh = all(t.capabilities.fresh for t in transforms.values())
     has_rate = any(t.capabilities.learning_rate is not None for t in transforms.values())
+    if any(t.update in ACCUMULATES for t in transforms.values()):
+        ACCUMULATES.add(update)
     return Optimizer(
         init,
         update,

@@ -241,7 +241,7 @@ def unscale_and_step(
                 "memory; give each its own tensor (clone) or pass donate_state=False"
             )
     # funcamp.accumulate: read before the step writes a donated state (see _window_flags)
-    window = accumulation_window(opt_state)
+    window = accumulation_window(optimizer, opt_state)
     leaves, spec, idx = floating_leaves(grads, flat)
     floating = [leaves[i] for i in idx]
     # The execution path, chosen once: eager (torch's fused unscale kernel, in-place reuse of

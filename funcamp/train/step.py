@@ -200,7 +200,7 @@ def _apply_step(
             include=checked.headroom_include,
         )
     lr = learning_rate(optimizer, state.opt_state)  # before a donated count is overwritten
-    window = accumulation_window(state.opt_state)  # funcamp.accumulate: None without it
+    window = accumulation_window(optimizer, state.opt_state)  # funcamp.accumulate: None without it
     # The grads are this step's own: donating them lets the eager path unscale in place.
     params, opt_state, info = unscale_and_step(
         state.scaler,
