@@ -205,7 +205,7 @@ def test_a_window_with_an_overflow_is_skipped_whole(donate):
 def test_the_window_is_found_through_funcamps_combinators():
     """Whether an optimizer holds an accumulate is known when it is built: chain, masked and
     multi_transform pass it on; an optimizer without one is never searched."""
-    from funcamp.optim._transforms import accumulation_window
+    from funcamp.optim._accumulate import accumulation_window
 
     params = {"w": torch.ones(2), "b": torch.ones(1)}
     acc = funcamp.accumulate(funcamp.sgd(0.1), every=2)

@@ -25,6 +25,7 @@ from funcamp._core.tree import (
     tree_select,
     unflatten,
 )
+from funcamp.optim._accumulate import accumulation_window, close_window, reporting_accumulated
 from funcamp.optim._base import (
     Optimizer,
     apply_updates,
@@ -32,7 +33,6 @@ from funcamp.optim._base import (
     exclusive,
     update_tensors,
 )
-from funcamp.optim._transforms import accumulation_window, close_window, reporting_accumulated
 from funcamp.scaling.ops import (
     disjoint,
     floating_leaves,

@@ -29,8 +29,8 @@ from funcamp._core.tree import describe, plan_write, tree_select
 from funcamp.casting.amp import amp, recompute_under
 from funcamp.casting.fp8 import needs_state, with_fp8_state
 from funcamp.compiler.gate import check_choice
+from funcamp.optim._accumulate import accumulation_window
 from funcamp.optim._base import Optimizer, learning_rate
-from funcamp.optim._transforms import accumulation_window
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
