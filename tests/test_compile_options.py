@@ -18,9 +18,11 @@ from torch.func import functional_call
 import funcamp
 from funcamp.train.compiling import (
     CPU_STEP_OPTIONS,
+    EAGER_CASTS_OPTIONS,
     FP8_STEP_OPTIONS,
     compile_fn,
     fresh_code,
+    rounds_casts,
     step_options_for,
 )
 
@@ -89,24 +91,38 @@ def test_only_the_cpu_gets_them():
     assert step_options_for("cpu", "aot_eager") == {}
 
 
-def test_an_fp8_policy_rounds_every_cast_on_every_device(monkeypatch):
-    """A step whose policy runs FP8 linears compiles with inductor rounding every cast as eager
-    code does (FP8_STEP_OPTIONS, under the caller's options); other policies do not."""
-    assert FP8_STEP_OPTIONS == {"emulate_precision_casts": True}
-    assert step_options_for("cuda", "inductor", fp8=True) == FP8_STEP_OPTIONS
-    assert step_options_for("cpu", "inductor", fp8=True) == {**CPU_STEP_OPTIONS, **FP8_STEP_OPTIONS}
-    assert step_options_for("cpu", "aot_eager", fp8=True) == {}
+def test_a_low_precision_step_rounds_every_cast_on_every_device(monkeypatch):
+    """A step whose policy computes, stores or returns float16/bfloat16 values or runs FP8
+    linears, or whose state carries a loss scaler, compiles with inductor rounding every cast
+    as eager code does (EAGER_CASTS_OPTIONS, under the caller's options); a float32 step does
+    not (tests/test_compiled_scaling.py: what it changes)."""
+    assert EAGER_CASTS_OPTIONS == FP8_STEP_OPTIONS == {"emulate_precision_casts": True}
+    assert step_options_for("cuda", "inductor", eager_casts=True) == EAGER_CASTS_OPTIONS
+    assert step_options_for("cpu", "inductor", eager_casts=True) == {
+        **CPU_STEP_OPTIONS,
+        **EAGER_CASTS_OPTIONS,
+    }
+    assert step_options_for("cpu", "aot_eager", eager_casts=True) == {}
+    f32 = funcamp.get_policy("float32")
+    assert not rounds_casts(f32)
+    assert rounds_casts(f32.with_module_policies({torch.nn.Linear: "bf16-true"}))
     calls = _spy(monkeypatch)
     fp8 = funcamp.get_policy("mixed_bfloat16").with_fp8(funcamp.Fp8Recipe.current())
-    for policy, options in [(fp8, {}), ("mixed_bfloat16", {}),
-                            (fp8, {"options": {"emulate_precision_casts": False}})]:  # fmt: skip
-        state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), policy)
-        step = funcamp.make_train_step(
-            lambda p, b, x: (x @ p["w"]).sum(), funcamp.sgd(0.1), policy, **options
+    dynamic = funcamp.ScalerState.dynamic
+    for policy, options, scaler in [(fp8, {}, None), ("mixed_bfloat16", {}, None),
+                                    ("16-true", {}, None), ("float32", {}, None),
+                                    ("float32", {}, dynamic()),
+                                    (fp8, {"options": {"emulate_precision_casts": False}}, None)]:  # fmt: skip
+        state = funcamp.TrainState.create(
+            {"w": torch.ones(2)}, funcamp.sgd(0.1), policy, scaler=scaler
         )
+        step = funcamp.make_train_step(
+            lambda p, b, x: (x.to(p["w"].dtype) @ p["w"]).sum(), funcamp.sgd(0.1), policy,
+            **options,
+        )  # fmt: skip
         step(state, torch.ones(3, 2))
     rounded = [(kw["options"] or {}).get("emulate_precision_casts") for kw in calls]
-    assert rounded == [True, None, False]  # the caller's own setting wins
+    assert rounded == [True, True, True, None, True, False]  # the caller's own setting wins
 
 
 def _double_plus_one(x: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,7 @@ def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
         more = _batches(CONT, seed=5)
         state, _ = _train(compiled, state, more, rank, world)
         res["continued"] = funcamp.state_dict(state)
-        # Accumulation: averaged on every micro-step, skipped micro-steps dropped everywhere.
+        # Accumulation: averaged on every micro-step, the overflowing window skipped everywhere.
         acc = make(_accumulated(), name="acc")
         astate, res["acc_metrics"] = _train(acc, _init(_accumulated()), batches, rank, world)
         res["acc"] = funcamp.state_dict(astate)
@@ -306,8 +306,12 @@ def test_accumulate_averages_every_micro_step_and_skips_together(two_ranks, refe
     res = [{"acc": r["acc"], "acc_metrics": r["acc_metrics"]} for r in two_ranks]
     _check_against_reference(res, reference["acc"], reference["acc_metrics"], "acc", 2)
     _same_on_every_rank(res, "acc")
-    # the overflowing micro-step was dropped: 4 finite micro-steps, 2 applied updates
-    assert int(two_ranks[0]["acc"]["opt_state"]["inner"]["count"]) == 2
+    # GradScaler's window: micro-steps 0-1 applied, the window of 2 (the overflow) and 3 was
+    # skipped whole on every rank, and 4 opened the next one
+    assert [bool(m["found_inf"]) for m in two_ranks[0]["acc_metrics"]] == [
+        False, False, True, True, False
+    ]  # fmt: skip
+    assert int(two_ranks[0]["acc"]["opt_state"]["inner"]["count"]) == 1
 
 
 def test_stochastic_rounding_identical_on_every_rank(two_ranks):

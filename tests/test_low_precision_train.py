@@ -83,9 +83,9 @@ def test_create_starts_master_weights_exact_through_wrappers():
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g)}
     inner = funcamp.adamw(1e-3, master_weights=True)
-    opt = funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.accumulate(inner, 2))
+    opt = funcamp.accumulate(funcamp.chain(funcamp.clip_by_global_norm(1.0), inner), 2)
     state = funcamp.TrainState.create(params, opt, "bf16-true")
-    masters = state.opt_state[1].inner.low
+    masters = state.opt_state.inner[1].low
     assert isinstance(masters, MasterWeightsState)
     for k, p in params.items():
         assert state.params[k].dtype == torch.bfloat16

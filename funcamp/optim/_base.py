@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -48,6 +49,13 @@ UpdateDonated = Callable[
 FusedStep = Callable[[list[torch.Tensor], PyTree, PyTree, torch.Tensor], Any]
 #: ``learning_rate(state) -> Tensor | dict[str, Tensor] | None``.
 LearningRate = Callable[[PyTree], Any]
+
+
+#: The ``update`` functions of :func:`funcamp.clip_by_global_norm` (and of chains holding one)
+#: and of :func:`funcamp.accumulate` (and of chains holding one): :func:`chain` refuses a clip
+#: in front of an accumulation, which would clip each micro-batch.
+CLIPS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+ACCUMULATES: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +337,11 @@ def chain(*transforms: Optimizer) -> Optimizer:
     it is ``fresh`` when every part is, and its first part may overwrite grads its caller owns,
     each later part the fresh outputs of the one before.
 
+    A clip in front of :func:`funcamp.accumulate` (``chain(clip_by_global_norm(c),
+    accumulate(opt, k))``) would clip each micro-batch, not the accumulated gradient that
+    ``clip_grad_norm_`` clips after the last backward: it is refused, and
+    ``accumulate(chain(clip_by_global_norm(c), opt), k)`` is the composition to use.
+
     Args:
         *transforms: :class:`Optimizer` values.
 
@@ -342,6 +355,7 @@ def chain(*transforms: Optimizer) -> Optimizer:
     """
     for i, t in enumerate(transforms):
         check_optimizer("chain", f"transforms[{i}]", t)
+    _check_clip_order(transforms)
     n = len(transforms)
 
     def check(state: Any) -> None:
@@ -407,6 +421,9 @@ def chain(*transforms: Optimizer) -> Optimizer:
 
     caps = [t.capabilities for t in transforms]
     fresh = all(c.fresh for c in caps)
+    for kind in (CLIPS, ACCUMULATES):
+        if any(t.update in kind for t in transforms):
+            kind.add(update)
     return Optimizer(
         init,
         update,
@@ -418,6 +435,22 @@ def chain(*transforms: Optimizer) -> Optimizer:
             learning_rate=rate if any(c.learning_rate is not None for c in caps) else None,
         ),
     )
+
+
+def _check_clip_order(transforms: Sequence[Optimizer]) -> None:
+    """Refuse a clip in front of an accumulation (see :func:`chain`)."""
+    for j, t in enumerate(transforms):
+        if t.update not in ACCUMULATES:
+            continue
+        for i in range(j):
+            if transforms[i].update in CLIPS:
+                raise ValueError(
+                    f"funcamp.chain: `transforms[{i}]` clips the gradient in front of "
+                    f"`transforms[{j}]`, which accumulates micro-batches, so each micro-batch "
+                    "would be clipped on its own; clip the accumulated gradient (what "
+                    "clip_grad_norm_ after the last backward clips) with "
+                    "accumulate(chain(clip_by_global_norm(max_norm), optimizer), every)"
+                )
 
 
 def _owned_outputs(

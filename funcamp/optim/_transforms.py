@@ -1,4 +1,5 @@
-"""Transforms and wrappers: gradient clipping, accumulation and parameter groups."""
+"""Transforms and wrappers: gradient clipping and parameter groups (accumulation:
+:mod:`funcamp.optim._accumulate`, re-exported here)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,20 @@ import torch
 
 from funcamp._core.checks import (
     any_flag,
-    check_count,
-    check_int,
     check_number,
-    check_state_like,
     flatten_grads,
     flatten_params,
-    state_leaves,
 )
 from funcamp._core.collectives import global_norm, in_params_order
 from funcamp._core.numerics import hoist_scalar, math_dtype
-from funcamp._core.tree import NAMESPACE, describe, dotted_path, tree_select, unflatten
+from funcamp._core.tree import NAMESPACE, describe, dotted_path, unflatten
+from funcamp.optim._accumulate import AccumulateState, accumulate, accumulate_applies
 from funcamp.optim._base import (
+    ACCUMULATES,
+    CLIPS,
     Capabilities,
     Optimizer,
-    SetParam,
     check_optimizer,
-    is_set_param,
     learning_rate,
 )
 from funcamp.optim._masks import check_selects, leaf_values
@@ -45,24 +43,6 @@ __all__ = [
 
 PyTree = Any
 Tensors = list[torch.Tensor]
-
-
-class AccumulateState(NamedTuple):
-    """State of :func:`funcamp.accumulate`: ``micro_step`` (0-d int32, micro-batches summed so
-    far), ``applies`` (0-d bool, whether the next update applies), ``grad_sum`` (params-shaped
-    float32 sums) and ``inner`` (the wrapped optimizer's state).
-
-    Example:
-        >>> import torch, funcamp
-        >>> s = funcamp.accumulate(funcamp.sgd(0.1), every=2).init({"w": torch.zeros(1)})
-        >>> s.micro_step, s.applies, s.grad_sum
-        (tensor(0, dtype=torch.int32), tensor(False), {'w': tensor([0.])})
-    """
-
-    micro_step: torch.Tensor
-    applies: torch.Tensor
-    grad_sum: PyTree
-    inner: PyTree
 
 
 class MaskedState(NamedTuple):
@@ -139,193 +119,8 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, Any]:
         return run(grads, state, params, ())
 
+    CLIPS.add(update)
     return Optimizer(init, update, Capabilities(fresh=True, update_owned=run))
-
-
-# --------------------------------------------------------------------------------------------
-# accumulate
-
-
-def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
-    """Gradient accumulation over ``every`` micro-steps.
-
-    Each call adds the grads (in float32) to a running sum. On micro-steps 1 … ``every - 1``
-    the updates are zero and the inner optimizer's state is untouched; on the ``every``-th the
-    averaged grads ``sum / every`` go through ``optimizer`` and its updates are returned, and the
-    sum resets. With equal micro-batches and a mean loss this is one step on the concatenated
-    batch. The inner update is computed on every micro-step and selected with ``torch.where``
-    (no host sync), so each micro-step costs one inner update.
-
-    Use :func:`accumulate_applies` on the state *before* an update to learn whether that update
-    applies (for example to all-reduce grads only then). When a micro-step is skipped because of
-    overflow and the caller keeps the old state (``tree_select``), that micro-batch is dropped and
-    accumulation continues: the next micro-batch takes its place, so an applied update always
-    averages ``every`` finite micro-batches, and the inner ``count`` (what schedules see) counts
-    applied updates only.
-
-    Args:
-        optimizer: the inner :class:`Optimizer`.
-        every: number of micro-steps per update (>= 1).
-
-    Returns:
-        An :class:`Optimizer` whose state is a :class:`funcamp.optim.AccumulateState`.
-
-    Example:
-        >>> import torch, funcamp
-        >>> opt = funcamp.accumulate(funcamp.sgd(1.0), every=2)
-        >>> params = {"w": torch.zeros(1)}
-        >>> state = opt.init(params)
-        >>> u1, state = opt.update({"w": torch.tensor([1.0])}, state, params)
-        >>> funcamp.accumulate_applies(state)
-        tensor(True)
-        >>> u2, state = opt.update({"w": torch.tensor([3.0])}, state, params)
-        >>> u1, u2
-        ({'w': tensor([0.])}, {'w': tensor([-2.])})
-    """
-    api = "accumulate"
-    check_optimizer(api, "optimizer", optimizer)
-    check_int(api, "every", every, minimum=1)
-    inner_caps = optimizer.capabilities
-
-    def init(params: PyTree) -> AccumulateState:
-        leaves, spec = flatten_params(api, params)
-        sums = [torch.zeros_like(p, dtype=math_dtype(p.dtype)) for p in leaves]
-        device = leaves[0].device if leaves else torch.device("cpu")
-        count = torch.zeros((), dtype=torch.int32, device=device)
-        return AccumulateState(
-            count,
-            torch.full_like(count, every == 1, dtype=torch.bool),
-            unflatten(spec, sums),
-            optimizer.init(params),
-        )
-
-    def checked(
-        grads: PyTree, state: AccumulateState, params: PyTree
-    ) -> tuple[Tensors, Tensors | None, Any]:
-        """Flatten the inputs, checking the state against them (metadata only)."""
-        if not isinstance(state, AccumulateState):
-            raise TypeError(
-                f"funcamp.{api}: `state` must be a AccumulateState from this optimizer's init, "
-                f"got {type(state).__name__}"
-            )
-        gs, ps, spec = flatten_grads(api, grads, params, need_params=False)
-        check_count(api, "micro_step", state.micro_step)
-        check_count(api, "applies", state.applies, torch.bool)
-        if gs:
-            sums = state_leaves(api, "grad_sum", state.grad_sum, spec)
-            dtypes = [math_dtype(r.dtype) for r in (ps if ps is not None else gs)]
-            check_state_like(api, "grad_sum", sums, gs, dtypes, grads)
-        return gs, ps, spec
-
-    def preflight(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
-        checked(grads, state, params)
-        if inner_caps.preflight is None:
-            return None
-        bad = inner_caps.preflight(grads, state.inner, params)
-        return None if bad is None else bad & state.applies.to(bad.device)
-
-    def run(
-        grads: PyTree, state: AccumulateState, params: PyTree, owned: Sequence[torch.Tensor]
-    ) -> tuple[PyTree, AccumulateState]:
-        gs, ps, spec = checked(grads, state, params)
-        return _accumulate(optimizer, every, grads, state, params, owned, gs, ps, spec)
-
-    def update(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
-        return run(grads, state, params, ())
-
-    def rate(state: AccumulateState) -> Any:
-        return learning_rate(optimizer, state.inner)
-
-    return Optimizer(
-        init,
-        update,
-        Capabilities(
-            preflight=preflight,
-            fresh=inner_caps.fresh,
-            update_owned=run,
-            learning_rate=rate if inner_caps.learning_rate is not None else None,
-        ),
-    )
-
-
-def _accumulate(
-    optimizer: Optimizer,
-    every: int,
-    grads: PyTree,
-    state: AccumulateState,
-    params: PyTree,
-    owned: Sequence[torch.Tensor],
-    gs: Tensors,
-    ps: Tensors | None,
-    spec: Any,
-) -> tuple[PyTree, AccumulateState]:
-    """One micro-step of :func:`accumulate` (its inputs checked and flattened): add the grads
-    to the sums and, on the step that applies, run ``optimizer`` on their average."""
-    api = "accumulate"
-    inner_caps = optimizer.capabilities
-    apply = state.applies
-    micro = torch.where(apply, 0, state.micro_step + 1).to(torch.int32)
-    if not gs:
-        inner_updates, inner = optimizer.update(grads, state.inner, params)
-        inner = tree_select(apply, inner, state.inner)
-        return inner_updates, AccumulateState(micro, micro == every - 1, state.grad_sum, inner)
-    sums = state_leaves(api, "grad_sum", state.grad_sum, spec)
-    ops = choose_ops([*gs, *sums], owned=owned)
-    sums = ops.add(sums, ops.to_math(gs))
-    new_sums = [torch.where(apply, torch.zeros_like(s), s) for s in sums]
-    avg = ops.div(sums, float(every)) if every > 1 else sums
-    del sums
-    avg_tree = unflatten(spec, avg)
-    if owned and inner_caps.update_owned is not None:  # avg: this update's temporaries
-        inner_updates, inner = inner_caps.update_owned(avg_tree, state.inner, params, avg)
-    else:
-        inner_updates, inner = optimizer.update(avg_tree, state.inner, params)
-    inner = tree_select(apply, inner, state.inner)
-    ups, uspec = optree.tree_flatten(inner_updates, is_leaf=is_set_param, namespace=NAMESPACE)
-    if len(ups) != len(gs):
-        raise ValueError(
-            f"funcamp.{api}: the inner optimizer's updates must have the grads' structure, "
-            f"got {uspec}"
-        )
-    out = []
-    for u, p in zip(ups, ps if ps is not None else [None] * len(ups)):
-        if isinstance(u, SetParam):
-            out.append(SetParam(torch.where(apply, u.value, p)))
-        else:
-            out.append(torch.where(apply, u, torch.zeros_like(u)))
-    return unflatten(uspec, out), AccumulateState(
-        micro, micro == every - 1, unflatten(spec, new_sums), inner
-    )
-
-
-def accumulate_applies(opt_state: PyTree) -> torch.Tensor:
-    """Return a 0-d bool tensor: True when the next ``update`` with ``opt_state`` applies an
-    update (the last micro-step of :func:`accumulate`).
-
-    ``opt_state`` may be an :class:`funcamp.optim.AccumulateState` or contain one (e.g. inside
-    a :func:`chain`'s tuple); without one every step applies, and the result is True.
-
-    Example:
-        >>> import torch, funcamp
-        >>> opt = funcamp.accumulate(funcamp.sgd(0.1), every=3)
-        >>> funcamp.accumulate_applies(opt.init({"w": torch.zeros(1)}))
-        tensor(False)
-        >>> funcamp.accumulate_applies(funcamp.sgd(0.1).init({"w": torch.zeros(1)}))
-        tensor(True)
-    """
-    found = [
-        x
-        for x in optree.tree_leaves(
-            opt_state, is_leaf=lambda x: isinstance(x, AccumulateState), namespace=NAMESPACE
-        )
-        if isinstance(x, AccumulateState)
-    ]
-    if not found:
-        return torch.ones((), dtype=torch.bool)
-    out = found[0].applies
-    for f in (s.applies for s in found[1:]):
-        out = out & f.to(out.device)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,6 +214,8 @@ def _param_groups(
 
     fresh = all(t.capabilities.fresh for t in transforms.values())
     has_rate = any(t.capabilities.learning_rate is not None for t in transforms.values())
+    if any(t.update in ACCUMULATES for t in transforms.values()):
+        ACCUMULATES.add(update)
     return Optimizer(
         init,
         update,

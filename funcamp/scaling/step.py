@@ -27,6 +27,7 @@ from funcamp._core.tree import (
     tree_select,
     unflatten,
 )
+from funcamp.optim._accumulate import accumulation_window, close_window, reporting_accumulated
 from funcamp.optim._base import (
     Optimizer,
     apply_updates,
@@ -161,6 +162,14 @@ def unscale_and_step(
     nothing, donated or not. A tensor learning rate that is NaN, infinite or negative at run
     time skips the step like an overflow (``found_inf`` is True).
 
+    With :func:`funcamp.accumulate` in ``optimizer``, a window of ``every`` calls is
+    ``torch.amp.GradScaler``'s optimizer step: ``found_inf`` is the window's (an inf or nan in
+    any of its micro-batches so far); where the window closes with ``found_inf`` its update is
+    skipped whole (the inner optimizer's state stays as it was) and the next window starts;
+    ``grad_norm`` is the accumulated gradient's on the call that closes the window. Call
+    :func:`update` only where ``funcamp.accumulate_applies(opt_state)`` held before the call
+    (the train step does), as GradScaler's ``update()`` runs once per optimizer step.
+
     Args:
         state: the scaler state the loss was scaled with.
         optimizer: a :class:`funcamp.Optimizer`.
@@ -243,6 +252,8 @@ def unscale_and_step(
                 f"tensors of `params` and `opt_state`, but {shared[0]} and {shared[1]} share "
                 "memory; give each its own tensor (clone) or pass donate_state=False"
             )
+    # funcamp.accumulate: read before the step writes a donated state (see _window_flags)
+    window = accumulation_window(optimizer, opt_state)
     leaves, spec, idx = floating_leaves(grads, flat)
     floating = [leaves[i] for i in idx]
     # The execution path, chosen once: eager (torch's fused unscale kernel, in-place reuse of
@@ -286,7 +297,63 @@ def unscale_and_step(
             if grad_norm
             else None
         )
-    info = StepInfo(found_inf, norm)
+    # The step is skipped where `skip`: found_inf, or, under funcamp.accumulate, the window's.
+    skip, found_inf, accumulated = _window_flags(window, found_inf)
+    report = None
+    if accumulated is not None and grad_norm:
+
+        def report(avg: list[torch.Tensor]) -> None:  # the accumulated gradient's norm
+            if across is not None:
+                flag = torch.zeros((), dtype=torch.bool, device=state.scale.device)
+                total = across.reduce(flag, [x.float().square().sum() for x in avg])[1]
+                accumulated.append(total.sqrt())
+            else:
+                accumulated.append(_global_norm(avg, state.scale.device, kernels))
+
+    params_out, opt_state_out = _step(
+        optimizer, caps, unscaled, opt_state, params, skip, out, taken,
+        kernels=kernels, traced=traced, eager=eager, donate_state=donate_state, across=across,
+        report=report,
+    )  # fmt: skip
+    if window is not None:
+        opt_state_out = close_window(opt_state_out, window, skip, found_inf, donate_state)
+        if accumulated:  # the accumulated gradient's norm on the micro-step that applies
+            norm = torch.where(window.applies.to(norm.device), accumulated[0], norm)
+    return params_out, opt_state_out, StepInfo(found_inf, norm)
+
+
+def _window_flags(
+    window: Any, found_inf: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+    """``(skip, found_inf, accumulated)``: without :func:`funcamp.accumulate`, the step is
+    skipped where ``found_inf``. With it, ``torch.amp.GradScaler``'s optimizer step: an inf or
+    nan in any micro-batch of the window (``found_inf`` becomes the window's so far) skips the
+    window's update, on its last micro-step (the others apply nothing); ``accumulated`` receives
+    the accumulated gradient's norm."""
+    if window is None:
+        return found_inf, found_inf, None
+    found_inf = found_inf | window.overflowed.to(found_inf.device)
+    return found_inf & window.applies.to(found_inf.device), found_inf, []
+
+
+def _step(
+    optimizer: Optimizer,
+    caps: Any,
+    unscaled: PyTree,
+    opt_state: PyTree,
+    params: PyTree,
+    skip: torch.Tensor,
+    out: list[torch.Tensor],
+    taken: set[int | None],
+    *,
+    kernels: bool,
+    traced: bool,
+    eager: bool,
+    donate_state: bool,
+    across: Across | None,
+    report: Callable[[list[torch.Tensor]], None] | None,
+) -> tuple[PyTree, PyTree]:
+    """The update on the path chosen, skipped where ``skip``: ``(params, opt_state)``."""
     if (
         kernels
         and donate_state
@@ -295,20 +362,18 @@ def unscale_and_step(
     ):
         if not traced:  # the kernel writes the donated state (funcamp._core.donation)
             writing()
-        new_state = caps.fused_step(out, opt_state, params, found_inf)
+        new_state = caps.fused_step(out, opt_state, params, skip)
         if new_state is not None:
-            return params, new_state, info
-    with summing_across(across):
+            return params, new_state
+    with summing_across(across), reporting_accumulated(report):
         if eager:
             params_out, opt_state_out = _step_eager(
-                optimizer, unscaled, opt_state, params, found_inf, taken, out, donate_state
+                optimizer, unscaled, opt_state, params, skip, taken, out, donate_state
             )
         elif donate_state:
-            return (*_step_traced_donated(optimizer, unscaled, opt_state, params, found_inf), info)
+            return _step_traced_donated(optimizer, unscaled, opt_state, params, skip)
         else:
-            params_out, opt_state_out = _step_traced(
-                optimizer, unscaled, opt_state, params, found_inf
-            )
+            params_out, opt_state_out = _step_traced(optimizer, unscaled, opt_state, params, skip)
     if donate_state:
         # Both trees are matched before either is written: all or nothing.
         write_params = plan_write(params_out, params)
@@ -316,7 +381,7 @@ def unscale_and_step(
         if not traced:
             writing()
         params_out, opt_state_out = write_params(), write_opt_state()
-    return params_out, opt_state_out, info
+    return params_out, opt_state_out
 
 
 def _check_step_args(

@@ -28,17 +28,20 @@ from funcamp._core.guard_sources import GLOBAL_STATE_SOURCES, STEP_INPUTS, is_mo
 from funcamp._core.tree import NAMESPACE
 from funcamp.compiler import hooks as compiler_hooks
 from funcamp.compiler.gate import Choice, decide
+from funcamp.policy.policy import Policy
 from funcamp.train.errors import explain
 from funcamp.train.loss import Engine
 from funcamp.train.state import TrainState
 
 __all__ = [
     "CPU_STEP_OPTIONS",
+    "EAGER_CASTS_OPTIONS",
     "FP8_STEP_OPTIONS",
     "compile_fn",
     "fresh_code",
     "input_guards_only",
     "patches_for",
+    "rounds_casts",
     "run_compiled",
     "state_device_type",
     "step_options_for",
@@ -92,24 +95,48 @@ def fresh_code(code: types.CodeType) -> types.CodeType:
 #: (:func:`funcamp.compiler.hooks.inductor_options`).
 CPU_STEP_OPTIONS = {"loop_ordering_after_fusion": False}
 
-#: Inductor options a step (train or eval, any device) whose policy runs FP8 linears gets unless
-#: the caller sets them: every cast to a lower-precision dtype rounds, as in eager code. By
-#: default inductor lets a fused reader of a bfloat16 result see its unrounded float32 value;
-#: quantized to FP8, such values land on other codes than eager code's, and a compiled FP8 step
-#: drifted about 1 % from the eager one in 10 steps (with this option, the float32 rounding
-#: level; tests/test_device_parity.py).
-FP8_STEP_OPTIONS = {"emulate_precision_casts": True}
+#: Inductor options a step (train or eval, any device) gets unless the caller sets them when
+#: its policy computes, stores or returns float16 or bfloat16 values, or runs FP8 linears
+#: (:func:`rounds_casts`), or its state carries a loss scaler: every cast to a lower-precision
+#: dtype rounds, as in eager code. By default inductor lets a fused reader of a float16 or
+#: bfloat16 result see its unrounded float32 value. A float16 gradient that overflows in eager
+#: code then stays finite in the compiled step, which applies an update that eager funcamp and
+#: ``torch.amp.GradScaler`` skip, and keeps a loss scale they halve; quantized to FP8, such values
+#: land on other codes than eager code's (a compiled FP8 step drifted about 1 % from the eager
+#: one in 10 steps). With this option the compiled step's found-inf, skips, scales and params
+#: equal the eager step's (tests/test_compiled_scaling.py, tests/test_device_parity.py). A
+#: float32 graph holds no such cast: the option changes nothing there, and it is left off.
+EAGER_CASTS_OPTIONS = {"emulate_precision_casts": True}
+
+#: The name :data:`EAGER_CASTS_OPTIONS` had while only FP8 policies got them.
+FP8_STEP_OPTIONS = EAGER_CASTS_OPTIONS
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def step_options_for(device_type: str | None, backend: Any, fp8: bool = False) -> dict[str, Any]:
+def rounds_casts(policy: Policy) -> bool:
+    """Whether a step under ``policy`` compiles with :data:`EAGER_CASTS_OPTIONS`: one of its
+    dtypes (or a module policy's) is float16 or bfloat16, or it runs FP8 linears."""
+    if policy.fp8 is not None:
+        return True
+    dtypes = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+    if any(d in _LOW_PRECISION for d in dtypes):
+        return True
+    return any(rounds_casts(p) for _, p in policy.module_policies)
+
+
+def step_options_for(
+    device_type: str | None, backend: Any, eager_casts: bool = False
+) -> dict[str, Any]:
     """The inductor options funcamp adds for a step on ``device_type`` (see
-    :data:`CPU_STEP_OPTIONS`) and, with ``fp8``, for a policy with FP8 linears (see
-    :data:`FP8_STEP_OPTIONS`); none for another backend or an option this torch lacks."""
+    :data:`CPU_STEP_OPTIONS`) and, with ``eager_casts``, for a step that rounds to float16,
+    bfloat16 or FP8 (see :data:`EAGER_CASTS_OPTIONS`); none for another backend or an option
+    this torch lacks."""
     if backend != "inductor":
         return {}
     options = dict(CPU_STEP_OPTIONS) if device_type == "cpu" else {}
-    if fp8:
-        options.update(FP8_STEP_OPTIONS)
+    if eager_casts:
+        options.update(EAGER_CASTS_OPTIONS)
     config = torch._inductor.config
     return {k: v for k, v in options.items() if hasattr(config, k)}
 
@@ -153,12 +180,12 @@ def compile_fn(
     *,
     specialize: bool = False,
     patches: bool = False,
-    fp8: bool = False,
+    eager_casts: bool = False,
 ) -> Callable[..., Any]:
     """``torch.compile(fn, fullgraph=True, ...)``, with :func:`input_guards_only` as the guard
     filter when ``specialize`` (and the caller gives none); ``device_type`` (the step's device,
-    when known) and ``fp8`` (the policy runs FP8 linears) add :func:`step_options_for` under the
-    caller's options, and ``patches`` (on
+    when known) and ``eager_casts`` (the step rounds to float16, bfloat16 or FP8) add
+    :func:`step_options_for` under the caller's options, and ``patches`` (on
     for this compile: :func:`patches_for`) the compiler patches' inductor options
     (:func:`funcamp.compiler.hooks.inductor_options`)."""
     opts = dict(options)
@@ -184,7 +211,7 @@ def compile_fn(
         inner = {}
     # a mode is left only for another backend, which gets no inductor options
     patched = compiler_hooks.inductor_options(patches and backend == "inductor", device_type, inner)
-    inner = {**step_options_for(device_type, backend, fp8), **patched, **inner}
+    inner = {**step_options_for(device_type, backend, eager_casts), **patched, **inner}
     if "post_grad_custom_pre_pass" in patched:  # the patches' cache key, around the caller's
         inner["post_grad_custom_pre_pass"] = patched["post_grad_custom_pre_pass"]
     return torch.compile(

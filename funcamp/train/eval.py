@@ -21,6 +21,7 @@ from funcamp.train.compiling import (
     first_device_type,
     fresh_code,
     patches_for,
+    rounds_casts,
     run_compiled,
 )
 from funcamp.train.config import Compile, new_spelling, resolve_compile
@@ -119,7 +120,7 @@ def make_eval_step(
             compile_options,
             specialize=specialize,
             patches=on.on,
-            fp8=pol.fp8 is not None,
+            eager_casts=rounds_casts(pol),
         )
         return announce_first_call(run, "eval step"), on
 

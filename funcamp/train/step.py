@@ -38,12 +38,14 @@ from funcamp._core.tree import (
 from funcamp.casting.amp import amp, recompute_under
 from funcamp.casting.fp8 import needs_state, with_fp8_state
 from funcamp.compiler.gate import check_choice
+from funcamp.optim._accumulate import accumulation_window
 from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
+from funcamp.train.compiling import rounds_casts
 from funcamp.train.config import Compile, check_combinations, resolve_compile, unchecked
 from funcamp.train.loss import Engine, forward_backward, restore_buffers
 from funcamp.train.parallel import Parallel
@@ -244,6 +246,7 @@ def _apply_step(
     lr = learning_rate(optimizer, state.opt_state)  # before a donated count is overwritten
     if opts.has_aux and opts.donate_state:  # before the writes: an aux param would change
         aux = _own_aux(aux, state, opts.returns_buffers)
+    window = accumulation_window(optimizer, state.opt_state)  # funcamp.accumulate: None without it
     # The grads are this step's own: donating them lets the eager path unscale in place.
     params, opt_state, info = unscale_and_step(
         state.scaler,
@@ -261,6 +264,8 @@ def _apply_step(
     # scaler update to the consensus all the same.
     found_inf = info.found_inf if nonfinite is None else info.found_inf | nonfinite
     new_scaler = update(state.scaler, found_inf)
+    if window is not None:  # GradScaler's recipe: one update per optimizer step, not micro-step
+        new_scaler = tree_select(window.applies, new_scaler, state.scaler)
     if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
         new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
     if write_buffers is not None:
@@ -339,7 +344,7 @@ def build_train_step(
         specialize=opts.specialize,
         cache=None if checked.cache_dir is None else (checked.cache_dir, loss_fn, settings),
         compiler_patches=opts.compiler_patches,
-        fp8=pol.fp8 is not None,
+        eager_casts=rounds_casts(pol),
         policy=pol,
     )
     step.__doc__ = (

@@ -161,7 +161,7 @@ def wrap_step(
     specialize: bool = False,
     cache: tuple[str, Callable[..., Any], tuple[Any, ...]] | None = None,
     compiler_patches: Choice = "auto",
-    fp8: bool = False,
+    eager_casts: bool = False,
     policy: Policy | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """``step(state, batch)``: ``train_step`` compiled (or eager), as every funcamp train step
@@ -175,12 +175,14 @@ def wrap_step(
     (:func:`input_guards_only`). ``cache``, ``(directory, loss_fn, settings)``, keeps the
     compiled step on disk (:class:`funcamp.stepcache.cache.CachedStep`; ``settings``, what the
     step was built with, enter its key). ``compiler_patches``:
-    ``make_train_step``'s choice of funcamp's compiler patches (:func:`patches_for`). ``fp8``:
-    the policy runs FP8 linears (inductor's options for them, :func:`step_options_for`)."""
+    ``make_train_step``'s choice of funcamp's compiler patches (:func:`patches_for`). ``eager_casts``:
+    the policy rounds to float16, bfloat16 or FP8 (:func:`funcamp.train.compiling.rounds_casts`);
+    a state with a loss scaler (not ``noop``) asks for the same inductor options
+    (:func:`step_options_for`): its found-inf must be eager code's."""
     train_step.__code__ = fresh_code(train_step.__code__)
     patched: list[Patches] = []
 
-    def compiled_for(device_type: str) -> Callable[..., Any]:
+    def compiled_for(device_type: str, scaled: bool) -> Callable[..., Any]:
         # Built on the first call, when the state's device is known (see step_options_for).
         on = patches_for(compiler_patches, device_type, compile_options)
         patched.append(on)
@@ -191,7 +193,7 @@ def wrap_step(
                 device_type,
                 specialize=specialize,
                 patches=on.on,
-                fp8=fp8,
+                eager_casts=eager_casts or scaled,
             )
         )
         if cache is None:
@@ -204,7 +206,7 @@ def wrap_step(
                 {**compile_options, "guard_filter_fn": keep},
                 device_type,
                 patches=on.on,
-                fp8=fp8,
+                eager_casts=eager_casts or scaled,
             ),
             compiled,
             directory,
@@ -229,7 +231,7 @@ def wrap_step(
                 new, metrics = train_step(local, batch)
             else:
                 if not runs:
-                    runs.append(compiled_for(state_device_type(local)))
+                    runs.append(compiled_for(state_device_type(local), local.scaler.kind != "noop"))
                 # A failed trace re-runs the step eagerly, only for the error message: a donated
                 # state on copies (made then: a failed trace wrote nothing, and copying the whole
                 # state on every call would cost a sizeable part of a small step).
