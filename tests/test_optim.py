@@ -95,7 +95,12 @@ def test_sgd_matches_torch(shape_list, seed, lr, momentum, nesterov, weight_deca
     expected = run_torch(torch.optim.SGD, kw, params0)
     opt = funcamp.sgd(lr, momentum, nesterov, weight_decay, dampening)
     got, state = run_funcamp(opt, params0)
-    assert_close(got, expected)
+    # funcamp.sgd returns ``new_p - p`` as its update; apply_updates adds it back exactly unless
+    # the step crosses zero (the difference of two values of opposite sign rounds): one ulp of
+    # the step's size. Momentum carries it on: seed 852, lr 0.0397, momentum 0.9, weight decay
+    # 0.05 end 2.7e-7 apart on a param near 0.005 after 50 steps (the bufs stay bit-identical).
+    for k in got:
+        torch.testing.assert_close(got[k], expected[k], rtol=RTOL, atol=1e-6)
     assert int(state.count) == STEPS
 
 
