@@ -81,15 +81,18 @@ def _sac_policy(saves: Callable[[Any], bool]) -> Callable[..., Any]:
 def remat(fn: F, policy: str | Callable[[Any], bool] = "nothing") -> F:
     """Recompute ``fn``'s activations in the backward pass instead of keeping them.
 
+    Policies: ``"nothing"`` keeps only ``fn``'s inputs (JAX's ``nothing_saveable``).
+    ``"matmuls"`` keeps the outputs of matrix products, convolutions and attention (JAX's
+    ``dots_saveable``), which are cheap to keep next to the pointwise work they feed.
+    ``"everything"`` runs ``fn`` as it is, to switch ``remat`` off without editing a model. A
+    callable gets the aten op (``torch.ops.aten.mm.default``) and is True where its output is
+    kept.
+
     Args:
         fn: the function (a block of a model, or a whole loss) whose activations to recompute.
-        policy: what is kept anyway: ``"nothing"`` (default; JAX's ``nothing_saveable``:
-            only ``fn``'s inputs are kept), ``"matmuls"`` (the outputs of matrix products,
-            convolutions and attention, :data:`MATMUL_OPS`: JAX's ``dots_saveable``, cheap
-            to keep next to the pointwise work they feed), ``"everything"`` (no
-            checkpointing: ``fn`` as it is, to switch ``remat`` off without editing a model)
-            or a callable ``op -> bool`` of the aten op (``torch.ops.aten.mm.default``), True
-            where its output is kept.
+        policy: what is kept anyway: ``"nothing"`` (default), ``"matmuls"``
+            (:data:`MATMUL_OPS`' outputs), ``"everything"`` (no checkpointing) or a callable
+            ``op -> bool`` of the aten op. See "Policies" above.
 
     Returns:
         ``fn`` with the same signature; its keyword arguments pass through.

@@ -127,13 +127,10 @@ def save(
         policy: the :class:`~funcamp.Policy` (or policy string) the state is trained under;
             :func:`load` checks it. A :class:`~funcamp.TrainState`'s floating params must be in
             its ``param_dtype``.
-        group: a ``torch.distributed`` process group: every rank of it calls ``save`` with its
-            own state and the same ``path``, and the state goes through
-            ``torch.distributed.checkpoint`` (see the checkpoints guide). ``None`` (default):
-            one process writes one file.
-        **metadata: anything to keep with the state (epoch, data position, loss history):
-            tensors, Python scalars, strings, ``None`` and lists/tuples/dicts of them, since
-            checkpoints load with ``torch.load(weights_only=True)``. Read it back with
+        group: a process group: every rank calls ``save`` with its own state and the same
+            ``path``, through ``torch.distributed.checkpoint``. ``None``: one file.
+        **metadata: anything to keep with the state: tensors, Python scalars, strings,
+            ``None`` and containers of them (``weights_only`` loads). See
             :func:`checkpoint_info`.
 
     Example:

@@ -330,6 +330,12 @@ def adam(
     Math runs in float32 for half params (moments are float32). For the memory per parameter of
     each low-precision mode see the table in :mod:`funcamp.optim`.
 
+    Fused kernel: with ``fused=True`` each leaf takes one pass of torch's fused kernel. Its
+    rounding differs from the default path's in the last bit of a few elements a step. The
+    update leaves are :class:`funcamp.optim.SetParam` (the new params). The kernel has no
+    derivative and no batching rule. Compiled, it is called as an extern kernel.
+    ``amsgrad`` and ``maximize`` are the kernel's own arguments.
+
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
             built; a value that is NaN, infinite or negative at run time skips the step).
@@ -338,11 +344,9 @@ def adam(
         b2: decay of the second moment, in [0, 1) (a float or a 0-d tensor, as ``b1``).
         eps: added to the denominator (>= 0).
         weight_decay: L2 penalty (>= 0).
-        amsgrad: keep the running maximum of the second moment (``max_exp_avg_sq`` in the
-            state) and divide by its root, as ``torch.optim.Adam(amsgrad=True)`` does (the
-            maximum of the raw second moments, divided by the current bias correction; the
-            AMSGrad variant of Reddi et al. 2018). :func:`funcamp.scale_by_amsgrad` is the
-            same as a composable transform.
+        amsgrad: divide by the running maximum of the second moment, as
+            ``torch.optim.Adam(amsgrad=True)``. :func:`funcamp.scale_by_amsgrad` is the same
+            as a transform.
         maximize: ascend the objective instead of descending it: the gradients are negated
             before anything else, as ``torch.optim.Adam(maximize=True)`` does (the same as
             ``funcamp.chain(funcamp.negate_gradients(), funcamp.adam(...))``).
@@ -350,16 +354,9 @@ def adam(
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash.
-        fused: run torch's fused Adam kernel (what ``torch.optim.Adam(fused=True)`` runs):
-            one pass a leaf, ``torch.optim.Adam(fused=True)``'s params and moments bit for bit
-            (its rounding differs from the default's in the last bit of a few elements a step).
-            Float32 params on one CPU/CUDA device; the update leaves are
-            :class:`funcamp.optim.SetParam` (the new params), so it is the last transform of a
-            ``chain``; not under ``torch.func`` transforms (the kernel has no derivative and no
-            batching rule). Compiled, the kernel is called as it is (an extern kernel) instead
-            of generated: a shorter first call and a faster step (docs/benchmarks.md).
-            ``amsgrad`` and ``maximize`` are the kernel's own arguments, as torch.optim
-            passes them.
+        fused: run torch's fused Adam kernel, bit for bit ``torch.optim.Adam(fused=True)``.
+            Float32 params on one device; the last transform of a ``chain``; not under
+            ``torch.func`` transforms. See "Fused kernel" above.
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.
@@ -414,16 +411,12 @@ def adamw(
         b2: decay of the second moment, in [0, 1) (a float or a 0-d tensor, as ``b1``).
         eps: added to the denominator (>= 0).
         weight_decay: decoupled decay rate (>= 0).
-        mask: where the weight decay applies: a pytree of Python bools with the params'
-            structure or a prefix of it, a callable of the dotted leaf path returning a bool
-            (as :func:`funcamp.masked` takes), or a callable of the params returning such a
-            pytree (optax's ``mask``). It must select at least one leaf (checked by ``init``).
-            ``None`` (default): every leaf.
-        amsgrad: keep the running maximum of the second moment (``max_exp_avg_sq`` in the
-            state) and divide by its root, as ``torch.optim.AdamW(amsgrad=True)`` does (the
-            maximum of the raw second moments, divided by the current bias correction; the
-            AMSGrad variant of Reddi et al. 2018). :func:`funcamp.scale_by_amsgrad` is the
-            same as a composable transform.
+        mask: where the weight decay applies: a pytree of bools, a callable of the dotted
+            leaf path (as :func:`funcamp.masked`) or of the params (optax's). It must select
+            a leaf. ``None`` (default): every leaf.
+        amsgrad: divide by the running maximum of the second moment, as
+            ``torch.optim.AdamW(amsgrad=True)``. :func:`funcamp.scale_by_amsgrad` is the same
+            as a transform.
         maximize: ascend the objective instead of descending it: the gradients are negated
             before anything else, as ``torch.optim.AdamW(maximize=True)`` does (the same as
             ``funcamp.chain(funcamp.negate_gradients(), funcamp.adamw(...))``).
@@ -431,16 +424,9 @@ def adamw(
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash.
-        fused: run torch's fused AdamW kernel (what ``torch.optim.AdamW(fused=True)`` runs):
-            one pass a leaf, ``torch.optim.AdamW(fused=True)``'s params and moments bit for bit
-            (its rounding differs from the default's in the last bit of a few elements a step).
-            Float32 params on one CPU/CUDA device; the update leaves are
-            :class:`funcamp.optim.SetParam` (the new params), so it is the last transform of a
-            ``chain``; not under ``torch.func`` transforms (the kernel has no derivative and no
-            batching rule). Compiled, the kernel is called as it is (an extern kernel) instead
-            of generated: a shorter first call and a faster step (docs/benchmarks.md).
-            ``amsgrad`` and ``maximize`` are the kernel's own arguments, as torch.optim
-            passes them.
+        fused: run torch's fused AdamW kernel, bit for bit ``torch.optim.AdamW(fused=True)``.
+            Float32 params on one device; the last transform of a ``chain``; not under
+            ``torch.func`` transforms. See "Fused kernel" above.
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.

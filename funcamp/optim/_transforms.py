@@ -320,10 +320,9 @@ def multi_transform(
 
     Args:
         transforms: a dict from label to :class:`Optimizer`.
-        labels: a pytree of labels (strings) with the params' structure (or a prefix of it), a
-            callable of the dotted leaf path (``"encoder.bias"``) returning the label, or of the
-            params returning such a pytree. Each is a key of ``transforms``; each transform must
-            get at least one leaf (checked by ``init``).
+        labels: a pytree of labels with the params' structure (or a prefix), a callable of
+            the dotted leaf path (``"encoder.bias"``), or of the params. Each label is a key of
+            ``transforms``, and each transform gets at least one leaf.
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.MultiTransformState`.

@@ -195,11 +195,9 @@ def unscale(
     Args:
         state: the scaler state the loss was scaled with.
         grads: scaled gradients (any pytree).
-        donate_grads: opt-in, for callers that own ``grads`` and never use them again (a train
-            step whose grads come from ``torch.func.grad``). In plain eager, float32/float64
-            leaves are then unscaled in place -- the returned leaves *are* the given tensors --
-            saving a copy; the results are identical. Leaves that share memory with each other
-            are still copied. Default False: ``grads`` are never modified.
+        donate_grads: for callers that never use ``grads`` again: in plain eager, float32
+            and float64 leaves are unscaled in place, saving a copy. Default False: ``grads``
+            are never modified.
 
     Example:
         >>> import torch, funcamp

@@ -170,6 +170,15 @@ def unscale_and_step(
     :func:`update` only where ``funcamp.accumulate_applies(opt_state)`` held before the call
     (the train step does), as GradScaler's ``update()`` runs once per optimizer step.
 
+    Donated states: with ``donate_state=True`` the new values are written into the tensors of
+    ``params`` and ``opt_state``, which are returned (compiled, inductor stores straight into
+    them). On plain float32 tensors, :func:`funcamp.sgd` without momentum and
+    ``adam``/``adamw`` with ``fused=True`` run torch's fused kernel, which skips on
+    ``found_inf`` by itself: one pass over the params, ``torch.optim``'s fused results bit for
+    bit. The other built-in optimizers write each new buffer into the old one as soon as it is
+    known, selected on ``found_inf``. Tensors of ``params``/``opt_state`` that share memory
+    are refused.
+
     Args:
         state: the scaler state the loss was scaled with.
         optimizer: a :class:`funcamp.Optimizer`.
@@ -178,39 +187,17 @@ def unscale_and_step(
         params: the parameters.
         group: optional process group; when given, ``found_inf`` is OR-ed across its ranks
             (:func:`funcamp.distributed.any_across`) so every rank skips together.
-        donate_grads: opt-in, for callers that own ``grads`` and never use them again (a train
-            step whose grads come from ``torch.func.grad`` inside the step). In plain eager the
-            grads are then unscaled in place and their memory may be reused for the results
-            (the updates, even the returned params), saving fresh allocations; the results are
-            identical. Donated grads must not be used after the call. Grads that share memory
-            with each other, ``params``, ``opt_state`` or ``state``, or between their own
-            elements (an expanded tensor), are copied instead.
-            Default False: no argument is ever modified.
-        donate_state: opt-in, for callers that keep only the returned params and optimizer
-            state (``params, opt_state, info = unscale_and_step(...)``): the new values are
-            written into the tensors of ``params`` and ``opt_state``, which are returned, as
-            ``torch.optim`` updates in place (compiled, inductor stores straight into them). On
-            plain float32 tensors, eager or compiled, :func:`funcamp.sgd` without momentum (no
-            low-precision mode) and ``adam``/``adamw`` with ``fused=True`` then run torch's fused
-            kernel, which skips on ``found_inf`` by itself (no host sync): one pass over the
-            params, GradScaler's own cost, and ``torch.optim``'s fused results bit for bit
-            (plain SGD's out-of-place path adds a delta, which can be an ulp off where a step
-            nearly reaches zero); compiled, inductor calls the kernel rather than generating
-            code for the update. The other built-in
-            optimizers (``adam``, ``adamw``, ``sgd`` with momentum, ``lion``; see
-            ``Capabilities.update_donated``) then write each new buffer into the old one as
-            soon as it is known, selected on ``found_inf``: Adam's eager step holds
-            ``torch.optim``'s memory (one params-sized temporary). Tensors of
-            ``params``/``opt_state`` that share memory are refused (eager).
-
+        donate_grads: for callers that never use ``grads`` again: in plain eager their
+            memory may be reused for the results, with identical values. Default False: no
+            argument is ever modified.
+        donate_state: write the new params and optimizer state into the tensors of
+            ``params`` and ``opt_state``, as ``torch.optim`` does. For callers that keep only
+            the returned ones. See "Donated states" above.
         grad_norm: compute ``info.grad_norm``, the global L2 norm of the unscaled gradients
-            (default True). It is one more pass over every gradient (a norm per leaf and their
-            norm); ``False`` skips it and ``info.grad_norm`` is ``None``.
-        across: gradients held as shards (a sharded step: each rank holds a part of some
-            leaves, :class:`funcamp.distributed.Across`): ``found_inf`` is OR-ed and the norm
-            summed over its ranks (one small all-reduce, always: every rank must skip
-            together), and :func:`funcamp.clip_by_global_norm` inside ``optimizer`` clips by
-            the global norm too.
+            (default True): one more pass over every gradient. ``False``: ``None``.
+        across: gradients held as shards (:class:`funcamp.distributed.Across`):
+            ``found_inf`` and the norm cover every rank, and so does
+            :func:`funcamp.clip_by_global_norm` inside ``optimizer``.
 
     Returns:
         ``(params, opt_state, StepInfo(found_inf, grad_norm))``; ``grad_norm`` is the global L2

@@ -333,11 +333,9 @@ def search_policy(
         params: a pytree of floating tensors (float32 for the reference).
         *args: passed to ``loss_fn`` (a batch).
         base: the low-precision policy to start from (a :class:`Policy` or a string).
-        candidates: module paths (as ``named_modules()`` of the module run by
-            ``functional_call`` names them), globs or ``nn.Module`` classes. Default: the paths
-            of the modules in which :func:`funcamp.trace` sees an op run in the compute dtype
-            under the ``COMPUTE`` rule (ops of the root module itself, or outside any module,
-            stay as ``base`` says).
+        candidates: module paths (as ``named_modules()`` names them), globs or module
+            classes. Default: the modules in which :func:`funcamp.trace` sees an op run in the
+            compute dtype.
         tolerance: the largest relative error accepted for the loss and for the gradients.
         **kwargs: passed to ``loss_fn``.
 

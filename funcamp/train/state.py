@@ -274,9 +274,8 @@ def load_into_module(
     Args:
         module: the module the params came from.
         state: a :class:`TrainState` (its ``params``, ``frozen`` and ``buffers`` are written),
-            or a dict of params ``{name: tensor}`` as :func:`params_and_buffers` gives (the
-            parameters the module froze, ``requires_grad=False``, may be left out: they are
-            not written).
+            or a params dict as :func:`params_and_buffers` gives. Frozen parameters may be
+            left out of the dict.
         buffers: with a params dict, an optional dict of buffers to write too.
 
     Returns:
