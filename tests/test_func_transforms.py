@@ -378,6 +378,41 @@ def test_compiled_equals_autocast_under_transform(model: str, transform: str, or
     assert _same(got, ref)
 
 
+INDUCTOR_CELLS = [
+    ("linear", "grad", "outside"),
+    ("linear", "vmap", "inside"),
+    ("cnn", "vmap_grad", "inside"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "transform", "order"), INDUCTOR_CELLS)
+def test_inductor_amp_equals_inductor_autocast(model: str, transform: str, order: str) -> None:
+    """The budgeted inductor subset: ``torch.compile`` (inductor, fullgraph) of the transformed
+    amp function equals the same compile of the transformed autocast function, bit for bit, and
+    the eager reference within inductor's own fusion rounding."""
+    case = Case(model)
+    t = TRANSFORMS[transform]
+
+    def compiled(wrap: Any) -> Any:
+        torch._dynamo.reset()
+        if order == "inside":
+            wrapped = wrap(case.f)
+            fn = torch.compile(lambda p, x: t(wrapped, p, x), fullgraph=True)
+        else:
+            fn = torch.compile(wrap(lambda p, x: t(case.f, p, x)), fullgraph=True)
+        torch.manual_seed(7)
+        return fn(case.params, case.x)
+
+    got, want = compiled(_amp("autocast_cpu")), compiled(_autocast)
+    assert _same(got, want)
+    ref = _run(order, transform, case.f, case.params, case.x, _autocast)
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 # -- trace of a transformed function ----------------------------------------------------------
 def _traced_transforms(case: Case) -> dict[str, Callable[..., Any]]:
     """Each transform of ``case.f`` with every tensor it needs made outside (tangents,
