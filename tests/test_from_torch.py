@@ -220,6 +220,61 @@ CONFIGS = {
         lambda m: torch.optim.Adam(m.parameters(), lr=torch.tensor(0.01)),
         None,
     ),
+    "adam_tensor_betas": (
+        lambda m: torch.optim.Adam(
+            m.parameters(), lr=0.01, betas=(torch.tensor(0.8), torch.tensor(0.99))
+        ),
+        lambda o: LRS.StepLR(o, step_size=3, gamma=0.5),
+    ),
+    # torch.optim's other optimizers: groups and schedules through each translator
+    "rmsprop_groups_centered": (
+        lambda m: torch.optim.RMSprop(
+            _groups(m, weight_decay=0.1), lr=0.01, momentum=0.5, centered=True, alpha=0.9
+        ),
+        lambda o: LRS.StepLR(o, step_size=3, gamma=0.5),
+    ),
+    "adagrad_lr_decay_fused": (
+        lambda m: torch.optim.Adagrad(
+            m.parameters(), lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1, fused=True
+        ),
+        lambda o: LRS.CosineAnnealingLR(o, T_max=5),
+    ),
+    "adadelta_maximize": (
+        lambda m: torch.optim.Adadelta(m.parameters(), lr=0.5, rho=0.8, maximize=True),
+        lambda o: LRS.ExponentialLR(o, 0.9),
+    ),
+    "adamax_groups": (
+        lambda m: torch.optim.Adamax(_groups(m, weight_decay=0.1), lr=0.01, betas=(0.8, 0.9)),
+        lambda o: LRS.LinearLR(o, start_factor=0.5, total_iters=4),
+    ),
+    "nadam_decoupled": (
+        lambda m: torch.optim.NAdam(
+            m.parameters(),
+            lr=0.01,
+            weight_decay=0.1,
+            momentum_decay=0.006,
+            decoupled_weight_decay=True,
+        ),
+        lambda o: LRS.MultiStepLR(o, milestones=[2, 6], gamma=0.5),
+    ),
+    "radam_decoupled": (
+        lambda m: torch.optim.RAdam(
+            m.parameters(), lr=0.01, weight_decay=0.1, decoupled_weight_decay=True
+        ),
+        lambda o: LRS.PolynomialLR(o, power=0.9, total_iters=8),
+    ),
+    "asgd_t0": (
+        lambda m: torch.optim.ASGD(m.parameters(), lr=0.05, lambd=0.01, t0=3, weight_decay=0.1),
+        None,
+    ),
+    "rprop_etas": (
+        lambda m: torch.optim.Rprop(m.parameters(), lr=0.01, etas=(0.4, 1.3), maximize=True),
+        None,
+    ),
+    "adafactor_wd": (
+        lambda m: torch.optim.Adafactor(m.parameters(), lr=0.01, weight_decay=0.1, d=1.5),
+        lambda o: LRS.ConstantLR(o, factor=0.5, total_iters=3),
+    ),
 }
 
 
@@ -274,14 +329,6 @@ class _Mine(torch.optim.Optimizer):
     ("make", "match"),
     [
         (lambda m, p: (_Mine(m.parameters()), p, None), r"`optimizer` _Mine has no funcamp"),
-        (
-            lambda m, p: (
-                torch.optim.Adam(m.parameters(), betas=(torch.tensor(0.9), torch.tensor(0.99))),
-                p,
-                None,
-            ),
-            r"Adam param group 0's `betas` holds tensors",
-        ),
         (
             lambda m, p: (torch.optim.SGD(m.parameters(), lr=0.1), {"w": p["0.weight"]}, None),
             r"param group 0's param 1 .* is not in `params`",
@@ -413,26 +460,131 @@ def test_from_torch_lion_pytorch():
     )
 
 
-TRANSLATED = [
-    (c, i) for c, i in zip(db.CONFIGS, db.IDS, strict=True) if c[0] in ("SGD", "Adam", "AdamW")
-]
-
-
-@pytest.mark.parametrize(
-    ("name", "desc", "kwargs"), [c for c, _ in TRANSLATED], ids=[i for _, i in TRANSLATED]
-)
+@pytest.mark.parametrize(("name", "desc", "kwargs"), db.CONFIGS, ids=db.IDS)
 def test_from_torch_every_optim_db_configuration(name, desc, kwargs):
-    """Every CPU configuration of torch's optim_db for SGD/Adam/AdamW, translated from the
-    torch optimizer itself: torch.optim's params after four steps (one with a zero grad)."""
-    params = db._params()
+    """Every CPU configuration of torch's optim_db (SGD, Adam, AdamW, RMSprop, Adagrad,
+    Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop, Muon, Adafactor; the implementation flags
+    included), translated from the torch optimizer itself: torch.optim's params after four
+    steps (one with a zero grad)."""
+    params = db._params(name)
     torch_opt = db.CLASSES[name](list(params.values()), **db._torch_kwargs(kwargs))
     opt = funcamp.optim.from_torch(torch_opt, params)
     ps = {k: v.clone() for k, v in params.items()}
     state = opt.init(ps)
     for i in range(db.STEPS):
-        updates, state = opt.update(db._grads(i), state, ps)
+        updates, state = opt.update(db._grads(i, name), state, ps)
         ps = funcamp.apply_updates(ps, updates)
     _, want, _ = db._torch_run(name, kwargs)
     torch.testing.assert_close(
         ps, {k: v.detach() for k, v in want.items()}, rtol=db.RTOL, atol=db.ATOL
     )
+
+
+def test_from_torch_knows_every_optim_db_optimizer():
+    """Every optimizer of torch's optim_db has an entry: a translation or a refusal."""
+    names = {info.optim_cls for info in db.common_optimizers.optim_db}
+    assert names <= set(funcamp.optim._from_torch.OPTIMIZERS)
+
+
+@pytest.mark.parametrize("line_search_fn", [None, "strong_wolfe"])
+def test_from_torch_lbfgs_takes_the_closure_as_value_fn(line_search_fn):
+    """LBFGS: ``update(None, state, params, value_fn=loss)`` is torch's ``step(closure)``."""
+    target = torch.tensor([1.0, -2.0, 0.5])
+
+    def loss(w, b):
+        return ((w @ target - 1.0) ** 2).sum() + (w**2).sum() * 0.1 + ((b - 0.3) ** 2).sum()
+
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(2))
+    params = {"w": w, "b": b}
+    kwargs = dict(lr=0.5, max_iter=4, history_size=3, line_search_fn=line_search_fn)
+    opt = funcamp.optim.from_torch(torch.optim.LBFGS([w, b], **kwargs), params)
+    ps = {k: v.detach().clone() for k, v in params.items()}
+    state = opt.init(ps)
+    torch_opt = torch.optim.LBFGS([w, b], **kwargs)
+
+    def closure():
+        torch_opt.zero_grad()
+        out = loss(w, b)
+        out.backward()
+        return out
+
+    for _ in range(3):
+        want = torch_opt.step(closure)
+        updates, state = opt.update(None, state, ps, value_fn=lambda p: loss(p["w"], p["b"]))
+        ps = funcamp.apply_updates(ps, updates)
+        assert state.loss.item() == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(ps, {k: v.detach() for k, v in params.items()})
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda ps: torch.optim.SparseAdam(ps, lr=0.01),
+            r"`optimizer` SparseAdam takes sparse gradients .* funcamp.adam",
+        ),
+        (
+            lambda ps: torch.optim.NAdam(ps, betas=(torch.tensor(0.9), torch.tensor(0.99))),
+            r"NAdam param group 0's `betas` holds tensors",
+        ),
+        (
+            lambda ps: torch.optim.RMSprop([{"params": ps, "ema_decay": 0.9}]),
+            r"RMSprop param group 0's `ema_decay`=0.9 has no funcamp translation",
+        ),
+        (
+            lambda ps: torch.optim.Adafactor([{"params": ps, "beta1": 0.9}]),
+            r"Adafactor param group 0's `beta1`=0.9 has no funcamp translation",
+        ),
+    ],
+    ids=["sparse_adam", "nadam_tensor_betas", "rmsprop_extra_key", "adafactor_extra_key"],
+)
+def test_from_torch_refuses_other_optimizers_by_name(make, match):
+    """What funcamp cannot express is refused with the option named: SparseAdam (sparse
+    gradients; funcamp.adam is the alternative), tensor betas where funcamp's optimizer takes
+    floats, and a numeric group key no translator knows (it would change the numbers)."""
+    m = _model()
+    with pytest.raises(ValueError, match=r"funcamp.optim.from_torch: .*" + match):
+        funcamp.optim.from_torch(make(list(m.parameters())), dict(m.named_parameters()))
+
+
+def test_from_torch_muon_for_matrices_adamw_for_the_rest():
+    """The usual Muon recipe is two torch optimizers (Muon takes 2-D params only): one
+    from_torch each, joined by multi_transform on the param names, gives both torch.optim
+    steps (Muon's schedule included)."""
+    ref, model = _model(), _model()
+
+    def torch_opts(m):
+        hidden = [p for p in m.parameters() if p.dim() == 2]
+        rest = [p for p in m.parameters() if p.dim() != 2]
+        muon = torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        return muon, torch.optim.AdamW(rest, lr=0.01), LRS.StepLR(muon, step_size=2, gamma=0.5)
+
+    torch_muon, torch_adamw, torch_sched = torch_opts(ref)
+    mirror_muon, mirror_adamw, mirror_sched = torch_opts(model)
+    named = dict(model.named_parameters())
+    labels = {k: "muon" if v.dim() == 2 else "adamw" for k, v in named.items()}
+    opt = funcamp.multi_transform(
+        {
+            "muon": funcamp.optim.from_torch(
+                mirror_muon, {k: v for k, v in named.items() if labels[k] == "muon"}, mirror_sched
+            ),
+            "adamw": funcamp.optim.from_torch(
+                mirror_adamw, {k: v for k, v in named.items() if labels[k] == "adamw"}
+            ),
+        },
+        labels,
+    )
+    params = {k: v.detach().clone() for k, v in named.items()}
+    state = opt.init(params)
+    for i in range(6):
+        grads = _grads(ref, i)
+        updates, state = opt.update(grads, state, params)
+        params = funcamp.apply_updates(params, updates)
+        for k, p in ref.named_parameters():
+            p.grad = grads[k].clone()
+        torch_muon.step()
+        torch_adamw.step()
+        torch_sched.step()
+    want = {k: p.detach() for k, p in ref.named_parameters()}
+    torch.testing.assert_close(params, want, rtol=db.RTOL, atol=db.ATOL)

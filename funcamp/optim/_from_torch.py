@@ -5,6 +5,7 @@ optimizer added to funcamp plugs in with one entry."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -12,11 +13,16 @@ import torch
 
 from funcamp._core.tree import describe
 from funcamp.optim import _lr_schedulers as ls
+from funcamp.optim._adafactor import adafactor
+from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
 from funcamp.optim._base import Optimizer
+from funcamp.optim._lbfgs import lbfgs
+from funcamp.optim._muon import muon
 from funcamp.optim._optimizers import adam, adamw, lion, sgd
 from funcamp.optim._plateau import reduce_on_plateau
 from funcamp.optim._schedules import _mark, chained_lr, join_schedules
 from funcamp.optim._transforms import multi_transform
+from funcamp.optim._variants import asgd, nadam, radam, rprop
 
 __all__ = ["OPTIMIZERS", "SCHEDULERS", "from_torch"]
 
@@ -83,7 +89,8 @@ def _adam_like(decoupled: bool) -> Translator:
         known = {"betas", "eps", "weight_decay", "amsgrad", "maximize", "fused",
                  "decoupled_weight_decay"}  # fmt: skip
         _check_keys(name, group, known, i)
-        b1, b2 = _floats(name, group, "betas", i)
+        # 0-d tensor betas: funcamp's adam takes them as torch does (copies: the group's stay)
+        b1, b2 = (b.clone() if isinstance(b, torch.Tensor) else b for b in group["betas"])
         make = adamw if decoupled or group.get("decoupled_weight_decay", False) else adam
         return make(
             lr,
@@ -110,12 +117,57 @@ def _lion(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer
     return lion(lr, b1=b1, b2=b2, weight_decay=_floats(name, group, "weight_decay", i))
 
 
+#: funcamp's arguments that are not torch hyper-parameters (the low-precision modes).
+_FUNCAMP_ONLY = {"learning_rate", "master_weights", "kahan", "stochastic_rounding", "seed"}
+
+
+def _same_names(make: Callable[..., Optimizer], accepted: tuple[str, ...] = ()) -> Translator:
+    """The translator of a funcamp optimizer whose arguments are torch's, by name (``betas``
+    split into ``b1, b2``); ``accepted``: group keys that do not change the numbers."""
+    args = [k for k in inspect.signature(make).parameters if k not in _FUNCAMP_ONLY]
+    keys = ["betas" if k == "b1" else k for k in args if k != "b2"]
+
+    def translate(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer:
+        _check_keys(name, group, {*keys, *accepted}, i)
+        kwargs = {k: _floats(name, group, k, i) for k in keys if k in group}
+        if "betas" in kwargs:
+            kwargs["b1"], kwargs["b2"] = kwargs.pop("betas")
+        return make(lr, **kwargs)
+
+    return translate
+
+
+def _refused(alternative: str) -> Callable[..., Optimizer]:
+    def translate(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer:
+        raise _refuse(f"`optimizer` {name}", alternative)
+
+    return translate
+
+
 #: optimizer class (or, for one outside torch, ``"module.QualName"``) -> translator of one
 #: param group.
 OPTIMIZERS: dict[type | str, Callable[..., Optimizer]] = {
     torch.optim.SGD: _sgd,
     torch.optim.Adam: _adam_like(False),
     torch.optim.AdamW: _adam_like(True),
+    torch.optim.RMSprop: _same_names(rmsprop),
+    # fused=True: torch's fused CPU kernel, the same operations (within optim_db's tolerance)
+    torch.optim.Adagrad: _same_names(adagrad, ("fused",)),
+    torch.optim.Adadelta: _same_names(adadelta),
+    torch.optim.Adamax: _same_names(adamax),
+    torch.optim.NAdam: _same_names(nadam),
+    torch.optim.RAdam: _same_names(radam),
+    torch.optim.ASGD: _same_names(asgd),
+    torch.optim.Rprop: _same_names(rprop),
+    torch.optim.Adafactor: _same_names(adafactor),
+    torch.optim.Muon: _same_names(muon),
+    # update(None, state, params, value_fn=loss_fn): the closure's loss, as a function
+    torch.optim.LBFGS: _same_names(lbfgs),
+    torch.optim.SparseAdam: _refused(
+        "takes sparse gradients (embeddings with sparse=True), which funcamp's optimizers do "
+        "not: use dense gradients and funcamp.adam (its moments decay on every row, where "
+        "SparseAdam's move only on the rows a step's gradient holds)"
+    ),
     "lion_pytorch.lion_pytorch.Lion": _lion,  # lucidrains' lion-pytorch (not in torch)
 }
 
@@ -169,7 +221,7 @@ def _multiplicative(s: Any, i: int, base: float, n: int | None) -> Any:
     return ls.multiplicative_lr(base, s.lr_lambdas[i], n)
 
 
-def _refused(alternative: str) -> ScheduleTranslator:
+def _refused_schedule(alternative: str) -> ScheduleTranslator:
     def translate(s: Any, i: int, base: float, n: int | None) -> Any:
         raise _refuse(f"a {type(s).__name__}", alternative)
 
@@ -194,7 +246,7 @@ SCHEDULERS: dict[type, ScheduleTranslator] = {
     LRS.SequentialLR: _sequential,
     LRS.ChainedScheduler: _chained,
     LRS.MultiplicativeLR: _multiplicative,
-    LRS.ReduceLROnPlateau: _refused(
+    LRS.ReduceLROnPlateau: _refused_schedule(
         "reads a metric, which a schedule of the step count cannot: pass it as `scheduler` "
         "alone (from_torch wraps the optimizer in funcamp.optim.reduce_on_plateau)"
     ),
@@ -232,13 +284,22 @@ def from_torch(
 
     Each param group becomes the funcamp optimizer of the group's hyper-parameters; several
     groups become a :func:`funcamp.multi_transform` labelled ``"group0"``, ``"group1"``, ...
-    by identity (which tensor of ``params`` is in which group). ``fused=True`` maps to
-    funcamp's ``fused=True`` (torch's kernel, bit for bit); ``foreach``, ``capturable`` and
-    ``differentiable`` do not change the numbers. What has no translation is refused by name:
-    tensor betas, a param in no group or in two, a scheduler stepped already or one that
-    cycles the momentum. A ``ReduceLROnPlateau`` wraps the optimizer in
-    :func:`funcamp.optim.reduce_on_plateau` (feed it with :func:`funcamp.optim.plateau_step`). Supported: ``SGD``, ``Adam``, ``AdamW`` (:data:`OPTIMIZERS`) and every
-    step-indexed lr_scheduler (:data:`SCHEDULERS`); lion-pytorch's ``Lion`` too.
+    by identity (which tensor of ``params`` is in which group). Adam/AdamW's ``fused=True``
+    maps to funcamp's ``fused=True`` (torch's kernel, bit for bit), Adagrad's to the same
+    operations; ``foreach``, ``capturable`` and ``differentiable`` do not change the numbers.
+    What has no translation is refused by name: tensor betas (but Adam's and AdamW's), a
+    group key no translator knows, a param in no group or in two, a scheduler stepped already
+    or one that cycles the momentum, ``SparseAdam``. A ``ReduceLROnPlateau`` wraps the
+    optimizer in :func:`funcamp.optim.reduce_on_plateau` (feed it with
+    :func:`funcamp.optim.plateau_step`).
+
+    Supported (:data:`OPTIMIZERS`): every torch.optim optimizer but ``SparseAdam`` -- ``SGD``,
+    ``Adam``, ``AdamW``, ``RMSprop``, ``Adagrad``, ``Adadelta``, ``Adamax``, ``NAdam``,
+    ``RAdam``, ``ASGD``, ``Rprop``, ``Adafactor``, ``Muon``, ``LBFGS`` (whose ``update`` takes
+    the closure's loss as ``value_fn``: see :func:`funcamp.lbfgs`) -- and lion-pytorch's
+    ``Lion``; every step-indexed lr_scheduler (:data:`SCHEDULERS`). Two torch optimizers (Muon
+    for the hidden matrices, AdamW for the rest) are two ``from_torch`` calls, each given its
+    optimizer's params, joined by :func:`funcamp.multi_transform` on the param names.
 
     Args:
         optimizer: a ``torch.optim`` optimizer.
