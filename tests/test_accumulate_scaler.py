@@ -24,6 +24,7 @@ import math
 import pytest
 import torch
 from bitwise import same_bits
+from exhaustive import exhaustive
 
 import funcamp
 
@@ -159,6 +160,7 @@ def test_accumulation_is_gradscalers_recipe(steps, backend):
     check(steps, backend, QUICK)
 
 
+@exhaustive
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_long_accumulation_run(steps, backend):

@@ -19,6 +19,7 @@ import math
 import pytest
 import torch
 from bitwise import same_bits
+from exhaustive import exhaustive
 
 import funcamp
 
@@ -187,6 +188,7 @@ def test_compiled_float16_scaling_is_gradscalers(steps, policy):
     _check(steps, policy, BACKENDS, QUICK)
 
 
+@exhaustive
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_long_run_of_every_low_precision_policy(steps, policy):

@@ -44,6 +44,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from amp_zoo import one_thread  # noqa: F401 (autouse fixture)
+from exhaustive import exhaustive
 from test_opinfo import (
     BY_NAME,
     UNINITIALIZED,
@@ -499,6 +500,7 @@ def test_quick(transform: str, name: str) -> None:
     _assert(name, transform, _check(name, transform))
 
 
+@exhaustive
 @pytest.mark.slow
 @pytest.mark.parametrize(("transform", "name"), _params(SELECTED))
 def test_every_sample(transform: str, name: str) -> None:
