@@ -3,7 +3,7 @@ the allowlist, scoped to funcamp's own compiles, in inductor's cache key, instal
 
 Each test states funcamp's contract (same bits, torch's code path for everything else), not
 inductor's internals. The fixes this file pins, and how each was seen to fail without them:
-the nested-list liveness of ``live_reads`` (``_live_ids`` flattening one level), the patches'
+the nested-list liveness of ``dead_stores`` (``_live_ids`` flattening one level), the patches'
 state in the FX graph cache key (``PatchKey``), the channels-last pass moving a tensor a
 fixed-stride custom op reads, and the race of two threads installing ``cpp_bundle``.
 """
@@ -30,10 +30,10 @@ from funcamp._core import context
 from funcamp.compiler import (
     cpp_bundle,
     cross_entropy,
+    dead_stores,
     gate,
     hooks,
     layouts,
-    live_reads,
     release,
     switch,
 )
@@ -46,7 +46,7 @@ except ImportError:  # torch < 2.8
 
 
 def _update(p, m, g):
-    """An update written into its inputs: the case live_reads changes (and C++ kernels)."""
+    """An update written into its inputs: the case dead_stores changes (and C++ kernels)."""
     m_new = m * 0.9 + g * 0.1
     p_new = p - 0.01 * m_new / (m_new.abs().sqrt() + 1e-8)
     m.copy_(m_new)
@@ -177,7 +177,7 @@ def test_a_step_off_the_allowlist_gets_none_of_the_inductor_options(monkeypatch)
     assert keyed == [False, False, True] and passes == [False, False, True]
 
 
-# -- live_reads: nested sequences ----------------------------------------------------------------
+# -- dead_stores: nested sequences ----------------------------------------------------------------
 
 
 def _lazy():
@@ -198,10 +198,10 @@ def test_a_value_held_at_any_depth_of_a_live_node_stays_a_reader(depth):
     for _ in range(depth):
         held = [held] if depth % 2 else (held,)
     graph = types.SimpleNamespace(name_to_users={"buf0": [value]}, env={"node": held})
-    live_reads.drop_dead_readers(graph, "buf0")
+    dead_stores.drop_dead_readers(graph, "buf0")
     assert graph.name_to_users["buf0"] == [value]
     freed = types.SimpleNamespace(name_to_users={"buf0": [value]}, env={})
-    live_reads.drop_dead_readers(freed, "buf0")  # nothing holds it: dead, dropped
+    dead_stores.drop_dead_readers(freed, "buf0")  # nothing holds it: dead, dropped
     assert freed.name_to_users["buf0"] == []
 
 
@@ -230,15 +230,15 @@ def _compile_and_count(fn, patched, env):
 
 
 def test_the_patches_state_is_part_of_inductors_cache_key():
-    """A graph cached while live_reads was on is not loaded with it off (FUNCAMP_LIVE_READS=0)
+    """A graph cached while dead_stores was on is not loaded with it off (FUNCAMP_DEAD_STORES=0)
     nor with the patches off, and is loaded again with it on: the same bits each way. Without
     :class:`~funcamp.compiler.keys.PatchKey` the second compile was a cache hit."""
     fn = _fresh(_update)
     with fresh_cache():  # inductor's default caches: FX graphs and AOTAutograd's
-        first = _compile_and_count(fn, True, {"FUNCAMP_LIVE_READS": "1"})
-        env_off = _compile_and_count(fn, True, {"FUNCAMP_LIVE_READS": "0"})
+        first = _compile_and_count(fn, True, {"FUNCAMP_DEAD_STORES": "1"})
+        env_off = _compile_and_count(fn, True, {"FUNCAMP_DEAD_STORES": "0"})
         patches_off = _compile_and_count(fn, False, {})
-        again = _compile_and_count(fn, True, {"FUNCAMP_LIVE_READS": "1"})
+        again = _compile_and_count(fn, True, {"FUNCAMP_DEAD_STORES": "1"})
     torch._dynamo.reset()
     assert first[:2] == (0, 1)
     assert env_off[:2] == (0, 1)
@@ -287,7 +287,7 @@ def test_a_compile_outside_funcamps_is_left_to_torch_in_any_thread():
     acted = list(switch.ACTED)
     funcamp_thread, funcamp_out = results["funcamp"]
     user_thread, user_out = results["user"]
-    assert {name for name, _ in acted} == {"cpp_bundle", "live_reads"}
+    assert {name for name, _ in acted} == {"cpp_bundle", "dead_stores"}
     assert {thread for _, thread in acted} == {funcamp_thread} != {user_thread}
     assert torch.equal(funcamp_out, user_out) and torch.equal(user_out, later)
 

@@ -6,7 +6,7 @@ what it asks of them through public options:
 * :mod:`~funcamp.compiler.cpp_bundle` -- a compiled step's CPU kernels built in a few C++
   units instead of one ``g++`` process per kernel (inductor's ``AsyncCompile.cpp_pybinding``
   and ``PythonWrapperCodegen.define_kernel``);
-* :mod:`~funcamp.compiler.live_reads` -- no dead readers stored before an in-place write
+* :mod:`~funcamp.compiler.dead_stores` -- no dead readers stored before an in-place write
   (inductor's ``GraphLowering.mark_buffer_mutated``);
 * :mod:`~funcamp.compiler.layouts` -- a post-grad pass keeping the activations a
   convolution's backward shares channels-last (a ``CustomGraphPass``, inductor's option);
