@@ -38,7 +38,7 @@ from funcamp.train.compiling import (
     state_device_type,
 )
 from funcamp.train.loss import Engine, clone_buffers
-from funcamp.train.parallel import Parallel
+from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import (
     TrainState,
     check_donation,
@@ -101,7 +101,7 @@ def _checked_call(
     api: str,
     state: Any,
     batch: Any,
-    parallel: Parallel,
+    parallel: SingleProcess,
     optimizer: Any,
     expected: list[Any],
     donate_state: bool,
@@ -153,7 +153,7 @@ def wrap_step(
     train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
     *,
     optimizer: Any,
-    parallel: Parallel,
+    parallel: SingleProcess,
     engine: Engine,
     compile: bool,
     compile_options: dict[str, Any],
