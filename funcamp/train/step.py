@@ -48,7 +48,7 @@ from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
 from funcamp.train.compiling import rounds_casts
 from funcamp.train.config import Compile, check_combinations, resolve_compile, unchecked
-from funcamp.train.loss import Engine, forward_backward, restore_buffers
+from funcamp.train.loss import GradMethod, forward_backward, restore_buffers
 from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import TrainState
 from funcamp.train.wrapper import check_cache_dir, wrap_step
@@ -298,7 +298,7 @@ def build_train_step(
     pol = checked.policy
     run_loss = with_fp8_state(amp(loss_fn, pol))
     fp8_stateful = needs_state(pol)
-    engine = Engine(
+    grad_method = GradMethod(
         pieces=bool(opts.compile) and compile_options.get("fullgraph", True) is False,
         compiled=bool(opts.compile),
         fp8_stateful=fp8_stateful,
@@ -315,7 +315,7 @@ def build_train_step(
             has_aux=opts.has_aux,
             returns_buffers=opts.returns_buffers,
             fp8_stateful=fp8_stateful,
-            grad_and_value=engine(),
+            grad_and_value=grad_method(),
             gather=parallel.gather,
             fp8_reduce=parallel.fp8_reduce,
         )
@@ -338,7 +338,7 @@ def build_train_step(
         train_step,
         optimizer=optimizer,
         parallel=parallel,
-        engine=engine,
+        grad_method=grad_method,
         compile=opts.compile,
         compile_options=compile_options,
         donate_state=opts.donate_state,

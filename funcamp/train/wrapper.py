@@ -37,7 +37,7 @@ from funcamp.train.compiling import (
     run_compiled,
     state_device_type,
 )
-from funcamp.train.loss import Engine, clone_buffers
+from funcamp.train.loss import GradMethod, clone_buffers
 from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import (
     TrainState,
@@ -154,7 +154,7 @@ def wrap_step(
     *,
     optimizer: Any,
     parallel: SingleProcess,
-    engine: Engine,
+    grad_method: GradMethod,
     compile: bool,
     compile_options: dict[str, Any],
     donate_state: bool,
@@ -240,7 +240,7 @@ def wrap_step(
                     runs[0],
                     (local, batch),
                     lambda: train_step(clone_buffers(local) if donate_state else local, batch),
-                    engine,
+                    grad_method,
                     first=len(expected) == 1,
                     patches=patched[0],
                     marks=_compiled_marks(key, compile_options) if donate_state else None,
