@@ -34,8 +34,8 @@ from funcamp.compiler import (
     gate,
     hooks,
     layouts,
-    release,
     switch,
+    torch_release,
 )
 from funcamp.train.compiling import compile_fn, fresh_code, patches_for
 
@@ -122,8 +122,8 @@ def test_funcamps_constant_mark_is_what_dynamos_decorator_sets():
         return 1
 
     assert context.constant_result(ours) is ours
-    if release() not in context.MARK_RELEASES:
-        pytest.skip(f"torch {release()}: funcamp calls torch's decorator itself")
+    if torch_release() not in context.MARK_RELEASES:
+        pytest.skip(f"torch {torch_release()}: funcamp calls torch's decorator itself")
     assert torch.compiler.assume_constant_result(fn) is fn
     assert vars(fn) == vars(ours) == {"_dynamo_marked_constant": True}
 
@@ -132,7 +132,7 @@ def test_funcamps_constant_mark_is_what_dynamos_decorator_sets():
 
 
 def test_auto_is_on_only_on_the_allowlist_and_says_once_elsewhere(monkeypatch, caplog):
-    monkeypatch.setattr(gate, "ALLOWLIST", frozenset({(gate.release(), "cpu")}))
+    monkeypatch.setattr(gate, "ALLOWLIST", frozenset({(gate.torch_release(), "cpu")}))
     monkeypatch.setattr(gate, "_SAID", set())
 
     def on(*args):
@@ -148,7 +148,7 @@ def test_auto_is_on_only_on_the_allowlist_and_says_once_elsewhere(monkeypatch, c
     assert on(True, "cpu", {"backend": "aot_eager"}) is False  # no inductor, no patch
     monkeypatch.setattr(gate, "ALLOWLIST", frozenset())  # another torch release
     assert on("auto", "cpu", {}) is False
-    with gate.patches(True):
+    with gate.compiler_patches(True):
         assert on("auto", "cpu", {}) is True
         assert on(False, "cpu", {}) is False
 
@@ -159,6 +159,18 @@ def test_the_choice_is_checked():
                                 compiler_patches="yes")  # fmt: skip
     with pytest.raises(TypeError, match="compiler_patches"):
         funcamp.make_eval_step(lambda p, b, x: x.sum(), "float32", compiler_patches=1)
+
+
+def test_the_old_names_warn_with_the_new_ones_and_do_the_same():
+    with pytest.warns(FutureWarning, match=r"funcamp\.compiler\.torch_release\(\)"):
+        assert funcamp.compiler.release() == torch_release()
+    with pytest.warns(FutureWarning, match=r"funcamp\.compiler\.patches_on\(\)"):
+        assert funcamp.compiler.decide(True, "cuda") and not funcamp.compiler.decide(False, "cpu")
+    with pytest.warns(FutureWarning, match=r"funcamp\.compiler\.compiler_patches\(\)"):
+        block = funcamp.compiler.patches(False)
+    with block:
+        assert not funcamp.compiler.patches_on("auto", "cpu")
+    assert gate._CHOICE.get() == "auto"
 
 
 def test_a_step_off_the_allowlist_gets_none_of_the_inductor_options(monkeypatch):
@@ -313,20 +325,22 @@ def test_the_cross_entropy_routing_is_for_funcamps_amp_mode_only():
     it (the float32 loss eager amp computes)."""
     funcamp.amp(lambda x: x, "float32")  # installs the routing
     if not cross_entropy.installed():
-        pytest.skip(f"torch {release()}'s dynamo has no CrossEntropyLoss special case to route")
+        pytest.skip(
+            f"torch {torch_release()}'s dynamo has no CrossEntropyLoss special case to route"
+        )
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
     assert _ce_under_user_mode(x, y).dtype == torch.float64  # eager: the mode sees the call
-    with funcamp.compiler.patches(True):
+    with funcamp.compiler.compiler_patches(True):
         torch._dynamo.reset()
         out = torch.compile(_ce_under_user_mode, backend="eager", fullgraph=True)(x, y)
     assert out.dtype == torch.float32  # dynamo's own trace, untouched by funcamp
     amp_loss = funcamp.amp(lambda a, b: nn.CrossEntropyLoss()(a @ a.T, b), "mixed_bfloat16")
     x = torch.randn(4, 4)
     eager = amp_loss(x, y)
-    with funcamp.compiler.patches(False):
+    with funcamp.compiler.compiler_patches(False):
         torch._dynamo.reset()
         unrouted = torch.compile(amp_loss, backend="eager", fullgraph=True)(x, y)
-    with funcamp.compiler.patches(True):
+    with funcamp.compiler.compiler_patches(True):
         torch._dynamo.reset()
         routed = torch.compile(amp_loss, backend="eager", fullgraph=True)(x, y)
     torch._dynamo.reset()
@@ -342,7 +356,9 @@ def test_by_default_the_routing_follows_the_allowlist_for_the_traced_tensors_dev
     parameters); elsewhere dynamo's own trace, said once."""
     funcamp.amp(lambda x: x, "float32")  # installs the routing
     if not cross_entropy.installed():
-        pytest.skip(f"torch {release()}'s dynamo has no CrossEntropyLoss special case to route")
+        pytest.skip(
+            f"torch {torch_release()}'s dynamo has no CrossEntropyLoss special case to route"
+        )
     model = nn.Linear(4, 3)
     loss = funcamp.amp(lambda m, b: nn.CrossEntropyLoss()(m(b["x"]), b["y"]), "mixed_bfloat16")
     batch = {"x": torch.randn(5, 4), "y": torch.tensor([0, 1, 2, 0, 1])}
@@ -355,9 +371,9 @@ def test_by_default_the_routing_follows_the_allowlist_for_the_traced_tensors_dev
         with caplog.at_level(logging.INFO, logger="funcamp"):
             return torch.compile(loss, backend="eager", fullgraph=True)(model, batch)
 
-    assert torch.equal(compiled({(release(), "cpu")}), eager)
+    assert torch.equal(compiled({(torch_release(), "cpu")}), eager)
     caplog.clear()
-    assert not torch.equal(compiled({(release(), "cuda")}), eager)
+    assert not torch.equal(compiled({(torch_release(), "cuda")}), eager)
     assert caplog.text.count("compiler patches off for torch") == 1
     assert not torch.equal(compiled({("0.0", "cpu")}), eager)  # another release
     torch._dynamo.reset()

@@ -46,9 +46,9 @@ def running(on: bool, choice: gate.Choice = "auto") -> Iterator[None]:
     readers stored before a write (:func:`~funcamp.compiler.dead_stores.skip_dead_stores`), each
     with its environment switch (``FUNCAMP_CPP_BUNDLE=0``, ``FUNCAMP_DEAD_STORES=0``); the
     routing of in-graph ``CrossEntropyLoss`` follows the caller's ``choice`` (``"auto"``: the
-    enclosing :func:`~funcamp.compiler.patches` block's, else the allowlist's releases). Off:
-    inductor's code runs as it is."""
-    with gate.patches(choice) if choice != "auto" else contextlib.nullcontext():
+    enclosing :func:`~funcamp.compiler.compiler_patches` block's, else the allowlist's
+    releases). Off: inductor's code runs as it is."""
+    with gate.compiler_patches(choice) if choice != "auto" else contextlib.nullcontext():
         if not on:
             yield
             return

@@ -27,7 +27,7 @@ import torch
 from funcamp._core.guard_sources import GLOBAL_STATE_SOURCES, STEP_INPUTS, is_mode_flag, source_root
 from funcamp._core.tree import NAMESPACE
 from funcamp.compiler import hooks as compiler_hooks
-from funcamp.compiler.gate import Choice, decide
+from funcamp.compiler.gate import Choice, patches_on
 from funcamp.policy.policy import Policy
 from funcamp.train.errors import explain
 from funcamp.train.loss import GradMethod
@@ -168,9 +168,9 @@ NO_PATCHES = Patches()
 
 def patches_for(choice: Choice, device_type: str, options: dict[str, Any]) -> Patches:
     """funcamp's compiler patches for a step on ``device_type`` compiled with ``options``:
-    inductor's are on as :func:`funcamp.compiler.decide` says (off for another backend)."""
+    inductor's are on as :func:`funcamp.compiler.patches_on` says (off for another backend)."""
     inductor = options.get("backend", "inductor") == "inductor"
-    return Patches(inductor and decide(choice, device_type), choice)
+    return Patches(inductor and patches_on(choice, device_type), choice)
 
 
 def compile_fn(
