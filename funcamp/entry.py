@@ -17,7 +17,7 @@ from funcamp.distributed.shard import Sharded
 from funcamp.optim._base import Optimizer
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.train.config import Compile, new_spelling, resolve_compile
-from funcamp.train.parallel import Parallel
+from funcamp.train.parallel import SingleProcess
 from funcamp.train.step import StepFn, StepOptions, build_train_step
 
 __all__ = ["make_train_step"]
@@ -35,7 +35,7 @@ def make_train_step(
     donate_state: bool = True,
     grad_norm: bool = True,
     headroom: bool | Callable[[str], bool] = False,
-    parallel: Parallel | None = None,
+    parallel: SingleProcess | None = None,
     compile: bool | Compile = True,
     **deprecated: Any,
 ) -> StepFn:
@@ -120,7 +120,7 @@ def _parallel_spelling(deprecated: dict[str, Any]) -> str | None:
     return None
 
 
-def _translate_parallel(parallel: Any, deprecated: dict[str, Any]) -> Parallel | None:
+def _translate_parallel(parallel: Any, deprecated: dict[str, Any]) -> SingleProcess | None:
     """``parallel=``, or the piece the old ``group=``/``mesh=`` keywords name."""
     group, mesh = deprecated.get("group"), deprecated.get("mesh")
     given = [
@@ -137,7 +137,7 @@ def _translate_parallel(parallel: Any, deprecated: dict[str, Any]) -> Parallel |
         return DataParallel(group, api=API)
     if mesh is not None:
         return Sharded(mesh, api=API)
-    if parallel is not None and not isinstance(parallel, Parallel):
+    if parallel is not None and not isinstance(parallel, SingleProcess):
         raise TypeError(
             f"funcamp.{API}: `parallel` must be funcamp.distributed.DataParallel(group), "
             f"Sharded(mesh) or None, got {type(parallel).__name__}"
@@ -145,7 +145,7 @@ def _translate_parallel(parallel: Any, deprecated: dict[str, Any]) -> Parallel |
     return parallel
 
 
-def _bound(parallel: Parallel, policy: Policy) -> Parallel:
+def _bound(parallel: SingleProcess, policy: Policy) -> SingleProcess:
     """A copy of ``parallel`` for this step: the delayed-FP8 margin comes from the policy, and
     a piece that keeps per-state layouts (sharded) keeps them per step."""
     piece = copy.copy(parallel)

@@ -182,10 +182,10 @@ IN_GRAPH_MODULES = [_ce_in_forward, _ce_forward_method, _ce_kwargs, _ce_subclass
 # routing (funcamp/compiler/cross_entropy.py), on by default only for the releases and devices
 # of funcamp.compiler.ALLOWLIST: elsewhere dynamo's own fast path gives the loss in the compute
 # dtype (docs/differences.md) -- what these tests then pin.
-ROUTED_BY_DEFAULT = (funcamp.compiler.release(), "cpu") in funcamp.compiler.ALLOWLIST
+ROUTED_BY_DEFAULT = (funcamp.compiler.torch_release(), "cpu") in funcamp.compiler.ALLOWLIST
 routed_by_default = pytest.mark.xfail(
     not ROUTED_BY_DEFAULT,
-    reason=f"torch {funcamp.compiler.release()} is not on funcamp.compiler.ALLOWLIST: an "
+    reason=f"torch {funcamp.compiler.torch_release()} is not on funcamp.compiler.ALLOWLIST: an "
     "in-graph CrossEntropyLoss is traced as dynamo traces it (docs/differences.md)",
     strict=True,
 )

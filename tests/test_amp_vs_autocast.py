@@ -2,7 +2,7 @@
 
 Outputs and gradients must be bit-identical on the model zoo, and every op must come out in
 the dtype torch.autocast gives it. The differences that remain (C++ composites hiding listed ops
-from a function mode, where no twin sees through them) are listed in docs/differences.md and
+from a function mode, where no copy sees through them) are listed in docs/differences.md and
 pinned here; tests/test_opinfo.py holds amp to torch.autocast over torch's OpInfo samples.
 """
 
@@ -120,7 +120,7 @@ class _Calls(TorchFunctionMode):
         if composite is not None:
             with self:
                 out = composite(*args, **kwargs)
-            if out is not NotImplemented:  # a twin declining: recorded as called below
+            if out is not NotImplemented:  # a copy declining: recorded as called below
                 return out
         out = func(*args, **kwargs)
         if name not in ("__get__", "__set__", "__torch_function__"):
@@ -196,7 +196,7 @@ def _raw_fn(fn: Any) -> Any:
     "equation", ["ij,ij->ij", "bij->bi", "ij->ji", "ij,kj->ik", "bij,bjk->bik", "ijk,kl->il"]
 )
 def test_einsum_matches_whether_or_not_it_reaches_bmm(equation: str) -> None:
-    """einsum's twin makes the calls its C++ kernel makes: an equation that never reaches bmm
+    """einsum's Python copy makes the calls its C++ kernel makes: an equation that never reaches bmm
     (one operand, or no contracted dimension) stays float32, one that does runs its bmm in bf16
     after summing, in float32, the dimensions only one operand has (``ijk,kl->il`` sums ``j``)."""
     torch.manual_seed(0)
@@ -228,7 +228,7 @@ def test_pad_reflect_replicate_matches_on_bf16(mode: str) -> None:
 
     # float32 input: identical (the pad kernel's float32 rule changes nothing).
     assert torch.equal(_raw(pad, x), autocast_call(pad, x))
-    # bf16 input: autocast upcasts reflection/replication pads, and so does F.pad's twin.
+    # bf16 input: autocast upcasts reflection/replication pads, and so does F.pad's Python copy.
     xb = x.to(BF16)
     assert autocast_call(pad, xb).dtype == torch.float32
     assert _raw(pad, xb).dtype == torch.float32
@@ -236,7 +236,7 @@ def test_pad_reflect_replicate_matches_on_bf16(mode: str) -> None:
 
 
 def test_difference_cpu_gru() -> None:
-    """``nn.GRU`` runs its cells inside one C++ kernel (``_VF.gru``) that no twin stands for."""
+    """``nn.GRU`` runs its cells inside one C++ kernel (``_VF.gru``) that no Python copy stands for."""
     torch.manual_seed(0)
     module = nn.GRU(5, 7)
     x = torch.randn(4, 5)
@@ -256,7 +256,7 @@ def test_difference_cpu_gru() -> None:
 
 @pytest.mark.parametrize("kind", ["GRUCell", "LSTMCell", "RNNCell", "RNNCell-relu"])
 def test_rnn_cells_match_on_cpu(kind: str) -> None:
-    """The cells' twins make their kernels' two ``linear`` calls (cast) and the gate arithmetic
+    """The cells' copies make their kernels' two ``linear`` calls (cast) and the gate arithmetic
     (not cast): bf16 gates, and a float32 result where the float32 hidden state promotes it."""
     torch.manual_seed(0)
     module = {
@@ -300,7 +300,7 @@ def test_bilinear_matches() -> None:
     exact = bil(a, b)
     ref = autocast_call(bil, a, b)
     # autocast casts the bmm inside _trilinear's kernel; the result is float32 but rounded, and
-    # bilinear's twin runs the same loop of bmm calls.
+    # bilinear's Python copy runs the same loop of bmm calls.
     assert ref.dtype == torch.float32 and not torch.equal(ref, exact)
     assert torch.equal(_raw(bil, a, b), ref)
 
@@ -332,7 +332,7 @@ def _autocast_backward(loss: Any, a: torch.Tensor) -> torch.Tensor:
 
 def test_difference_gradients_of_bilinear_and_pinv() -> None:
     """``_trilinear`` (under ``F.bilinear``) and ``linalg.pinv`` have backward formulas of their
-    own: autocast records one node, whose backward runs in float32 from what it saved; the twins
+    own: autocast records one node, whose backward runs in float32 from what it saved; the copies
     record the bf16 bmm/matmul calls they made and autograd differentiates those. The forward
     results are identical (test_opinfo.py)."""
     torch.manual_seed(0)
@@ -395,7 +395,7 @@ def test_difference_backward_inside_autocast() -> None:
 def test_difference_rnn_cells_under_vmap() -> None:
     """torch has no batching rule for ``gru_cell``/``lstm_cell``: under ``vmap`` it runs them
     sample by sample, each ``linear`` a 2-d ``addmm`` (bias added inside, rounded once). The
-    twins' ``linear`` calls are batched by linear's own batching rule, which rounds the bf16
+    copies' ``linear`` calls are batched by linear's own batching rule, which rounds the bf16
     product and the bias add separately -- as a vmapped bf16 ``F.linear`` differs from the same
     call sample by sample in torch itself. Unbatched, both agree bit for bit."""
     torch.manual_seed(0)

@@ -3,7 +3,7 @@ the allowlist, scoped to funcamp's own compiles, in inductor's cache key, instal
 
 Each test states funcamp's contract (same bits, torch's code path for everything else), not
 inductor's internals. The fixes this file pins, and how each was seen to fail without them:
-the nested-list liveness of ``live_reads`` (``_live_ids`` flattening one level), the patches'
+the nested-list liveness of ``dead_stores`` (``_live_ids`` flattening one level), the patches'
 state in the FX graph cache key (``PatchKey``), the channels-last pass moving a tensor a
 fixed-stride custom op reads, and the race of two threads installing ``cpp_bundle``.
 """
@@ -30,12 +30,12 @@ from funcamp._core import context
 from funcamp.compiler import (
     cpp_bundle,
     cross_entropy,
+    dead_stores,
     gate,
     hooks,
     layouts,
-    live_reads,
-    release,
     switch,
+    torch_release,
 )
 from funcamp.train.compiling import compile_fn, fresh_code, patches_for
 
@@ -46,7 +46,7 @@ except ImportError:  # torch < 2.8
 
 
 def _update(p, m, g):
-    """An update written into its inputs: the case live_reads changes (and C++ kernels)."""
+    """An update written into its inputs: the case dead_stores changes (and C++ kernels)."""
     m_new = m * 0.9 + g * 0.1
     p_new = p - 0.01 * m_new / (m_new.abs().sqrt() + 1e-8)
     m.copy_(m_new)
@@ -122,8 +122,8 @@ def test_funcamps_constant_mark_is_what_dynamos_decorator_sets():
         return 1
 
     assert context.constant_result(ours) is ours
-    if release() not in context.MARK_RELEASES:
-        pytest.skip(f"torch {release()}: funcamp calls torch's decorator itself")
+    if torch_release() not in context.MARK_RELEASES:
+        pytest.skip(f"torch {torch_release()}: funcamp calls torch's decorator itself")
     assert torch.compiler.assume_constant_result(fn) is fn
     assert vars(fn) == vars(ours) == {"_dynamo_marked_constant": True}
 
@@ -132,7 +132,7 @@ def test_funcamps_constant_mark_is_what_dynamos_decorator_sets():
 
 
 def test_auto_is_on_only_on_the_allowlist_and_says_once_elsewhere(monkeypatch, caplog):
-    monkeypatch.setattr(gate, "ALLOWLIST", frozenset({(gate.release(), "cpu")}))
+    monkeypatch.setattr(gate, "ALLOWLIST", frozenset({(gate.torch_release(), "cpu")}))
     monkeypatch.setattr(gate, "_SAID", set())
 
     def on(*args):
@@ -148,7 +148,7 @@ def test_auto_is_on_only_on_the_allowlist_and_says_once_elsewhere(monkeypatch, c
     assert on(True, "cpu", {"backend": "aot_eager"}) is False  # no inductor, no patch
     monkeypatch.setattr(gate, "ALLOWLIST", frozenset())  # another torch release
     assert on("auto", "cpu", {}) is False
-    with gate.patches(True):
+    with gate.compiler_patches(True):
         assert on("auto", "cpu", {}) is True
         assert on(False, "cpu", {}) is False
 
@@ -159,6 +159,18 @@ def test_the_choice_is_checked():
                                 compiler_patches="yes")  # fmt: skip
     with pytest.raises(TypeError, match="compiler_patches"):
         funcamp.make_eval_step(lambda p, b, x: x.sum(), "float32", compiler_patches=1)
+
+
+def test_the_old_names_warn_with_the_new_ones_and_do_the_same():
+    with pytest.warns(FutureWarning, match=r"funcamp\.compiler\.torch_release\(\)"):
+        assert funcamp.compiler.release() == torch_release()
+    with pytest.warns(FutureWarning, match=r"funcamp\.compiler\.patches_on\(\)"):
+        assert funcamp.compiler.decide(True, "cuda") and not funcamp.compiler.decide(False, "cpu")
+    with pytest.warns(FutureWarning, match=r"funcamp\.compiler\.compiler_patches\(\)"):
+        block = funcamp.compiler.patches(False)
+    with block:
+        assert not funcamp.compiler.patches_on("auto", "cpu")
+    assert gate._CHOICE.get() == "auto"
 
 
 def test_a_step_off_the_allowlist_gets_none_of_the_inductor_options(monkeypatch):
@@ -177,7 +189,7 @@ def test_a_step_off_the_allowlist_gets_none_of_the_inductor_options(monkeypatch)
     assert keyed == [False, False, True] and passes == [False, False, True]
 
 
-# -- live_reads: nested sequences ----------------------------------------------------------------
+# -- dead_stores: nested sequences ----------------------------------------------------------------
 
 
 def _lazy():
@@ -198,10 +210,10 @@ def test_a_value_held_at_any_depth_of_a_live_node_stays_a_reader(depth):
     for _ in range(depth):
         held = [held] if depth % 2 else (held,)
     graph = types.SimpleNamespace(name_to_users={"buf0": [value]}, env={"node": held})
-    live_reads.drop_dead_readers(graph, "buf0")
+    dead_stores.drop_dead_readers(graph, "buf0")
     assert graph.name_to_users["buf0"] == [value]
     freed = types.SimpleNamespace(name_to_users={"buf0": [value]}, env={})
-    live_reads.drop_dead_readers(freed, "buf0")  # nothing holds it: dead, dropped
+    dead_stores.drop_dead_readers(freed, "buf0")  # nothing holds it: dead, dropped
     assert freed.name_to_users["buf0"] == []
 
 
@@ -230,15 +242,15 @@ def _compile_and_count(fn, patched, env):
 
 
 def test_the_patches_state_is_part_of_inductors_cache_key():
-    """A graph cached while live_reads was on is not loaded with it off (FUNCAMP_LIVE_READS=0)
+    """A graph cached while dead_stores was on is not loaded with it off (FUNCAMP_DEAD_STORES=0)
     nor with the patches off, and is loaded again with it on: the same bits each way. Without
     :class:`~funcamp.compiler.keys.PatchKey` the second compile was a cache hit."""
     fn = _fresh(_update)
     with fresh_cache():  # inductor's default caches: FX graphs and AOTAutograd's
-        first = _compile_and_count(fn, True, {"FUNCAMP_LIVE_READS": "1"})
-        env_off = _compile_and_count(fn, True, {"FUNCAMP_LIVE_READS": "0"})
+        first = _compile_and_count(fn, True, {"FUNCAMP_DEAD_STORES": "1"})
+        env_off = _compile_and_count(fn, True, {"FUNCAMP_DEAD_STORES": "0"})
         patches_off = _compile_and_count(fn, False, {})
-        again = _compile_and_count(fn, True, {"FUNCAMP_LIVE_READS": "1"})
+        again = _compile_and_count(fn, True, {"FUNCAMP_DEAD_STORES": "1"})
     torch._dynamo.reset()
     assert first[:2] == (0, 1)
     assert env_off[:2] == (0, 1)
@@ -287,7 +299,7 @@ def test_a_compile_outside_funcamps_is_left_to_torch_in_any_thread():
     acted = list(switch.ACTED)
     funcamp_thread, funcamp_out = results["funcamp"]
     user_thread, user_out = results["user"]
-    assert {name for name, _ in acted} == {"cpp_bundle", "live_reads"}
+    assert {name for name, _ in acted} == {"cpp_bundle", "dead_stores"}
     assert {thread for _, thread in acted} == {funcamp_thread} != {user_thread}
     assert torch.equal(funcamp_out, user_out) and torch.equal(user_out, later)
 
@@ -313,20 +325,22 @@ def test_the_cross_entropy_routing_is_for_funcamps_amp_mode_only():
     it (the float32 loss eager amp computes)."""
     funcamp.amp(lambda x: x, "float32")  # installs the routing
     if not cross_entropy.installed():
-        pytest.skip(f"torch {release()}'s dynamo has no CrossEntropyLoss special case to route")
+        pytest.skip(
+            f"torch {torch_release()}'s dynamo has no CrossEntropyLoss special case to route"
+        )
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
     assert _ce_under_user_mode(x, y).dtype == torch.float64  # eager: the mode sees the call
-    with funcamp.compiler.patches(True):
+    with funcamp.compiler.compiler_patches(True):
         torch._dynamo.reset()
         out = torch.compile(_ce_under_user_mode, backend="eager", fullgraph=True)(x, y)
     assert out.dtype == torch.float32  # dynamo's own trace, untouched by funcamp
     amp_loss = funcamp.amp(lambda a, b: nn.CrossEntropyLoss()(a @ a.T, b), "mixed_bfloat16")
     x = torch.randn(4, 4)
     eager = amp_loss(x, y)
-    with funcamp.compiler.patches(False):
+    with funcamp.compiler.compiler_patches(False):
         torch._dynamo.reset()
         unrouted = torch.compile(amp_loss, backend="eager", fullgraph=True)(x, y)
-    with funcamp.compiler.patches(True):
+    with funcamp.compiler.compiler_patches(True):
         torch._dynamo.reset()
         routed = torch.compile(amp_loss, backend="eager", fullgraph=True)(x, y)
     torch._dynamo.reset()
@@ -342,7 +356,9 @@ def test_by_default_the_routing_follows_the_allowlist_for_the_traced_tensors_dev
     parameters); elsewhere dynamo's own trace, said once."""
     funcamp.amp(lambda x: x, "float32")  # installs the routing
     if not cross_entropy.installed():
-        pytest.skip(f"torch {release()}'s dynamo has no CrossEntropyLoss special case to route")
+        pytest.skip(
+            f"torch {torch_release()}'s dynamo has no CrossEntropyLoss special case to route"
+        )
     model = nn.Linear(4, 3)
     loss = funcamp.amp(lambda m, b: nn.CrossEntropyLoss()(m(b["x"]), b["y"]), "mixed_bfloat16")
     batch = {"x": torch.randn(5, 4), "y": torch.tensor([0, 1, 2, 0, 1])}
@@ -355,9 +371,9 @@ def test_by_default_the_routing_follows_the_allowlist_for_the_traced_tensors_dev
         with caplog.at_level(logging.INFO, logger="funcamp"):
             return torch.compile(loss, backend="eager", fullgraph=True)(model, batch)
 
-    assert torch.equal(compiled({(release(), "cpu")}), eager)
+    assert torch.equal(compiled({(torch_release(), "cpu")}), eager)
     caplog.clear()
-    assert not torch.equal(compiled({(release(), "cuda")}), eager)
+    assert not torch.equal(compiled({(torch_release(), "cuda")}), eager)
     assert caplog.text.count("compiler patches off for torch") == 1
     assert not torch.equal(compiled({("0.0", "cpu")}), eager)  # another release
     torch._dynamo.reset()

@@ -15,7 +15,7 @@ import torch
 from tiny_step import batches, cnn_step, model_step, recording_backend
 
 import funcamp
-from funcamp._core.context import kernel_path
+from funcamp._core.context import plain_tensors
 from funcamp.testing import assert_trees_equal
 
 
@@ -60,15 +60,15 @@ def test_compiled_step_calls_the_kernels_and_matches_eager(name, donate_state):
 
 def test_transforms_and_autograd_take_the_traced_path():
     x = torch.ones(3)
-    assert kernel_path([x])
-    assert not kernel_path([x.requires_grad_()])
+    assert plain_tensors([x])
+    assert not plain_tensors([x.requires_grad_()])
     seen = []
-    torch.func.vmap(lambda y: seen.append(kernel_path([y])) or y)(torch.ones(2, 3))
+    torch.func.vmap(lambda y: seen.append(plain_tensors([y])) or y)(torch.ones(2, 3))
     assert seen == [False]
 
     @torch.compile(backend="eager", fullgraph=True)
     def inside(y):
-        return y * 2 if kernel_path([y]) else y
+        return y * 2 if plain_tensors([y]) else y
 
     assert torch.equal(inside(torch.ones(2)), torch.full((2,), 2.0))
     assert torch.equal(torch.compile(torch.func.vmap(inside), backend="eager")(torch.ones(2, 2)),
@@ -77,7 +77,7 @@ def test_transforms_and_autograd_take_the_traced_path():
     # A compiled grad through it: dynamo reports requires_grad=False inside torch.func.grad,
     # so the transform itself is asked (once, a constant of the graph).
     def through(y):
-        return (y * 2 if kernel_path([y]) else y * 3).sum()
+        return (y * 2 if plain_tensors([y]) else y * 3).sum()
 
     grad = torch.compile(torch.func.grad(through), backend="eager", fullgraph=True)
     assert torch.equal(grad(torch.ones(2)), torch.full((2,), 3.0))

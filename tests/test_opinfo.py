@@ -7,8 +7,8 @@ Eager, every op and every one of its samples, in CI (~25 s on one core):
   output (before amp's output cast) with the same dtype and the same bytes (NaNs equal whatever
   their payload), every other leaf equal; and it raises where autocast raises.
 - The same table with a float32 compute dtype casts nothing but still re-enters every Python
-  composite and C++ twin the table asks for: it gives exactly what the op run plainly gives, and
-  raises only where the op raises. This is what keeps the twins of ``funcamp/casting/twins.py`` honest.
+  composite and C++ composite copy the table asks for: it gives exactly what the op run plainly gives, and
+  raises only where the op raises. This is what keeps the copies of ``funcamp/casting/cpp_composites.py`` honest.
 
 The exceptions are listed below with their measured reason (and in docs/differences.md): ops
 whose output is uninitialized memory, and samples torch itself does not repeat. An op listed in
@@ -51,7 +51,7 @@ FULL = os.environ.get("FUNCAMP_OPINFO_FULL") == "1"
 #: amp's side of the comparison with torch.autocast("cpu", bf16); outputs are read before
 #: amp's output cast, so output_dtype does not matter.
 CPU_TABLE = Policy(compute_dtype=BF16, ops=OpPolicy.autocast("cpu"))
-#: The same table casting nothing: every composite and twin it needs runs, bit-exact to plain.
+#: The same table casting nothing: every composite and copy it needs runs, bit-exact to plain.
 CPU_TABLE_F32 = Policy(compute_dtype=F32, ops=OpPolicy.autocast("cpu"))
 
 #: Ops whose output is uninitialized memory (OpInfo skips their value comparisons too): compared
@@ -262,7 +262,7 @@ _POLICIES = {
     **{p: funcamp.get_policy(p) for p in PRESETS if p != "cpu_table"},
     "cpu_table": CPU_TABLE,
 }
-#: ops compiled in CI: the twins and re-entered composites, plus a spread of everyday ops
+#: ops compiled in CI: the copies and re-entered composites, plus a spread of everyday ops
 CI_COMPILED = (
     "einsum",
     "tensordot",

@@ -96,7 +96,7 @@ REACHES_LISTED = (
 #: One op in this many of the rest (sorted by name) joins the suite.
 SAMPLE_EVERY = 5
 
-#: A quick subset for CI (every sample, every transform): the twins and the vmap differences.
+#: A quick subset for CI (every sample, every transform): the copies and the vmap differences.
 QUICK = (
     "nn.functional.linear",
     "matmul",
@@ -175,7 +175,7 @@ AUTOCAST_BACKWARD_RAISES = (
 BILINEAR_BACKWARD = (
     "docs/differences.md's gradients of bilinear and pinv row (eager autograd too): autocast "
     "records _trilinear's own derivative on the float32 inputs (its bmm casts happen inside the "
-    "kernel, unseen by autograd); amp's twin records bfloat16 bmm calls (up to 0.1 apart, "
+    "kernel, unseen by autograd); amp's Python copy records bfloat16 bmm calls (up to 0.1 apart, "
     "forward identical)"
 )
 LEAF_CAST_CACHE = (

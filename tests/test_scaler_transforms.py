@@ -101,7 +101,7 @@ def test_per_sample_grads_under_vmap(built, has_aux):
     funcamp.testing.assert_trees_close(batched, want, rtol=1e-5, atol=1e-3)
 
 
-def test_engine_is_chosen_where_the_function_runs(monkeypatch):
+def test_grad_method_is_chosen_where_the_function_runs(monkeypatch):
     """One function, built in plain eager: torch.autograd on leaf copies when called in plain
     eager (the fast path), torch.func when called under vmap."""
     calls = []

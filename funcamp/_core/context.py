@@ -26,10 +26,10 @@ __all__ = [
     "compiling",
     "constant_result",
     "dual_level_active",
-    "eager_path",
+    "plain_eager_tensors",
     "in_transform",
     "is_batched",
-    "kernel_path",
+    "plain_tensors",
     "marking_inputs",
     "plain_eager",
     "tracks_grad",
@@ -156,7 +156,8 @@ def _vmap_below_while_tracing() -> bool:
 
 
 def plain_eager() -> bool:
-    """Neither compiling nor inside a ``torch.func`` transform."""
+    """Neither compiling nor inside a ``torch.func`` transform: a question about the context
+    alone (:func:`plain_eager_tensors` and :func:`plain_tensors` also ask about tensors)."""
     return not compiling() and not in_transform()
 
 
@@ -195,20 +196,21 @@ def _plain_untracked(xs: Sequence[Any]) -> bool:
     return True
 
 
-def eager_path(xs: Sequence[Any]) -> bool:
-    """The one predicate behind every eager fast path (foreach kernels, in-place writes into
-    owned temporaries, the fused unscale kernel, torch's fused optimizer kernels): plain eager,
-    and every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not
-    track."""
+def plain_eager_tensors(xs: Sequence[Any]) -> bool:
+    """:func:`plain_eager` and :func:`plain_tensors`: plain eager, and every tensor of ``xs`` a
+    plain ``torch.Tensor`` on CPU/CUDA that autograd does not track. The one predicate behind
+    every eager fast path (foreach kernels, in-place writes into owned temporaries, the fused
+    unscale kernel, torch's fused optimizer kernels)."""
     return plain_eager() and _plain_untracked(xs)
 
 
-def kernel_path(xs: Sequence[Any]) -> bool:
-    """Where torch's multi-tensor kernels (the fused unscale, ``_foreach_norm``, torch's fused
-    optimizer kernels) may run: the eager path (:func:`eager_path`), or dynamo tracing plain
-    CPU/CUDA tensors that autograd does not track, outside any ``torch.func`` transform. Compiled,
-    inductor calls such a kernel as it is (an extern kernel) instead of generating code for it:
-    on the CPU every generated kernel is a C++ build on the first call.
+def plain_tensors(xs: Sequence[Any]) -> bool:
+    """Every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not track,
+    outside any ``torch.func`` transform, in plain eager (:func:`plain_eager_tensors`) or while
+    dynamo traces: where torch's multi-tensor kernels (the fused unscale, ``_foreach_norm``,
+    torch's fused optimizer kernels) may run. Compiled, inductor calls such a kernel as it is
+    (an extern kernel) instead of generating code for it: on the CPU every generated kernel is
+    a C++ build on the first call.
 
     Traced, the transform is asked once, as a constant of the graph (a compiled ``grad``,
     ``vmap`` or ``jvp`` through the update takes the per-leaf ops): foreach kernels have no vmap
@@ -216,5 +218,5 @@ def kernel_path(xs: Sequence[Any]) -> bool:
     reports ``requires_grad=False``. Asking each tensor ``is_batchedtensor`` instead put a graph node
     per tensor in the step and let a compiled ``grad`` through the update reach the kernels."""
     if not compiling():
-        return eager_path(xs)
+        return plain_eager_tensors(xs)
     return not transform_while_tracing() and _plain_untracked(xs)

@@ -5,9 +5,9 @@ call and leaves it on exit (also on error), so no global state survives the call
 each torch call up in the policy's dispatch table (callable -> rule), casts the floating inputs as
 the rule says and runs the op with the mode off. Python composites such as
 ``F.multi_head_attention_forward`` are re-entered with the mode on, so the torch calls they make
-inside are seen too, and so are the Python twins of C++ composites (``einsum``, ``cov``,
+inside are seen too, and so are the Python copies of C++ composites (``einsum``, ``cov``,
 ``linalg.pinv`` ...), so the ops inside them are cast as torch.autocast casts them (see
-``funcamp/casting/reentry.py`` and ``funcamp/casting/twins.py``).
+``funcamp/casting/reentry.py`` and ``funcamp/casting/cpp_composites.py``).
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ class _AmpMode(TorchFunctionMode):
             if composite is not None:
                 with self:
                     out = composite(*args, **kwargs)
-                if out is not NotImplemented:  # a twin declines inputs it does not reproduce
+                if out is not NotImplemented:  # a copy declines inputs it does not reproduce
                     return out
             if (
                 name is not None

@@ -2,7 +2,7 @@
 
 Python composites (``torch.nn.functional``, ``torch.functional``, a few ``Tensor`` methods) are
 re-entered as *unchecked copies* (:func:`_unchecked_copies`), C++ composites through their Python
-*twins* (``funcamp/casting/twins.py``). :func:`reentered` chooses, once per op table, which of them may
+*Python copies* (``funcamp/casting/cpp_composites.py``). :func:`reentered` chooses, once per op table, which of them may
 reach a listed op; the mode re-enters those and runs every other call as called.
 
 Workaround of torch internals (docs/upstream.md#reentry):
@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.modules import utils as _nn_utils
 
-from funcamp.casting.twins import REACHES, TWINS
+from funcamp.casting.cpp_composites import CPP_COMPOSITES, REACHES
 from funcamp.policy.ops import python_composites
 
 __all__ = ["COMPOSITES", "backward_entries", "reentered"]
@@ -109,9 +109,9 @@ def _tensor_unflatten(self: torch.Tensor, dim: Any, sizes: Any) -> torch.Tensor:
 COMPOSITES = _unchecked_copies(python_composites())
 _UNFLATTEN = (torch.Tensor.unflatten.__module__, torch.Tensor.unflatten.__name__)
 COMPOSITES[_UNFLATTEN] = _tensor_unflatten  # type: ignore[assignment]
-# A twin at a Python entry point (torch.einsum, torch.tensordot: torch.functional, which dynamo
+# A copy at a Python entry point (torch.einsum, torch.tensordot: torch.functional, which dynamo
 # does not trace into) takes the place of that composite's re-entry.
-COMPOSITES.update(TWINS)  # type: ignore[arg-type]
+COMPOSITES.update(CPP_COMPOSITES)  # type: ignore[arg-type]
 
 
 _OPERATOR_OPCODES = frozenset(
@@ -170,13 +170,13 @@ def _body(key: tuple[str, str]) -> _Body:
 
 
 def reentered(table: dict[Any, Any]) -> dict[tuple[str, str], Any]:
-    """The Python composites and C++ twins whose body may reach an op of ``table``.
+    """The Python composites and the copies of C++ composites whose body may reach an op of ``table``.
 
     Re-entering a composite costs a second trip through the mode for every torch call inside
     it; a thin wrapper such as ``F.relu`` whose body names no listed op, calls no ``@``/``**``
     and calls no other Python function that might, runs as called instead (the same result: its
-    inner ops are run as called either way). A twin is re-entered when an op it may call is
-    listed (``REACHES``), and a composite naming a re-entered twin's entry point (``F.pad``
+    inner ops are run as called either way). A copy is re-entered when an op it may call is
+    listed (``REACHES``), and a composite naming a re-entered copy's entry point (``F.pad``
     calls ``torch._C._nn.pad``) is re-entered too. A composite is re-entered when any composite
     it calls, directly or through others, is; any Python helper other than a known composite
     makes it re-entered (conservative), a cycle alone does not (``meshgrid`` and ``_meshgrid``
@@ -185,8 +185,8 @@ def reentered(table: dict[Any, Any]) -> dict[tuple[str, str], Any]:
     if any(not isinstance(key, str) for key in table):
         return dict(COMPOSITES)  # ops given as callables: match them wherever they are called
     listed = set(table)
-    twins = {key: twin for key, twin in TWINS.items() if REACHES[twin] & listed}
-    listed |= {name for _, name in twins}
+    copies = {key: copy for key, copy in CPP_COMPOSITES.items() if REACHES[copy] & listed}
+    listed |= {name for _, name in copies}
     operator_listed = any(name in listed for name in _OPERATOR_NAMES)
 
     reaching = {
@@ -202,10 +202,10 @@ def reentered(table: dict[Any, Any]) -> dict[tuple[str, str], Any]:
                 reaching.add(key)
                 changed = True
     found = {key: COMPOSITES[key] for key in _BODIES if key in reaching}
-    return {**found, **twins}
+    return {**found, **copies}
 
 
-_BODIES = {key: _body(key) for key in COMPOSITES if key not in TWINS}
+_BODIES = {key: _body(key) for key in COMPOSITES if key not in CPP_COMPOSITES}
 
 
 def backward_entries() -> dict[Any, types.FunctionType]:

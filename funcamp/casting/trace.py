@@ -19,7 +19,7 @@ __all__ = ["AmpTrace", "OpRecord", "OpStats", "trace"]
 
 _SKIP_NAMES = frozenset({"__get__", "__set__", "__torch_function__"})
 # Modules a call passes through on its way to the mode (a context manager's __enter__, a
-# Python Tensor method, funcamp's own mode and twins): the caller is the frame outside them.
+# Python Tensor method, funcamp's own mode and copies): the caller is the frame outside them.
 _PASS_THROUGH = ("funcamp.", "torch.overrides", "torch.autograd", "torch.utils._contextlib")
 _PASS_THROUGH_EXACT = frozenset({"contextlib", "torch._tensor", "torch.functional", "torch._ops"})
 

@@ -6,7 +6,7 @@ what it asks of them through public options:
 * :mod:`~funcamp.compiler.cpp_bundle` -- a compiled step's CPU kernels built in a few C++
   units instead of one ``g++`` process per kernel (inductor's ``AsyncCompile.cpp_pybinding``
   and ``PythonWrapperCodegen.define_kernel``);
-* :mod:`~funcamp.compiler.live_reads` -- no dead readers stored before an in-place write
+* :mod:`~funcamp.compiler.dead_stores` -- no dead readers stored before an in-place write
   (inductor's ``GraphLowering.mark_buffer_mutated``);
 * :mod:`~funcamp.compiler.layouts` -- a post-grad pass keeping the activations a
   convolution's backward shares channels-last (a ``CustomGraphPass``, inductor's option);
@@ -15,8 +15,9 @@ what it asks of them through public options:
   ``UserDefinedClassVariable._call_cross_entropy_loss``);
 * :mod:`~funcamp.compiler.keys` -- which of them are on, in inductor's FX graph cache key;
 * :mod:`~funcamp.compiler.gate` -- when they are on: an explicit choice (``compiler_patches=``
-  of :func:`funcamp.make_train_step` and :func:`funcamp.make_eval_step`, or a :func:`patches`
-  block), else only for the torch releases and devices of :data:`ALLOWLIST`.
+  of :func:`funcamp.make_train_step` and :func:`funcamp.make_eval_step`, or a
+  :func:`compiler_patches` block), else only for the torch releases and devices of
+  :data:`ALLOWLIST`.
 
 Nothing here runs at ``import funcamp``: the patch modules (and the inductor modules they
 use) are loaded by :mod:`~funcamp.compiler.hooks` at funcamp's first compile, each is
@@ -27,6 +28,9 @@ calls this package; it imports nothing of training.
 """
 
 from funcamp.compiler.gate import ALLOWLIST as ALLOWLIST
-from funcamp.compiler.gate import decide, patches, release
+from funcamp.compiler.gate import compiler_patches, patches_on, torch_release
+from funcamp.compiler.gate import decide as decide  # deprecated: patches_on
+from funcamp.compiler.gate import patches as patches  # deprecated: compiler_patches
+from funcamp.compiler.gate import release as release  # deprecated: torch_release
 
-__all__ = ["decide", "patches", "release"]
+__all__ = ["compiler_patches", "patches_on", "torch_release"]

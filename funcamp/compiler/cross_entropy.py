@@ -19,8 +19,8 @@ bit. Any other trace, another torch function mode's included, keeps dynamo's own
 
 Installed once, under a lock, when :func:`funcamp.amp` first wraps a function (never at
 ``import funcamp``). Which traces route is decided when dynamo meets the construction: as a
-:func:`funcamp.compiler.patches` block or a step's ``compiler_patches=`` chooses, else (``"auto"``)
-only where every device of the tensors the compiled function was called with is on
+:func:`funcamp.compiler.compiler_patches` block or a step's ``compiler_patches=`` chooses, else
+(``"auto"``) only where every device of the tensors the compiled function was called with is on
 :data:`funcamp.compiler.ALLOWLIST` with this torch release (elsewhere off, said once per release
 and device). A torch whose dynamo has no such special case, or whose internals moved, is left
 alone (logged once).
@@ -103,14 +103,14 @@ def trace_devices(tx: Any) -> frozenset[str]:
 
 
 def routes(tx: Any) -> bool:
-    """Whether the trace ``tx`` routes: the innermost :func:`funcamp.compiler.patches` choice
-    (a step's ``compiler_patches=`` enters one), else whether every device of
+    """Whether the trace ``tx`` routes: the innermost
+    :func:`funcamp.compiler.compiler_patches` choice (a step's ``compiler_patches=`` enters one), else whether every device of
     :func:`trace_devices` (``"unknown"`` without any) is on the allowlist with this release."""
     choice = gate._CHOICE.get()
     if choice != "auto":
         return bool(choice)
     devices = sorted(trace_devices(tx)) or ["unknown"]
-    return all([gate.decide("auto", device) for device in devices])
+    return all([gate.patches_on("auto", device) for device in devices])
 
 
 def installed() -> bool:

@@ -1,12 +1,12 @@
 """The one gate of funcamp's compiler patches: which torch releases and devices they are on for.
 
 A patch is on for a compile when it is chosen explicitly (``compiler_patches=True`` of
-:func:`funcamp.make_train_step` / :func:`funcamp.make_eval_step`, or a :func:`patches` block),
-or, by default (``"auto"``), when this torch release and the step's device are on
-:data:`ALLOWLIST` -- the pairs on which funcamp's whole test suite has run with the patches on.
-Elsewhere they are off, and the first compile that leaves them off says so (once per release
-and device, on the ``"funcamp"`` logger). ``compiler_patches=False`` or ``patches(False)`` turns
-them off everywhere.
+:func:`funcamp.make_train_step` / :func:`funcamp.make_eval_step`, or a
+:func:`compiler_patches` block), or, by default (``"auto"``), when this torch release and the
+step's device are on :data:`ALLOWLIST` -- the pairs on which funcamp's whole test suite has run
+with the patches on. Elsewhere they are off, and the first compile that leaves them off says so
+(once per release and device, on the ``"funcamp"`` logger). ``compiler_patches=False`` or
+``compiler_patches(False)`` turns them off everywhere.
 """
 
 from __future__ import annotations
@@ -14,13 +14,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
 from funcamp._core.progress import logger
-from funcamp._core.version import torch_release
+from funcamp._core.version import torch_release as _torch_release
 
-__all__ = ["ALLOWLIST", "Choice", "check_choice", "decide", "patches", "release"]
+__all__ = [
+    "ALLOWLIST",
+    "Choice",
+    "check_choice",
+    "compiler_patches",
+    "patches_on",
+    "torch_release",
+]
 
 Choice = bool | Literal["auto"]
 
@@ -34,15 +42,16 @@ _SAID: set[tuple[str, str]] = set()
 _SAID_LOCK = threading.Lock()
 
 
-def release() -> str:
-    """This torch's release, ``"major.minor"`` (``"2.13"`` for ``2.13.0+cpu``).
+def torch_release() -> str:
+    """This torch's release, ``"major.minor"`` (``"2.13"`` for ``2.13.0+cpu``), as
+    :data:`ALLOWLIST` names it.
 
     Example:
-        >>> from funcamp.compiler import release
-        >>> release().count(".")
+        >>> from funcamp.compiler import torch_release
+        >>> torch_release().count(".")
         1
     """
-    return torch_release()
+    return _torch_release()
 
 
 def check_choice(api: str, choice: Any) -> Choice:
@@ -55,24 +64,24 @@ def check_choice(api: str, choice: Any) -> Choice:
     )
 
 
-def decide(choice: Choice, device_type: str | None) -> bool:
+def patches_on(choice: Choice, device_type: str | None) -> bool:
     """Whether the patches are on for a compile on ``device_type`` given ``choice``: an explicit
-    ``True``/``False`` wins; ``"auto"`` takes the innermost :func:`patches` block's choice, and
-    without one is on only for an :data:`ALLOWLIST` pair (off elsewhere, said once).
+    ``True``/``False`` wins; ``"auto"`` takes the innermost :func:`compiler_patches` block's
+    choice, and without one is on only for an :data:`ALLOWLIST` pair (off elsewhere, said once).
 
     Example:
-        >>> from funcamp.compiler import decide, patches
-        >>> decide(True, "cuda"), decide(False, "cpu")
+        >>> from funcamp.compiler import compiler_patches, patches_on
+        >>> patches_on(True, "cuda"), patches_on(False, "cpu")
         (True, False)
-        >>> with patches(False):
-        ...     decide("auto", "cpu")
+        >>> with compiler_patches(False):
+        ...     patches_on("auto", "cpu")
         False
     """
     if choice == "auto":
         choice = _CHOICE.get()
     if choice != "auto":
         return bool(choice)
-    pair = (release(), device_type or "unknown")
+    pair = (torch_release(), device_type or "unknown")
     if pair in ALLOWLIST:
         return True
     with _SAID_LOCK:
@@ -82,7 +91,7 @@ def decide(choice: Choice, device_type: str | None) -> bool:
         logger.info(
             "funcamp: compiler patches off for torch %s on %s (not on the allowlist %s, where "
             "the test suite ran with them); compiler_patches=True or "
-            "funcamp.compiler.patches(True) turns them on",
+            "funcamp.compiler.compiler_patches(True) turns them on",
             *pair,
             sorted(ALLOWLIST),
         )
@@ -90,7 +99,7 @@ def decide(choice: Choice, device_type: str | None) -> bool:
 
 
 @contextlib.contextmanager
-def patches(enabled: Choice = True) -> Iterator[None]:
+def compiler_patches(enabled: Choice = True) -> Iterator[None]:
     """Choose funcamp's compiler patches for the compiles this block starts in this thread
     (or task): ``True`` on whatever the torch release and device, ``False`` off, ``"auto"``
     the allowlist. A step's own ``compiler_patches=True``/``False`` wins over the block. Also
@@ -102,13 +111,41 @@ def patches(enabled: Choice = True) -> Iterator[None]:
         >>> step = funcamp.make_train_step(
         ...     lambda p, b, x: (x @ p["w"]).sum(), funcamp.sgd(0.1), "float32", backend="eager")
         >>> state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), "float32")
-        >>> with funcamp.compiler.patches(False):  # torch's compiler, untouched
+        >>> with funcamp.compiler.compiler_patches(False):  # torch's compiler, untouched
         ...     state, metrics = step(state, torch.ones(3, 2))
         >>> state.params["w"]
         tensor([0.7000, 0.7000])
     """
-    token = _CHOICE.set(check_choice("compiler.patches", enabled))
+    token = _CHOICE.set(check_choice("compiler.compiler_patches", enabled))
     try:
         yield
     finally:
         _CHOICE.reset(token)
+
+
+# -- the names of the previous release, kept for one more ----------------------------------------
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(
+        f"funcamp.compiler.{old} is renamed funcamp.compiler.{new}; the old name goes in the "
+        "next release",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+def release() -> str:
+    """Deprecated: :func:`torch_release` (the old name warns)."""
+    _renamed("release()", "torch_release()")
+    return torch_release()
+
+
+def decide(choice: Choice, device_type: str | None) -> bool:
+    """Deprecated: :func:`patches_on` (the old name warns)."""
+    _renamed("decide()", "patches_on()")
+    return patches_on(choice, device_type)
+
+
+def patches(enabled: Choice = True) -> contextlib.AbstractContextManager[None]:
+    """Deprecated: :func:`compiler_patches` (the old name warns)."""
+    _renamed("patches()", "compiler_patches()")
+    return compiler_patches(enabled)

@@ -43,16 +43,16 @@ def inductor_options(on: bool, device_type: str | None, caller: dict[str, Any]) 
 def running(on: bool, choice: gate.Choice = "auto") -> Iterator[None]:
     """The block a funcamp compiled call runs in: with inductor's patches ``on``, its CPU
     kernels built in units (:func:`~funcamp.compiler.cpp_bundle.bundling`) and only live
-    readers stored before a write (:func:`~funcamp.compiler.live_reads.live_reads_only`), each
-    with its environment switch (``FUNCAMP_CPP_BUNDLE=0``, ``FUNCAMP_LIVE_READS=0``); the
+    readers stored before a write (:func:`~funcamp.compiler.dead_stores.skip_dead_stores`), each
+    with its environment switch (``FUNCAMP_CPP_BUNDLE=0``, ``FUNCAMP_DEAD_STORES=0``); the
     routing of in-graph ``CrossEntropyLoss`` follows the caller's ``choice`` (``"auto"``: the
-    enclosing :func:`~funcamp.compiler.patches` block's, else the allowlist's releases). Off:
-    inductor's code runs as it is."""
-    with gate.patches(choice) if choice != "auto" else contextlib.nullcontext():
+    enclosing :func:`~funcamp.compiler.compiler_patches` block's, else the allowlist's
+    releases). Off: inductor's code runs as it is."""
+    with gate.compiler_patches(choice) if choice != "auto" else contextlib.nullcontext():
         if not on:
             yield
             return
-        with _load("cpp_bundle").bundling(), _load("live_reads").live_reads_only():
+        with _load("cpp_bundle").bundling(), _load("dead_stores").skip_dead_stores():
             yield
 
 

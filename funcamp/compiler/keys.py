@@ -3,7 +3,7 @@
 A graph inductor has compiled is cached under a key of the graph, the torch version and
 inductor's config, the custom passes' ``uuid()`` among them -- not under the state of code that
 patches inductor's methods. Without this a graph lowered with
-:mod:`~funcamp.compiler.live_reads` on was loaded again with it off (``FUNCAMP_LIVE_READS=0``),
+:mod:`~funcamp.compiler.dead_stores` on was loaded again with it off (``FUNCAMP_DEAD_STORES=0``),
 and a graph cached before a fix of a patch was loaded after it. :class:`PatchKey` is the
 ``post_grad_custom_pre_pass`` of funcamp's compiles while the patches are on (torchao keys its
 passes the same way): it leaves the graph as it is, and its ``uuid`` is a digest of the patch
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from funcamp.compiler import cpp_bundle, live_reads
+from funcamp.compiler import cpp_bundle, dead_stores
 
 __all__ = ["PATCH_FILES", "PatchKey"]
 
@@ -30,7 +30,7 @@ PATCH_FILES = tuple(sorted(os.path.join(_HERE, f) for f in os.listdir(_HERE) if 
 
 def state() -> tuple[tuple[str, bool], ...]:
     """Which runtime patches are on for the compile in this thread (the key's second part)."""
-    return (("cpp_bundle", cpp_bundle._ACTIVE.get()), ("live_reads", live_reads._ACTIVE.get()))
+    return (("cpp_bundle", cpp_bundle._ACTIVE.get()), ("dead_stores", dead_stores._ACTIVE.get()))
 
 
 class PatchKey(CustomGraphPass):  # type: ignore[misc]

@@ -1,5 +1,5 @@
 """The switch shared by funcamp's patches of inductor (:mod:`funcamp.compiler.cpp_bundle`,
-:mod:`funcamp.compiler.live_reads`): installed once (under one lock, whichever thread asks
+:mod:`funcamp.compiler.dead_stores`): installed once (under one lock, whichever thread asks
 first), in force only inside a block of the thread (or task) that entered it, on unless the
 environment turns it off; and a short record of where a patch's own code path ran."""
 

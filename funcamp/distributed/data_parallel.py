@@ -11,7 +11,7 @@ import torch.distributed as dist
 from funcamp._core.collectives import all_reduce_step
 from funcamp._core.tree import describe
 from funcamp.casting.fp8 import Fp8State, all_reduce_amax
-from funcamp.train.parallel import Parallel
+from funcamp.train.parallel import SingleProcess
 
 __all__ = ["DataParallel", "check_group"]
 
@@ -36,7 +36,7 @@ def check_group(api: str, group: Any) -> tuple[Any, int, int]:
     return group, dist.get_world_size(group), rank
 
 
-class DataParallel(Parallel):
+class DataParallel(SingleProcess):
     """The ranks of ``group`` each run the step on their own equal shard of the batch.
 
     After the backward pass one all-reduce per gradient dtype (:func:`all_reduce_step`) carries

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - another torch
 from funcamp._core.collectives import Across, all_reduce_step
 from funcamp._core.tree import NAMESPACE, describe, path_str, unflatten
 from funcamp.casting.fp8 import Fp8State, all_reduce_amax
-from funcamp.train.parallel import Parallel
+from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import TrainState
 
 PyTree = Any
@@ -296,7 +296,7 @@ def _gather(leaves: list[torch.Tensor], layouts: tuple[Any, ...], group: Any, wo
 # ------------------------------------------------------------------------------ the piece
 
 
-class Sharded(Parallel):
+class Sharded(SingleProcess):
     """Training on shards: params and optimizer state live as ``DTensor`` s sharded along one
     dimension (:func:`shard`), and each rank runs the step on its own equal shard of the batch.
 

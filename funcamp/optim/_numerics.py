@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from funcamp._core.context import dual_level_active, eager_path
+from funcamp._core.context import dual_level_active, plain_eager_tensors
 
 __all__ = ["EXACT_SQRT", "FUSED_FMA", "exact_sqrt", "plain_exact_sqrt"]
 
@@ -170,7 +170,7 @@ def _plain_cpu(x: torch.Tensor) -> bool:
     work on a copy of it (rsqrt, reciprocal, a copy into ``out``) is then invisible to
     everything."""
     return (
-        eager_path([x])
+        plain_eager_tensors([x])
         and x.is_cpu
         and x.layout == torch.strided  # not sparse (rsqrt_ has no sparse kernel)
         and not x.is_nested

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from funcamp._core.context import compiling, dual_level_active, eager_path, tracks_grad
+from funcamp._core.context import compiling, dual_level_active, plain_eager_tensors, tracks_grad
 from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype, f32, hoist_scalar, math_dtype, spread
 from funcamp._core.tree import where_into
@@ -369,7 +369,8 @@ class EagerOps(Ops):
         outs = self._into(into, xs)
         fresh = outs is None  # a float32 result written by the root's last kernel: a pass less
         outs = [torch.empty_like(x) for x in xs] if fresh else outs
-        # the eager path's tensors are plain (eager_path); only dual tensors are left to rule out
+        # the eager path's tensors are plain (plain_eager_tensors); only dual tensors are left
+        # to rule out
         plain = not dual_level_active()
         roots = [
             plain_exact_sqrt(x, o)
@@ -471,15 +472,15 @@ def choose_ops(
     found_inf: torch.Tensor | None = None,
 ) -> Ops:
     """The execution path for one update whose input tensors are ``tensors`` (grads, params,
-    state leaves, the learning rate): :class:`EagerOps` when :func:`eager_path` holds (owning
+    state leaves, the learning rate): :class:`EagerOps` when :func:`plain_eager_tensors` holds (owning
     ``owned``, grads donated by the caller; with ``found_inf``, the state buffers ``donated``
     receive their new values in :meth:`Ops.kept`), else :class:`TracedOps`.
     """
     if device is None:
         first = next((x for x in tensors if isinstance(x, torch.Tensor)), None)
         device = first.device if first is not None else torch.device("cpu")
-    if eager_path(tensors):
-        if found_inf is not None and not eager_path([found_inf]):
+    if plain_eager_tensors(tensors):
+        if found_inf is not None and not plain_eager_tensors([found_inf]):
             found_inf = None  # then the caller selects and writes the new state itself
         return EagerOps(device, owned, donated, found_inf)
     return TracedOps(device, fused=compiling())

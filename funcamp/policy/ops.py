@@ -117,7 +117,7 @@ _CPU_FP32 = (
 _CPU_PROMOTE = "stack cat index_copy"
 
 # Composites that a function mode sees only from outside, while torch.autocast sees the listed
-# aten op they decompose into: C++ composites without a Python twin (funcamp/casting/twins.py makes the
+# aten op they decompose into: C++ composites without a Python copy (funcamp/casting/cpp_composites.py makes the
 # inner calls of einsum, tensordot, cov, pinv, the RNN cells ... visible instead), and Python
 # wrappers whose inner builtin dynamo does not dispatch to function modes
 # (builtins missing from torch.overrides.get_overridable_functions(), e.g.

@@ -14,7 +14,7 @@ import optree
 import torch
 
 from funcamp._core.checks import check_flag
-from funcamp._core.context import compiling, eager_path, kernel_path
+from funcamp._core.context import compiling, plain_eager_tensors, plain_tensors
 from funcamp._core.numerics import hoist_scalar, math_dtype, spread
 from funcamp._core.tree import (
     NAMESPACE,
@@ -56,11 +56,11 @@ def scale(state: ScalerState, tree: PyTree) -> PyTree:
 def fused_unscale(leaves: list[torch.Tensor]) -> bool:
     """Whether unscaling runs torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
     copies of the leaves (one pass for the check and the multiply): on the
-    :func:`~funcamp._core.context.kernel_path` -- plain eager, or compiled, where inductor calls
+    :func:`~funcamp._core.context.plain_tensors` -- plain eager, or compiled, where inductor calls
     it (inside ``funcamp::unscale``) instead of generating a check and a multiply per leaf. It has
     no autograd formula and no vmap rule: the traced path's pure ops, which give identical
     results, run under functorch transforms and autograd."""
-    return hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_") and kernel_path(leaves)
+    return hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_") and plain_tensors(leaves)
 
 
 def floating_leaves(
@@ -302,8 +302,8 @@ def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
 def _kernel_updates(state: ScalerState, found_inf: torch.Tensor) -> bool:
     """Whether :func:`update` of this dynamic scaler runs torch's own kernel: torch's rule (no
     hysteresis, no min/max scale), on the eager path (see
-    :func:`funcamp.optim._paths.eager_path`), with a float32 scale and an int32 tracker, which
-    ``torch._amp_update_scale_`` requires."""
+    :func:`funcamp._core.context.plain_eager_tensors`), with a float32 scale and an int32
+    tracker, which ``torch._amp_update_scale_`` requires."""
     return (
         state.hysteresis == 1
         and state.min_scale is None
@@ -311,7 +311,9 @@ def _kernel_updates(state: ScalerState, found_inf: torch.Tensor) -> bool:
         and hasattr(torch, "_amp_update_scale_")
         and state.scale.dtype == torch.float32
         and state.growth_tracker.dtype == torch.int32
-        and eager_path([state.scale, state.growth_tracker, state.hysteresis_tracker, found_inf])
+        and plain_eager_tensors(
+            [state.scale, state.growth_tracker, state.hysteresis_tracker, found_inf]
+        )
     )
 
 

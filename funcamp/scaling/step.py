@@ -11,7 +11,7 @@ import torch
 
 from funcamp._core.checks import check_flag, check_grads_match
 from funcamp._core.collectives import Across, any_across, summing_across
-from funcamp._core.context import compiling, eager_path
+from funcamp._core.context import compiling, plain_eager_tensors
 from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype
 from funcamp._core.tree import (
@@ -444,7 +444,7 @@ def _step_eager(
     owned = None
     if caps.fresh:
         made = update_tensors(updates) + update_tensors(new_opt_state)
-        if eager_path(made):
+        if plain_eager_tensors(made):
             ours = {id(x) for x, ok in zip(made, exclusive(made, [])) if ok}
             taken_now = taken
 

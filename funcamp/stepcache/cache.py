@@ -552,7 +552,7 @@ def _generated(code: types.CodeType) -> bool:
 def _constant_results() -> Any:
     """Collect the functions marked ``torch._dynamo.assume_constant_result`` that the trace
     called: their results are folded into the graph and never checked again. funcamp's own
-    question whether a ``torch.func`` transform is active (``kernel_path``) is not collected:
+    question whether a ``torch.func`` transform is active (``plain_tensors``) is not collected:
     a saved step is only run outside transforms (:meth:`CachedStep.__call__`)."""
     called: list[str] = []
     original = dynamo_functions.invoke_and_store_as_constant

@@ -27,10 +27,10 @@ import torch
 from funcamp._core.guard_sources import GLOBAL_STATE_SOURCES, STEP_INPUTS, is_mode_flag, source_root
 from funcamp._core.tree import NAMESPACE
 from funcamp.compiler import hooks as compiler_hooks
-from funcamp.compiler.gate import Choice, decide
+from funcamp.compiler.gate import Choice, patches_on
 from funcamp.policy.policy import Policy
 from funcamp.train.errors import explain
-from funcamp.train.loss import Engine
+from funcamp.train.loss import GradMethod
 from funcamp.train.state import TrainState
 
 __all__ = [
@@ -168,9 +168,9 @@ NO_PATCHES = Patches()
 
 def patches_for(choice: Choice, device_type: str, options: dict[str, Any]) -> Patches:
     """funcamp's compiler patches for a step on ``device_type`` compiled with ``options``:
-    inductor's are on as :func:`funcamp.compiler.decide` says (off for another backend)."""
+    inductor's are on as :func:`funcamp.compiler.patches_on` says (off for another backend)."""
     inductor = options.get("backend", "inductor") == "inductor"
-    return Patches(inductor and decide(choice, device_type), choice)
+    return Patches(inductor and patches_on(choice, device_type), choice)
 
 
 def compile_fn(
@@ -292,13 +292,13 @@ def run_compiled(
     run: Callable[..., Any],
     args: tuple[Any, ...],
     eagerly: Callable[[], Any],
-    engine: Engine | None = None,
+    grad_method: GradMethod | None = None,
     first: bool = False,
     patches: Patches = NO_PATCHES,
     marks: tuple[Callable[[], None], Callable[[], None]] | None = None,
 ) -> Any:
     """``run(*args)`` (a compiled function), with a dynamo failure explained: a model torch.func
-    refuses is traced again with torch.autograd (``engine``); otherwise ``eagerly()`` re-runs the
+    refuses is traced again with torch.autograd (``grad_method``); otherwise ``eagerly()`` re-runs the
     same computation with compilation off, so an error of the model itself is raised plainly.
     On the ``first`` call the trace is tried once more after that eager run: a model may set
     itself up on its first call in a way dynamo cannot trace (transformers installs the hooks
@@ -308,7 +308,7 @@ def run_compiled(
     (:func:`funcamp.compiler.hooks.running`). ``marks``, ``(begin, undo)`` for a donated
     state: ``begin()`` runs just before each call of ``run`` (whose graph writes the state),
     ``undo()`` when dynamo failed before the graph ran (:mod:`funcamp._core.donation`)."""
-    tracing = engine.tracing() if engine is not None else contextlib.nullcontext()
+    tracing = grad_method.tracing() if grad_method is not None else contextlib.nullcontext()
     hooks = _saved_tensors_hooks_state()
     try:
         # A failing op on fake tensors is logged at ERROR with its whole stack before dynamo
@@ -321,8 +321,8 @@ def run_compiled(
         if marks is not None:
             marks[1]()
         _restore_saved_tensors_hooks(hooks)
-        if engine is not None and engine.switch(e):
-            return run_compiled(api, run, args, eagerly, engine, first, patches, marks)
+        if grad_method is not None and grad_method.switch(e):
+            return run_compiled(api, run, args, eagerly, grad_method, first, patches, marks)
 
         def rerun() -> None:
             with torch.compiler.set_stance("force_eager"):
@@ -331,7 +331,7 @@ def run_compiled(
                 except Exception as refusal:
                     # dynamo failed before reaching what torch.func refuses (transformers'
                     # one-time warning ahead of a checkpointed layer): the eager run says it
-                    if engine is None or not engine.switch(refusal):
+                    if grad_method is None or not grad_method.switch(refusal):
                         raise
                     _restore_saved_tensors_hooks(hooks)
                     eagerly()
@@ -339,7 +339,9 @@ def run_compiled(
         failure = explain(api, e, rerun)  # raises the model's own error, if it has one
         if first:
             try:
-                return run_compiled(api, run, args, eagerly, engine, patches=patches, marks=marks)
+                return run_compiled(
+                    api, run, args, eagerly, grad_method, patches=patches, marks=marks
+                )
             except RuntimeError as again:
                 if again.__cause__ is None:  # not the paragraph: raise it as it came
                     raise

@@ -3,11 +3,11 @@
 :func:`scaled_grad_and_value` is the public piece (``torch.func.grad_and_value`` of the loss
 times the loss scale, with the loss itself back unscaled); :func:`forward_backward` is the train
 step's use of it, with the model's buffers and the delayed-FP8 state threaded through. Three
-engines compute the same gradients: ``torch.func`` (the default, and what a compiled step
-traces), ``torch.autograd`` on leaf copies of the differentiated inputs (plain eager, where it is
+gradient methods compute the same gradients: ``torch.func`` (the default, and what a compiled
+step traces), ``torch.autograd`` on leaf copies of the differentiated inputs (plain eager, where it is
 faster with the same bits -- docs/benchmarks.md, "Whole train step" -- and a step compiled in
 pieces or one whose model torch.func refuses -- traced into the graph then), chosen by
-:func:`engine`.
+:func:`grad_method`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from funcamp.train.errors import refuses_torch_func, user_frame
 from funcamp.train.frozen import combine
 
 __all__ = [
-    "Engine",
+    "GradMethod",
     "clone_buffers",
-    "engine",
+    "grad_method",
     "forward_backward",
     "restore_buffers",
     "scaled_grad_and_value",
@@ -206,7 +206,7 @@ def restore_buffers(api: str, new: PyTree, old: PyTree, returned: bool = True) -
     return unflatten(spec, out)
 
 
-def engine(kind: str) -> GradAndValue:
+def grad_method(kind: str) -> GradAndValue:
     """The ``grad_and_value`` to differentiate with: ``"func"`` (``torch.func``),
     ``"autograd"`` (:func:`autograd_grad_and_value`) or ``"auto"``: autograd in plain eager
     (same bits, faster), torch.func otherwise (compiling, inside a torch.func transform).
@@ -219,12 +219,12 @@ def engine(kind: str) -> GradAndValue:
 def auto_grad_and_value(
     fn: Callable[..., Any], *, argnums: int | tuple[int, ...], has_aux: bool
 ) -> Callable[..., Any]:
-    """``engine("auto")``, chosen each time the gradient is taken: a function built in plain
+    """``grad_method("auto")``, chosen each time the gradient is taken: a function built in plain
     eager and run under ``vmap`` or ``torch.compile`` differentiates with torch.func there
-    (torch.func refuses ``requires_grad_()`` on the autograd engine's leaf copies, and dynamo
+    (torch.func refuses ``requires_grad_()`` on torch.autograd's leaf copies, and dynamo
     traces ``torch.autograd.grad`` only with ``trace_autograd_ops``), and in plain eager with
     torch.autograd. Under dynamo ``plain_eager()`` is a constant of the trace."""
-    return engine("auto")(fn, argnums=argnums, has_aux=has_aux)
+    return grad_method("auto")(fn, argnums=argnums, has_aux=has_aux)
 
 
 def scaled_grad_and_value(
@@ -242,8 +242,8 @@ def scaled_grad_and_value(
     with ``has_aux=True`` (then ``g`` returns ``(grads, (loss, aux))``). It is
     ``torch.func.grad_and_value`` of the scaled loss, so ``g`` composes with ``vmap``, ``grad``
     and ``torch.compile(fullgraph=True)``, built inside or outside them. In plain eager
-    ``torch.autograd`` on leaf copies of the arguments gives the same bits faster. The engine
-    is chosen each call, where ``g`` runs.
+    ``torch.autograd`` on leaf copies of the arguments gives the same bits faster. The gradient
+    method is chosen each call, where ``g`` runs.
 
     Example:
         >>> import torch, funcamp
@@ -288,7 +288,7 @@ def _scaled(
         return scale(scaler, loss), ((loss.detach(), aux) if has_aux else loss.detach())
 
     def run(*args: Any) -> tuple[Any, Any]:
-        # grad_and_value is called here, per call: auto_grad_and_value picks the engine for
+        # grad_and_value is called here, per call: auto_grad_and_value picks the gradient method for
         # the context this call runs in (eager, a torch.func transform, dynamo).
         grads, (_, value) = grad_and_value(scaled_loss, argnums=argnums, has_aux=True)(*args)
         return grads, value
@@ -348,7 +348,7 @@ def can_trace_autograd() -> bool:
     return hasattr(torch._dynamo.config, "trace_autograd_ops")
 
 
-class Engine:
+class GradMethod:
     """Which ``grad_and_value`` a train step differentiates with, asked when it is traced.
 
     ``torch.func`` by default; ``torch.autograd`` on leaf copies for a step compiled in pieces

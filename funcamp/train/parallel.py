@@ -2,9 +2,9 @@
 
 :func:`funcamp.train.step.build_train_step` runs the same algorithm whatever the parallelism --
 forward and backward of the scaled loss, an exchange between the ranks, then
-:func:`funcamp.unscale_and_step` and :func:`funcamp.update` -- and asks a :class:`Parallel` piece
-for the few places where processes differ. This base class is one process alone (every hook is
-the identity); :class:`funcamp.distributed.DataParallel` averages gradients over a process group
+:func:`funcamp.unscale_and_step` and :func:`funcamp.update` -- and asks its parallel piece for
+the few places where processes differ. The base piece, :class:`SingleProcess`, is one process
+alone (every hook is the identity); :class:`funcamp.distributed.DataParallel` averages gradients over a process group
 and :class:`funcamp.distributed.Sharded` trains on shards of the params and optimizer state.
 """
 
@@ -17,12 +17,12 @@ import torch
 from funcamp._core.collectives import Across
 from funcamp.casting.fp8 import Fp8State
 
-__all__ = ["Parallel"]
+__all__ = ["SingleProcess"]
 
 PyTree = Any
 
 
-class Parallel:
+class SingleProcess:
     """One process alone; the base of the pieces that spread a step over several.
 
     Attributes:

@@ -6,8 +6,9 @@ pipeline as one pure function, compiled whole with ``torch.compile(fullgraph=Tru
 1. forward and backward of the scaled loss -- :func:`funcamp.amp` of the loss,
    :func:`funcamp.scaled_grad_and_value` (the delayed-FP8 state differentiated too, its
    "gradient" being the step's amaxes);
-2. the exchange between ranks of the :class:`~funcamp.train.parallel.Parallel` piece (none for
-   one process, an all-reduce for data parallel, gradients of replicated leaves for sharded);
+2. the exchange between ranks of the parallel piece (none for one process,
+   :class:`~funcamp.train.parallel.SingleProcess`; an all-reduce for data parallel, gradients of
+   replicated leaves for sharded);
 3. :func:`funcamp.unscale_and_step` -- unscale, optimizer, skip on overflow -- then
    :func:`funcamp.update` of the scaler; the new buffers, and the metrics.
 
@@ -47,8 +48,8 @@ from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
 from funcamp.train.compiling import rounds_casts
 from funcamp.train.config import Compile, check_combinations, resolve_compile, unchecked
-from funcamp.train.loss import Engine, forward_backward, restore_buffers
-from funcamp.train.parallel import Parallel
+from funcamp.train.loss import GradMethod, forward_backward, restore_buffers
+from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import TrainState
 from funcamp.train.wrapper import check_cache_dir, wrap_step
 
@@ -101,7 +102,7 @@ def check_step_options(
     loss_fn: Any,
     optimizer: Any,
     policy: Any,
-    parallel: Parallel,
+    parallel: SingleProcess,
     opts: StepOptions,
     compile_options: dict[str, Any],
 ) -> _Checked:
@@ -208,7 +209,7 @@ class _Plan(NamedTuple):
     """What the step's second half reads: fixed when the step is built."""
 
     optimizer: Optimizer
-    parallel: Parallel
+    parallel: SingleProcess
     opts: StepOptions
     checked: _Checked
     fp8_stateful: bool
@@ -284,20 +285,20 @@ def build_train_step(
     optimizer: Optimizer,
     policy: Policy | str,
     *,
-    parallel: Parallel | None = None,
+    parallel: SingleProcess | None = None,
     step_options: StepOptions | None = None,
     **compile_options: Any,
 ) -> StepFn:
     """``step(state, batch) -> (state, metrics)``: :func:`funcamp.make_train_step`'s step,
     spread over processes by ``parallel`` (default: one process). See ``make_train_step`` for
     the options."""
-    parallel = Parallel() if parallel is None else parallel
+    parallel = SingleProcess() if parallel is None else parallel
     opts = StepOptions() if step_options is None else step_options
     checked = check_step_options(loss_fn, optimizer, policy, parallel, opts, compile_options)
     pol = checked.policy
     run_loss = with_fp8_state(amp(loss_fn, pol))
     fp8_stateful = needs_state(pol)
-    engine = Engine(
+    grad_method = GradMethod(
         pieces=bool(opts.compile) and compile_options.get("fullgraph", True) is False,
         compiled=bool(opts.compile),
         fp8_stateful=fp8_stateful,
@@ -314,7 +315,7 @@ def build_train_step(
             has_aux=opts.has_aux,
             returns_buffers=opts.returns_buffers,
             fp8_stateful=fp8_stateful,
-            grad_and_value=engine(),
+            grad_and_value=grad_method(),
             gather=parallel.gather,
             fp8_reduce=parallel.fp8_reduce,
         )
@@ -337,7 +338,7 @@ def build_train_step(
         train_step,
         optimizer=optimizer,
         parallel=parallel,
-        engine=engine,
+        grad_method=grad_method,
         compile=opts.compile,
         compile_options=compile_options,
         donate_state=opts.donate_state,

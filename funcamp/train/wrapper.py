@@ -37,8 +37,8 @@ from funcamp.train.compiling import (
     run_compiled,
     state_device_type,
 )
-from funcamp.train.loss import Engine, clone_buffers
-from funcamp.train.parallel import Parallel
+from funcamp.train.loss import GradMethod, clone_buffers
+from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import (
     TrainState,
     check_donation,
@@ -101,7 +101,7 @@ def _checked_call(
     api: str,
     state: Any,
     batch: Any,
-    parallel: Parallel,
+    parallel: SingleProcess,
     optimizer: Any,
     expected: list[Any],
     donate_state: bool,
@@ -153,8 +153,8 @@ def wrap_step(
     train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
     *,
     optimizer: Any,
-    parallel: Parallel,
-    engine: Engine,
+    parallel: SingleProcess,
+    grad_method: GradMethod,
     compile: bool,
     compile_options: dict[str, Any],
     donate_state: bool,
@@ -240,7 +240,7 @@ def wrap_step(
                     runs[0],
                     (local, batch),
                     lambda: train_step(clone_buffers(local) if donate_state else local, batch),
-                    engine,
+                    grad_method,
                     first=len(expected) == 1,
                     patches=patched[0],
                     marks=_compiled_marks(key, compile_options) if donate_state else None,

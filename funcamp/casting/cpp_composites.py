@@ -1,19 +1,19 @@
-"""Python twins of torch's C++ composites, so the amp mode sees the ops they are made of.
+"""Python copies of torch's C++ composites, so the amp mode sees the ops they are made of.
 
 torch.autocast applies its lists at the aten level: when a C++ composite that is not on a list
 (``einsum``, ``tensordot``, ``cov``, ``linalg.matrix_power``, ``linalg.pinv``, ``bilinear``,
 ``F.pad``'s reflect mode, the RNN cells ...) calls a listed op inside its kernel (``bmm``, ``mm``, ``matmul``,
 ``reflection_pad2d``), autocast casts that inner call and nothing else. A
-:class:`torch.overrides.TorchFunctionMode` sees the composite only from outside. Each twin here
+:class:`torch.overrides.TorchFunctionMode` sees the composite only from outside. Each copy here
 makes, one torch call at a time, the calls the C++ kernel of torch 2.13 makes (same ops, same
-shapes, same order), so the amp mode, re-entering a twin, casts exactly what autocast casts:
+shapes, same order), so the amp mode, re-entering a copy, casts exactly what autocast casts:
 bit-identical to the C++ composite when nothing is cast, and to torch.autocast when the table
 is torch's list (``tests/test_opinfo.py`` pins both over torch's OpInfo samples).
 
-A twin returns ``NotImplemented`` before making any torch call when its inputs are outside what
+A copy returns ``NotImplemented`` before making any torch call when its inputs are outside what
 it reproduces (no float16/bfloat16/float32 tensor to cast, an ``out=`` tensor, arguments the
 C++ kernel would refuse): the mode then runs the op as called, and torch raises its own error.
-``REACHES`` names the listed ops each twin may call: the mode re-enters a twin only under a
+``REACHES`` names the listed ops each copy may call: the mode re-enters a copy only under a
 table that lists one of them.
 
 Workaround of torch internals (docs/upstream.md#cpp-composites):
@@ -23,7 +23,7 @@ Workaround of torch internals (docs/upstream.md#cpp-composites):
   call.
 - Upstream: none; a function mode cannot see inside C++ composites by design. The write-up is
   docs/upstream.md#cpp-composites.
-- Why it is safe: each twin makes the calls torch 2.13's C++ kernel makes, and returns
+- Why it is safe: each copy makes the calls torch 2.13's C++ kernel makes, and returns
   NotImplemented outside what it reproduces; tests/test_opinfo.py pins both the uncast and the
   autocast results.
 - Tested on: torch 2.13 and 2.14 (the OpInfo suite runs on both in CI).
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from funcamp.casting.twin_einsum import (
+from funcamp.casting.cpp_einsum import (
     all_strided,
     castable,
     einsum,
@@ -49,7 +49,7 @@ from funcamp.casting.twin_einsum import (
     sumproduct_pair,
 )
 
-__all__ = ["REACHES", "TWINS"]
+__all__ = ["CPP_COMPOSITES", "REACHES"]
 
 _VF = torch._C._VariableFunctions
 
@@ -459,7 +459,7 @@ rnn_relu_cell.__name__ = rnn_relu_cell.__qualname__ = "rnn_relu_cell"
 _MM = frozenset({"mm", "matmul", "bmm", "dot", "tensordot"})
 _CELL = frozenset({"linear", "addmm", "sigmoid", "tanh", "relu", "mul", "add", "sub"})
 
-#: twin -> the entry points (as the mode sees them) it stands for
+#: copy -> the entry points (as the mode sees them) it stands for
 _ENTRY_POINTS: dict[Callable[..., Any], tuple[Any, ...]] = {
     einsum: (_VF.einsum,),
     einsum_public: (torch.einsum,),
@@ -479,7 +479,7 @@ _ENTRY_POINTS: dict[Callable[..., Any], tuple[Any, ...]] = {
     rnn_relu_cell: (torch.rnn_relu_cell,),
 }
 
-#: twin -> the listed ops (canonical names) it may call; the mode re-enters a twin only under
+#: copy -> the listed ops (canonical names) it may call; the mode re-enters a copy only under
 #: a table listing one of them.
 REACHES: dict[Callable[..., Any], frozenset[str]] = {
     einsum: frozenset({"bmm", "mul", "sum"}),
@@ -500,9 +500,9 @@ REACHES: dict[Callable[..., Any], frozenset[str]] = {
     rnn_relu_cell: _CELL,
 }
 
-#: (``__module__``, ``__name__``) of each entry point, as the mode reads them -> twin
-TWINS: dict[tuple[str | None, str], Callable[..., Any]] = {
-    (getattr(fn, "__module__", None), fn.__name__): twin
-    for twin, fns in _ENTRY_POINTS.items()
+#: (``__module__``, ``__name__``) of each entry point, as the mode reads them -> copy
+CPP_COMPOSITES: dict[tuple[str | None, str], Callable[..., Any]] = {
+    (getattr(fn, "__module__", None), fn.__name__): copy
+    for copy, fns in _ENTRY_POINTS.items()
     for fn in fns
 }

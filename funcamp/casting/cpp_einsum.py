@@ -1,19 +1,19 @@
-"""The Python twin of ``einsum`` (and the pairwise ``bmm`` contraction ``bilinear`` shares).
+"""The Python copy of ``einsum`` (and the pairwise ``bmm`` contraction ``bilinear`` shares).
 
-See ``funcamp/casting/twins.py``: the twin makes the calls ATen's ``einsum`` kernel makes -- labels
+See ``funcamp/casting/cpp_composites.py``: the copy makes the calls ATen's ``einsum`` kernel makes -- labels
 aligned by permutation, diagonals for repeated labels, dimensions only one operand has summed
 first, then one ``bmm`` per pair of operands (or a ``mul`` when nothing is contracted) -- so the
 amp mode casts the ``bmm`` calls, and only them, as torch.autocast casts them.
 
 Workaround of torch internals (docs/upstream.md#cpp-composites):
 
-- Root cause: as for funcamp/casting/twins.py: ATen's einsum calls bmm inside its C++ kernel,
+- Root cause: as for funcamp/casting/cpp_composites.py: ATen's einsum calls bmm inside its C++ kernel,
   which a function mode cannot see.
 - Upstream: none; see docs/upstream.md#cpp-composites.
-- Why it is safe: the twin makes the calls ATen's kernel makes, so the bits match
-  (tests/test_opinfo.py, tests/test_amp_twins.py).
+- Why it is safe: the copy makes the calls ATen's kernel makes, so the bits match
+  (tests/test_opinfo.py, tests/test_cpp_composites.py).
 - Tested on: torch 2.13 and 2.14.
-- Delete when: as for funcamp/casting/twins.py.
+- Delete when: as for funcamp/casting/cpp_composites.py.
 
 """
 

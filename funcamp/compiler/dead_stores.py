@@ -12,7 +12,7 @@ buffers, and the scheduler drops them -- after building a scheduler node for eac
 expensive part of inductor's scheduling (on the real-model suite about half of a step's nodes
 were dead ones: docs/benchmarks.md, "Dead values at the state's writes").
 
-While :func:`live_reads_only` is active, a write stores only the values that can still be
+While :func:`skip_dead_stores` is active, a write stores only the values that can still be
 read: a value whose graph node's readers have all been lowered is gone from the lowering's
 environment (``torch.fx.Interpreter`` frees each value after its last reader), so nothing can
 read it any more but the values that computed it inline, which are themselves live (and stored
@@ -27,11 +27,11 @@ pytorch/pytorch#105882 ("Optimize finding users of buffers for mutation", which 
 of the environment by ``register_users_of``); no issue asks for the dead readers to be skipped.
 Inductor dropping a reader from ``name_to_users`` once its FX node's value is freed (or
 realizing lazily at scheduling) would make this module unnecessary. Scope: on only inside
-:func:`live_reads_only` in the thread that entered it (funcamp's own compiles, chosen by
+:func:`skip_dead_stores` in the thread that entered it (funcamp's own compiles, chosen by
 :mod:`funcamp.compiler.gate`), and part of inductor's FX graph cache key there
 (:mod:`funcamp.compiler.keys`).
 
-Workaround of torch internals (docs/upstream.md#live-reads):
+Workaround of torch internals (docs/upstream.md#dead-stores):
 
 - Root cause: GraphLowering.mark_buffer_mutated stores every registered reader of a buffer
   before a write into it, the dead ones too; the scheduler builds and then drops a node for
@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,9 +64,9 @@ except Exception:  # pragma: no cover - torch without inductor
 
 from funcamp.compiler.switch import acted, install_once, switched_on
 
-__all__ = ["drop_dead_readers", "live_reads_only", "supported"]
+__all__ = ["drop_dead_readers", "skip_dead_stores", "supported"]
 
-_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("funcamp_live_reads", default=False)
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("funcamp_dead_stores", default=False)
 _ORIGINAL: Any = None
 
 
@@ -108,8 +109,8 @@ def _live_ids(env: dict[Any, Any]) -> set[int]:
 
 def _install() -> None:
     """Route ``GraphLowering.mark_buffer_mutated`` through this module (once). Outside
-    :func:`live_reads_only` it runs inductor's own code only."""
-    install_once("live_reads", _patch)
+    :func:`skip_dead_stores` it runs inductor's own code only."""
+    install_once("dead_stores", _patch)
 
 
 def _patch() -> bool:
@@ -128,7 +129,7 @@ def drop_dead_readers(graph: Any, name: Any) -> None:
         live = _live_ids(env)
         kept = [user for user in users if not _dead(user, live)]
         if len(kept) != len(users):
-            acted("live_reads")
+            acted("dead_stores")
             users[:] = kept
 
 
@@ -146,11 +147,22 @@ def _wrap(original: Any) -> Any:
 
 
 @contextlib.contextmanager
-def live_reads_only(enabled: bool | None = None) -> Iterator[None]:
+def skip_dead_stores(enabled: bool | None = None) -> Iterator[None]:
     """While active (and ``enabled`` on a torch this module supports), inductor stores only the
     live values that read a buffer before lowering a write into it (see the module's
     docstring); graphs lowered in other threads or outside the block are untouched.
-    ``enabled=None``: on unless the environment sets ``FUNCAMP_LIVE_READS=0`` (inductor's own
-    lowering, for comparison or debugging)."""
-    with switched_on(_ACTIVE, "FUNCAMP_LIVE_READS", enabled, supported, _install):
+    ``enabled=None``: on unless the environment sets ``FUNCAMP_DEAD_STORES=0`` (inductor's own
+    lowering, for comparison or debugging; the old name ``FUNCAMP_LIVE_READS=0`` works too)."""
+    if enabled is None:
+        enabled = _from_environment()
+    with switched_on(_ACTIVE, "FUNCAMP_DEAD_STORES", enabled, supported, _install):
         yield
+
+
+def _from_environment() -> bool:
+    """On unless ``FUNCAMP_DEAD_STORES`` (or, where it is unset, its old name
+    ``FUNCAMP_LIVE_READS``) is ``0``."""
+    for name in ("FUNCAMP_DEAD_STORES", "FUNCAMP_LIVE_READS"):
+        if name in os.environ:
+            return os.environ[name] != "0"
+    return True

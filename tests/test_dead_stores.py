@@ -1,9 +1,9 @@
-"""Inductor lowering a step that writes its state in place (``funcamp/compiler/live_reads.py``).
+"""Inductor lowering a step that writes its state in place (``funcamp/compiler/dead_stores.py``).
 
 Before lowering a write into a buffer, inductor stores every value lowered so far that reads
 the buffer, the dead ones too (values whose readers have all been lowered, and compute them
 inline): each becomes a scheduler node that the scheduler then drops. While
-:func:`live_reads_only` is active only the live ones are stored. The kernels, and so the
+:func:`skip_dead_stores` is active only the live ones are stored. The kernels, and so the
 results, stay the same; the dead nodes are never built.
 """
 
@@ -16,9 +16,9 @@ from tiny_step import batches, model_step
 from torch._inductor import scheduler
 
 import funcamp
-from funcamp.compiler import live_reads as mutations
+from funcamp.compiler import dead_stores as mutations
 from funcamp.compiler import switch
-from funcamp.compiler.live_reads import live_reads_only
+from funcamp.compiler.dead_stores import skip_dead_stores
 from funcamp.testing import assert_trees_equal
 
 pytestmark = pytest.mark.skipif(not mutations.supported(), reason="another inductor lowering")
@@ -52,7 +52,7 @@ def _adam_like(p, m, g, found):
 def _run(fn, enabled, inputs):
     torch._dynamo.reset()
     args = [x.clone() for x in inputs]
-    with fresh_inductor(), live_reads_only(enabled):
+    with fresh_inductor(), skip_dead_stores(enabled):
         out = torch.compile(fn, fullgraph=True)(*args)
     return out, args
 
@@ -80,24 +80,35 @@ def test_dead_values_are_not_stored_and_results_are_the_same(node_counts, found)
 def test_inert_outside_the_block(node_counts):
     """Installed once by an earlier block, the patch leaves other compiles to inductor: its
     own code path does not run for them."""
-    with live_reads_only(True):
+    with skip_dead_stores(True):
         pass
     inputs = [torch.randn(8), torch.randn(8), torch.randn(8), torch.tensor(False)]
     torch._dynamo.reset()
     switch.ACTED.clear()
     with fresh_inductor():
         torch.compile(_adam_like, fullgraph=True)(*[x.clone() for x in inputs])
-    assert node_counts and not any(name == "live_reads" for name, _ in switch.ACTED)
+    assert node_counts and not any(name == "dead_stores" for name, _ in switch.ACTED)
 
 
-def test_environment_switch(monkeypatch):
-    monkeypatch.setenv("FUNCAMP_LIVE_READS", "0")
-    with live_reads_only():
+@pytest.mark.parametrize("name", ["FUNCAMP_DEAD_STORES", "FUNCAMP_LIVE_READS"])
+def test_environment_switch(monkeypatch, name):
+    """``FUNCAMP_DEAD_STORES=0`` turns it off, and so does its old name."""
+    monkeypatch.delenv("FUNCAMP_DEAD_STORES", raising=False)
+    monkeypatch.delenv("FUNCAMP_LIVE_READS", raising=False)
+    monkeypatch.setenv(name, "0")
+    with skip_dead_stores():
         assert not mutations._ACTIVE.get()
-    monkeypatch.delenv("FUNCAMP_LIVE_READS")
-    with live_reads_only():
+    monkeypatch.delenv(name)
+    with skip_dead_stores():
         assert mutations._ACTIVE.get()
     assert not mutations._ACTIVE.get()
+
+
+def test_new_environment_name_wins(monkeypatch):
+    monkeypatch.setenv("FUNCAMP_DEAD_STORES", "1")
+    monkeypatch.setenv("FUNCAMP_LIVE_READS", "0")
+    with skip_dead_stores():
+        assert mutations._ACTIVE.get()
 
 
 def test_train_step_builds_no_dead_nodes_and_keeps_its_bits(node_counts, monkeypatch):
@@ -106,7 +117,7 @@ def test_train_step_builds_no_dead_nodes_and_keeps_its_bits(node_counts, monkeyp
     and without, and no dead node built with."""
     runs = {}
     for setting in ("0", "1"):
-        monkeypatch.setenv("FUNCAMP_LIVE_READS", setting)
+        monkeypatch.setenv("FUNCAMP_DEAD_STORES", setting)
         torch._dynamo.reset()
         node_counts.clear()
         step, state = model_step(

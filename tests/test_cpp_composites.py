@@ -1,7 +1,7 @@
-"""The Python twins of C++ composites (funcamp/casting/twins.py) and the re-entry fixes of issue 29.
+"""The Python copies of C++ composites (funcamp/casting/cpp_composites.py) and the re-entry fixes of issue 29.
 
-A twin makes the calls its C++ composite makes, so amp casts what torch.autocast casts: these
-tests hold twins to torch.autocast under ``torch.func.grad``/``vmap`` and ``torch.compile``, and
+A copy makes the calls its C++ composite makes, so amp casts what torch.autocast casts: these
+tests hold copies to torch.autocast under ``torch.func.grad``/``vmap`` and ``torch.compile``, and
 pin the regressions found by the OpInfo sweep (``torch.meshgrid`` recursing, int output sizes of
 the adaptive pools breaking ``torch.compile(fullgraph=True)``).
 """
@@ -79,9 +79,9 @@ torch.manual_seed(0)
 _A, _B, _W = torch.randn(4, 4), torch.randn(4, 5), torch.randn(3, 4, 5)
 _GRU, _LSTM = nn.GRUCell(4, 4), nn.LSTMCell(4, 4)
 
-#: a loss through each twin; ``a`` is used once, by a non-leaf (see
+#: a loss through each copy; ``a`` is used once, by a non-leaf (see
 #: test_difference_leaf_cast_cache for a leaf used twice)
-TWIN_LOSSES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+COPY_LOSSES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "einsum": lambda a: torch.einsum("ij,jk->ik", a, _B).sum(),
     "einsum_sum_first": lambda a: torch.einsum("ij,jk->k", a, _B).sum(),
     "einsum_sublist": lambda a: torch.einsum(a, [0, 1], _B, [1, 2], [0, 2]).sum(),
@@ -98,9 +98,9 @@ TWIN_LOSSES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(TWIN_LOSSES))
-def test_twins_match_autocast_with_grad_and_vmap(name: str) -> None:
-    loss = TWIN_LOSSES[name]
+@pytest.mark.parametrize("name", sorted(COPY_LOSSES))
+def test_copies_match_autocast_with_grad_and_vmap(name: str) -> None:
+    loss = COPY_LOSSES[name]
     batch = torch.stack([_A, _A + 1])
     assert _equal(_raw(loss, CPU)(_A), _autocast(loss, _A))
     if name != "bilinear":  # differentiated as one op by autocast: test_difference_gradients
@@ -112,18 +112,18 @@ def test_twins_match_autocast_with_grad_and_vmap(name: str) -> None:
 @pytest.mark.parametrize(
     "name", ["einsum_sum_first", "corrcoef", "matrix_power", "bilinear", "lstm_cell"]
 )
-def test_twins_compile_to_one_graph_with_the_eager_bits(name: str) -> None:
-    f = grad(funcamp.amp(TWIN_LOSSES[name], CPU))
+def test_copies_compile_to_one_graph_with_the_eager_bits(name: str) -> None:
+    f = grad(funcamp.amp(COPY_LOSSES[name], CPU))
     assert _equal(_compiled(f)(_A), f(_A))
 
 
-def test_twin_shows_its_inner_ops_in_the_trace() -> None:
+def test_copy_shows_its_inner_ops_in_the_trace() -> None:
     t = funcamp.trace(lambda a: torch.einsum("ij,jk->k", a, _B), CPU)(_A)
     assert [(r.op, r.rule) for r in t.ops("bmm")] == [("bmm", OpRule.COMPUTE)]
     assert t.ops("sum")[0].output_dtypes == (F32,)  # j is summed out first, in float32
 
 
-def test_twins_apply_the_default_table_too() -> None:
+def test_copies_apply_the_default_table_too() -> None:
     """cov and matrix_power are on no list, their inner mm/matmul on CUDA's: CUDA's autocast
     casts those, and so does amp with the default table."""
     t = funcamp.trace(lambda a: (torch.cov(a), torch.linalg.matrix_power(a, 3)), "mixed_bfloat16")(
@@ -135,7 +135,7 @@ def test_twins_apply_the_default_table_too() -> None:
     assert out[0].dtype == out[1].dtype == F32  # the output cast
 
 
-def test_twins_decline_what_they_do_not_reproduce() -> None:
+def test_copies_decline_what_they_do_not_reproduce() -> None:
     """Declined inputs run as called: torch raises its own error, float64 runs untouched."""
     a = torch.randn(3, 4)
     for bad in (lambda: torch.einsum("ij,jk->ik", a), lambda: torch.tensordot(a, a, dims=1)):
@@ -150,12 +150,12 @@ def test_twins_decline_what_they_do_not_reproduce() -> None:
 
 
 def test_einsum_on_cudas_list_is_cast_as_a_whole() -> None:
-    """CUDA's autocast lists einsum itself: the default table casts the call, twin or not."""
+    """CUDA's autocast lists einsum itself: the default table casts the call, copy or not."""
     t = funcamp.trace(lambda a: torch.einsum("ij,jk->k", a, _B), "mixed_bfloat16")(_A)
     assert [(r.op, r.rule) for r in t if r.rule is not OpRule.NONE] == [("einsum", OpRule.COMPUTE)]
 
 
-def test_twins_are_reentered_only_under_tables_that_list_their_inner_ops() -> None:
+def test_copies_are_reentered_only_under_tables_that_list_their_inner_ops() -> None:
     cpu, default = (
         mode_context(CPU).composites,
         mode_context(funcamp.get_policy("float32")).composites,
