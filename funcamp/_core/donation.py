@@ -33,6 +33,7 @@ __all__ = [
     "arm",
     "begin",
     "failed",
+    "not_written",
     "refuse_consumed",
     "restore",
     "set_status",
@@ -84,12 +85,29 @@ def arm(key: Any) -> None:
     _ARMED.key = key
 
 
-def writing() -> None:
-    """Called by an eager donated step just before its first write: mark the armed state."""
+def writing() -> Any:
+    """Called by an eager donated step just before its first write: mark the armed state.
+    Returns what :func:`not_written` needs to take the mark back."""
     key = getattr(_ARMED, "key", None)
-    if key is not None:
-        _ARMED.key = None
-        _STATUS[key] = WRITING
+    if key is None:
+        return None
+    _ARMED.key = None
+    previous = _STATUS.get(key)
+    _STATUS[key] = WRITING
+    return key, previous
+
+
+def not_written(token: Any) -> None:
+    """Take back :func:`writing`'s mark when the write it announced did not happen (a fused
+    kernel that declined the leaves): the state stays armed for the real first write."""
+    if token is None:
+        return
+    key, previous = token
+    if previous is None:
+        _STATUS.pop(key, None)
+    else:
+        _STATUS[key] = previous
+    _ARMED.key = key
 
 
 def refuse_consumed(api: str, key: Any, what: str = "`state`") -> None:

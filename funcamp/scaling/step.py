@@ -12,7 +12,7 @@ import torch
 from funcamp._core.checks import check_flag, check_grads_match
 from funcamp._core.collectives import Across, any_across, summing_across
 from funcamp._core.context import compiling, plain_eager_tensors
-from funcamp._core.donation import writing
+from funcamp._core.donation import not_written, writing
 from funcamp._core.numerics import as_dtype
 from funcamp._core.tree import (
     BITS,
@@ -347,11 +347,13 @@ def _step(
         and caps.fused_step is not None
         and (not traced or fused_unscale(flatten(params)[0]))
     ):
-        if not traced:  # the kernel writes the donated state (funcamp._core.donation)
-            writing()
+        # the kernel writes the donated state (funcamp._core.donation); a kernel that declines
+        # the leaves (returns None) wrote nothing, and the mark is taken back
+        mark = writing() if not traced else None
         new_state = caps.fused_step(out, opt_state, params, skip)
         if new_state is not None:
             return params, new_state
+        not_written(mark)
     with summing_across(across), reporting_accumulated(report):
         if eager:
             params_out, opt_state_out = _step_eager(
