@@ -313,7 +313,7 @@ def test_lion_mask_is_the_reference_with_no_decay_where_false_eager_and_compiled
 def test_adamw_mask_compiled_is_eager_and_masks_broadcast_like_optax():
     """A compiled masked update (fullgraph: the mask resolves while tracing) gives the eager
     bits; a prefix mask (one bool per subtree, as optax allows) is the expanded mask; True
-    everywhere is no mask, False everywhere no decay."""
+    everywhere is no mask; False everywhere selects nothing and is refused."""
     g = torch.Generator().manual_seed(3)
     params0 = {
         "enc": {"w": torch.randn(5, 4, generator=g), "b": torch.randn(4, generator=g)},
@@ -345,7 +345,9 @@ def test_adamw_mask_compiled_is_eager_and_masks_broadcast_like_optax():
         _equal(run(make(1e-2, weight_decay=0.3, mask=by_shape), compile=True), eager)
         _equal(run(make(1e-2, weight_decay=0.3, mask={"enc": False, "head": True})), eager)
         _equal(run(make(1e-2, weight_decay=0.3, mask=True)), run(make(1e-2, weight_decay=0.3)))
-        _equal(run(make(1e-2, weight_decay=0.3, mask=False)), run(make(1e-2, weight_decay=0.0)))
+        # False everywhere selects nothing: refused, naming weight_decay=0.0 as the way out
+        with pytest.raises(ValueError, match=r"selects none .*weight_decay=0\.0"):
+            make(1e-2, weight_decay=0.3, mask=False).init(params0)
         assert not torch.equal(
             eager[0]["head"]["w"], run(make(1e-2, weight_decay=0.0))[0]["head"]["w"]
         )

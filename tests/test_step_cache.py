@@ -83,10 +83,11 @@ torch.save({"params": state.params, "loss": metrics["loss"],
 
 def _guide_script() -> str:
     (block,) = re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(), re.MULTILINE | re.DOTALL)
-    call = 'cache_dir="compiled-steps")'
+    call = 'compile=funcamp.Compile(cache_dir="compiled-steps")'
     assert call in block
     # aot_eager: the trace and the save/load path are the same; inductor's codegen is skipped
-    return block.replace(call, 'cache_dir="compiled-steps", backend="aot_eager")') + _DUMP
+    new = 'compile=funcamp.Compile(cache_dir="compiled-steps", backend="aot_eager")'
+    return block.replace(call, new) + _DUMP
 
 
 @pytest.mark.slow
@@ -119,7 +120,10 @@ def test_the_guide_run_twice_loads_the_step_without_tracing(tmp_path):
     exec(
         compile(
             _guide_script()
-            .replace('cache_dir="compiled-steps", backend="aot_eager"', "compile=False")
+            .replace(
+                'compile=funcamp.Compile(cache_dir="compiled-steps", backend="aot_eager")',
+                "compile=False",
+            )
             .replace(_DUMP, ""),
             "guide",
             "exec",

@@ -310,11 +310,14 @@ def in_params_order(tree: Any, xs: list[Any]) -> list[Any]:
     return xs if order is None else [xs[i] for i in order]
 
 
-def global_norm(norms: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of per-leaf norms, in float32, in their order; across the ranks of a sharded
-    step (:func:`active_across`: these are the norms of local shards)."""
+def global_norm(norms: list[torch.Tensor], tree: Any = None) -> torch.Tensor:
+    """The L2 norm of per-leaf norms (one per leaf of ``tree``, in flatten order), in float32;
+    summed in ``tree``'s dict order (:func:`in_params_order`) when ``tree`` is given; across
+    the ranks of a sharded step (:func:`active_across`: the norms of local shards, in flatten
+    order, as :meth:`Across.reduce` pairs them with its leaves)."""
     across = active_across()
     if across is None:
-        return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+        ordered = norms if tree is None else in_params_order(tree, norms)
+        return torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in ordered]))
     flag = torch.zeros((), dtype=torch.bool, device=norms[0].device)
     return across.reduce(flag, [n.to(torch.float32).square() for n in norms])[1].sqrt()

@@ -15,7 +15,7 @@ from funcamp._core.checks import (
     flatten_grads,
     flatten_params,
 )
-from funcamp._core.collectives import global_norm, in_params_order
+from funcamp._core.collectives import global_norm
 from funcamp._core.numerics import hoist_scalar, math_dtype
 from funcamp._core.tree import NAMESPACE, describe, dotted_path, unflatten
 from funcamp.optim._accumulate import AccumulateState, accumulate, accumulate_applies
@@ -112,7 +112,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         ops = choose_ops(gs, owned=owned)
         g = ops.to_math(gs)
         norms = [torch.linalg.vector_norm(x) for x in g]
-        total = global_norm(in_params_order(grads if params is None else params, norms))
+        total = global_norm(norms, grads if params is None else params)
         coef = hoist_scalar(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return unflatten(spec, ops.mul(g, coef, into=g)), state
 
