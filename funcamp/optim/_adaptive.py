@@ -46,6 +46,31 @@ def _modes(master_weights: bool, kahan: bool, stochastic_rounding: bool, seed: i
     )  # fmt: skip
 
 
+def _build(
+    api: str,
+    state_type: type,
+    step: Callable[..., Any],
+    learning_rate: LearningRate,
+    modes: tuple[bool, bool, bool, int],
+    **options: Any,
+) -> Optimizer:
+    """:func:`funcamp.optim.elementwise` for ``step``, with the low-precision mode's
+    ``(master_weights, kahan, stochastic_rounding, seed)``."""
+    return elementwise(api, state_type, step, learning_rate, **options, **_modes(*modes))
+
+
+def _checked(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple[float, float]:
+    """The arguments every optimizer here takes: ``maximize`` checked, ``eps`` and
+    ``weight_decay`` (both >= 0) returned."""
+    check_flag(api, "maximize", maximize)
+    return check_number(api, "eps", eps), check_number(api, "weight_decay", weight_decay)
+
+
+def _kept(ops: Ops, buffers: dict, **values: Tensors) -> dict[str, Tensors]:
+    """The new buffers by name, each kept in place of the old one (``ops.kept``)."""
+    return {name: ops.kept(x, replaces=buffers[name]) for name, x in values.items()}
+
+
 def _map(fn: Callable[..., torch.Tensor], *lists: Tensors) -> Tensors:
     """``fn`` leaf by leaf (plain torch ops: right on both paths, never in place)."""
     return [fn(*xs) for xs in zip(*lists)]
@@ -67,6 +92,17 @@ def _prologue(ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float)
     if weight_decay > 0:
         g = ops.fma(p, weight_decay, g)
     return g
+
+
+def _decayed_prologue(
+    ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float, decoupled: bool, lr64: Any
+) -> tuple[Tensors, Any]:
+    """NAdam's and RAdam's weight decay: ``(grad, p * (1 - lr * weight_decay))`` decoupled,
+    else ``(grad + weight_decay * p, None)`` (see :func:`_prologue`; ``None`` without decay)."""
+    if decoupled and weight_decay > 0:
+        g = _prologue(ops, g, p, maximize, 0.0)
+        return g, ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+    return _prologue(ops, g, p, maximize, weight_decay), None
 
 
 def _add_scaled(ops: Ops, d: Tensors, neg_lr: Any, p: Any) -> Tensors:
@@ -136,13 +172,12 @@ def _rmsprop_step(
         if momentum > 0:
             buf = ops.add(ops.mul(buffers["momentum_buffer"], momentum), ops.div(g, avg))
             deltas = _add_scaled(ops, buf, neg_lr, p)
-            new["momentum_buffer"] = ops.kept(buf, replaces=buffers["momentum_buffer"])
+            new.update(_kept(ops, buffers, momentum_buffer=buf))
         else:
             deltas = ops.div(ops.mul(g, neg_lr), avg)
         if centered:
-            new["grad_avg"] = ops.kept(ga, replaces=buffers["grad_avg"])
-        new["square_avg"] = ops.kept(sa, replaces=buffers["square_avg"])
-        return deltas, new
+            new.update(_kept(ops, buffers, grad_avg=ga))
+        return deltas, {**new, **_kept(ops, buffers, square_avg=sa)}
 
     return step
 
@@ -193,25 +228,20 @@ def rmsprop(
     """
     api = "rmsprop"
     check_flag(api, "centered", centered)
-    check_flag(api, "maximize", maximize)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     alpha = check_number(api, "alpha", alpha, maximum=1.0, maximum_open=False)
-    eps = check_number(api, "eps", eps)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
     momentum = check_number(api, "momentum", momentum)
     buffers = ["square_avg"]
     if momentum > 0:
         buffers.append("momentum_buffer")
     if centered:
         buffers.append("grad_avg")
-    return elementwise(
-        api,
-        RmspropState,
-        _rmsprop_step(alpha, eps, weight_decay, momentum, centered, maximize),
-        learning_rate,
-        buffers=buffers,
+    step = _rmsprop_step(alpha, eps, weight_decay, momentum, centered, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(
+        api, RmspropState, step, learning_rate, modes, buffers=buffers,
         needs_params=weight_decay > 0,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,7 +259,7 @@ def _adagrad_step(lr_decay: float, weight_decay: float, eps: float, maximize: bo
         std = ops.sqrt(s)
         std = ops.add(std, eps, into=std)
         deltas = ops.div(ops.mul(g, neg_clr), std)
-        return deltas, {"sum": ops.kept(s, replaces=buffers["sum"])}
+        return deltas, _kept(ops, buffers, sum=s)
 
     return step
 
@@ -278,20 +308,15 @@ def adagrad(
         ({'w': tensor([-0.5000,  0.5000])}, {'w': tensor([1., 4.])})
     """
     api = "adagrad"
-    check_flag(api, "maximize", maximize)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     lr_decay = check_number(api, "lr_decay", lr_decay)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
     iav = check_number(api, "initial_accumulator_value", initial_accumulator_value)
-    eps = check_number(api, "eps", eps)
-    return elementwise(
-        api,
-        AdagradState,
-        _adagrad_step(lr_decay, weight_decay, eps, maximize),
-        learning_rate,
-        needs_params=weight_decay > 0,
+    step = _adagrad_step(lr_decay, weight_decay, eps, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(
+        api, AdagradState, step, learning_rate, modes, needs_params=weight_decay > 0,
         fill={"sum": iav},
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,11 +336,7 @@ def _adadelta_step(rho: float, eps: float, weight_decay: float, maximize: bool) 
         delta = ops.mul(ops.div(delta, std, into=delta), g)
         acc = ops.addcmul(ops.mul(buffers["acc_delta"], rho), delta, delta, 1.0 - rho)
         deltas = _add_scaled(ops, delta, ops.scalar(-lr), p)
-        new = {
-            "square_avg": ops.kept(sa, replaces=buffers["square_avg"]),
-            "acc_delta": ops.kept(acc, replaces=buffers["acc_delta"]),
-        }
-        return deltas, new
+        return deltas, _kept(ops, buffers, square_avg=sa, acc_delta=acc)
 
     return step
 
@@ -360,18 +381,11 @@ def adadelta(
         {'w': tensor([-0.0032,  0.0032])}
     """
     api = "adadelta"
-    check_flag(api, "maximize", maximize)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     rho = check_number(api, "rho", rho, maximum=1.0, maximum_open=False)
-    eps = check_number(api, "eps", eps)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
-    return elementwise(
-        api,
-        AdadeltaState,
-        _adadelta_step(rho, eps, weight_decay, maximize),
-        learning_rate,
-        needs_params=weight_decay > 0,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    step = _adadelta_step(rho, eps, weight_decay, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(api, AdadeltaState, step, learning_rate, modes, needs_params=weight_decay > 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,11 +403,7 @@ def _adamax_step(b1: float, b2: float, eps: float, weight_decay: float, maximize
         norm = ops.add(_map(torch.abs, g), eps)
         u = ops.maximum(ops.mul(buffers["exp_inf"], b2), norm, into=norm)
         deltas = ops.div(ops.mul(m, neg_clr), u)
-        new = {
-            "exp_avg": ops.kept(m, replaces=buffers["exp_avg"]),
-            "exp_inf": ops.kept(u, replaces=buffers["exp_inf"]),
-        }
-        return deltas, new
+        return deltas, _kept(ops, buffers, exp_avg=m, exp_inf=u)
 
     return step
 
@@ -440,15 +450,8 @@ def adamax(
         {'w': tensor([-0.1000,  0.1000])}
     """
     api = "adamax"
-    check_flag(api, "maximize", maximize)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     b1, b2 = _betas(api, b1, b2)
-    eps = check_number(api, "eps", eps)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
-    return elementwise(
-        api,
-        AdamaxState,
-        _adamax_step(b1, b2, eps, weight_decay, maximize),
-        learning_rate,
-        needs_params=weight_decay > 0,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    step = _adamax_step(b1, b2, eps, weight_decay, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(api, AdamaxState, step, learning_rate, modes, needs_params=weight_decay > 0)
