@@ -26,6 +26,7 @@ from funcamp._core.checks import (
 )
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import describe, leaf_path, unflatten
+from funcamp.optim._adaptive import _f64
 from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._states import AdafactorState
@@ -189,7 +190,7 @@ def adafactor(
         if not gs:
             return unflatten(spec, []), state._replace(count=count + 1)
         lr = lr_fn(count)[0]
-        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        lr64 = _f64(lr)
         t = (count + 1).to(torch.float64)
         weight = torch.pow(t, beta2_decay).to(torch.float32)  # torch's lerp weight, rounded
         inv_sqrt = 1.0 / torch.sqrt(t)  # torch's min(lr, 1 / step**0.5), in float64

@@ -23,7 +23,7 @@ import torch
 from funcamp._core.checks import check_flag, check_number
 from funcamp._core.tree import describe
 from funcamp.optim._base import Optimizer
-from funcamp.optim._elementwise import elementwise
+from funcamp.optim._elementwise import build
 from funcamp.optim._paths import Ops
 from funcamp.optim._states import (
     AdadeltaState,
@@ -52,11 +52,18 @@ def _build(
     step: Callable[..., Any],
     learning_rate: LearningRate,
     modes: tuple[bool, bool, bool, int],
+    *,
+    buffers: Any = None,
+    needs_params: bool = False,
     **options: Any,
 ) -> Optimizer:
-    """:func:`funcamp.optim.elementwise` for ``step``, with the low-precision mode's
+    """:func:`funcamp.optim.elementwise` for ``step`` (``build``: with ``options`` such as a
+    fused kernel or a weight-decay mask), with the low-precision mode's
     ``(master_weights, kahan, stochastic_rounding, seed)``."""
-    return elementwise(api, state_type, step, learning_rate, **options, **_modes(*modes))
+    return build(
+        api, state_type, step, learning_rate, buffers=buffers, needs_params=needs_params,
+        **options, **_modes(*modes),
+    )  # fmt: skip
 
 
 def _checked(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple[float, float]:
