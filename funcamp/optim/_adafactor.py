@@ -26,9 +26,9 @@ from funcamp._core.checks import (
 )
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import describe, leaf_path, unflatten
-from funcamp.optim._adaptive import _f64
 from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
+from funcamp.optim._shared import _f64
 from funcamp.optim._states import AdafactorState
 
 __all__ = ["adafactor"]

@@ -1,6 +1,6 @@
 """torch.optim's adaptive elementwise optimizers, each an algorithm written once with
 :func:`funcamp.optim.elementwise`: RMSprop, Adagrad, Adadelta, Adamax (NAdam, RAdam, ASGD and
-Rprop are in ``_variants``; both modules share the helpers below).
+Rprop are in ``_variants``; both build on the helpers of ``_shared``).
 
 Each ``step`` does torch.optim's single-tensor operations in their order, rounding as its CPU
 kernels round: ``add(alpha=)``, ``lerp`` and ``addcmul`` are one fused multiply-add
@@ -15,16 +15,26 @@ averaging switch are ``where`` selections).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from funcamp._core.checks import check_flag, check_number
-from funcamp._core.tree import describe
 from funcamp.optim._base import Optimizer
-from funcamp.optim._elementwise import build
 from funcamp.optim._paths import Ops
+from funcamp.optim._shared import (
+    LearningRate,
+    Tensors,
+    _add_scaled,
+    _betas,
+    _build,
+    _checked,
+    _f64,
+    _kept,
+    _map,
+    _prologue,
+    _steps,
+)
 from funcamp.optim._states import (
     AdadeltaState,
     AdagradState,
@@ -33,125 +43,6 @@ from funcamp.optim._states import (
 )
 
 __all__ = ["adadelta", "adagrad", "adamax", "rmsprop"]
-
-PyTree = Any
-Tensors = list[torch.Tensor]
-LearningRate = Any
-
-
-def _modes(master_weights: bool, kahan: bool, stochastic_rounding: bool, seed: int) -> dict:
-    return dict(
-        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
-        seed=seed,
-    )  # fmt: skip
-
-
-def _build(
-    api: str,
-    state_type: type,
-    step: Callable[..., Any],
-    learning_rate: LearningRate,
-    modes: tuple[bool, bool, bool, int],
-    *,
-    buffers: Any = None,
-    needs_params: bool = False,
-    **options: Any,
-) -> Optimizer:
-    """:func:`funcamp.optim.elementwise` for ``step`` (``build``: with ``options`` such as a
-    fused kernel or a weight-decay mask), with the low-precision mode's
-    ``(master_weights, kahan, stochastic_rounding, seed)``."""
-    return build(
-        api, state_type, step, learning_rate, buffers=buffers, needs_params=needs_params,
-        **options, **_modes(*modes),
-    )  # fmt: skip
-
-
-def _checked(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple[float, float]:
-    """The arguments every optimizer here takes: ``maximize`` checked, ``eps`` and
-    ``weight_decay`` (both >= 0) returned."""
-    check_flag(api, "maximize", maximize)
-    return check_number(api, "eps", eps), check_number(api, "weight_decay", weight_decay)
-
-
-def _kept(ops: Ops, buffers: dict, **values: Tensors) -> dict[str, Tensors]:
-    """The new buffers by name, each kept in place of the old one (``ops.kept``)."""
-    return {name: ops.kept(x, replaces=buffers[name]) for name, x in values.items()}
-
-
-def _map(fn: Callable[..., torch.Tensor], *lists: Tensors) -> Tensors:
-    """``fn`` leaf by leaf (plain torch ops: right on both paths, never in place)."""
-    return [fn(*xs) for xs in zip(*lists)]
-
-
-def _f64(lr: Any) -> Any:
-    return lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
-
-
-def _steps(count: torch.Tensor) -> torch.Tensor:
-    """torch.optim's ``step`` (1 on the first update) as a float64 0-d tensor."""
-    return (count + 1).to(torch.float64)
-
-
-def _prologue(ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float) -> Tensors:
-    """``grad = -grad`` (maximize; exact), then ``grad.add(param, alpha=weight_decay)``."""
-    if maximize:
-        g = ops.mul(g, -1.0)
-    if weight_decay > 0:
-        g = ops.fma(p, weight_decay, g)
-    return g
-
-
-def _decayed_prologue(
-    ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float, decoupled: bool, lr64: Any
-) -> tuple[Tensors, Any]:
-    """NAdam's and RAdam's weight decay: ``(grad, p * (1 - lr * weight_decay))`` decoupled,
-    else ``(grad + weight_decay * p, None)`` (see :func:`_prologue`; ``None`` without decay)."""
-    if decoupled and weight_decay > 0:
-        g = _prologue(ops, g, p, maximize, 0.0)
-        return g, ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
-    return _prologue(ops, g, p, maximize, weight_decay), None
-
-
-def _add_scaled(ops: Ops, d: Tensors, neg_lr: Any, p: Any) -> Tensors:
-    """The update of ``p.add_(d, alpha=neg_lr)``: ``new_p - p`` with ``new_p`` rounded once as
-    torch's kernel rounds it, or ``neg_lr * d`` without params."""
-    if p is None:
-        return ops.mul(d, neg_lr)
-    return ops.sub(ops.fma(d, neg_lr, p), p)
-
-
-def _betas(api: str, b1: float, b2: float) -> tuple[float, float]:
-    return check_number(api, "b1", b1, maximum=1.0), check_number(api, "b2", b2, maximum=1.0)
-
-
-def _pair(api: str, name: str, value: Any) -> tuple[Any, Any]:
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise TypeError(f"funcamp.{api}: `{name}` must be a pair of floats, got {describe(value)}")
-    return value[0], value[1]
-
-
-def _lerp_tensor(ops: Ops, xs: Tensors, ys: Tensors, w: torch.Tensor) -> Tensors:
-    """``torch.lerp(x, y, w)`` for a 0-d tensor weight, rounded as torch's CPU kernel: one
-    multiply-add from the nearer end (a ``where`` on the weight: no host sync)."""
-    diff = ops.sub(ys, xs)
-    near_x = ops.fma(diff, w, xs)
-    near_y = ops.fma(diff, w - 1.0, ys)
-    return ops.where(w.abs() < 0.5, near_x, near_y)
-
-
-def _beta(api: str, name: str, value: Any) -> Any:
-    """A decay in [0, 1): a Python float, or a 0-d floating tensor (as torch.optim.Adam
-    accepts; its value is read here, once)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or not value.is_floating_point() or value.requires_grad:
-            raise TypeError(
-                f"funcamp.{api}: `{name}` must be a float or a 0-d floating tensor without "
-                f"grad, got {describe(value)}"
-            )
-        check_number(api, name, float(value), maximum=1.0)
-        return value.detach().clone()
-    return check_number(api, name, value, maximum=1.0)
-
 
 # --------------------------------------------------------------------------------------------
 # rmsprop

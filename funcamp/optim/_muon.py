@@ -14,9 +14,9 @@ import torch
 
 from funcamp._core.checks import check_flag, check_int, check_number
 from funcamp._core.tree import NAMESPACE, describe, path_str
-from funcamp.optim._adaptive import LearningRate, Tensors, _build, _f64, _kept
 from funcamp.optim._base import Optimizer
 from funcamp.optim._paths import Ops
+from funcamp.optim._shared import LearningRate, Tensors, _build, _f64, _kept
 from funcamp.optim._states import MuonState
 
 __all__ = ["muon", "newton_schulz"]

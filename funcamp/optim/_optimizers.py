@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_flag, check_number
-from funcamp.optim._adaptive import _beta, _build, _f64, _lerp_tensor
 from funcamp.optim._base import Optimizer
 from funcamp.optim._fused import FUSED_ADAM, fused_adam, fused_sgd
 from funcamp.optim._paths import Ops
+from funcamp.optim._shared import _beta, _build, _f64, _lerp_tensor
 from funcamp.optim._states import AdamState, LionState, SgdState
 
 __all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_flag, check_number
-from funcamp.optim._adaptive import (
+from funcamp.optim._base import Optimizer
+from funcamp.optim._paths import Ops
+from funcamp.optim._shared import (
     LearningRate,
     Tensors,
     _betas,
@@ -25,8 +27,6 @@ from funcamp.optim._adaptive import (
     _prologue,
     _steps,
 )
-from funcamp.optim._base import Optimizer
-from funcamp.optim._paths import Ops
 from funcamp.optim._states import AsgdState, NadamState, RadamState, RpropState
 
 __all__ = ["asgd", "nadam", "radam", "rprop"]
