@@ -1,24 +1,26 @@
 """The helpers the built-in elementwise optimizers share: the factory that builds one from its
 ``step`` with the low-precision mode's arguments (:func:`_build`), the common argument checks,
 and the steps' building blocks (the gradient prologue, torch's rounding of ``add(alpha=)`` and
-of ``lerp`` with a tensor weight, the float64 step count and learning rate).
+of ``lerp`` with a tensor weight, the float64 step count and learning rate); and the
+scaffolding of a stateless gradient transform (:func:`_stateless`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from funcamp._core.checks import check_flag, check_number
-from funcamp._core.tree import describe
-from funcamp.optim._base import Optimizer
+from funcamp._core.checks import check_flag, check_number, flatten_grads
+from funcamp._core.tree import describe, unflatten
+from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._elementwise import build
-from funcamp.optim._paths import Ops
+from funcamp.optim._paths import Ops, choose_ops
 
 __all__: list[str] = []
 
+PyTree = Any
 Tensors = list[torch.Tensor]
 LearningRate = Any
 
@@ -135,3 +137,24 @@ def _beta(api: str, name: str, value: Any) -> Any:
         check_number(api, name, float(value), maximum=1.0)
         return value.detach().clone()
     return check_number(api, name, value, maximum=1.0)
+
+
+def _stateless(api: str, fn: Callable[[Ops, Tensors, PyTree, PyTree], Tensors]) -> Optimizer:
+    """A gradient transform with state ``()``: the new grads' leaves are
+    ``fn(ops, leaves, grads, params)``; ``update_owned`` runs it on grads it may write into."""
+
+    def init(params: PyTree) -> tuple[()]:
+        return ()
+
+    def run(
+        grads: PyTree, state: tuple[()], params: PyTree, owned: Sequence[torch.Tensor]
+    ) -> tuple[PyTree, tuple[()]]:
+        gs, _, spec = flatten_grads(api, grads, params, need_params=False)
+        if not gs:
+            return grads, state
+        return unflatten(spec, fn(choose_ops(gs, owned=owned), gs, grads, params)), state
+
+    def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, Any]:
+        return run(grads, state, params, ())
+
+    return Optimizer(init, update, Capabilities(fresh=True, update_owned=run))
