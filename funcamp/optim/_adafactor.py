@@ -19,6 +19,7 @@ from funcamp._core.checks import (
     check_flag,
     check_number,
     check_real,
+    check_state_type,
     flatten_grads,
     flatten_params,
     learning_rate_fn,
@@ -170,11 +171,7 @@ def adafactor(
         )
 
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-        if not isinstance(state, AdafactorState):
-            raise TypeError(
-                f"funcamp.{api}: `state` must be an AdafactorState from this optimizer's init, "
-                f"got {type(state).__name__}"
-            )
+        check_state_type(api, state, AdafactorState, "an")
         gs, ps, spec = flatten_grads(api, grads, params, need_params=True)
         check_count(api, "count", state.count)
         bufs = [state_leaves(api, f, getattr(state, f), spec) for f in AdafactorState._fields[1:4]]

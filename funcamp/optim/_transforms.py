@@ -12,6 +12,7 @@ import torch
 from funcamp._core.checks import (
     any_flag,
     check_number,
+    check_state_type,
     flatten_grads,
     flatten_params,
 )
@@ -289,12 +290,7 @@ def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimi
 
 
 def _unwrap_masked(state: Any) -> dict[str, PyTree]:
-    if not isinstance(state, MaskedState):
-        raise TypeError(
-            f"funcamp.masked: `state` must be a MaskedState from this optimizer's init, got "
-            f"{type(state).__name__}"
-        )
-    return {"masked": state.inner}
+    return {"masked": check_state_type("masked", state, MaskedState).inner}
 
 
 def multi_transform(
