@@ -25,13 +25,6 @@ Tensors = list[torch.Tensor]
 LearningRate = Any
 
 
-def _modes(master_weights: bool, kahan: bool, stochastic_rounding: bool, seed: int) -> dict:
-    return dict(
-        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
-        seed=seed,
-    )  # fmt: skip
-
-
 def _build(
     api: str,
     state_type: type,
@@ -46,14 +39,16 @@ def _build(
     """:func:`funcamp.optim.elementwise` for ``step`` (``build``: with ``options`` such as a
     fused kernel or a weight-decay mask), with the low-precision mode's
     ``(master_weights, kahan, stochastic_rounding, seed)``."""
+    master_weights, kahan, stochastic_rounding, seed = modes
     return build(
         api, state_type, step, learning_rate, buffers=buffers, needs_params=needs_params,
-        **options, **_modes(*modes),
+        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
+        seed=seed, **options,
     )  # fmt: skip
 
 
 def _checked(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple[float, float]:
-    """The arguments every optimizer here takes: ``maximize`` checked, ``eps`` and
+    """The arguments most of these optimizers take: ``maximize`` checked, ``eps`` and
     ``weight_decay`` (both >= 0) returned."""
     check_flag(api, "maximize", maximize)
     return check_number(api, "eps", eps), check_number(api, "weight_decay", weight_decay)
