@@ -357,6 +357,17 @@ def check_count(api: str, name: str, value: Any, dtype: torch.dtype = torch.int3
         )
 
 
+def check_state_type(api: str, state: Any, state_type: type, article: str = "a") -> Any:
+    """``state`` when it is a ``state_type`` (what the optimizer's init builds), else a
+    TypeError naming the type it got (``article``: "a" or "an", as the type's name reads)."""
+    if not isinstance(state, state_type):
+        raise TypeError(
+            f"funcamp.{api}: `state` must be {article} {state_type.__name__} from this "
+            f"optimizer's init, got {type(state).__name__}"
+        )
+    return state
+
+
 def check_state_like(
     api: str,
     name: str,

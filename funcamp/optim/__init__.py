@@ -27,6 +27,8 @@ Layout (the package's private modules, one idea each):
 * ``_adaptive``, ``_variants`` -- torch.optim's other elementwise optimizers, each built with
   :func:`elementwise` alone (``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``; ``nadam``,
   ``radam``, ``asgd``, ``rprop``);
+* ``_shared`` -- what the built-in elementwise optimizers share: the factory that builds one
+  from its step and the low-precision-mode arguments, the common checks and step pieces;
 * ``_muon``, ``_adafactor`` -- ``muon`` (elementwise, its step orthogonalises each matrix) and
   ``adafactor`` (a plain ``(init, update)`` pair: its statistics are factored);
 * ``_lbfgs`` -- ``lbfgs``: torch.optim.LBFGS's step on a flat copy of the params, given the loss

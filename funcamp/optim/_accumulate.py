@@ -14,6 +14,7 @@ from funcamp._core.checks import (
     check_count,
     check_int,
     check_state_like,
+    check_state_type,
     flatten_grads,
     flatten_params,
     state_leaves,
@@ -136,11 +137,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
         grads: PyTree, state: AccumulateState, params: PyTree
     ) -> tuple[Tensors, Tensors | None, Any]:
         """Flatten the inputs, checking the state against them (metadata only)."""
-        if not isinstance(state, AccumulateState):
-            raise TypeError(
-                f"funcamp.{api}: `state` must be a AccumulateState from this optimizer's init, "
-                f"got {type(state).__name__}"
-            )
+        check_state_type(api, state, AccumulateState, "an")
         gs, ps, spec = flatten_grads(api, grads, params, need_params=False)
         check_count(api, "micro_step", state.micro_step)
         check_count(api, "applies", state.applies, torch.bool)

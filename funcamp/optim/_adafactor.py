@@ -19,6 +19,7 @@ from funcamp._core.checks import (
     check_flag,
     check_number,
     check_real,
+    check_state_type,
     flatten_grads,
     flatten_params,
     learning_rate_fn,
@@ -28,6 +29,7 @@ from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import describe, leaf_path, unflatten
 from funcamp.optim._base import Capabilities, Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
+from funcamp.optim._shared import _f64
 from funcamp.optim._states import AdafactorState
 
 __all__ = ["adafactor"]
@@ -169,11 +171,7 @@ def adafactor(
         )
 
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-        if not isinstance(state, AdafactorState):
-            raise TypeError(
-                f"funcamp.{api}: `state` must be an AdafactorState from this optimizer's init, "
-                f"got {type(state).__name__}"
-            )
+        check_state_type(api, state, AdafactorState, "an")
         gs, ps, spec = flatten_grads(api, grads, params, need_params=True)
         check_count(api, "count", state.count)
         bufs = [state_leaves(api, f, getattr(state, f), spec) for f in AdafactorState._fields[1:4]]
@@ -189,7 +187,7 @@ def adafactor(
         if not gs:
             return unflatten(spec, []), state._replace(count=count + 1)
         lr = lr_fn(count)[0]
-        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        lr64 = _f64(lr)
         t = (count + 1).to(torch.float64)
         weight = torch.pow(t, beta2_decay).to(torch.float32)  # torch's lerp weight, rounded
         inv_sqrt = 1.0 / torch.sqrt(t)  # torch's min(lr, 1 / step**0.5), in float64

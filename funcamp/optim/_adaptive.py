@@ -1,6 +1,6 @@
 """torch.optim's adaptive elementwise optimizers, each an algorithm written once with
 :func:`funcamp.optim.elementwise`: RMSprop, Adagrad, Adadelta, Adamax (NAdam, RAdam, ASGD and
-Rprop are in ``_variants``; both modules share the helpers below).
+Rprop are in ``_variants``; both build on the helpers of ``_shared``).
 
 Each ``step`` does torch.optim's single-tensor operations in their order, rounding as its CPU
 kernels round: ``add(alpha=)``, ``lerp`` and ``addcmul`` are one fused multiply-add
@@ -15,16 +15,26 @@ averaging switch are ``where`` selections).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from funcamp._core.checks import check_flag, check_number
-from funcamp._core.tree import describe
 from funcamp.optim._base import Optimizer
-from funcamp.optim._elementwise import elementwise
 from funcamp.optim._paths import Ops
+from funcamp.optim._shared import (
+    LearningRate,
+    Tensors,
+    _add_scaled,
+    _betas,
+    _build,
+    _checked,
+    _f64,
+    _kept,
+    _map,
+    _prologue,
+    _steps,
+)
 from funcamp.optim._states import (
     AdadeltaState,
     AdagradState,
@@ -33,82 +43,6 @@ from funcamp.optim._states import (
 )
 
 __all__ = ["adadelta", "adagrad", "adamax", "rmsprop"]
-
-PyTree = Any
-Tensors = list[torch.Tensor]
-LearningRate = Any
-
-
-def _modes(master_weights: bool, kahan: bool, stochastic_rounding: bool, seed: int) -> dict:
-    return dict(
-        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
-        seed=seed,
-    )  # fmt: skip
-
-
-def _map(fn: Callable[..., torch.Tensor], *lists: Tensors) -> Tensors:
-    """``fn`` leaf by leaf (plain torch ops: right on both paths, never in place)."""
-    return [fn(*xs) for xs in zip(*lists)]
-
-
-def _f64(lr: Any) -> Any:
-    return lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
-
-
-def _steps(count: torch.Tensor) -> torch.Tensor:
-    """torch.optim's ``step`` (1 on the first update) as a float64 0-d tensor."""
-    return (count + 1).to(torch.float64)
-
-
-def _prologue(ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float) -> Tensors:
-    """``grad = -grad`` (maximize; exact), then ``grad.add(param, alpha=weight_decay)``."""
-    if maximize:
-        g = ops.mul(g, -1.0)
-    if weight_decay > 0:
-        g = ops.fma(p, weight_decay, g)
-    return g
-
-
-def _add_scaled(ops: Ops, d: Tensors, neg_lr: Any, p: Any) -> Tensors:
-    """The update of ``p.add_(d, alpha=neg_lr)``: ``new_p - p`` with ``new_p`` rounded once as
-    torch's kernel rounds it, or ``neg_lr * d`` without params."""
-    if p is None:
-        return ops.mul(d, neg_lr)
-    return ops.sub(ops.fma(d, neg_lr, p), p)
-
-
-def _betas(api: str, b1: float, b2: float) -> tuple[float, float]:
-    return check_number(api, "b1", b1, maximum=1.0), check_number(api, "b2", b2, maximum=1.0)
-
-
-def _pair(api: str, name: str, value: Any) -> tuple[Any, Any]:
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise TypeError(f"funcamp.{api}: `{name}` must be a pair of floats, got {describe(value)}")
-    return value[0], value[1]
-
-
-def _lerp_tensor(ops: Ops, xs: Tensors, ys: Tensors, w: torch.Tensor) -> Tensors:
-    """``torch.lerp(x, y, w)`` for a 0-d tensor weight, rounded as torch's CPU kernel: one
-    multiply-add from the nearer end (a ``where`` on the weight: no host sync)."""
-    diff = ops.sub(ys, xs)
-    near_x = ops.fma(diff, w, xs)
-    near_y = ops.fma(diff, w - 1.0, ys)
-    return ops.where(w.abs() < 0.5, near_x, near_y)
-
-
-def _beta(api: str, name: str, value: Any) -> Any:
-    """A decay in [0, 1): a Python float, or a 0-d floating tensor (as torch.optim.Adam
-    accepts; its value is read here, once)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or not value.is_floating_point() or value.requires_grad:
-            raise TypeError(
-                f"funcamp.{api}: `{name}` must be a float or a 0-d floating tensor without "
-                f"grad, got {describe(value)}"
-            )
-        check_number(api, name, float(value), maximum=1.0)
-        return value.detach().clone()
-    return check_number(api, name, value, maximum=1.0)
-
 
 # --------------------------------------------------------------------------------------------
 # rmsprop
@@ -136,13 +70,12 @@ def _rmsprop_step(
         if momentum > 0:
             buf = ops.add(ops.mul(buffers["momentum_buffer"], momentum), ops.div(g, avg))
             deltas = _add_scaled(ops, buf, neg_lr, p)
-            new["momentum_buffer"] = ops.kept(buf, replaces=buffers["momentum_buffer"])
+            new.update(_kept(ops, buffers, momentum_buffer=buf))
         else:
             deltas = ops.div(ops.mul(g, neg_lr), avg)
         if centered:
-            new["grad_avg"] = ops.kept(ga, replaces=buffers["grad_avg"])
-        new["square_avg"] = ops.kept(sa, replaces=buffers["square_avg"])
-        return deltas, new
+            new.update(_kept(ops, buffers, grad_avg=ga))
+        return deltas, {**new, **_kept(ops, buffers, square_avg=sa)}
 
     return step
 
@@ -193,25 +126,20 @@ def rmsprop(
     """
     api = "rmsprop"
     check_flag(api, "centered", centered)
-    check_flag(api, "maximize", maximize)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     alpha = check_number(api, "alpha", alpha, maximum=1.0, maximum_open=False)
-    eps = check_number(api, "eps", eps)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
     momentum = check_number(api, "momentum", momentum)
     buffers = ["square_avg"]
     if momentum > 0:
         buffers.append("momentum_buffer")
     if centered:
         buffers.append("grad_avg")
-    return elementwise(
-        api,
-        RmspropState,
-        _rmsprop_step(alpha, eps, weight_decay, momentum, centered, maximize),
-        learning_rate,
-        buffers=buffers,
+    step = _rmsprop_step(alpha, eps, weight_decay, momentum, centered, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(
+        api, RmspropState, step, learning_rate, modes, buffers=buffers,
         needs_params=weight_decay > 0,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,7 +157,7 @@ def _adagrad_step(lr_decay: float, weight_decay: float, eps: float, maximize: bo
         std = ops.sqrt(s)
         std = ops.add(std, eps, into=std)
         deltas = ops.div(ops.mul(g, neg_clr), std)
-        return deltas, {"sum": ops.kept(s, replaces=buffers["sum"])}
+        return deltas, _kept(ops, buffers, sum=s)
 
     return step
 
@@ -278,20 +206,15 @@ def adagrad(
         ({'w': tensor([-0.5000,  0.5000])}, {'w': tensor([1., 4.])})
     """
     api = "adagrad"
-    check_flag(api, "maximize", maximize)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     lr_decay = check_number(api, "lr_decay", lr_decay)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
     iav = check_number(api, "initial_accumulator_value", initial_accumulator_value)
-    eps = check_number(api, "eps", eps)
-    return elementwise(
-        api,
-        AdagradState,
-        _adagrad_step(lr_decay, weight_decay, eps, maximize),
-        learning_rate,
-        needs_params=weight_decay > 0,
+    step = _adagrad_step(lr_decay, weight_decay, eps, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(
+        api, AdagradState, step, learning_rate, modes, needs_params=weight_decay > 0,
         fill={"sum": iav},
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,11 +234,7 @@ def _adadelta_step(rho: float, eps: float, weight_decay: float, maximize: bool) 
         delta = ops.mul(ops.div(delta, std, into=delta), g)
         acc = ops.addcmul(ops.mul(buffers["acc_delta"], rho), delta, delta, 1.0 - rho)
         deltas = _add_scaled(ops, delta, ops.scalar(-lr), p)
-        new = {
-            "square_avg": ops.kept(sa, replaces=buffers["square_avg"]),
-            "acc_delta": ops.kept(acc, replaces=buffers["acc_delta"]),
-        }
-        return deltas, new
+        return deltas, _kept(ops, buffers, square_avg=sa, acc_delta=acc)
 
     return step
 
@@ -360,18 +279,11 @@ def adadelta(
         {'w': tensor([-0.0032,  0.0032])}
     """
     api = "adadelta"
-    check_flag(api, "maximize", maximize)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     rho = check_number(api, "rho", rho, maximum=1.0, maximum_open=False)
-    eps = check_number(api, "eps", eps)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
-    return elementwise(
-        api,
-        AdadeltaState,
-        _adadelta_step(rho, eps, weight_decay, maximize),
-        learning_rate,
-        needs_params=weight_decay > 0,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    step = _adadelta_step(rho, eps, weight_decay, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(api, AdadeltaState, step, learning_rate, modes, needs_params=weight_decay > 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,11 +301,7 @@ def _adamax_step(b1: float, b2: float, eps: float, weight_decay: float, maximize
         norm = ops.add(_map(torch.abs, g), eps)
         u = ops.maximum(ops.mul(buffers["exp_inf"], b2), norm, into=norm)
         deltas = ops.div(ops.mul(m, neg_clr), u)
-        new = {
-            "exp_avg": ops.kept(m, replaces=buffers["exp_avg"]),
-            "exp_inf": ops.kept(u, replaces=buffers["exp_inf"]),
-        }
-        return deltas, new
+        return deltas, _kept(ops, buffers, exp_avg=m, exp_inf=u)
 
     return step
 
@@ -440,15 +348,8 @@ def adamax(
         {'w': tensor([-0.1000,  0.1000])}
     """
     api = "adamax"
-    check_flag(api, "maximize", maximize)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     b1, b2 = _betas(api, b1, b2)
-    eps = check_number(api, "eps", eps)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
-    return elementwise(
-        api,
-        AdamaxState,
-        _adamax_step(b1, b2, eps, weight_decay, maximize),
-        learning_rate,
-        needs_params=weight_decay > 0,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    step = _adamax_step(b1, b2, eps, weight_decay, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(api, AdamaxState, step, learning_rate, modes, needs_params=weight_decay > 0)

@@ -10,17 +10,16 @@ maximum), to be scaled by a learning rate (``funcamp.sgd(lr)`` after it).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from funcamp._core.checks import check_number, flatten_grads
-from funcamp._core.tree import unflatten
-from funcamp.optim._base import Capabilities, Optimizer
+from funcamp._core.checks import check_number
+from funcamp.optim._base import Optimizer
 from funcamp.optim._elementwise import build
 from funcamp.optim._optimizers import _adam_step
-from funcamp.optim._paths import Ops, choose_ops
+from funcamp.optim._paths import Ops
+from funcamp.optim._shared import _stateless
 from funcamp.optim._states import AdamState
 
 __all__ = ["negate_gradients", "scale_by_amsgrad"]
@@ -50,24 +49,11 @@ def negate_gradients() -> Optimizer:
         >>> funcamp.apply_updates(params, same.update(g, same.init(params), params)[0])
         {'w': tensor([1.5000, 0.0000])}
     """
-    api = "negate_gradients"
 
-    def init(params: PyTree) -> tuple[()]:
-        return ()
+    def negate(ops: Ops, gs: Tensors, grads: PyTree, params: PyTree) -> Tensors:
+        return ops.mul(gs, -1.0, into=gs)  # times -1: exact
 
-    def run(
-        grads: PyTree, state: tuple[()], params: PyTree, owned: Sequence[torch.Tensor]
-    ) -> tuple[PyTree, tuple[()]]:
-        gs, _, spec = flatten_grads(api, grads, params, need_params=False)
-        if not gs:
-            return grads, state
-        ops = choose_ops(gs, owned=owned)
-        return unflatten(spec, ops.mul(gs, -1.0, into=gs)), state  # times -1: exact
-
-    def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, Any]:
-        return run(grads, state, params, ())
-
-    return Optimizer(init, update, Capabilities(fresh=True, update_owned=run))
+    return _stateless("negate_gradients", negate)
 
 
 def _amsgrad_direction(b1: float, b2: float, eps: float) -> Any:

@@ -18,6 +18,7 @@ from funcamp._core.checks import (
     check_count,
     check_int,
     check_number,
+    check_state_type,
     flatten_params,
     learning_rate_fn,
 )
@@ -138,11 +139,7 @@ def lbfgs(
                 f"{describe(value_fn)}; call opt.update(None, state, params, value_fn=loss_fn) "
                 "in an eager loop (unscale_and_step and make_train_step pass no loss function)"
             )
-        if not isinstance(state, LbfgsState):
-            raise TypeError(
-                f"funcamp.{api}: `state` must be an LbfgsState from this optimizer's init, got "
-                f"{type(state).__name__}"
-            )
+        check_state_type(api, state, LbfgsState, "an")
         check_count(api, "count", state.count)
         leaves, spec = flatten_params(api, params)
         flat = _flat(api, leaves)

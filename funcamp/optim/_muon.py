@@ -14,10 +14,9 @@ import torch
 
 from funcamp._core.checks import check_flag, check_int, check_number
 from funcamp._core.tree import NAMESPACE, describe, path_str
-from funcamp.optim._adaptive import LearningRate, Tensors, _f64, _modes
 from funcamp.optim._base import Optimizer
-from funcamp.optim._elementwise import elementwise
 from funcamp.optim._paths import Ops
+from funcamp.optim._shared import LearningRate, Tensors, _build, _f64, _kept
 from funcamp.optim._states import MuonState
 
 __all__ = ["muon", "newton_schulz"]
@@ -92,7 +91,7 @@ def _muon_step(
         orth = [newton_schulz(x, *ns).to(d) for x, d in zip(update, dtypes)]
         lr64 = _f64(lr)
         neg = [ops.scalar(-(lr64 * _ratio(adjust_lr_fn, x.shape))) for x in g]
-        new = {"momentum_buffer": ops.kept(buf, replaces=buffers["momentum_buffer"])}
+        new = _kept(ops, buffers, momentum_buffer=buf)
         if p is None:
             return ops.mul(orth, neg), new
         new_p = p if weight_decay == 0 else ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
@@ -180,14 +179,9 @@ def muon(
             f"funcamp.{api}: `adjust_lr_fn` must be None, 'original' or 'match_rms_adamw', "
             f"got {adjust_lr_fn!r}"
         )
-    opt = elementwise(
-        api,
-        MuonState,
-        _muon_step(momentum, nesterov, weight_decay, (coefficients, ns_steps, eps), adjust_lr_fn),
-        learning_rate,
-        needs_params=weight_decay > 0,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    step = _muon_step(momentum, nesterov, weight_decay, (coefficients, ns_steps, eps), adjust_lr_fn)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    opt = _build(api, MuonState, step, learning_rate, modes, needs_params=weight_decay > 0)
 
     def init(params: PyTree) -> MuonState:
         leaves = optree.tree_flatten_with_path(params, namespace=NAMESPACE)

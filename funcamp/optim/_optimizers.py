@@ -16,11 +16,10 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_flag, check_number
-from funcamp.optim._adaptive import _beta, _lerp_tensor
 from funcamp.optim._base import Optimizer
-from funcamp.optim._elementwise import build
 from funcamp.optim._fused import FUSED_ADAM, fused_adam, fused_sgd
 from funcamp.optim._paths import Ops
+from funcamp.optim._shared import _beta, _build, _f64, _lerp_tensor
 from funcamp.optim._states import AdamState, LionState, SgdState
 
 __all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]
@@ -160,19 +159,12 @@ def sgd(
             f"funcamp.{api}: `nesterov` must be False unless momentum > 0 and dampening == 0, "
             f"got nesterov=True with momentum={momentum!r}, dampening={dampening!r}"
         )
-    return build(
-        api,
-        SgdState,
-        _sgd_step(momentum, dampening, nesterov, weight_decay, maximize),
-        learning_rate,
-        buffers=("momentum",) if momentum > 0 else (),
-        needs_params=weight_decay > 0,
-        master_weights=master_weights,
-        kahan=kahan,
-        stochastic_rounding=stochastic_rounding,
-        seed=seed,
+    step = _sgd_step(momentum, dampening, nesterov, weight_decay, maximize)
+    return _build(
+        api, SgdState, step, learning_rate, (master_weights, kahan, stochastic_rounding, seed),
+        buffers=("momentum",) if momentum > 0 else (), needs_params=weight_decay > 0,
         fused_kernel=None if momentum > 0 else fused_sgd(weight_decay, maximize),
-    )
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,7 +195,7 @@ def _adam_step(
             g = ops.fma(p, weight_decay, g, into=g)
         # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
         t = (count + 1).to(torch.float64)
-        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        lr64 = _f64(lr)
         if isinstance(b1, torch.Tensor):  # torch's float32 tensor math: lr / bc1 is
             bc1 = 1.0 - torch.pow(b1.float(), t.float())  # bc1.reciprocal() * lr
             step = lr.float() / bc1 if isinstance(lr, torch.Tensor) else bc1.reciprocal() * lr
@@ -267,7 +259,7 @@ def _adam(
     eps: float,
     weight_decay: float,
     decoupled: bool,
-    modes: dict[str, Any],
+    modes: tuple[bool, bool, bool, int],
     mask: Mask = None,
     fused: bool = False,
     amsgrad: bool = False,
@@ -281,7 +273,9 @@ def _adam(
     check_flag(api, "fused", fused)
     kernels: tuple[Any, Any] = (None, None)
     if fused:
-        on = [m for m in ("master_weights", "kahan", "stochastic_rounding") if modes[m]]
+        on = [
+            m for m, flag in zip(("master_weights", "kahan", "stochastic_rounding"), modes) if flag
+        ]
         if on:
             raise ValueError(
                 f"funcamp.{api}: `fused=True` runs torch's fused kernel on float32 params and "
@@ -295,18 +289,13 @@ def _adam(
         if FUSED_ADAM is None:  # pragma: no cover - older torch
             raise ValueError(f"funcamp.{api}: `fused=True` needs torch._fused_adamw_ (torch>=2.4)")
         kernels = fused_adam(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize)
-    return build(
-        api,
-        AdamState,
-        _adam_step(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize),
-        learning_rate,
+    return _build(
+        api, AdamState, _adam_step(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize),
+        learning_rate, modes,
         buffers=(*_ADAM_BUFFERS, "max_exp_avg_sq") if amsgrad else _ADAM_BUFFERS,
-        needs_params=weight_decay > 0 or fused,
-        mask=mask,
-        fused_kernel=kernels[0],
+        needs_params=weight_decay > 0 or fused, mask=mask, fused_kernel=kernels[0],
         fused_update=kernels[1],
-        **modes,
-    )
+    )  # fmt: skip
 
 
 def adam(
@@ -369,10 +358,7 @@ def adam(
         >>> funcamp.apply_updates(params, updates)
         {'w': tensor([-0.1000,  0.1000])}
     """
-    modes = dict(
-        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
-        seed=seed,
-    )  # fmt: skip
+    modes = (master_weights, kahan, stochastic_rounding, seed)
     return _adam(
         "adam", learning_rate, b1, b2, eps, weight_decay, False, modes, None, fused, amsgrad,
         maximize,
@@ -462,10 +448,7 @@ def adamw(
         >>> torch.equal(funcamp.apply_updates(params, updates)["w"], p.detach())
         True
     """
-    modes = dict(
-        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
-        seed=seed,
-    )  # fmt: skip
+    modes = (master_weights, kahan, stochastic_rounding, seed)
     return _adam(
         "adamw", learning_rate, b1, b2, eps, weight_decay, True, modes, mask, fused, amsgrad,
         maximize,
@@ -493,7 +476,7 @@ def _lion_step(b1: float, b2: float, weight_decay: float) -> Any:
         on = _decayed(mask) if weight_decay > 0 else []
         if on == []:  # -lr * (+-1 or 0) is exact: apply_updates adds it as torch does
             return ops.mul(direction, neg_lr, into=direction), {"exp_avg": new_m}
-        lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        lr64 = _f64(lr)
         pd, dd = _pick(p, on), _pick(direction, on)
         new_p = ops.mul(pd, ops.scalar(1.0 - lr64 * weight_decay), into=_pick(g, on))  # g dead
         new_p = ops.fma(dd, neg_lr, new_p, into=new_p)
@@ -562,16 +545,8 @@ def lion(
     b1 = check_number(api, "b1", b1, maximum=1.0)
     b2 = check_number(api, "b2", b2, maximum=1.0)
     weight_decay = check_number(api, "weight_decay", weight_decay)
-    return build(
-        api,
-        LionState,
-        _lion_step(b1, b2, weight_decay),
-        learning_rate,
-        buffers=None,
-        needs_params=weight_decay > 0,
-        master_weights=master_weights,
-        kahan=kahan,
-        stochastic_rounding=stochastic_rounding,
-        seed=seed,
-        mask=mask,
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    step = _lion_step(b1, b2, weight_decay)
+    return _build(
+        api, LionState, step, learning_rate, modes, needs_params=weight_decay > 0, mask=mask
     )

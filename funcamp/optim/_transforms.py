@@ -12,6 +12,7 @@ import torch
 from funcamp._core.checks import (
     any_flag,
     check_number,
+    check_state_type,
     flatten_grads,
     flatten_params,
 )
@@ -28,7 +29,8 @@ from funcamp.optim._base import (
     learning_rate,
 )
 from funcamp.optim._masks import check_selects, leaf_values
-from funcamp.optim._paths import choose_ops
+from funcamp.optim._paths import Ops
+from funcamp.optim._shared import _stateless
 
 __all__ = [
     "AccumulateState",
@@ -100,27 +102,16 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     if max_norm <= 0:
         raise ValueError(f"funcamp.{api}: `max_norm` must be > 0, got {max_norm!r}")
 
-    def init(params: PyTree) -> tuple[()]:
-        return ()
-
-    def run(
-        grads: PyTree, state: tuple[()], params: PyTree, owned: Sequence[torch.Tensor]
-    ) -> tuple[PyTree, tuple[()]]:
-        gs, _, spec = flatten_grads(api, grads, params, need_params=False)
-        if not gs:
-            return grads, state
-        ops = choose_ops(gs, owned=owned)
+    def clip(ops: Ops, gs: Tensors, grads: PyTree, params: PyTree) -> Tensors:
         g = ops.to_math(gs)
         norms = [torch.linalg.vector_norm(x) for x in g]
         total = global_norm(norms, grads if params is None else params)
         coef = hoist_scalar(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        return unflatten(spec, ops.mul(g, coef, into=g)), state
+        return ops.mul(g, coef, into=g)
 
-    def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, Any]:
-        return run(grads, state, params, ())
-
-    CLIPS.add(update)
-    return Optimizer(init, update, Capabilities(fresh=True, update_owned=run))
+    opt = _stateless(api, clip)
+    CLIPS.add(opt.update)
+    return opt
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,12 +290,7 @@ def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimi
 
 
 def _unwrap_masked(state: Any) -> dict[str, PyTree]:
-    if not isinstance(state, MaskedState):
-        raise TypeError(
-            f"funcamp.masked: `state` must be a MaskedState from this optimizer's init, got "
-            f"{type(state).__name__}"
-        )
-    return {"masked": state.inner}
+    return {"masked": check_state_type("masked", state, MaskedState).inner}
 
 
 def multi_transform(

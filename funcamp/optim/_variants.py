@@ -11,20 +11,22 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_flag, check_number
-from funcamp.optim._adaptive import (
+from funcamp.optim._base import Optimizer
+from funcamp.optim._paths import Ops
+from funcamp.optim._shared import (
     LearningRate,
     Tensors,
     _betas,
+    _build,
+    _checked,
+    _decayed_prologue,
     _f64,
+    _kept,
     _map,
-    _modes,
     _pair,
     _prologue,
     _steps,
 )
-from funcamp.optim._base import Optimizer
-from funcamp.optim._elementwise import elementwise
-from funcamp.optim._paths import Ops
 from funcamp.optim._states import AsgdState, NadamState, RadamState, RpropState
 
 __all__ = ["asgd", "nadam", "radam", "rprop"]
@@ -51,14 +53,9 @@ def _nadam_step(
         # denom = exp_avg_sq.div(bias_correction2).sqrt().add_(eps);
         # p.addcdiv_(grad, denom, value=-lr * (1 - mu) / (1 - mu_product));
         # p.addcdiv_(exp_avg, denom, value=-lr * mu_next / (1 - mu_product * mu_next)).
-        if maximize:
-            g = ops.mul(g, -1.0)
         lr64 = _f64(lr)
-        base = p
-        if weight_decay > 0 and decoupled:
-            base = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
-        elif weight_decay > 0:
-            g = ops.fma(p, weight_decay, g)
+        g, decayed = _decayed_prologue(ops, g, p, maximize, weight_decay, decoupled, lr64)
+        base = p if decayed is None else decayed
         t = _steps(count)
         bc2 = ops.scalar(1.0 - torch.pow(b2, t))
         mu = b1 * (1.0 - 0.5 * torch.pow(0.96, t * momentum_decay))
@@ -77,12 +74,7 @@ def _nadam_step(
             deltas = ops.add(a, b, into=a)
         else:
             deltas = ops.sub(ops.add(ops.add(base, a), b), p)
-        new = {
-            "exp_avg": ops.kept(m, replaces=buffers["exp_avg"]),
-            "exp_avg_sq": ops.kept(v, replaces=buffers["exp_avg_sq"]),
-            "mu_product": mu_product,
-        }
-        return deltas, new
+        return deltas, {**_kept(ops, buffers, exp_avg=m, exp_avg_sq=v), "mu_product": mu_product}
 
     return step
 
@@ -133,22 +125,16 @@ def nadam(
         ({'w': tensor([-0.1056,  0.1056])}, tensor(0.4501))
     """
     api = "nadam"
-    check_flag(api, "maximize", maximize)
     check_flag(api, "decoupled_weight_decay", decoupled_weight_decay)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     b1, b2 = _betas(api, b1, b2)
-    eps = check_number(api, "eps", eps)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
     momentum_decay = check_number(api, "momentum_decay", momentum_decay)
-    return elementwise(
-        api,
-        NadamState,
-        _nadam_step(b1, b2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize),
-        learning_rate,
-        buffers=("exp_avg", "exp_avg_sq"),
-        needs_params=weight_decay > 0,
-        scalars={"mu_product": 1.0},
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    step = _nadam_step(b1, b2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(
+        api, NadamState, step, learning_rate, modes, buffers=("exp_avg", "exp_avg_sq"),
+        needs_params=weight_decay > 0, scalars={"mu_product": 1.0},
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,14 +153,7 @@ def _radam_step(
         # p.add_(exp_avg / bc1 * lr * (bc2**0.5 / (exp_avg_sq.sqrt() + eps)) * rect,
         # alpha=-1), else p.add_(exp_avg / bc1 * lr, alpha=-1). `x / tensor` is
         # `tensor.reciprocal() * x` in torch.
-        if maximize:
-            g = ops.mul(g, -1.0)
-        lr64 = _f64(lr)
-        base = None
-        if weight_decay > 0 and decoupled:
-            base = ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
-        elif weight_decay > 0:
-            g = ops.fma(p, weight_decay, g)
+        g, base = _decayed_prologue(ops, g, p, maximize, weight_decay, decoupled, _f64(lr))
         t = _steps(count)
         bc1 = 1.0 - torch.pow(b1, t)
         bc2 = 1.0 - torch.pow(b2, t)
@@ -196,11 +175,7 @@ def _radam_step(
             deltas = ops.mul(steps, -1.0)
         else:
             deltas = ops.sub(ops.sub(base, steps), p)
-        new = {
-            "exp_avg": ops.kept(m, replaces=buffers["exp_avg"]),
-            "exp_avg_sq": ops.kept(v, replaces=buffers["exp_avg_sq"]),
-        }
-        return deltas, new
+        return deltas, _kept(ops, buffers, exp_avg=m, exp_avg_sq=v)
 
     return step
 
@@ -250,19 +225,12 @@ def radam(
         {'w': tensor([-0.1000,  0.2000])}
     """
     api = "radam"
-    check_flag(api, "maximize", maximize)
     check_flag(api, "decoupled_weight_decay", decoupled_weight_decay)
+    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     b1, b2 = _betas(api, b1, b2)
-    eps = check_number(api, "eps", eps)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
-    return elementwise(
-        api,
-        RadamState,
-        _radam_step(b1, b2, eps, weight_decay, decoupled_weight_decay, maximize),
-        learning_rate,
-        needs_params=weight_decay > 0,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    step = _radam_step(b1, b2, eps, weight_decay, decoupled_weight_decay, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(api, RadamState, step, learning_rate, modes, needs_params=weight_decay > 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +257,7 @@ def _asgd_step(lambd: float, alpha: float, t0: float, weight_decay: float, maxim
         averaged = ops.add(ops.mul(ops.sub(new_p, ax), mu), ax)
         ax = ops.where(mu == 1.0, new_p, averaged)
         deltas = ops.sub(new_p, p)
-        return deltas, {"ax": ops.kept(ax, replaces=buffers["ax"])}
+        return deltas, _kept(ops, buffers, ax=ax)
 
     return step
 
@@ -344,14 +312,9 @@ def asgd(
     alpha = check_number(api, "alpha", alpha)
     t0 = check_number(api, "t0", t0)
     weight_decay = check_number(api, "weight_decay", weight_decay)
-    return elementwise(
-        api,
-        AsgdState,
-        _asgd_step(lambd, alpha, t0, weight_decay, maximize),
-        learning_rate,
-        needs_params=True,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
-    )
+    step = _asgd_step(lambd, alpha, t0, weight_decay, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    return _build(api, AsgdState, step, learning_rate, modes, needs_params=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,11 +336,7 @@ def _rprop_step(etaminus: float, etaplus: float, smin: float, smax: float, maxim
         size = _map(lambda x: torch.clamp(x, smin, smax), ops.mul(size, factor))
         g = _map(lambda x, y: torch.where(y < 0, 0.0, x), g, s)
         deltas = ops.mul(ops.mul(ops.sign(g), size), -1.0)
-        new = {
-            "prev": ops.kept(g, replaces=buffers["prev"]),
-            "step_size": ops.kept(size, replaces=buffers["step_size"]),
-        }
-        return deltas, new
+        return deltas, _kept(ops, buffers, prev=g, step_size=size)
 
     return step
 
@@ -441,10 +400,7 @@ def rprop(
         raise ValueError(
             f"funcamp.{api}: `step_sizes` must be (min, max) with min <= max, got {step_sizes!r}"
         )
-    return elementwise(
-        api,
-        RpropState,
-        _rprop_step(etaminus, etaplus, smin, smax, maximize),
-        learning_rate,
-        **_modes(master_weights, kahan, stochastic_rounding, seed),
+    step = _rprop_step(etaminus, etaplus, smin, smax, maximize)
+    return _build(
+        api, RpropState, step, learning_rate, (master_weights, kahan, stochastic_rounding, seed)
     )

@@ -1,0 +1,155 @@
+"""The helpers the built-in elementwise optimizers share: the factory that builds one from its
+``step`` with the low-precision mode's arguments (:func:`_build`), the common argument checks,
+and the steps' building blocks (the gradient prologue, torch's rounding of ``add(alpha=)`` and
+of ``lerp`` with a tensor weight, the float64 step count and learning rate); and the
+scaffolding of a stateless gradient transform (:func:`_stateless`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from funcamp._core.checks import check_flag, check_number, flatten_grads
+from funcamp._core.tree import describe, unflatten
+from funcamp.optim._base import Capabilities, Optimizer
+from funcamp.optim._elementwise import build
+from funcamp.optim._paths import Ops, choose_ops
+
+__all__: list[str] = []
+
+PyTree = Any
+Tensors = list[torch.Tensor]
+LearningRate = Any
+
+
+def _build(
+    api: str,
+    state_type: type,
+    step: Callable[..., Any],
+    learning_rate: LearningRate,
+    modes: tuple[bool, bool, bool, int],
+    *,
+    buffers: Any = None,
+    needs_params: bool = False,
+    **options: Any,
+) -> Optimizer:
+    """:func:`funcamp.optim.elementwise` for ``step`` (``build``: with ``options`` such as a
+    fused kernel or a weight-decay mask), with the low-precision mode's
+    ``(master_weights, kahan, stochastic_rounding, seed)``."""
+    master_weights, kahan, stochastic_rounding, seed = modes
+    return build(
+        api, state_type, step, learning_rate, buffers=buffers, needs_params=needs_params,
+        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
+        seed=seed, **options,
+    )  # fmt: skip
+
+
+def _checked(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple[float, float]:
+    """The arguments most of these optimizers take: ``maximize`` checked, ``eps`` and
+    ``weight_decay`` (both >= 0) returned."""
+    check_flag(api, "maximize", maximize)
+    return check_number(api, "eps", eps), check_number(api, "weight_decay", weight_decay)
+
+
+def _kept(ops: Ops, buffers: dict, **values: Tensors) -> dict[str, Tensors]:
+    """The new buffers by name, each kept in place of the old one (``ops.kept``)."""
+    return {name: ops.kept(x, replaces=buffers[name]) for name, x in values.items()}
+
+
+def _map(fn: Callable[..., torch.Tensor], *lists: Tensors) -> Tensors:
+    """``fn`` leaf by leaf (plain torch ops: right on both paths, never in place)."""
+    return [fn(*xs) for xs in zip(*lists)]
+
+
+def _f64(lr: Any) -> Any:
+    return lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+
+
+def _steps(count: torch.Tensor) -> torch.Tensor:
+    """torch.optim's ``step`` (1 on the first update) as a float64 0-d tensor."""
+    return (count + 1).to(torch.float64)
+
+
+def _prologue(ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float) -> Tensors:
+    """``grad = -grad`` (maximize; exact), then ``grad.add(param, alpha=weight_decay)``."""
+    if maximize:
+        g = ops.mul(g, -1.0)
+    if weight_decay > 0:
+        g = ops.fma(p, weight_decay, g)
+    return g
+
+
+def _decayed_prologue(
+    ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float, decoupled: bool, lr64: Any
+) -> tuple[Tensors, Any]:
+    """NAdam's and RAdam's weight decay: ``(grad, p * (1 - lr * weight_decay))`` decoupled,
+    else ``(grad + weight_decay * p, None)`` (see :func:`_prologue`; ``None`` without decay)."""
+    if decoupled and weight_decay > 0:
+        g = _prologue(ops, g, p, maximize, 0.0)
+        return g, ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+    return _prologue(ops, g, p, maximize, weight_decay), None
+
+
+def _add_scaled(ops: Ops, d: Tensors, neg_lr: Any, p: Any) -> Tensors:
+    """The update of ``p.add_(d, alpha=neg_lr)``: ``new_p - p`` with ``new_p`` rounded once as
+    torch's kernel rounds it, or ``neg_lr * d`` without params."""
+    if p is None:
+        return ops.mul(d, neg_lr)
+    return ops.sub(ops.fma(d, neg_lr, p), p)
+
+
+def _betas(api: str, b1: float, b2: float) -> tuple[float, float]:
+    return check_number(api, "b1", b1, maximum=1.0), check_number(api, "b2", b2, maximum=1.0)
+
+
+def _pair(api: str, name: str, value: Any) -> tuple[Any, Any]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"funcamp.{api}: `{name}` must be a pair of floats, got {describe(value)}")
+    return value[0], value[1]
+
+
+def _lerp_tensor(ops: Ops, xs: Tensors, ys: Tensors, w: torch.Tensor) -> Tensors:
+    """``torch.lerp(x, y, w)`` for a 0-d tensor weight, rounded as torch's CPU kernel: one
+    multiply-add from the nearer end (a ``where`` on the weight: no host sync)."""
+    diff = ops.sub(ys, xs)
+    near_x = ops.fma(diff, w, xs)
+    near_y = ops.fma(diff, w - 1.0, ys)
+    return ops.where(w.abs() < 0.5, near_x, near_y)
+
+
+def _beta(api: str, name: str, value: Any) -> Any:
+    """A decay in [0, 1): a Python float, or a 0-d floating tensor (as torch.optim.Adam
+    accepts; its value is read here, once)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or not value.is_floating_point() or value.requires_grad:
+            raise TypeError(
+                f"funcamp.{api}: `{name}` must be a float or a 0-d floating tensor without "
+                f"grad, got {describe(value)}"
+            )
+        check_number(api, name, float(value), maximum=1.0)
+        return value.detach().clone()
+    return check_number(api, name, value, maximum=1.0)
+
+
+def _stateless(api: str, fn: Callable[[Ops, Tensors, PyTree, PyTree], Tensors]) -> Optimizer:
+    """A gradient transform with state ``()``: the new grads' leaves are
+    ``fn(ops, leaves, grads, params)``; ``update_owned`` runs it on grads it may write into."""
+
+    def init(params: PyTree) -> tuple[()]:
+        return ()
+
+    def run(
+        grads: PyTree, state: tuple[()], params: PyTree, owned: Sequence[torch.Tensor]
+    ) -> tuple[PyTree, tuple[()]]:
+        gs, _, spec = flatten_grads(api, grads, params, need_params=False)
+        if not gs:
+            return grads, state
+        return unflatten(spec, fn(choose_ops(gs, owned=owned), gs, grads, params)), state
+
+    def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, Any]:
+        return run(grads, state, params, ())
+
+    return Optimizer(init, update, Capabilities(fresh=True, update_owned=run))
