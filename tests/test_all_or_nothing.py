@@ -306,9 +306,13 @@ def test_aux_never_aliases_the_state(backend):
 
 def _graph_frame(frame) -> bool:
     """A frame of the compiled graph's Python wrapper: inductor's output code (one kernel call
-    a line) or an fx graph module (aot_eager: one aten op a line)."""
+    a line, in inductor's cache directory, wherever TORCHINDUCTOR_CACHE_DIR puts it) or an fx
+    graph module (aot_eager: one aten op a line)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     name = frame.f_code.co_filename
-    return name.startswith("<eval_with_key>") or "torchinductor" in name
+    roots = (cache_dir(), os.path.realpath(cache_dir()))
+    return name.startswith("<eval_with_key>") or name.startswith(roots)
 
 
 class _LineFault:
