@@ -138,7 +138,7 @@ def _compare(make_opt, make_sched=None, steps=12, rtol=1e-6, exact=False, total_
     for i in range(steps):
         lr = funcamp.optim.learning_rate(opt, state)
         lr = lr if isinstance(lr, torch.Tensor) else lr["group0"]
-        assert lr.item() == pytest.approx(torch_opt.param_groups[0]["lr"], rel=1e-12)
+        assert lr.item() == pytest.approx(float(torch_opt.param_groups[0]["lr"]), rel=1e-12)
         grads = _grads(ref, i)
         updates, state = opt.update(grads, state, params)
         params = funcamp.apply_updates(params, updates)

@@ -6,6 +6,8 @@ ASGD's averaging), low-precision params, ``accumulate``, ``multi_transform`` and
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -220,15 +222,24 @@ def test_lbfgs_matches_torch_optim_with_a_closure(kwargs):
         updates, state = opt.update(None, state, params, value_fn=_rosenbrock)
         params = funcamp.apply_updates(params, updates)
         loss = ref.step(closure)
-        assert float(state.loss) == float(loss.detach())
+        ours_loss, their_loss = float(state.loss), float(loss.detach())
+        assert ours_loss == their_loss or (math.isnan(ours_loss) and math.isnan(their_loss))
     assert_trees_equal(params, {k: v.detach() for k, v in ps.items()})
     theirs = ref.state[ps["b"]]
     assert int(state.func_evals) == theirs["func_evals"] and int(state.n_iter) == theirs["n_iter"]
-    assert torch.equal(state.d, theirs["d"]) and float(state.t) == float(theirs["t"])
+    assert torch.allclose(state.d, theirs["d"], rtol=0, atol=0, equal_nan=True)
+    t_ours, t_theirs = float(state.t), float(theirs["t"])
+    assert t_ours == t_theirs or (math.isnan(t_ours) and math.isnan(t_theirs))
     k = int(state.history)
-    assert k == len(theirs["old_dirs"]) > 0
-    assert torch.equal(state.old_dirs[:k], torch.stack(theirs["old_dirs"]))
-    assert torch.equal(state.ro[:k], torch.stack(theirs["ro"]))
+    assert k == len(theirs["old_dirs"])  # 0 where the run diverged (maximize on torch 2.14)
+    assert k > 0 or kwargs.get("maximize")  # only a maximized run may diverge
+    if k:
+        assert torch.allclose(
+            state.old_dirs[:k], torch.stack(theirs["old_dirs"]), rtol=0, atol=0, equal_nan=True
+        )
+        assert torch.allclose(
+            state.ro[:k], torch.stack(theirs["ro"]), rtol=0, atol=0, equal_nan=True
+        )
 
 
 def test_lbfgs_needs_the_loss_function_and_checkpoints(tmp_path):

@@ -9,6 +9,7 @@ syncs with the host and is not for a compiled step.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from funcamp._core.checks import (
     check_count,
+    check_flag,
     check_int,
     check_number,
     check_state_type,
@@ -52,6 +54,8 @@ def lbfgs(
     tolerance_change: float = 1e-9,
     history_size: int = 100,
     line_search_fn: str | None = None,
+    *,
+    maximize: bool = False,
 ) -> Optimizer:
     """L-BFGS with torch.optim.LBFGS's semantics, defaults and numbers: its ``step`` runs on a
     flat copy of the params (all of one dtype), its state restored from the
@@ -75,6 +79,8 @@ def lbfgs(
         tolerance_change: stop when the step or the loss changes by less (>= 0).
         history_size: the number of curvature pairs kept (>= 1).
         line_search_fn: None or ``"strong_wolfe"``.
+        maximize: ascend ``value_fn``, as ``torch.optim.LBFGS(maximize=True)`` (torch 2.14 and
+            newer: an error on a torch whose LBFGS has no ``maximize``).
 
     Returns:
         An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.LbfgsState`.
@@ -102,10 +108,17 @@ def lbfgs(
             f"{line_search_fn!r}"
         )
     lr_fn = learning_rate_fn(api, learning_rate)
+    check_flag(api, "maximize", maximize)
+    if maximize and "maximize" not in inspect.signature(torch.optim.LBFGS).parameters:
+        raise ValueError(
+            f"funcamp.{api}: maximize=True needs torch.optim.LBFGS's `maximize` (torch 2.14 and "
+            f"newer; this is torch {torch.__version__}): minimize the negated value instead"
+        )
+    extra = {"maximize": True} if maximize else {}
     settings = dict(
         max_iter=max_iter, max_eval=max_eval, tolerance_grad=tolerance_grad,
         tolerance_change=tolerance_change, history_size=history_size,
-        line_search_fn=line_search_fn,
+        line_search_fn=line_search_fn, **extra,
     )  # fmt: skip
 
     def init(params: PyTree) -> LbfgsState:

@@ -26,7 +26,7 @@ PyTree = Any
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 EPS = 1e-7
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 
 
 def newton_schulz(
@@ -71,6 +71,8 @@ def _ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
     rows, cols = shape[0], shape[1]
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn == "spectral_unclamped":  # Bernstein's (torch 2.14)
+        return math.sqrt(rows / cols)
     return math.sqrt(max(1, rows / cols))
 
 
@@ -135,7 +137,8 @@ def muon(
         ns_coefficients: the quintic's ``(a, b, c)``.
         eps: the floor of the norm the direction is divided by (>= 0).
         ns_steps: Newton-Schulz iterations (an int in [0, 100)).
-        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"``.
+        adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or
+            ``"spectral_unclamped"`` (``sqrt(rows / cols)``, torch 2.14's).
         master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -176,7 +179,8 @@ def muon(
     )
     if adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(
-            f"funcamp.{api}: `adjust_lr_fn` must be None, 'original' or 'match_rms_adamw', "
+            f"funcamp.{api}: `adjust_lr_fn` must be None, 'original', 'match_rms_adamw' or "
+            "'spectral_unclamped', "
             f"got {adjust_lr_fn!r}"
         )
     step = _muon_step(momentum, nesterov, weight_decay, (coefficients, ns_steps, eps), adjust_lr_fn)
