@@ -46,6 +46,17 @@ def _flat(api: str, leaves: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.detach().reshape(-1) for x in leaves])
 
 
+def _maximize(api: str, maximize: Any) -> dict[str, bool]:
+    """torch.optim.LBFGS's ``maximize`` keyword, where asked for (torch 2.14 and newer)."""
+    check_flag(api, "maximize", maximize)
+    if maximize and "maximize" not in inspect.signature(torch.optim.LBFGS).parameters:
+        raise ValueError(
+            f"funcamp.{api}: maximize=True needs torch.optim.LBFGS's `maximize` (torch 2.14 and "
+            f"newer; this is torch {torch.__version__}): minimize the negated value instead"
+        )
+    return {"maximize": True} if maximize else {}
+
+
 def lbfgs(
     learning_rate: LearningRate = 1.0,
     max_iter: int = 20,
@@ -108,13 +119,7 @@ def lbfgs(
             f"{line_search_fn!r}"
         )
     lr_fn = learning_rate_fn(api, learning_rate)
-    check_flag(api, "maximize", maximize)
-    if maximize and "maximize" not in inspect.signature(torch.optim.LBFGS).parameters:
-        raise ValueError(
-            f"funcamp.{api}: maximize=True needs torch.optim.LBFGS's `maximize` (torch 2.14 and "
-            f"newer; this is torch {torch.__version__}): minimize the negated value instead"
-        )
-    extra = {"maximize": True} if maximize else {}
+    extra = _maximize(api, maximize)
     settings = dict(
         max_iter=max_iter, max_eval=max_eval, tolerance_grad=tolerance_grad,
         tolerance_change=tolerance_change, history_size=history_size,
