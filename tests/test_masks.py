@@ -98,6 +98,7 @@ def test_a_path_mask_traces_in_one_graph():
     params = _params()
     state = opt.init(params)
     eager, _ = opt.update(_grads(), state, params)
+    torch._dynamo.reset()  # a fresh trace, whatever the worker compiled before
     compiled, _ = torch.compile(opt.update, backend="eager", fullgraph=True)(
         _grads(), state, params
     )
