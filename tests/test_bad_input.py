@@ -8,7 +8,6 @@ bit for bit (inputs are snapshotted with clones before the call and compared aft
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -862,12 +861,16 @@ def test_fault_in_params_write_plan_leaves_donated_state(monkeypatch):
 
     monkeypatch.setattr(scaler_mod, "plan_write", plan)
     # An optimizer that does not write its own donated state: these plans come before every
-    # write. (funcamp.adam's `update_donated` writes its buffers during the update, when only
+    # write. (funcamp.adam writes its buffers through `Writes.skip` during the update, when only
     # arithmetic on checked tensors is left, and its state's structure is its own: see
     # test_fault_before_the_first_in_place_write_leaves_donated_state.)
     inner = funcamp.adam(0.1)
-    caps = dataclasses.replace(inner.capabilities, update_donated=None)
-    opt = funcamp.Optimizer(inner.init, inner.update, caps)
+
+    def prepare(grads, state, params=None):
+        prepared = inner.prepare(grads, state, params)
+        return prepared._replace(run=lambda g, w: prepared.run(g, w._replace(skip=None)))
+
+    opt = funcamp.Optimizer(inner.init, inner.update, prepare)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
     _assert_step_fault_leaves_state(step, _bn_state(opt))
 
@@ -883,20 +886,19 @@ _DONATING = {
 
 @pytest.mark.parametrize("opt_name", sorted(_DONATING))
 def test_fault_before_the_first_in_place_write_leaves_donated_state(monkeypatch, opt_name):
-    """An optimizer declaring ``update_donated`` writes each new buffer into the old one as the
+    """A built-in optimizer given a donated state writes each new buffer into the old one as the
     algorithm keeps it: everything before that first write -- the step, the unscale, the update
     up to it -- leaves the donated state as it was when the first write fails."""
-    import funcamp.optim._paths as paths_mod
+    import funcamp.scaling.skip as skip_mod
 
     opt = _DONATING[opt_name]()
-    assert opt.capabilities.update_donated is not None
     calls = []
 
     def where_into(*args):
         calls.append(1)
         raise Boom
 
-    monkeypatch.setattr(paths_mod, "where_into", where_into)
+    monkeypatch.setattr(skip_mod, "where_into", where_into)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
     _assert_step_fault_leaves_state(step, _bn_state(opt))
     assert calls  # the in-place write was reached

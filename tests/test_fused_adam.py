@@ -2,7 +2,7 @@
 
 Compared with torch.optim's ``fused=True`` optimizers driven by a real ``torch.amp.GradScaler``,
 bit for bit, through :func:`funcamp.unscale_and_step` (donated or not, with or without the
-optimizer's capabilities) and through the compiled train step, which calls the kernel as an
+optimizer's fast path) and through the compiled train step, which calls the kernel as an
 extern call (``funcamp::fused_adam_``) instead of tracing the update.
 """
 
@@ -70,7 +70,7 @@ def test_fused_adam_is_torch_fused_bit_for_bit(name, donate_state):
     assert int(first["step"]) == int(state.count) == 4  # one of five steps was skipped
     assert torch.equal(state.exp_avg["w"], first["exp_avg"])
     assert torch.equal(state.exp_avg_sq["w"], first["exp_avg_sq"])
-    # the same bits without the optimizer's capabilities (update + apply_updates + select)
+    # the same bits without the fast path (update + apply_updates + select)
     plain = funcamp.Optimizer(opt.init, opt.update)
     assert_trees_equal(_funcamp_run(plain, 5, donate_state=donate_state), (params, state))
 

@@ -14,6 +14,7 @@ from torch.func import functional_call
 
 import funcamp
 from funcamp.optim._paths import EagerOps
+from funcamp.testing import assert_trees_equal
 
 STEPS = 8
 
@@ -399,23 +400,31 @@ def test_param_group_errors_name_the_argument():
         funcamp.masked("sgd", {"w": True})
 
 
-# ----------------------------------------------------------------------------- capabilities
+# ----------------------------------------------------------------------------- the fast path
 
 
-def test_combinators_keep_the_fast_path_capabilities():
+def test_combinators_keep_the_fast_path():
+    """Each combinator prepares its parts: fresh when they are, the update the plain one's
+    (bit for bit) when run writing into grads the caller owns."""
     sgd = funcamp.sgd(0.1)
-    assert sgd.capabilities.fresh and sgd.capabilities.fused_step is not None
+    params = _params(3)
+    grads = {k: v * 0.5 for k, v in params.items()}
     for opt in (
         funcamp.chain(funcamp.clip_by_global_norm(1.0), sgd),
-        funcamp.accumulate(funcamp.adam(0.1), 2),
-        funcamp.masked(sgd, {"w": True}),
-        funcamp.multi_transform({"a": sgd}, {"w": "a"}),
+        funcamp.accumulate(funcamp.adam(0.1), 1),
+        funcamp.masked(sgd, {"w": True, "b": False}),
+        funcamp.multi_transform({"a": sgd, "b": funcamp.adam(0.1)}, {"w": "a", "b": "b"}),
     ):
-        caps = opt.capabilities
-        assert caps.fresh and caps.preflight is not None and caps.update_owned is not None
-    plain = funcamp.Optimizer(sgd.init, sgd.update)  # declares nothing: the pure path
-    assert plain.capabilities == funcamp.optim.Capabilities()
-    assert not funcamp.chain(plain, sgd).capabilities.fresh
+        state = opt.init(params)
+        prepared = funcamp.optim.prepare_update(opt, grads, state, params)
+        assert prepared.fresh and opt.prepare is not None
+        owned = {k: v.clone() for k, v in grads.items()}
+        got = prepared.run(owned, funcamp.optim.Writes(list(owned.values())))
+        assert_trees_equal(got, opt.update(grads, state, params))
+    plain = funcamp.Optimizer(sgd.init, sgd.update)  # no hook: the pure path
+    assert plain.prepare is None and plain.learning_rate is None
+    state = funcamp.chain(plain, sgd).init(params)
+    assert not funcamp.optim.prepare_update(funcamp.chain(plain, sgd), grads, state, params).fresh
 
 
 @pytest.mark.parametrize("donate", [False, True])

@@ -1061,12 +1061,12 @@ _DONATING = {
 @pytest.mark.parametrize("name", sorted(_DONATING))
 def test_eager_donated_step_is_the_pure_step(name: str) -> None:
     """On a donated state the eager step's optimizer writes each new buffer into the old one as
-    soon as it is known (``Capabilities.update_donated``): over four steps, one skipped (an inf
+    soon as it is known (``Writes.skip``): over four steps, one skipped (an inf
     gradient), it gives the undonated step's params and state bit for bit, a skipped step leaves
     them bit-identical, and the donated tensors come back holding the new values. bfloat16
     params where a low-precision mode is on."""
     opt = _DONATING[name]()
-    assert opt.capabilities.update_donated is not None
+    assert opt.prepare is not None
     low = any(k in name for k in ("kahan", "master", "sr"))
     dtype = torch.bfloat16 if low else torch.float32
     g = torch.Generator().manual_seed(6)
@@ -1179,7 +1179,8 @@ def test_owned_step_with_mixed_dtypes_matches_the_plain_update(name, param_dtype
     state = opt.update(grads, opt.init(params), params)[1]
     updates, new_state = opt.update(grads, state, params)
     owned = {"w": grads["w"].clone()}
-    got, got_state = opt.capabilities.update_owned(owned, state, params, [owned["w"]])
+    prepared = funcamp.optim.prepare_update(opt, owned, state, params)
+    got, got_state = prepared.run(owned, funcamp.optim.Writes([owned["w"]]))
     for a, b in zip(optree.tree_leaves((got, got_state)), optree.tree_leaves((updates, new_state))):
         assert same_bits(a, b)
     assert got["w"].dtype == param_dtype
@@ -1204,7 +1205,8 @@ def test_expanded_grads_are_copied_not_written_in_place():
             for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
                 assert same_bits(a, b)
             grad = make()
-            owned = opt.capabilities.update_owned({"w": grad}, state, {"w": w}, [grad])
+            prepared = funcamp.optim.prepare_update(opt, {"w": grad}, state, {"w": w})
+            owned = prepared.run({"w": grad}, funcamp.optim.Writes([grad]))
             plain = opt.update({"w": make().contiguous()}, state, {"w": w})
             for a, b in zip(optree.tree_leaves(owned), optree.tree_leaves(plain)):
                 assert same_bits(a, b)

@@ -5,8 +5,8 @@
 ``lion``, and torch.optim's others: ``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``, ``nadam``,
 ``radam``, ``asgd``, ``rprop``) and the combinators (``chain``, ``clip_by_global_norm``, ``accumulate``, ``masked``,
 ``multi_transform``) are importable from ``funcamp``; this module holds their state types, the
-:class:`SetParam` update leaf, the declared :class:`Capabilities`, and the public building
-blocks for writing an optimizer: :func:`elementwise` and the :class:`Ops` its algorithm uses.
+:class:`SetParam` update leaf, the fast-path hook's :class:`Prepared` and :class:`Writes`, and
+the public building blocks for writing an optimizer: :func:`elementwise` and the :class:`Ops` its algorithm uses.
 
 All states are NamedTuples of tensors (no ``None`` leaves), so they compile, ``vmap``, select
 with :func:`funcamp.tree_select` and checkpoint. Every optimizer keeps a 0-d int32 ``count``:
@@ -17,10 +17,10 @@ built, tensors (schedules) may change every step without recompiling.
 
 Layout (the package's private modules, one idea each):
 
-* ``_base`` -- :class:`~funcamp.Optimizer`, :class:`Capabilities`, :class:`SetParam`,
-  ``apply_updates`` and ``chain``;
+* ``_base`` -- :class:`~funcamp.Optimizer`, its fast-path hook (:class:`Prepared`,
+  :class:`Writes`), :class:`SetParam`, ``apply_updates`` and ``chain``;
 * ``_elementwise`` -- :func:`elementwise`: an algorithm plus everything around it (validation,
-  learning rates, count, buffers, low-precision modes, capabilities);
+  learning rates, count, buffers, low-precision modes, the fast path);
 * ``_states`` -- the optimizers' state types;
 * ``_optimizers`` -- each optimizer's algorithm, written once (``sgd``, ``adam``/``adamw``,
   ``lion``);
@@ -112,7 +112,7 @@ matrix (of each trailing matrix of a param with more dimensions), not per elemen
 float64 params); a mode adds 4 B (master), 2 B (Kahan) or nothing (SR) for half params.
 """
 
-from funcamp.optim._base import Capabilities, SetParam, learning_rate
+from funcamp.optim._base import Prepared, SetParam, Writes, learning_rate, prepare_update
 from funcamp.optim._elementwise import elementwise
 from funcamp.optim._ema import EmaState, ema_params, with_ema
 from funcamp.optim._from_torch import from_torch
@@ -161,7 +161,6 @@ __all__ = [
     "AdamState",
     "AdamaxState",
     "AsgdState",
-    "Capabilities",
     "EmaState",
     "KahanState",
     "LbfgsState",
@@ -173,12 +172,14 @@ __all__ = [
     "NadamState",
     "Ops",
     "PlateauState",
+    "Prepared",
     "RadamState",
     "RmspropState",
     "RpropState",
     "SetParam",
     "SgdState",
     "StochasticRoundingState",
+    "Writes",
     "chained_lr",
     "constant_lr",
     "cosine_annealing_lr",
@@ -198,6 +199,7 @@ __all__ = [
     "one_cycle_lr",
     "plateau_step",
     "polynomial_lr",
+    "prepare_update",
     "reduce_on_plateau",
     "step_lr",
     "with_ema",

@@ -23,12 +23,14 @@ from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import NAMESPACE, tree_select, unflatten
 from funcamp.optim._base import (
     ACCUMULATES,
-    Capabilities,
     Optimizer,
+    Prepared,
     SetParam,
+    Writes,
     check_optimizer,
     is_set_param,
     learning_rate,
+    prepare_update,
 )
 from funcamp.optim._paths import choose_ops
 
@@ -118,7 +120,6 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
     api = "accumulate"
     check_optimizer(api, "optimizer", optimizer)
     check_int(api, "every", every, minimum=1)
-    inner_caps = optimizer.capabilities
 
     def init(params: PyTree) -> AccumulateState:
         leaves, spec = flatten_params(api, params)
@@ -148,36 +149,30 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
             check_state_like(api, "grad_sum", sums, gs, dtypes, grads)
         return gs, ps, spec
 
-    def preflight(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
-        checked(grads, state, params)
-        if inner_caps.preflight is None:
-            return None
-        bad = inner_caps.preflight(grads, state.inner, params)
-        return None if bad is None else bad & state.applies.to(bad.device)
-
-    def run(
-        grads: PyTree, state: AccumulateState, params: PyTree, owned: Sequence[torch.Tensor]
-    ) -> tuple[PyTree, AccumulateState]:
-        gs, ps, spec = checked(grads, state, params)
-        return _accumulate(optimizer, every, grads, state, params, owned, gs, ps, spec)
-
     def update(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
-        return run(grads, state, params, ())
+        gs, ps, spec = checked(grads, state, params)
+        plain = Prepared(None, lambda avg, writes: optimizer.update(avg, state.inner, params))
+        return _accumulate(optimizer, every, grads, state, params, (), gs, ps, spec, plain)
+
+    def prepare(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Prepared:
+        checked(grads, state, params)
+        inner = prepare_update(optimizer, grads, state.inner, params)
+        bad = inner.unusable_lr
+        flag = None if bad is None else bad & state.applies.to(bad.device)
+
+        def run(grads: PyTree, writes: Writes) -> tuple[PyTree, AccumulateState]:
+            gs, ps, spec = checked(grads, state, params)
+            owned = writes.owned
+            return _accumulate(optimizer, every, grads, state, params, owned, gs, ps, spec, inner)
+
+        return Prepared(flag, run, inner.fresh)
 
     def rate(state: AccumulateState) -> Any:
         return learning_rate(optimizer, state.inner)
 
     ACCUMULATES.add(update)
-    return Optimizer(
-        init,
-        update,
-        Capabilities(
-            preflight=preflight,
-            fresh=inner_caps.fresh,
-            update_owned=run,
-            learning_rate=rate if inner_caps.learning_rate is not None else None,
-        ),
-    )
+    has_rate = optimizer.learning_rate is not None
+    return Optimizer(init, update, prepare, rate if has_rate else None)
 
 
 def _accumulate(
@@ -190,11 +185,12 @@ def _accumulate(
     gs: Tensors,
     ps: Tensors | None,
     spec: Any,
+    inner_update: Prepared,
 ) -> tuple[PyTree, AccumulateState]:
     """One micro-step of :func:`accumulate` (its inputs checked and flattened): add the grads
-    to the sums and, on the step that applies, run ``optimizer`` on their average."""
+    to the sums and, on the step that applies, run ``optimizer`` (prepared as
+    ``inner_update``) on their average."""
     api = "accumulate"
-    inner_caps = optimizer.capabilities
     apply = state.applies
     micro = torch.where(apply, 0, state.micro_step + 1).to(torch.int32)
     if not gs:
@@ -212,10 +208,8 @@ def _accumulate(
     if _REPORTS:  # before the inner optimizer, which may overwrite avg in place
         _REPORTS[-1](avg)
     avg_tree = unflatten(spec, avg)
-    if owned and inner_caps.update_owned is not None:  # avg: this update's temporaries
-        inner_updates, inner = inner_caps.update_owned(avg_tree, state.inner, params, avg)
-    else:
-        inner_updates, inner = optimizer.update(avg_tree, state.inner, params)
+    # avg: this update's temporaries, which the inner optimizer may overwrite
+    inner_updates, inner = inner_update.run(avg_tree, Writes(avg if owned else ()))
     inner = tree_select(apply, inner, state.inner)
     ups, uspec = optree.tree_flatten(inner_updates, is_leaf=is_set_param, namespace=NAMESPACE)
     if len(ups) != len(gs):

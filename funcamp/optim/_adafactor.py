@@ -27,7 +27,7 @@ from funcamp._core.checks import (
 )
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import describe, leaf_path, unflatten
-from funcamp.optim._base import Capabilities, Optimizer
+from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._shared import _f64
 from funcamp.optim._states import AdafactorState
@@ -213,4 +213,4 @@ def adafactor(
         lr = lr_fn(state.count)[0]
         return lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, device=state.count.device)
 
-    return Optimizer(init, update, Capabilities(learning_rate=rate))
+    return Optimizer(init, update, learning_rate=rate)

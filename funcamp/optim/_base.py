@@ -1,11 +1,10 @@
-"""The optimizer value, its declared capabilities, the update leaves and :func:`chain`."""
+"""The optimizer value, its one fast-path hook, the update leaves and :func:`chain`."""
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import optree
 import torch
@@ -25,30 +24,21 @@ from funcamp._core.tree import (
 )
 
 __all__ = [
-    "Capabilities",
     "Optimizer",
+    "Prepared",
     "SetParam",
+    "SkipWrites",
+    "Writes",
     "apply_updates",
     "apply_updates_owned",
     "chain",
     "exclusive",
     "learning_rate",
+    "prepare_update",
     "update_tensors",
 ]
 
 PyTree = Any
-#: ``preflight(grads, state, params) -> Tensor | None``.
-Preflight = Callable[[PyTree, PyTree, PyTree], "torch.Tensor | None"]
-#: ``update_owned(grads, state, params, owned) -> (updates, state)``.
-UpdateOwned = Callable[[PyTree, PyTree, PyTree, Sequence[torch.Tensor]], tuple[PyTree, PyTree]]
-#: ``update_donated(grads, state, params, owned, found_inf) -> (updates, state)``.
-UpdateDonated = Callable[
-    [PyTree, PyTree, PyTree, Sequence[torch.Tensor], torch.Tensor], tuple[PyTree, PyTree]
-]
-#: ``fused_step(grad_leaves, state, params, found_inf) -> new_state | None``.
-FusedStep = Callable[[list[torch.Tensor], PyTree, PyTree, torch.Tensor], Any]
-#: ``learning_rate(state) -> Tensor | dict[str, Tensor] | None``.
-LearningRate = Callable[[PyTree], Any]
 
 
 #: The ``update`` functions of :func:`funcamp.clip_by_global_norm` (and of chains holding one)
@@ -58,61 +48,90 @@ CLIPS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 ACCUMULATES: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
-@dataclasses.dataclass(frozen=True)
-class Capabilities:
-    """What an :class:`Optimizer` declares about itself so that :func:`funcamp.unscale_and_step`
-    can take its fast paths. All optional: a plain ``Optimizer(init, update)`` declares nothing
-    and runs on the pure path, with the same results. :func:`funcamp.chain`,
-    :func:`funcamp.accumulate`, :func:`funcamp.masked` and :func:`funcamp.multi_transform` derive
-    their own capabilities from their parts.
+class SkipWrites(Protocol):
+    """What an optimizer may ask of the step's skip (``funcamp.scaling.skip.Skip``, the one
+    owner of "keep the old value where the step overflowed")."""
+
+    found_inf: torch.Tensor
+
+    def keep(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor: ...
+
+    def write(self, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> Any: ...
+
+    def flag(self, device: torch.device) -> torch.Tensor: ...
+
+
+class Writes(NamedTuple):
+    """What a prepared update may write (the eager and donated paths of
+    :func:`funcamp.unscale_and_step`); the default writes nothing.
 
     Attributes:
-        preflight: ``(grads, state, params) -> Tensor | None``: checks ``state`` against the
-            grads and params (metadata only) and evaluates the learning rate, raising before
-            anything is computed or written; returns a 0-d bool tensor, True when this step's
-            learning rate is unusable (NaN, infinite, negative), or None.
-        fresh: ``update`` returns only tensors it made itself or leaves of its inputs (never a
-            tensor held elsewhere: a closure constant, a cache), so the calling step may reuse
-            the new tensors in place.
-        update_owned: ``(grads, state, params, owned) -> (updates, state)``: ``update``, allowed
-            to overwrite the grad tensors in ``owned`` (temporaries of the caller that nobody
-            else sees). Called in plain eager only.
-        fused_step: ``(grad_leaves, state, params, found_inf) -> new_state | None``: apply the
-            update to ``params`` (and the state's buffers) in place, or nothing where
-            ``found_inf``, with ``update``'s results (torch's fused kernels); None when it does
-            not apply to these inputs. Called with ``donate_state=True`` on plain tensors only,
-            in eager code or compiled (where it must trace as ops inductor can call: torch's
-            fused kernels are wrapped as funcamp custom ops for that).
-        learning_rate: ``state -> lr``: the learning rate the next ``update`` from ``state``
-            applies (a 0-d tensor; a dict by label for :func:`funcamp.multi_transform`), or
-            None. Read by :func:`funcamp.optim.learning_rate` and the train step's
-            ``metrics["lr"]``.
-        update_donated: ``(grads, state, params, owned, found_inf) -> (updates, state)``:
-            ``update_owned`` on a donated state: each new state buffer is written into the
-            buffer of ``state`` it replaces as soon as it is known --
-            ``where(found_inf, old, new)``, bit for bit the old values on a skipped step --
-            after everything that can raise, and returned in the new state; the updates are
-            applied by the caller only where not ``found_inf``. This is how torch.optim's
-            in-place memory is reached without a host sync. Called in plain eager with
-            ``donate_state=True`` only.
+        owned: grad tensors the caller owns: the update may overwrite them.
+        skip: the state is donated: each new buffer may be written into the one it replaces
+            with ``skip.write(old, new)`` once nothing can raise. None: write no state.
+        kernels: with ``skip``, torch's fused kernels may update the params and state in place.
 
     Example:
         >>> import funcamp
-        >>> caps = funcamp.sgd(0.1).capabilities
-        >>> caps.fresh, caps.fused_step is not None
-        (True, True)
-        >>> funcamp.adam(0.1).capabilities.update_donated is not None
-        True
-        >>> funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.sgd(0.1)).capabilities.fresh
-        True
+        >>> funcamp.optim.Writes()
+        Writes(owned=(), skip=None, kernels=False)
     """
 
-    preflight: Preflight | None = None
-    fresh: bool = False
-    update_owned: UpdateOwned | None = None
-    fused_step: FusedStep | None = None
-    learning_rate: LearningRate | None = None
-    update_donated: UpdateDonated | None = None  # last: positional construction keeps working
+    owned: Sequence[torch.Tensor] = ()
+    skip: SkipWrites | None = None
+    kernels: bool = False
+
+
+class Prepared(NamedTuple):
+    """One update, checked before anything is computed or written (see
+    :attr:`Optimizer.prepare`).
+
+    Attributes:
+        unusable_lr: 0-d bool, True when this step's learning rate is NaN, infinite or
+            negative (the step is then skipped like an overflow); or None.
+        run: ``run(grads, writes) -> (updates, state)``: the update on ``grads`` (same
+            structure as the prepared ones), writing only what :class:`Writes` allows.
+            ``updates`` is None when a fused kernel already updated the params in place.
+        fresh: ``run`` returns only tensors it made or leaves of its inputs, so the caller
+            may reuse the new tensors in place.
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt, params = funcamp.sgd(0.5), {"w": torch.ones(2)}
+        >>> grads = {"w": torch.ones(2)}
+        >>> prepared = funcamp.optim.prepare_update(opt, grads, opt.init(params), params)
+        >>> updates, _ = prepared.run(grads, funcamp.optim.Writes())
+        >>> updates
+        {'w': tensor([-0.5000, -0.5000])}
+    """
+
+    unusable_lr: torch.Tensor | None
+    run: Callable[[PyTree, Writes], tuple[PyTree | None, PyTree]]
+    fresh: bool = True
+
+
+#: ``prepare(grads, state, params) -> Prepared``.
+Prepare = Callable[[PyTree, PyTree, PyTree], Prepared]
+
+
+def prepare_update(optimizer: Optimizer, grads: PyTree, state: PyTree, params: PyTree) -> Prepared:
+    """``optimizer.prepare(grads, state, params)``, or the plain ``update`` behind the same
+    interface for an optimizer without the hook (it writes nothing and is not ``fresh``).
+
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.Optimizer(lambda p: (), lambda g, s, p=None: (g, s))
+        >>> prepared = funcamp.optim.prepare_update(opt, {"w": torch.ones(1)}, (), None)
+        >>> prepared.fresh, prepared.run({"w": torch.ones(1)}, funcamp.optim.Writes())[0]
+        (False, {'w': tensor([1.])})
+    """
+    if optimizer.prepare is not None:
+        return optimizer.prepare(grads, state, params)
+
+    def run(grads: PyTree, writes: Writes) -> tuple[PyTree, PyTree]:
+        return optimizer.update(grads, state, params)
+
+    return Prepared(None, run, fresh=False)
 
 
 def learning_rate(optimizer: Optimizer, opt_state: PyTree) -> Any:
@@ -136,14 +155,19 @@ def learning_rate(optimizer: Optimizer, opt_state: PyTree) -> Any:
         tensor(0.9000, dtype=torch.float64)
     """
     check_optimizer("optim.learning_rate", "optimizer", optimizer)
-    rate = optimizer.capabilities.learning_rate
+    rate = optimizer.learning_rate
     return None if rate is None else rate(opt_state)
 
 
 class Optimizer(NamedTuple):
     """A pair of pure functions: ``init(params) -> state`` and
-    ``update(grads, state, params) -> (updates, state)``, plus the :class:`Capabilities` it
-    declares (none by default).
+    ``update(grads, state, params) -> (updates, state)``.
+
+    Two optional fields: ``prepare``, the one fast-path hook (``prepare(grads, state, params)
+    -> Prepared``: check the inputs first, then run the update writing what
+    :class:`funcamp.optim.Writes` allows), and ``learning_rate`` (``state -> lr``, what
+    :func:`funcamp.optim.learning_rate` reports). An optimizer without them runs on the pure
+    path, with the same results.
 
     Example:
         >>> import torch, funcamp
@@ -157,7 +181,8 @@ class Optimizer(NamedTuple):
 
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
-    capabilities: Capabilities = Capabilities()
+    prepare: Prepare | None = None
+    learning_rate: Callable[[PyTree], Any] | None = None
 
 
 class SetParam(NamedTuple):
@@ -325,6 +350,12 @@ def _apply_leaf(params: PyTree, i: int, p: Any, u: Any) -> Any:
 def check_optimizer(api: str, name: str, value: Any) -> Optimizer:
     if not isinstance(value, Optimizer):
         raise TypeError(f"funcamp.{api}: `{name}` must be an Optimizer, got {describe(value)}")
+    if value.prepare is not None and not callable(value.prepare):
+        raise TypeError(
+            f"funcamp.{api}: `{name}.prepare` must be callable or None, got "
+            f"{describe(value.prepare)} (Optimizer's third field is the prepare hook: "
+            "Capabilities were replaced by it, see CHANGELOG.md)"
+        )
     return value
 
 
@@ -333,9 +364,9 @@ def chain(*transforms: Optimizer) -> Optimizer:
 
     The state is a tuple of the transforms' states. A low-precision mode optimizer (whose
     updates may hold :class:`funcamp.optim.SetParam` leaves) must come last. The chain keeps
-    its parts' fast paths (:class:`funcamp.optim.Capabilities`): it checks every state up front,
-    it is ``fresh`` when every part is, and its first part may overwrite grads its caller owns,
-    each later part the fresh outputs of the one before.
+    its parts' fast path: it prepares every part up front (each check runs before anything is
+    written), its first part may overwrite grads its caller owns, each later part the fresh
+    outputs of the one before, and only its last part writes a donated state.
 
     A clip in front of :func:`funcamp.accumulate` (``chain(clip_by_global_norm(c),
     accumulate(opt, k))``) would clip each micro-batch, not the accumulated gradient that
@@ -368,73 +399,63 @@ def chain(*transforms: Optimizer) -> Optimizer:
     def init(params: PyTree) -> tuple[PyTree, ...]:
         return tuple(t.init(params) for t in transforms)
 
-    def run(
-        grads: PyTree,
-        state: tuple[PyTree, ...],
-        params: PyTree,
-        owned: Sequence[torch.Tensor],
-        found_inf: torch.Tensor | None = None,
-    ) -> tuple[PyTree, tuple[PyTree, ...]]:
+    def prepare(grads: PyTree, state: tuple[PyTree, ...], params: PyTree = None) -> Prepared:
         check(state)
-        new_states = []
-        for i, (t, s) in enumerate(zip(transforms, state)):
-            caps = t.capabilities
-            # only the last part writes its donated state early: after it nothing can raise
-            if found_inf is not None and i == n - 1 and caps.update_donated is not None:
-                out, s = caps.update_donated(grads, s, params, owned, found_inf)
-            elif owned and caps.update_owned is not None:
-                out, s = caps.update_owned(grads, s, params, owned)
-            else:
-                out, s = t.update(grads, s, params)
-            new_states.append(s)
-            if i < n - 1:
-                leaves = optree.tree_leaves(out, is_leaf=is_set_param, namespace=NAMESPACE)
-                if any(isinstance(x, SetParam) for x in leaves):
-                    raise ValueError(
-                        f"funcamp.chain: `transforms[{i}]` uses a low-precision mode and must "
-                        f"be the last transform, got it at position {i} of {n}"
+        parts = [prepare_update(t, grads, s, params) for t, s in zip(transforms, state)]
+
+        def run(grads: PyTree, writes: Writes) -> tuple[PyTree, tuple[PyTree, ...]]:
+            owned, new_states = writes.owned, []
+            for i, part in enumerate(parts):
+                last = i == n - 1
+                # only the last part writes a donated state: after it nothing can raise
+                out, s = part.run(grads, Writes(owned, writes.skip if last else None))
+                new_states.append(s)
+                if not last:
+                    _refuse_set_param(out, i, n)
+                    owned = (
+                        _owned_outputs(part.fresh, grads, out, s, params, owned) if owned else ()
                     )
-                owned = _owned_outputs(caps.fresh, grads, out, s, params, owned) if owned else ()
-            grads = out
-        return grads, tuple(new_states)
+                grads = out
+            return grads, tuple(new_states)
+
+        flag = any_flag([p.unusable_lr for p in parts])
+        return Prepared(flag, run, fresh=all(p.fresh for p in parts))
 
     def update(
         grads: PyTree, state: tuple[PyTree, ...], params: PyTree = None
     ) -> tuple[PyTree, tuple[PyTree, ...]]:
-        return run(grads, state, params, ())
-
-    def preflight(grads: PyTree, state: tuple[PyTree, ...], params: PyTree = None) -> Any:
         check(state)
-        flags = []
-        for t, s in zip(transforms, state):
-            if t.capabilities.preflight is not None:
-                flags.append(t.capabilities.preflight(grads, s, params))
-        return any_flag(flags)
+        new_states = []
+        for i, (t, s) in enumerate(zip(transforms, state)):
+            grads, s = t.update(grads, s, params)
+            new_states.append(s)
+            if i < n - 1:
+                _refuse_set_param(grads, i, n)
+        return grads, tuple(new_states)
 
     def rate(state: tuple[PyTree, ...]) -> Any:
         check(state)
         found = None
         for t, s in zip(transforms, state):
-            if t.capabilities.learning_rate is not None:
-                found = t.capabilities.learning_rate(s)
+            if t.learning_rate is not None:
+                found = t.learning_rate(s)
         return found
 
-    caps = [t.capabilities for t in transforms]
-    fresh = all(c.fresh for c in caps)
     for kind in (CLIPS, ACCUMULATES):
         if any(t.update in kind for t in transforms):
             kind.add(update)
-    return Optimizer(
-        init,
-        update,
-        Capabilities(
-            preflight=preflight,
-            fresh=fresh,
-            update_owned=run if fresh else None,
-            update_donated=run if fresh and caps and caps[-1].update_donated else None,
-            learning_rate=rate if any(c.learning_rate is not None for c in caps) else None,
-        ),
-    )
+    has_rate = any(t.learning_rate is not None for t in transforms)
+    return Optimizer(init, update, prepare, rate if has_rate else None)
+
+
+def _refuse_set_param(out: PyTree, i: int, n: int) -> None:
+    """A low-precision mode's updates (new params) can only come from a chain's last part."""
+    leaves = optree.tree_leaves(out, is_leaf=is_set_param, namespace=NAMESPACE)
+    if any(isinstance(x, SetParam) for x in leaves):
+        raise ValueError(
+            f"funcamp.chain: `transforms[{i}]` uses a low-precision mode and must be the last "
+            f"transform, got it at position {i} of {n}"
+        )
 
 
 def _check_clip_order(transforms: Sequence[Optimizer]) -> None:

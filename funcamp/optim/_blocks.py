@@ -9,7 +9,6 @@ maximum), to be scaled by a learning rate (``funcamp.sgd(lr)`` after it).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -120,4 +119,4 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> O
         seed=0,
     )
     # no learning rate of its own: a chain reports the one of the optimizer after it
-    return opt._replace(capabilities=dataclasses.replace(opt.capabilities, learning_rate=None))
+    return opt._replace(learning_rate=None)

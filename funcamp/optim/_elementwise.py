@@ -5,7 +5,7 @@ adds what every funcamp optimizer needs: validation of the inputs and of the sta
 the learning rate (a float, a tensor or a schedule of the step count; an unusable value skips the
 step), the step count, the empty-grads case, the state's buffers, the low-precision modes
 (master weights, Kahan, stochastic rounding), the execution path (:mod:`funcamp.optim._paths`)
-and the declared :class:`~funcamp.optim.Capabilities`.
+and its fast path (:attr:`~funcamp.Optimizer.prepare`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from funcamp._core.checks import (
     state_leaves,
 )
 from funcamp._core.context import compiling, in_transform
+from funcamp._core.donation import not_written, writing
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import (
     describe,
@@ -33,7 +34,7 @@ from funcamp._core.tree import (
     self_overlapping,
     unflatten,
 )
-from funcamp.optim._base import Capabilities, Optimizer, SetParam
+from funcamp.optim._base import Optimizer, Prepared, SetParam, Writes
 from funcamp.optim._masks import check_selects, leaf_values
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._paths import Ops, choose_ops
@@ -44,9 +45,10 @@ PyTree = Any
 Tensors = list[torch.Tensor]
 #: ``step(ops, grads, params, buffers, lr, count) -> (deltas, new_buffers)``.
 Step = Callable[..., tuple[Tensors, dict[str, Tensors]]]
-#: ``kernel(param_leaves, grad_leaves, state, lr, found_inf, mask) -> new_state | None``: an
-#: in-place fused kernel for float32 params on one CPU/CUDA device (see
-#: ``Capabilities.fused_step``); ``mask``: the weight-decay mask's flags per leaf, or None.
+#: ``kernel(param_leaves, grad_leaves, state, lr, skip, mask) -> new_state | None``: an
+#: in-place fused kernel for float32 params on one CPU/CUDA device, run on a donated state
+#: (:class:`~funcamp.optim.Writes` with ``kernels``); ``skip``: the step's skip, whose
+#: ``flag`` the kernel reads; ``mask``: the weight-decay mask's flags per leaf, or None.
 FusedKernel = Callable[[Tensors, Tensors, Any, Any, torch.Tensor, Any], Any]
 #: ``update(param_leaves, grad_leaves, state, lr, mask) -> (new param leaves, new state)``: an
 #: optimizer whose update *is* a fused kernel (``adamw(fused=True)``), run on copies.
@@ -104,8 +106,8 @@ def elementwise(
             in ``buffers`` as the tensor itself.
 
     Returns:
-        An :class:`~funcamp.Optimizer` whose state is a ``state``, with its capabilities
-        declared (a preflight check, fresh results, owned grads, a donated state).
+        An :class:`~funcamp.Optimizer` whose state is a ``state``, with its fast path
+        (``prepare``: checks first, then owned grads and a donated state) and learning rate.
 
     Example:
         >>> import torch, funcamp
@@ -185,57 +187,33 @@ def build(
     def init(params: PyTree) -> Any:
         return _init(cfg, params)
 
-    def run(
-        grads: PyTree, state: Any, params: PyTree, owned: Sequence[torch.Tensor]
-    ) -> tuple[PyTree, Any]:
-        return _run(cfg, grads, state, params, owned)
-
-    def run_donated(
-        grads: PyTree,
-        state: Any,
-        params: PyTree,
-        owned: Sequence[torch.Tensor],
-        found_inf: torch.Tensor,
-    ) -> tuple[PyTree, Any]:
-        return _run(cfg, grads, state, params, owned, found_inf)
-
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-        return _run(cfg, grads, state, params, ())
+        return _run(cfg, grads, state, params, Writes())
 
-    def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
+    def prepare(grads: PyTree, state: Any, params: PyTree = None) -> Prepared:
         if compiling():
-            # update() runs the same checks while dynamo traces, so they still raise before
+            # run() runs the same checks while dynamo traces, so they still raise before
             # anything runs; tracing them twice was a measurable part of a GPT step's trace
             # (docs/benchmarks.md, "Compile time").
             _check_state_type(cfg, state)
         else:
             _checked(cfg, grads, state, params)
-        return cfg.lr_fn(state.count)[1]
+
+        def run(grads: PyTree, writes: Writes) -> tuple[PyTree | None, Any]:
+            if writes.kernels and writes.skip is not None and kernel is not None:
+                new_state = _fused(cfg, kernel, grads, state, params, writes.skip)
+                if new_state is not None:
+                    return None, new_state
+            return _run(cfg, grads, state, params, writes)
+
+        return Prepared(cfg.lr_fn(state.count)[1], run)
 
     def rate(state: Any) -> torch.Tensor:
         _check_state_type(cfg, state)
         return _as_rate(cfg.lr_fn(state.count)[0], state.count.device)
 
-    fused_step = None
-    if fused_kernel is not None and mode is None:
-        kernel = fused_kernel
-
-        def fused_step(grads: Tensors, state: Any, params: PyTree, found_inf: torch.Tensor) -> Any:
-            return _fused(cfg, kernel, grads, state, params, found_inf)
-
-    fused = fused_update is not None  # its update is the kernel: no in-place variants of it
-    return Optimizer(
-        init,
-        update,
-        Capabilities(
-            preflight=preflight,
-            fresh=True,
-            update_owned=None if fused else run,
-            update_donated=None if fused else run_donated,
-            fused_step=fused_step,
-            learning_rate=rate,
-        ),
-    )
+    kernel = fused_kernel if mode is None else None
+    return Optimizer(init, update, prepare, rate)
 
 
 def _as_rate(lr: Any, device: torch.device) -> torch.Tensor:
@@ -350,19 +328,18 @@ def _run(
     grads: PyTree,
     state: Any,
     params: PyTree,
-    owned: Sequence[torch.Tensor],
-    found_inf: torch.Tensor | None = None,
+    writes: Writes,
 ) -> tuple[PyTree, Any]:
-    """``update`` (``owned``: grads the caller donated, which the eager path may overwrite;
-    ``found_inf``: the state is donated too, and its buffers receive their new values as the
-    algorithm keeps them, where not ``found_inf``)."""
+    """``update``, writing what ``writes`` allows (the eager path may overwrite its owned
+    grads; with a skip, the donated state's buffers receive their new values as the algorithm
+    keeps them)."""
     api = cfg.api
     gs, ps, spec = _checked(cfg, grads, state, params)
     count = state.count
     if not gs:
         return unflatten(spec, []), state._replace(count=count + 1)
     lr = cfg.lr_fn(count)[0]
-    if cfg.fused_update is not None:
+    if cfg.fused_update is not None:  # the update is a kernel on copies: it writes nothing
         return _run_fused(cfg, gs, ps, spec, state, params, lr)
     bufs = {b: state_leaves(api, b, getattr(state, b), spec) for b in cfg.names}
     low_leaves = optree.tree_leaves(state.low)
@@ -370,10 +347,10 @@ def _run(
     scalars = [getattr(state, b) for b, _ in cfg.scalars]
     ops: Ops = choose_ops(
         [*gs, *(ps or ()), *buf_leaves, *low_leaves, *scalars, count, lr],
-        owned=_owned_grads(gs, owned),
+        owned=_owned_grads(gs, writes.owned),
         device=gs[0].device,
         donated=buf_leaves,
-        found_inf=found_inf,
+        skip=writes.skip,
     )
     g = ops.to_math(gs)
     bufs.update((b, x) for (b, _), x in zip(cfg.scalars, scalars))
@@ -394,18 +371,18 @@ def _run(
 def _fused(
     cfg: _Config,
     kernel: FusedKernel,
-    grads: Tensors,
+    grads: PyTree,
     state: Any,
     params: PyTree,
-    found_inf: torch.Tensor,
+    skip: Any,
 ) -> Any:
     """The fused in-place kernel, where it applies: contiguous float32 params and buffers of
     the params' shapes on one device (checked per step, after the caller's checks, so cheap;
-    compiled, on the traced metadata, where the caller's preflight does not check the state's
+    compiled, on the traced metadata, where ``prepare`` does not check the state's
     shapes: a kernel reading flat arrays must never see a short buffer); None elsewhere. The
     grads are inputs only: a non-contiguous one (``torch.func.grad`` of ``x @ w.t()``) is read
     through a contiguous copy."""
-    ps = flatten(params)[0]
+    ps, grads = flatten(params)[0], flatten(grads)[0]
     if not ps or len(grads) != len(ps):
         return None
     for x in ps:  # a float32 tensor is a floating one
@@ -416,7 +393,12 @@ def _fused(
         if p.get_device() != device:
             return None
     for p, g in zip(ps, grads):
-        if g.dtype != torch.float32 or g.shape != p.shape or g.get_device() != device:
+        if (
+            not isinstance(g, torch.Tensor)
+            or g.dtype != torch.float32
+            or g.shape != p.shape
+            or g.get_device() != device
+        ):
             return None
     for name in cfg.names:  # the kernel writes the buffers too
         leaves = flatten(getattr(state, name))[0]
@@ -429,7 +411,14 @@ def _fused(
                 return None
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     mask = None if cfg.mask is None else mask_flags(cfg.api, cfg.mask, params)
-    return kernel(ps, grads, state, cfg.lr_fn(state.count)[0], found_inf, mask)
+    lr = cfg.lr_fn(state.count)[0]
+    # the kernel writes the donated state (funcamp._core.donation); one that declines the
+    # leaves (returns None) wrote nothing, and the mark is taken back
+    mark = None if compiling() else writing()
+    new_state = kernel(ps, grads, state, lr, skip, mask)
+    if new_state is None:
+        not_written(mark)
+    return new_state
 
 
 def _check_fused(cfg: _Config, leaves: Tensors, spec: Any, what: str) -> int | None:

@@ -19,7 +19,13 @@ import torch
 from funcamp._core.checks import check_flag, check_int, check_real, flatten_grads
 from funcamp._core.rounding import round_nearest
 from funcamp._core.tree import NAMESPACE, describe, unflatten
-from funcamp.optim._base import Capabilities, Optimizer, apply_updates, check_optimizer
+from funcamp.optim._base import (
+    Optimizer,
+    Prepared,
+    apply_updates,
+    check_optimizer,
+    prepare_update,
+)
 from funcamp.optim._paths import choose_ops
 
 __all__ = ["EmaState", "ema_params", "with_ema"]
@@ -162,25 +168,18 @@ def with_ema(
         averaged = state.averaged + applies.to(torch.int32)
         return updates, EmaState(inner, state.count + 1, averaged, unflatten(spec, new))
 
-    inner_caps = optimizer.capabilities
-
-    def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
-        if inner_caps.preflight is None:
-            return None
-        return inner_caps.preflight(grads, _check(state).inner, params)
+    def prepare(grads: PyTree, state: Any, params: PyTree = None) -> Prepared:
+        inner = prepare_update(optimizer, grads, _check(state).inner, params)
+        # the average is taken of new params: the plain update, whose results are as fresh
+        # as the inner optimizer's
+        return Prepared(
+            inner.unusable_lr, lambda grads, writes: update(grads, state, params), inner.fresh
+        )
 
     def rate(state: Any) -> Any:
-        return inner_caps.learning_rate(_check(state).inner)  # type: ignore[misc]
+        return optimizer.learning_rate(_check(state).inner)  # type: ignore[misc]
 
-    return Optimizer(
-        init,
-        update,
-        Capabilities(
-            preflight=preflight,
-            fresh=inner_caps.fresh,
-            learning_rate=None if inner_caps.learning_rate is None else rate,
-        ),
-    )
+    return Optimizer(init, update, prepare, None if optimizer.learning_rate is None else rate)
 
 
 def _check(state: Any) -> EmaState:

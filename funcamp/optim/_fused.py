@@ -165,7 +165,7 @@ FUSED_SGD = _define("fused_sgd_", _sgd_kernel, _nothing, "_fused_sgd_", ("params
 
 
 # --------------------------------------------------------------------------------------------
-# the optimizers' kernels (``Capabilities.fused_step`` and ``fused_update``)
+# the optimizers' kernels (in place on a donated state, and ``fused_update``)
 
 
 def _lr_args(lr: Any, device: torch.device) -> tuple[float, torch.Tensor | None]:
@@ -179,32 +179,35 @@ def _lr_args(lr: Any, device: torch.device) -> tuple[float, torch.Tensor | None]
     return float(lr), None
 
 
-def _advance(state: Any, found_inf: torch.Tensor, **buffers: Any) -> Any:
-    """The state with its count advanced (not where ``found_inf``) and ``buffers`` replaced."""
-    count = torch.where(found_inf, state.count, state.count + 1)
+def _advance(state: Any, skip: Any = None, **buffers: Any) -> Any:
+    """The state with its count advanced (kept where ``skip`` skips) and ``buffers`` replaced."""
+    count = state.count + 1
+    if skip is not None:
+        count = skip.keep(state.count, count)
     return state._replace(count=count.to(state.count.dtype), **buffers)
 
 
 def fused_sgd(weight_decay: float, maximize: bool = False) -> Any:
-    """torch's fused SGD kernel: the params updated in one pass, or not at all where found_inf
-    (read by the kernel: no host sync). Plain SGD only (weight decay and maximize allowed),
-    where it gives torch.optim.SGD's params bit for bit; with momentum the kernel's rounding
-    differs from torch.optim's foreach path. Compiled, it runs as ``funcamp::fused_sgd_``."""
+    """torch's fused SGD kernel: the params updated in one pass, or not at all where the step
+    is skipped (the kernel reads the skip's flag: no host sync). Plain SGD only (weight decay
+    and maximize allowed), where it gives torch.optim.SGD's params bit for bit; with momentum
+    the kernel's rounding differs from torch.optim's foreach path. Compiled, it runs as
+    ``funcamp::fused_sgd_``."""
     if FUSED_SGD is None:  # pragma: no cover - older torch
         return None
 
-    def kernel(ps: Tensors, grads: Tensors, state: Any, lr: Any, found_inf: Any, mask: Any) -> Any:
+    def kernel(ps: Tensors, grads: Tensors, state: Any, lr: Any, skip: Any, mask: Any) -> Any:
         device = ps[0].device
         lr_value, lr_tensor = _lr_args(lr, device)
-        found = found_inf.to(device=device, dtype=torch.float32)
+        found = skip.flag(device)
         if compiling():
             FUSED_SGD(ps, grads, lr_value, lr_tensor, weight_decay, maximize, found)
-            return _advance(state, found_inf)
+            return _advance(state, skip)
         try:  # a torch whose fused SGD has no kernel for this device raises before writing
             _sgd_kernel(ps, grads, lr_value, lr_tensor, weight_decay, maximize, found)
         except NotImplementedError:  # pragma: no cover - depends on the torch build
             return None
-        return _advance(state, found_inf)
+        return _advance(state, skip)
 
     return kernel
 
@@ -231,14 +234,13 @@ def fused_adam(
         off = [i for i, flag in zip(range(n), mask) if not flag]
         return [(idx, wd) for idx, wd in ((on, weight_decay), (off, 0.0)) if idx]
 
-    def calls(ps: Tensors, grads: Tensors, state: Any, lr: Any, found_inf: Any, mask: Any) -> Any:
+    def calls(ps: Tensors, grads: Tensors, state: Any, lr: Any, found: Any, mask: Any) -> Any:
         """``(leaf indices, the op's arguments)`` for each weight-decay group."""
         device = ps[0].device
         lr_value, lr_tensor = _lr_args(lr, device)
         step = (state.count + 1).to(device=device, dtype=torch.float32)
         ms, vs = flatten(state.exp_avg)[0], flatten(state.exp_avg_sq)[0]
         xs = flatten(state.max_exp_avg_sq)[0] if amsgrad else []
-        found = found_inf.to(device=device, dtype=torch.float32)
         return [
             (idx, (
                 [ps[i] for i in idx], [grads[i] for i in idx], [ms[i] for i in idx],
@@ -248,15 +250,13 @@ def fused_adam(
             for idx, wd in groups(len(ps), mask)
         ]  # fmt: skip
 
-    def in_place(
-        ps: Tensors, grads: Tensors, state: Any, lr: Any, found_inf: Any, mask: Any
-    ) -> Any:
-        for _, args in calls(ps, grads, state, lr, found_inf, mask):
+    def in_place(ps: Tensors, grads: Tensors, state: Any, lr: Any, skip: Any, mask: Any) -> Any:
+        for _, args in calls(ps, grads, state, lr, skip.flag(ps[0].device), mask):
             FUSED_ADAM(*args)
-        return _advance(state, found_inf)
+        return _advance(state, skip)
 
     def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
-        no_inf = torch.zeros((), dtype=torch.bool, device=state.count.device)
+        no_inf = torch.zeros((), dtype=torch.float32, device=ps[0].device)
         ms, spec = flatten(state.exp_avg)
         new_ps, new_ms, new_vs = list(ps), list(ms), flatten(state.exp_avg_sq)[0]
         new_xs = flatten(state.max_exp_avg_sq)[0] if amsgrad else []
@@ -270,6 +270,6 @@ def fused_adam(
         buffers = {"exp_avg": unflatten(spec, new_ms), "exp_avg_sq": unflatten(spec, new_vs)}
         if amsgrad:
             buffers["max_exp_avg_sq"] = unflatten(spec, new_xs)
-        return new_ps, _advance(state, no_inf, **buffers)
+        return new_ps, _advance(state, **buffers)
 
     return in_place, copies

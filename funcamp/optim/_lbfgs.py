@@ -25,7 +25,7 @@ from funcamp._core.checks import (
     learning_rate_fn,
 )
 from funcamp._core.tree import describe, unflatten
-from funcamp.optim._base import Capabilities, Optimizer, SetParam
+from funcamp.optim._base import Optimizer, SetParam
 from funcamp.optim._states import LbfgsState
 
 __all__ = ["lbfgs"]
@@ -188,7 +188,7 @@ def lbfgs(
         lr = lr_fn(state.count)[0]
         return lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, device=state.count.device)
 
-    return Optimizer(init, update, Capabilities(learning_rate=rate))
+    return Optimizer(init, update, learning_rate=rate)
 
 
 def _lr(lr: Any) -> Any:

@@ -199,4 +199,4 @@ def muon(
                 )
         return opt.init(params)
 
-    return Optimizer(init, opt.update, opt.capabilities)
+    return opt._replace(init=init)

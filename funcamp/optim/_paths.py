@@ -36,7 +36,7 @@ import torch
 from funcamp._core.context import compiling, dual_level_active, plain_eager_tensors, tracks_grad
 from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype, f32, hoist_scalar, math_dtype, spread
-from funcamp._core.tree import where_into
+from funcamp.optim._base import SkipWrites
 from funcamp.optim._numerics import EXACT_SQRT, FUSED_FMA, exact_sqrt, plain_exact_sqrt
 
 __all__ = ["EagerOps", "Ops", "TracedOps", "choose_ops"]
@@ -161,9 +161,9 @@ class Ops:
         """Mark ``xs`` as kept (it goes into the new state): never written into afterwards.
 
         ``replaces``: the state buffer whose new value ``xs`` is. On a donated eager step (the
-        caller gave up its state, see :class:`~funcamp.optim.Capabilities`' ``update_donated``)
-        the new values are written into that buffer at once -- ``where(found_inf, old, new)``,
-        so a skipped step leaves it bit-identical -- and the buffer is returned, leaving
+        caller gave up its state: :class:`~funcamp.optim.Writes`' ``skip``) the new values are
+        written into that buffer at once through ``skip.write`` (a skipped step leaves it
+        bit-identical), and the buffer is returned, leaving
         ``xs`` dead (free for ``into=``). Use only the returned list afterwards, never
         ``replaces``, and call it once nothing that can raise is left. Elsewhere ``xs`` is
         returned."""
@@ -240,18 +240,17 @@ class EagerOps(Ops):
         device: torch.device,
         owned: Iterable[torch.Tensor] = (),
         donated: Iterable[torch.Tensor] = (),
-        found_inf: torch.Tensor | None = None,
+        skip: SkipWrites | None = None,
     ) -> None:
         super().__init__(device)
         # Weak references: temporaries die as soon as the algorithm drops them, and a dead
         # one's id reused by another tensor is not mistaken for it.
         self._owned: dict[int, weakref.ref[torch.Tensor]] = {}
         self._own(owned)
-        # A donated state: its buffers receive their new values in `kept` (selected by
-        # `found_inf`); `_apply` is `not found_inf`, `_masks` the bit masks of that select.
-        self._donated = {id(x): x for x in donated} if found_inf is not None else {}
-        self._apply = None if found_inf is None else ~found_inf
-        self._masks: dict[torch.dtype, torch.Tensor] = {}
+        # A donated state: its buffers receive their new values in `kept`, through the
+        # step's skip (which keeps the old values where the step overflowed).
+        self._donated = {id(x): x for x in donated} if skip is not None else {}
+        self._skip = skip
 
     def _own(self, xs: Iterable[torch.Tensor]) -> None:
         for x in xs:
@@ -276,11 +275,11 @@ class EagerOps(Ops):
         return out
 
     def kept(self, xs: Tensors, replaces: Tensors | None = None) -> Tensors:
-        apply = self._apply
-        if apply is not None and replaces is not None and self._commits(xs, replaces):
+        skip = self._skip
+        if skip is not None and replaces is not None and self._commits(xs, replaces):
             writing()  # the first write into a donated state (funcamp._core.donation)
-            for old, new in zip(replaces, xs):  # old = where(found_inf, old, new), in place
-                where_into(apply.to(old.device), new, old, self._masks)
+            skip.write(replaces, xs)
+            for old in replaces:
                 self._donated.pop(id(old))  # written once
             return replaces
         for x in xs:
@@ -469,18 +468,18 @@ def choose_ops(
     owned: Sequence[torch.Tensor] = (),
     device: Any = None,
     donated: Sequence[torch.Tensor] = (),
-    found_inf: torch.Tensor | None = None,
+    skip: SkipWrites | None = None,
 ) -> Ops:
     """The execution path for one update whose input tensors are ``tensors`` (grads, params,
-    state leaves, the learning rate): :class:`EagerOps` when :func:`plain_eager_tensors` holds (owning
-    ``owned``, grads donated by the caller; with ``found_inf``, the state buffers ``donated``
+    state leaves, the learning rate): :class:`EagerOps` when :func:`plain_eager_tensors` holds
+    (owning ``owned``, grads donated by the caller; with ``skip``, the state buffers ``donated``
     receive their new values in :meth:`Ops.kept`), else :class:`TracedOps`.
     """
     if device is None:
         first = next((x for x in tensors if isinstance(x, torch.Tensor)), None)
         device = first.device if first is not None else torch.device("cpu")
     if plain_eager_tensors(tensors):
-        if found_inf is not None and not plain_eager_tensors([found_inf]):
-            found_inf = None  # then the caller selects and writes the new state itself
-        return EagerOps(device, owned, donated, found_inf)
+        if skip is not None and not plain_eager_tensors([skip.found_inf]):
+            skip = None  # then the caller selects and writes the new state itself
+        return EagerOps(device, owned, donated, skip)
     return TracedOps(device, fused=compiling())

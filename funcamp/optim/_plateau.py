@@ -11,7 +11,13 @@ import torch
 
 from funcamp._core.checks import check_int, check_real
 from funcamp._core.tree import NAMESPACE, describe
-from funcamp.optim._base import Capabilities, Optimizer, SetParam, check_optimizer
+from funcamp.optim._base import (
+    Optimizer,
+    Prepared,
+    SetParam,
+    check_optimizer,
+    prepare_update,
+)
 
 __all__ = ["PlateauState", "plateau_step", "reduce_on_plateau"]
 
@@ -102,7 +108,7 @@ def reduce_on_plateau(
     """
     api = "optim.reduce_on_plateau"
     check_optimizer(api, "optimizer", optimizer)
-    rate = optimizer.capabilities.learning_rate
+    rate = optimizer.learning_rate
     if rate is None:
         raise ValueError(
             f"funcamp.{api}: `optimizer` must declare a learning rate (sgd, adam, adamw, ...), "
@@ -169,22 +175,18 @@ def reduce_on_plateau(
         )
         return updates, state._replace(inner=inner, lr=inner_lr(inner))
 
-    def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
-        caps = optimizer.capabilities
-        if caps.preflight is None:
-            return None
-        return caps.preflight(grads, check(state).inner, params)
+    def prepare(grads: PyTree, state: Any, params: PyTree = None) -> Prepared:
+        inner = prepare_update(optimizer, grads, check(state).inner, params)
+        return Prepared(
+            inner.unusable_lr, lambda grads, writes: update(grads, state, params), inner.fresh
+        )
 
     def learning_rate(state: Any) -> torch.Tensor:
         state = check(state)
         return inner_lr(state.inner) * state.scale
 
     update.plateau_rule = rule  # type: ignore[attr-defined]  # read by plateau_step
-    return Optimizer(
-        init,
-        update,
-        Capabilities(preflight=preflight, fresh=True, learning_rate=learning_rate),
-    )
+    return Optimizer(init, update, prepare, learning_rate)
 
 
 def plateau_step(optimizer: Optimizer, opt_state: Any, value: Any) -> Any:

@@ -14,7 +14,7 @@ import torch
 
 from funcamp._core.checks import check_flag, check_number, flatten_grads
 from funcamp._core.tree import describe, unflatten
-from funcamp.optim._base import Capabilities, Optimizer
+from funcamp.optim._base import Optimizer, Prepared
 from funcamp.optim._elementwise import build
 from funcamp.optim._paths import Ops, choose_ops
 
@@ -136,7 +136,7 @@ def _beta(api: str, name: str, value: Any) -> Any:
 
 def _stateless(api: str, fn: Callable[[Ops, Tensors, PyTree, PyTree], Tensors]) -> Optimizer:
     """A gradient transform with state ``()``: the new grads' leaves are
-    ``fn(ops, leaves, grads, params)``; ``update_owned`` runs it on grads it may write into."""
+    ``fn(ops, leaves, grads, params)``; its prepared run may write into grads it owns."""
 
     def init(params: PyTree) -> tuple[()]:
         return ()
@@ -152,4 +152,7 @@ def _stateless(api: str, fn: Callable[[Ops, Tensors, PyTree, PyTree], Tensors]) 
     def update(grads: PyTree, state: tuple[()], params: PyTree = None) -> tuple[PyTree, Any]:
         return run(grads, state, params, ())
 
-    return Optimizer(init, update, Capabilities(fresh=True, update_owned=run))
+    def prepare(grads: PyTree, state: tuple[()], params: PyTree = None) -> Prepared:
+        return Prepared(None, lambda grads, writes: run(grads, state, params, writes.owned))
+
+    return Optimizer(init, update, prepare)

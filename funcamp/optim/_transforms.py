@@ -23,10 +23,12 @@ from funcamp.optim._accumulate import AccumulateState, accumulate, accumulate_ap
 from funcamp.optim._base import (
     ACCUMULATES,
     CLIPS,
-    Capabilities,
     Optimizer,
+    Prepared,
+    Writes,
     check_optimizer,
     learning_rate,
+    prepare_update,
 )
 from funcamp.optim._masks import check_selects, leaf_values
 from funcamp.optim._paths import Ops
@@ -162,7 +164,11 @@ def _param_groups(
         return gs, spec, keys, owner, unwrap(state)
 
     def run(
-        grads: PyTree, state: Any, params: PyTree, owned: Sequence[torch.Tensor]
+        grads: PyTree,
+        state: Any,
+        params: PyTree,
+        prepared: dict[str, Prepared] | None,
+        owned: Sequence[torch.Tensor],
     ) -> tuple[PyTree, Any]:
         gs, spec, keys, owner, inner = parts(grads, state, params)
         out: list[Any] = [None] * len(gs)
@@ -170,11 +176,10 @@ def _param_groups(
         for name, opt in transforms.items():
             chosen = [o == name for o in owner]
             sub_g, sub_p = _group(grads, keys, chosen), _group(params, keys, chosen)
-            caps = opt.capabilities
-            if owned and caps.update_owned is not None:
-                ups, new_inner[name] = caps.update_owned(sub_g, inner[name], sub_p, owned)
-            else:
+            if prepared is None:
                 ups, new_inner[name] = opt.update(sub_g, inner[name], sub_p)
+            else:
+                ups, new_inner[name] = prepared[name].run(sub_g, Writes(owned))
             flat = _group_updates(api, name, ups, [k for k, c in zip(keys, chosen) if c])
             for i, c in enumerate(chosen):
                 if c:
@@ -185,17 +190,21 @@ def _param_groups(
         return unflatten(spec, out), wrap(new_inner)
 
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-        return run(grads, state, params, ())
+        return run(grads, state, params, None, ())
 
-    def preflight(grads: PyTree, state: Any, params: PyTree = None) -> Any:
+    def prepare(grads: PyTree, state: Any, params: PyTree = None) -> Prepared:
         _, _, keys, owner, inner = parts(grads, state, params)
-        flags = []
+        prepared = {}
         for name, opt in transforms.items():
-            if opt.capabilities.preflight is not None:
-                chosen = [o == name for o in owner]
-                sub_g, sub_p = _group(grads, keys, chosen), _group(params, keys, chosen)
-                flags.append(opt.capabilities.preflight(sub_g, inner[name], sub_p))
-        return any_flag(flags)
+            chosen = [o == name for o in owner]
+            sub_g, sub_p = _group(grads, keys, chosen), _group(params, keys, chosen)
+            prepared[name] = prepare_update(opt, sub_g, inner[name], sub_p)
+
+        def go(grads: PyTree, writes: Writes) -> tuple[PyTree, Any]:
+            return run(grads, state, params, prepared, writes.owned)
+
+        flag = any_flag([p.unusable_lr for p in prepared.values()])
+        return Prepared(flag, go, all(p.fresh for p in prepared.values()))
 
     def rate(state: Any) -> Any:
         inner = unwrap(state)
@@ -203,20 +212,10 @@ def _param_groups(
         rates = {name: r for name, r in rates.items() if r is not None}
         return rates.get(single) if single is not None else rates or None
 
-    fresh = all(t.capabilities.fresh for t in transforms.values())
-    has_rate = any(t.capabilities.learning_rate is not None for t in transforms.values())
+    has_rate = any(t.learning_rate is not None for t in transforms.values())
     if any(t.update in ACCUMULATES for t in transforms.values()):
         ACCUMULATES.add(update)
-    return Optimizer(
-        init,
-        update,
-        Capabilities(
-            preflight=preflight,
-            fresh=fresh,
-            update_owned=run if fresh else None,
-            learning_rate=rate if has_rate else None,
-        ),
-    )
+    return Optimizer(init, update, prepare, rate if has_rate else None)
 
 
 def _group_updates(api: str, name: str, updates: Any, keys: list[str]) -> dict[str, Any]:

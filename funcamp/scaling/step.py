@@ -12,27 +12,26 @@ import torch
 from funcamp._core.checks import check_flag, check_grads_match
 from funcamp._core.collectives import Across, any_across, summing_across
 from funcamp._core.context import compiling, plain_eager_tensors
-from funcamp._core.donation import not_written, writing
+from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype
 from funcamp._core.tree import (
-    BITS,
-    describe,
     flatten,
     insertion_order,
-    plan_select_write,
     plan_write,
-    select_into,
     sharing_memory,
     storage_key,
-    tree_select,
     unflatten,
 )
 from funcamp.optim._accumulate import accumulation_window, close_window, reporting_accumulated
 from funcamp.optim._base import (
     Optimizer,
+    Prepared,
+    Writes,
     apply_updates,
     apply_updates_owned,
+    check_optimizer,
     exclusive,
+    prepare_update,
     update_tensors,
 )
 from funcamp.scaling.ops import (
@@ -42,6 +41,7 @@ from funcamp.scaling.ops import (
     refill,
     unscale_leaves,
 )
+from funcamp.scaling.skip import Skip
 from funcamp.scaling.state import ScalerState, check_scaler
 
 __all__ = ["StepInfo", "unscale_and_step"]
@@ -67,53 +67,6 @@ class StepInfo(NamedTuple):
 
     found_inf: torch.Tensor
     grad_norm: torch.Tensor | None
-
-
-_TINY = float.fromhex("0x1p-1074")  # the smallest float64 subnormal
-
-_NEGATIVE_ZERO = -0.0
-
-
-def _adds_negative_zero_exactly() -> bool:
-    """False when the CPU flushes subnormals (``torch.set_flush_denormal(True)`` sets the
-    thread's DAZ/FTZ flags, which Python's own float arithmetic obeys too), where ``p + -0.0`` is
-    not ``p``. Plain Python floats held in variables: no tensor, no host sync, no constant
-    folding."""
-    return _TINY + _NEGATIVE_ZERO != 0.0
-
-
-def _skip_mask(found_inf: torch.Tensor) -> Callable[[torch.Tensor], bool]:
-    """Returns ``mask(delta)``, which turns an owned float32/float64 delta into ``-0.0``
-    everywhere when ``found_inf`` (and leaves it alone otherwise), in place and without a host
-    sync: on the integer view, ``min(bits, cap)`` with a 0-d ``cap`` that is the smallest
-    integer (the bits of ``-0.0``) when ``found_inf`` and the largest otherwise. Then
-    ``p + delta`` is the new param, or ``p`` itself (``p + -0.0 == p`` bit for bit, signed zeros
-    and infinities included), so the skip-step select costs one cheap vectorized pass over the
-    delta instead of a ``torch.where`` pass over both trees (a slower, scalar loop on CPU:
-    docs/benchmarks.md, "The eager Adam step"). Declines (returns False, and the caller selects
-    with ``torch.where``) for CPU tensors while subnormals are flushed. A signaling-NaN param (torch never makes one)
-    would come back quiet from a skipped step.
-    """
-    caps: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-    cpu_exact: list[bool] = []
-
-    def mask(delta: torch.Tensor) -> bool:
-        int_dtype = BITS.get(delta.dtype)  # deltas owned here are float32/float64
-        if int_dtype is None:
-            return False
-        if delta.device.type == "cpu":
-            if not cpu_exact:
-                cpu_exact.append(_adds_negative_zero_exactly())
-            if not cpu_exact[0]:
-                return False
-        key = (delta.device, int_dtype)
-        if key not in caps:
-            info = torch.iinfo(int_dtype)
-            caps[key] = torch.where(found_inf.to(delta.device), info.min, info.max).to(int_dtype)
-        delta.view(int_dtype).clamp_max_(caps[key])
-        return True
-
-    return mask
 
 
 def _in_order(grads: Any, idx: list[int], out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -225,12 +178,13 @@ def unscale_and_step(
         tensor([0., 1.])
     """
     api = "unscale_and_step"
-    caps, flat = _check_step_args(api, state, optimizer, grads, params, donate_grads, donate_state)
+    flat = _check_step_args(api, state, optimizer, grads, params, donate_grads, donate_state)
     check_flag(api, "grad_norm", grad_norm)
     # Everything that can refuse these inputs runs before the grads are touched (donated grads
-    # are unscaled in place) and before anything is written (donate_state): the optimizer state
-    # is checked against the params, and the learning rate evaluated, here.
-    bad_lr = None if caps.preflight is None else caps.preflight(grads, opt_state, params)
+    # are unscaled in place) and before anything is written (donate_state): the optimizer
+    # prepares its update here (its state checked against the params, its learning rate read).
+    prepared = prepare_update(optimizer, grads, opt_state, params)
+    bad_lr = prepared.unusable_lr
     if donate_state and not compiling():
         shared = sharing_memory({"params": params, "opt_state": opt_state})
         if shared is not None:
@@ -298,7 +252,7 @@ def unscale_and_step(
                 accumulated.append(_global_norm(avg, state.scale.device, kernels))
 
     params_out, opt_state_out = _step(
-        optimizer, caps, unscaled, opt_state, params, skip, out, taken,
+        prepared, unscaled, opt_state, params, Skip(skip), out, taken,
         kernels=kernels, traced=traced, eager=eager, donate_state=donate_state, across=across,
         report=report,
     )  # fmt: skip
@@ -324,12 +278,11 @@ def _window_flags(
 
 
 def _step(
-    optimizer: Optimizer,
-    caps: Any,
+    prepared: Prepared,
     unscaled: PyTree,
     opt_state: PyTree,
     params: PyTree,
-    skip: torch.Tensor,
+    skip: Skip,
     out: list[torch.Tensor],
     taken: set[int | None],
     *,
@@ -340,35 +293,48 @@ def _step(
     across: Across | None,
     report: Callable[[list[torch.Tensor]], None] | None,
 ) -> tuple[PyTree, PyTree]:
-    """The update on the path chosen, skipped where ``skip``: ``(params, opt_state)``."""
-    if (
-        kernels
-        and donate_state
-        and caps.fused_step is not None
-        and (not traced or fused_unscale(flatten(params)[0]))
-    ):
-        # the kernel writes the donated state (funcamp._core.donation); a kernel that declines
-        # the leaves (returns None) wrote nothing, and the mark is taken back
-        mark = writing() if not traced else None
-        new_state = caps.fused_step(out, opt_state, params, skip)
-        if new_state is not None:
-            return params, new_state
-        not_written(mark)
+    """The update on the path chosen, skipped through ``skip``: ``(params, opt_state)``.
+
+    Eager, the unscaled grads ``out`` are this step's own (or donated): the update may
+    overwrite them, and a ``fresh`` update's new tensors are reused in place. With
+    ``donate_state`` the update may write its new buffers into the old ones (and torch's fused
+    kernels the params too, on plain tensors); the rest is selected and written here, both
+    trees matched before either is written: all or nothing."""
+    writes = Writes(
+        out if eager else (),
+        skip if donate_state else None,
+        kernels and donate_state and (not traced or fused_unscale(flatten(params)[0])),
+    )
     with summing_across(across), reporting_accumulated(report):
-        if eager:
-            params_out, opt_state_out = _step_eager(
-                optimizer, unscaled, opt_state, params, skip, taken, out, donate_state
-            )
-        elif donate_state:
-            return _step_traced_donated(optimizer, unscaled, opt_state, params, skip)
-        else:
-            params_out, opt_state_out = _step_traced(optimizer, unscaled, opt_state, params, skip)
+        updates, new_opt_state = prepared.run(unscaled, writes)
+    if updates is None:  # a fused kernel updated the donated params and state in place
+        return params, new_opt_state
+    if not eager:
+        new_params = apply_updates(params, updates)
+        if donate_state:
+            write_params = skip.plan_write(params, new_params)
+            write_opt_state = skip.plan_write(opt_state, new_opt_state)
+            return write_params(), write_opt_state()
+        return skip.select(params, new_params), skip.select(opt_state, new_opt_state)
+    owned = None
+    if prepared.fresh:  # each new tensor that shares memory with no input is ours to reuse
+        made = update_tensors(updates) + update_tensors(new_opt_state)
+        if plain_eager_tensors(made):
+            ours = {id(x) for x, ok in zip(made, exclusive(made, [])) if ok}
+
+            def owned(x: torch.Tensor) -> bool:
+                return id(x) in ours and storage_key(x) not in taken
+
+    # a delta receives its new param after the skip's mask, a new state leaf its selection
+    new_params, fresh, done = apply_updates_owned(
+        params, updates, owned, skip.mask_delta if owned is not None else None
+    )
+    params_out = skip.select(params, new_params, lambda x: id(x) in fresh, lambda x: id(x) in done)
+    opt_state_out = skip.select(opt_state, new_opt_state, owned or (lambda x: False))
     if donate_state:
-        # Both trees are matched before either is written: all or nothing.
         write_params = plan_write(params_out, params)
         write_opt_state = plan_write(opt_state_out, opt_state)
-        if not traced:
-            writing()
+        writing()
         params_out, opt_state_out = write_params(), write_opt_state()
     return params_out, opt_state_out
 
@@ -381,83 +347,11 @@ def _check_step_args(
     params: PyTree,
     donate_grads: Any,
     donate_state: Any,
-) -> tuple[Any, tuple[list[Any], Any]]:
-    """Validate :func:`unscale_and_step`'s arguments; returns the optimizer's capabilities and
-    the grads flattened (leaves, treespec)."""
+) -> tuple[list[Any], Any]:
+    """Validate :func:`unscale_and_step`'s arguments; returns the grads flattened (leaves,
+    treespec)."""
     check_scaler(api, state)
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"funcamp.{api}: `optimizer` must be a funcamp.Optimizer, got {describe(optimizer)}"
-        )
+    check_optimizer(api, "optimizer", optimizer)
     check_flag(api, "donate_grads", donate_grads)
     check_flag(api, "donate_state", donate_state)
-    return optimizer.capabilities, check_grads_match(api, grads, params)
-
-
-def _step_traced(
-    optimizer: Optimizer, unscaled: PyTree, opt_state: PyTree, params: PyTree, found_inf: Any
-) -> tuple[PyTree, PyTree]:
-    """The traced path: update, apply and select, all pure."""
-    updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
-    new_params = apply_updates(params, updates)
-    return (
-        tree_select(found_inf, params, new_params),
-        tree_select(found_inf, opt_state, new_opt_state),
-    )
-
-
-def _step_traced_donated(
-    optimizer: Optimizer, unscaled: PyTree, opt_state: PyTree, params: PyTree, found_inf: Any
-) -> tuple[PyTree, PyTree]:
-    """The traced path with a donated state: update and apply, then the selection written into
-    the old params and state (both trees matched before either is written: all or nothing),
-    which come back holding the new values."""
-    updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
-    new_params = apply_updates(params, updates)
-    write_params = plan_select_write(found_inf, new_params, params)
-    write_opt_state = plan_select_write(found_inf, new_opt_state, opt_state)
-    return write_params(), write_opt_state()
-
-
-def _step_eager(
-    optimizer: Optimizer,
-    unscaled: PyTree,
-    opt_state: PyTree,
-    params: PyTree,
-    found_inf: torch.Tensor,
-    taken: set[int | None],
-    grads: list[torch.Tensor],
-    donate_state: bool,
-) -> tuple[PyTree, PyTree]:
-    """The eager path: the unscaled ``grads`` are this step's own (or donated), so an optimizer
-    that declares ``update_owned`` may overwrite them (and with ``donate_state``, one that
-    declares ``update_donated`` writes its new buffers into the old ones, selected by
-    ``found_inf``: those leaves come back as the very tensors of ``opt_state``); one that
-    declares ``fresh`` returns only new tensors or its inputs' leaves, so each new tensor that
-    shares memory with no input and no other output is ours to reuse: a delta receives its new
-    param (after the skip mask), a new state leaf its selection."""
-    caps = optimizer.capabilities
-    if donate_state and caps.update_donated is not None:
-        updates, new_opt_state = caps.update_donated(unscaled, opt_state, params, grads, found_inf)
-    elif caps.update_owned is not None:
-        updates, new_opt_state = caps.update_owned(unscaled, opt_state, params, grads)
-    else:
-        updates, new_opt_state = optimizer.update(unscaled, opt_state, params)
-    owned = None
-    if caps.fresh:
-        made = update_tensors(updates) + update_tensors(new_opt_state)
-        if plain_eager_tensors(made):
-            ours = {id(x) for x, ok in zip(made, exclusive(made, [])) if ok}
-            taken_now = taken
-
-            def owned(x: torch.Tensor) -> bool:
-                return id(x) in ours and storage_key(x) not in taken_now
-
-    new_params, fresh, done = apply_updates_owned(
-        params, updates, owned, _skip_mask(found_inf) if owned is not None else None
-    )
-    params_out = select_into(
-        found_inf, params, new_params, lambda x: id(x) in fresh, lambda x: id(x) in done
-    )
-    opt_state_out = select_into(found_inf, opt_state, new_opt_state, owned or (lambda x: False))
-    return params_out, opt_state_out
+    return check_grads_match(api, grads, params)

@@ -44,6 +44,7 @@ from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
+from funcamp.scaling.skip import Skip
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
 from funcamp.train.compiling import rounds_casts
@@ -268,7 +269,7 @@ def _apply_step(
     if window is not None:  # GradScaler's recipe: one update per optimizer step, not micro-step
         new_scaler = tree_select(window.applies, new_scaler, state.scaler)
     if fp8_stateful:  # a skipped step keeps the FP8 state, as it keeps the params
-        new_fp8 = tree_select(found_inf, state.fp8, new_fp8)
+        new_fp8 = Skip(found_inf).select(state.fp8, new_fp8)
     if write_buffers is not None:
         if not compiling():  # each first write marks the state the wrapper armed
             donation.writing()  # (compiled: marked before the call)

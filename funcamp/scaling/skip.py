@@ -1,0 +1,123 @@
+"""Skipping an overflowed step: :class:`Skip`, the one place funcamp keeps the old values.
+
+Every path of :func:`funcamp.unscale_and_step` skips through one :class:`Skip`: the pure path
+selects trees, the eager path masks its deltas and selects into its temporaries, a donated
+state has each new buffer written into the old one, torch's fused kernels read the flag
+themselves, and the train step keeps its FP8 state with it. Optimizers receive it through
+:class:`funcamp.optim.Writes` and never read ``found_inf`` themselves. Changing how a step is
+skipped means changing this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from funcamp._core.tree import BITS, plan_select_write, select_into, where_into
+from funcamp.scaling.state import check_found_inf
+
+__all__ = ["Skip"]
+
+PyTree = Any
+
+_TINY = float.fromhex("0x1p-1074")  # the smallest float64 subnormal
+_NEGATIVE_ZERO = -0.0
+
+
+def _adds_negative_zero_exactly() -> bool:
+    """False when the CPU flushes subnormals (``torch.set_flush_denormal(True)`` sets the
+    thread's DAZ/FTZ flags, which Python's own float arithmetic obeys too), where ``p + -0.0`` is
+    not ``p``. Plain Python floats held in variables: no tensor, no host sync, no constant
+    folding."""
+    return _TINY + _NEGATIVE_ZERO != 0.0
+
+
+class Skip:
+    """Keep the old value where the step overflowed, else the new one.
+
+    ``found_inf`` is a 0-d bool tensor; nothing here syncs with the host. Each method is one
+    way of applying that rule; all give the old values bit for bit on a skipped step.
+
+    Args:
+        found_inf: 0-d bool tensor, True when the step is skipped.
+
+    Example:
+        >>> import torch
+        >>> from funcamp.scaling.skip import Skip
+        >>> skip = Skip(torch.tensor(True))
+        >>> skip.select({"w": torch.zeros(2)}, {"w": torch.ones(2)})
+        {'w': tensor([0., 0.])}
+        >>> old = [torch.zeros(2)]
+        >>> skip.write(old, [torch.ones(2)])[0]
+        tensor([0., 0.])
+    """
+
+    def __init__(self, found_inf: torch.Tensor) -> None:
+        check_found_inf("Skip", found_inf)
+        self.found_inf = found_inf
+        self._applies: torch.Tensor | None = None
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
+        self._caps: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._cpu_exact: bool | None = None
+
+    def keep(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """One tensor: ``where(found_inf, old, new)``."""
+        return torch.where(self.found_inf.to(old.device), old, new)
+
+    def select(
+        self,
+        old: PyTree,
+        new: PyTree,
+        writable: Callable[[torch.Tensor], bool] | None = None,
+        done: Callable[[torch.Tensor], bool] | None = None,
+    ) -> PyTree:
+        """Two trees of one structure, leaf by leaf (:func:`funcamp.tree_select`). A ``new``
+        leaf for which ``writable`` holds (a temporary of the caller) receives the result in
+        place; one for which ``done`` holds already holds it."""
+        return select_into(self.found_inf, old, new, writable, done)
+
+    def write(self, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> Any:
+        """Into each old tensor, now: ``old = where(found_inf, old, new)``. Returns ``olds``."""
+        if self._applies is None:
+            self._applies = ~self.found_inf
+        for old, new in zip(olds, news):
+            where_into(self._applies.to(old.device), new, old, self._masks)
+        return olds
+
+    def plan_write(self, old: PyTree, new: PyTree) -> Callable[[], PyTree]:
+        """:meth:`write` over two trees in two phases: checked now (raising before anything is
+        written), written by the returned function, which returns ``old``."""
+        return plan_select_write(self.found_inf, new, old)
+
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """``found_inf`` as torch's fused kernels read it (float32 on ``device``): they skip
+        by themselves."""
+        return self.found_inf.to(device=device, dtype=torch.float32)
+
+    def mask_delta(self, delta: torch.Tensor) -> bool:
+        """Turn an owned float32/float64 delta into ``-0.0`` everywhere on a skipped step, in
+        place, so that ``p + delta`` is ``p`` bit for bit (signed zeros and infinities
+        included): ``min(bits, cap)`` on the integer view, with a 0-d ``cap`` that is the
+        bits of ``-0.0`` when skipped and the largest integer otherwise. One vectorized pass
+        instead of a ``torch.where`` over both trees (a scalar loop on CPU). Returns False
+        (the caller then selects) for other dtypes, and on CPU while subnormals are flushed,
+        where ``p + -0.0`` is not ``p``. A signaling-NaN param (torch never makes one) would
+        come back quiet from a skipped step."""
+        int_dtype = BITS.get(delta.dtype)
+        if int_dtype is None or int_dtype == torch.int16:
+            return False
+        if delta.device.type == "cpu":
+            if self._cpu_exact is None:
+                self._cpu_exact = _adds_negative_zero_exactly()
+            if not self._cpu_exact:
+                return False
+        key = (delta.device, int_dtype)
+        cap = self._caps.get(key)
+        if cap is None:
+            info = torch.iinfo(int_dtype)
+            found = self.found_inf.to(delta.device)
+            cap = self._caps[key] = torch.where(found, info.min, info.max).to(int_dtype)
+        delta.view(int_dtype).clamp_max_(cap)
+        return True
