@@ -452,3 +452,11 @@ def test_unscale_and_step_gives_the_same_bits_through_the_combinators(donate):
                 )
             results.append((params, state))
         _equal(*results)
+
+
+def test_removed_capabilities_say_what_replaced_them():
+    with pytest.raises(AttributeError, match="prepare"):
+        funcamp.optim.Capabilities
+    sgd = funcamp.sgd(0.1)
+    with pytest.raises(TypeError, match=r"`transforms\[0\].prepare` must be callable"):
+        funcamp.chain(funcamp.Optimizer(sgd.init, sgd.update, object()))

@@ -204,3 +204,15 @@ __all__ = [
     "step_lr",
     "with_ema",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A clear error for the removed ``Capabilities`` (see CHANGELOG.md)."""
+    if name == "Capabilities":
+        raise AttributeError(
+            "funcamp.optim.Capabilities was replaced by one fast-path hook: build "
+            "Optimizer(init, update, prepare=..., learning_rate=...), where prepare(grads, state, "
+            "params) returns a funcamp.optim.Prepared (see CHANGELOG.md); Optimizer(init, update) "
+            "needs nothing else"
+        )
+    raise AttributeError(f"module 'funcamp.optim' has no attribute {name!r}")
