@@ -645,3 +645,23 @@ def test_from_torch_muon_for_matrices_adamw_for_the_rest():
         torch_sched.step()
     want = {k: p.detach() for k, p in ref.named_parameters()}
     torch.testing.assert_close(params, want, rtol=db.RTOL, atol=db.ATOL)
+
+
+@pytest.mark.parametrize("name", ["NAdam", "RAdam", "Adamax"])
+@pytest.mark.parametrize("tensors", [(True, True), (True, False), (False, True)])
+def test_torch_foreach_refuses_the_tensor_betas_from_torch_refuses(name, tensors):
+    """from_torch's table of the tensor betas torch's foreach step fails on is torch's own
+    (torch 2.13): the step fails exactly there; the single-tensor step takes them all."""
+    cls = getattr(torch.optim, name)
+    betas = tuple(torch.tensor(b) if t else b for b, t in zip((0.9, 0.99), tensors))
+    refuses = funcamp.optim._from_torch._FOREACH_REFUSES[name]
+    fails = any(t and r for t, r in zip(tensors, refuses))
+    for foreach in (False, True):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = cls([p], lr=0.01, betas=betas, foreach=foreach)
+        p.grad = torch.ones(3)
+        if foreach and fails:
+            with pytest.raises((RuntimeError, TypeError)):
+                opt.step()
+        else:
+            opt.step()
