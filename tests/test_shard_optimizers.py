@@ -57,9 +57,9 @@ ELEMENTWISE = {
 WHOLE = {"muon": _muon, "adafactor": lambda: funcamp.adafactor(1e-2, weight_decay=0.01)}
 
 
-def _run(make, parallel, state, rank: int, world: int) -> dict:
+def _run(make, parallel, state, rank: int, world: int, compile=False) -> dict:
     step = funcamp.make_train_step(
-        ts._loss_fn, make(), ts.POLICY, parallel=parallel, compile=False, donate_state=False
+        ts._loss_fn, make(), ts.POLICY, parallel=parallel, compile=compile, donate_state=False
     )
     try:
         state, metrics = ts._train(step, state, ts._batches(STEPS), rank, world)
@@ -106,6 +106,10 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             except RuntimeError as e:  # DTensor's refusal of a plain operand, say
                 res[f"{name}_dtensor"] = {"error": str(e)}
         res["seconds"][name] = time.monotonic() - t0
+    compiled = funcamp.Compile(backend="aot_eager")  # the refusal from inside the graph
+    res["muon_compiled"] = _run(
+        _muon, fd.Sharded(mesh), fd.shard(ts._init(_muon()), mesh), rank, world, compiled
+    )
     ranks.save_results(res, out_dir, rank)
     ranks.leave()
 
@@ -145,11 +149,11 @@ def test_sharded_elementwise_optimizer_matches_one_process(runs, name):
 def test_whole_leaf_optimizers_refuse_shards_naming_the_alternatives(runs, name):
     """Under Sharded each rank would orthogonalise its own rows (Muon) or average over its own
     rows (Adafactor): wrong numbers, so every rank refuses, naming data parallelism and the
-    update on DTensors."""
+    update on DTensors (Muon's compiled step too, from inside the graph)."""
     what = {"muon": "Newton-Schulz orthogonalises whole matrices", "adafactor": "row and column"}
-    for res in runs:
-        error = res[name].get("error", "")
-        assert f"funcamp.{name}: " in error and what[name] in error, res[name]
+    for res, key in [(r, k) for r in runs for k in (name, f"{name}_compiled") if k in r]:
+        error = res[key].get("error", "")
+        assert f"funcamp.{name}: " in error and what[name] in error, res[key]
         assert "parallel=funcamp.distributed.DataParallel(group)" in error
         assert "update on DTensor params" in error
 
@@ -168,8 +172,8 @@ def test_whole_leaf_optimizers_on_dtensor_params(runs):
 
 
 def test_whole_leaf_optimizers_run_on_a_one_rank_mesh(single_rank_group):
-    """On one rank a shard is the whole leaf: Muon and Adafactor run under Sharded, eager and
-    compiled (one graph), as without a mesh bit for bit."""
+    """On one rank a shard is the whole leaf: Muon and Adafactor run under Sharded as without
+    a mesh, bit for bit."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1,))
@@ -178,6 +182,14 @@ def test_whole_leaf_optimizers_run_on_a_one_rank_mesh(single_rank_group):
         sharded = _run(make, fd.Sharded(mesh), fd.shard(ts._init(make()), mesh), 0, 1)
         assert "error" not in sharded, sharded
         assert_bitwise(sharded["state"], plain["state"])
+
+
+@pytest.mark.slow
+def test_muon_compiles_under_sharded_on_one_rank(single_rank_group):
+    """Compiled (aot_eager), the check for shards is in the one graph: no break, no refusal."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     step = funcamp.make_train_step(
