@@ -617,7 +617,8 @@ def test_tensor_betas_match_torch_optim(name, kwargs, backend):
 
 #: 0-d tensor betas as torch.optim's NAdam, RAdam and Adamax take them on their single-tensor
 #: step: both, one or the other, float64 (the bias corrections and NAdam's ``mu`` then run as
-#: tensor math in the beta's dtype), with a tensor ``lr`` too.
+#: tensor math in the beta's dtype), with a tensor ``lr`` too (with float betas as well: the
+#: step sizes are then tensor math in the lr's dtype).
 BETA_FORMS = {
     "both": lambda: {"betas": (torch.tensor(0.9), torch.tensor(0.999))},
     "b1": lambda: {"betas": (torch.tensor(0.9), 0.999)},
@@ -629,6 +630,7 @@ BETA_FORMS = {
         "betas": (torch.tensor(0.8), torch.tensor(0.99)),
         "lr": torch.tensor(0.03),
     },
+    "float_tensor_lr": lambda: {"betas": (0.8, 0.99), "lr": torch.tensor(0.03)},
 }
 BETA_OPTIONS = {
     "NAdam": {"weight_decay": 0.1, "decoupled_weight_decay": True},
@@ -692,3 +694,35 @@ def test_tensor_betas_refused_clearly(factory, beta, error, match):
     refused when the optimizer is built, naming the fix."""
     with pytest.raises(error, match=rf"funcamp\.{factory.__name__}: {match}"):
         factory(0.01, beta, 0.99)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        {"betas": (0.8, 0.99), "lr": torch.tensor(0.03)},
+        {"betas": (torch.tensor(0.8), torch.tensor(0.99)), "lr": torch.tensor(0.03)},
+        {"betas": (torch.tensor(0.8), torch.tensor(0.99)), "lr": 0.03},
+    ],
+    ids=["float_betas_tensor_lr", "tensor_betas_tensor_lr", "tensor_betas"],
+)
+@pytest.mark.parametrize("name", ["RAdam", "Adamax"])
+def test_tensor_step_sizes_bit_for_bit_over_many_steps(name, form):
+    """The step sizes torch computes as tensor math (a tensor beta's bias corrections, a tensor
+    lr's ``lr / bias_correction``), step after step: 100 steps of a small param, bit for bit
+    at every step."""
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(4, generator=gen)
+    p = torch.nn.Parameter(p0.clone())
+    copy = lambda x: x.clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+    betas = tuple(copy(b) for b in form["betas"])
+    ref = CLASSES[name]([p], lr=copy(form["lr"]), betas=betas, foreach=False)
+    opt = FACTORIES[name](form["lr"], *form["betas"])
+    params = {"w": p0.clone()}
+    state = opt.init(params)
+    for i in range(100):
+        g = torch.randn(4, generator=gen)
+        p.grad = g.clone()
+        ref.step()
+        updates, state = opt.update({"w": g}, state, params)
+        params = funcamp.apply_updates(params, updates)
+        assert torch.equal(params["w"], p.detach()), i

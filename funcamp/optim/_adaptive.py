@@ -302,6 +302,8 @@ def _adamax_step(b1: Any, b2: Any, eps: float, weight_decay: float, maximize: bo
         t = _steps(count)
         if isinstance(b1, torch.Tensor):
             neg_clr = ops.scalar(-bt.over(lr, bt.one_minus_power(bt.on(b1, t), t)))
+        elif bt.is_tensor_rate(lr):  # torch's tensor lr / a Python float: in lr's dtype
+            neg_clr = ops.scalar(-(lr / (1.0 - torch.pow(b1, t)).to(lr.dtype)))
         else:
             neg_clr = ops.scalar(-(_f64(lr) / (1.0 - torch.pow(b1, t))))
         m = ops.lerp(buffers["exp_avg"], g, w1)

@@ -74,6 +74,13 @@ def one_minus_power(b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return 1 - power(b, t)
 
 
+def is_tensor_rate(lr: Any) -> bool:
+    """Whether the learning rate is torch's tensor ``lr`` (a float32 tensor, say), whose step
+    scalars torch computes in its dtype; a Python float, or a schedule's float64 value (torch's
+    Python float), is not."""
+    return isinstance(lr, torch.Tensor) and lr.dtype != torch.float64
+
+
 def rate(lr: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.dtype]:
     """The learning rate as an operand of tensor math in ``dtype``, and the dtype the result
     takes: a Python float (or a schedule's float64 value, torch's Python float) is rounded to
@@ -90,6 +97,6 @@ def over(lr: Any, bc: torch.Tensor) -> torch.Tensor:
     """torch's ``lr / bc`` for a 0-d tensor ``bc``: ``bc.reciprocal() * lr`` for a Python float
     ``lr`` (``Tensor.__rtruediv__``), a division of tensors for a tensor ``lr``."""
     value, dtype = rate(lr, bc.dtype)
-    if isinstance(lr, torch.Tensor) and lr.dtype != torch.float64:
+    if is_tensor_rate(lr):
         return value.to(bc.device) / bc.to(dtype)
     return bc.reciprocal() * value.to(bc.device)

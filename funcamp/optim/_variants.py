@@ -50,10 +50,15 @@ def _nadam_scalars(
     c = 1.0 - 0.5 * torch.pow(0.96, t * momentum_decay)
     c_next = 1.0 - 0.5 * torch.pow(0.96, (t + 1.0) * momentum_decay)
     if not isinstance(b1, torch.Tensor):
-        lr64 = _f64(lr)
         mu, mu_next = b1 * c, b1 * c_next
         mu_product = mu_product * ops.scalar(mu)
         mp = mu_product.to(torch.float64)
+        if bt.is_tensor_rate(lr):  # torch's tensor lr: its dtype's math, Python floats rounded
+            neg_lr = -lr
+            c1 = (neg_lr * (1.0 - mu).to(lr.dtype)) / (1.0 - mp).to(lr.dtype)
+            c2 = (neg_lr * mu_next.to(lr.dtype)) / (1.0 - mp * mu_next).to(lr.dtype)
+            return bc2, mu_product, ops.scalar(c1), ops.scalar(c2)
+        lr64 = _f64(lr)
         c1 = ops.scalar(-lr64 * (1.0 - mu) / (1.0 - mp))
         c2 = ops.scalar((-lr64 * mu_next) / (1.0 - mp * mu_next))
         return bc2, mu_product, c1, c2
