@@ -226,6 +226,39 @@ CONFIGS = {
         ),
         lambda o: LRS.StepLR(o, step_size=3, gamma=0.5),
     ),
+    # tensor betas where torch's step takes them (NAdam/RAdam/Adamax: its single-tensor step,
+    # foreach=None on CPU; RAdam's foreach step a tensor b1; Adam's a beta requiring grad)
+    "nadam_tensor_betas": (
+        lambda m: torch.optim.NAdam(
+            m.parameters(),
+            lr=0.01,
+            betas=(torch.tensor(0.8), torch.tensor(0.99)),
+            weight_decay=0.1,
+        ),
+        lambda o: LRS.StepLR(o, step_size=3, gamma=0.5),
+    ),
+    "radam_tensor_b1_foreach": (
+        lambda m: torch.optim.RAdam(
+            m.parameters(), lr=0.01, betas=(torch.tensor(0.8), 0.99), foreach=True
+        ),
+        None,
+    ),
+    "adamax_tensor_betas_groups": (
+        lambda m: torch.optim.Adamax(
+            _groups(m, weight_decay=0.1),
+            lr=0.01,
+            betas=(torch.tensor(0.8, dtype=torch.float64), torch.tensor(0.9)),
+        ),
+        lambda o: LRS.LinearLR(o, start_factor=0.5, total_iters=4),
+    ),
+    "adam_tensor_betas_requiring_grad": (
+        lambda m: torch.optim.Adam(
+            m.parameters(),
+            lr=0.01,
+            betas=(torch.tensor(0.8, requires_grad=True), torch.tensor(0.99)),
+        ),
+        None,
+    ),
     # torch.optim's other optimizers: groups and schedules through each translator
     "rmsprop_groups_centered": (
         lambda m: torch.optim.RMSprop(
@@ -525,8 +558,22 @@ def test_from_torch_lbfgs_takes_the_closure_as_value_fn(line_search_fn):
             r"`optimizer` SparseAdam takes sparse gradients .* funcamp.adam",
         ),
         (
-            lambda ps: torch.optim.NAdam(ps, betas=(torch.tensor(0.9), torch.tensor(0.99))),
-            r"NAdam param group 0's `betas` holds tensors",
+            lambda ps: torch.optim.NAdam(ps, betas=(0.9, torch.tensor(0.99)), foreach=True),
+            r"NAdam param group 0's `betas` holds tensors .* foreach step fails: .*foreach=False",
+        ),
+        (
+            lambda ps: torch.optim.RAdam(ps, betas=(0.9, torch.tensor(0.99)), foreach=True),
+            r"RAdam param group 0's `betas` holds tensors .* foreach step fails",
+        ),
+        (
+            lambda ps: torch.optim.Adamax(ps, betas=(torch.tensor(0.9), 0.99), foreach=True),
+            r"Adamax param group 0's `betas` holds tensors .* foreach step fails",
+        ),
+        (
+            lambda ps: torch.optim.NAdam(
+                ps, betas=(torch.tensor(0.9, requires_grad=True), 0.99), differentiable=True
+            ),
+            r"NAdam param group 0's `betas` holds tensors that require grad .* differentiable",
         ),
         (
             lambda ps: torch.optim.RMSprop([{"params": ps, "ema_decay": 0.9}]),
@@ -537,12 +584,22 @@ def test_from_torch_lbfgs_takes_the_closure_as_value_fn(line_search_fn):
             r"Adafactor param group 0's `beta1`=0.9 has no funcamp translation",
         ),
     ],
-    ids=["sparse_adam", "nadam_tensor_betas", "rmsprop_extra_key", "adafactor_extra_key"],
+    ids=[
+        "sparse_adam",
+        "nadam_tensor_betas_foreach",
+        "radam_tensor_b2_foreach",
+        "adamax_tensor_b1_foreach",
+        "nadam_differentiable_betas",
+        "rmsprop_extra_key",
+        "adafactor_extra_key",
+    ],
 )
 def test_from_torch_refuses_other_optimizers_by_name(make, match):
     """What funcamp cannot express is refused with the option named: SparseAdam (sparse
-    gradients; funcamp.adam is the alternative), tensor betas where funcamp's optimizer takes
-    floats, and a numeric group key no translator knows (it would change the numbers)."""
+    gradients; funcamp.adam is the alternative), tensor betas where torch's own step fails on
+    them (NAdam's foreach step on either, RAdam's on b2, Adamax's on b1; torch 2.13) or
+    differentiates through them, and a numeric group key no translator knows (it would change
+    the numbers)."""
     m = _model()
     with pytest.raises(ValueError, match=r"funcamp.optim.from_torch: .*" + match):
         funcamp.optim.from_torch(make(list(m.parameters())), dict(m.named_parameters()))
@@ -588,3 +645,23 @@ def test_from_torch_muon_for_matrices_adamw_for_the_rest():
         torch_sched.step()
     want = {k: p.detach() for k, p in ref.named_parameters()}
     torch.testing.assert_close(params, want, rtol=db.RTOL, atol=db.ATOL)
+
+
+@pytest.mark.parametrize("name", ["NAdam", "RAdam", "Adamax"])
+@pytest.mark.parametrize("tensors", [(True, True), (True, False), (False, True)])
+def test_torch_foreach_refuses_the_tensor_betas_from_torch_refuses(name, tensors):
+    """from_torch's table of the tensor betas torch's foreach step fails on is torch's own
+    (torch 2.13): the step fails exactly there; the single-tensor step takes them all."""
+    cls = getattr(torch.optim, name)
+    betas = tuple(torch.tensor(b) if t else b for b, t in zip((0.9, 0.99), tensors))
+    refuses = funcamp.optim._from_torch._FOREACH_REFUSES[name]
+    fails = any(t and r for t, r in zip(tensors, refuses))
+    for foreach in (False, True):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = cls([p], lr=0.01, betas=betas, foreach=foreach)
+        p.grad = torch.ones(3)
+        if foreach and fails:
+            with pytest.raises((RuntimeError, TypeError)):
+                opt.step()
+        else:
+            opt.step()

@@ -613,3 +613,116 @@ def test_tensor_betas_match_torch_optim(name, kwargs, backend):
     _check(name, kwargs, params, state)
     if counter is not None:
         assert counter.frame_count == 1
+
+
+#: 0-d tensor betas as torch.optim's NAdam, RAdam and Adamax take them on their single-tensor
+#: step: both, one or the other, float64 (the bias corrections and NAdam's ``mu`` then run as
+#: tensor math in the beta's dtype), with a tensor ``lr`` too (with float betas as well: the
+#: step sizes are then tensor math in the lr's dtype).
+BETA_FORMS = {
+    "both": lambda: {"betas": (torch.tensor(0.9), torch.tensor(0.999))},
+    "b1": lambda: {"betas": (torch.tensor(0.9), 0.999)},
+    "b2": lambda: {"betas": (0.9, torch.tensor(0.999))},
+    "float64": lambda: {
+        "betas": (torch.tensor(0.8, dtype=torch.float64), torch.tensor(0.99, dtype=torch.float64))
+    },
+    "tensor_lr": lambda: {
+        "betas": (torch.tensor(0.8), torch.tensor(0.99)),
+        "lr": torch.tensor(0.03),
+    },
+    "float_tensor_lr": lambda: {"betas": (0.8, 0.99), "lr": torch.tensor(0.03)},
+}
+BETA_OPTIONS = {
+    "NAdam": {"weight_decay": 0.1, "decoupled_weight_decay": True},
+    "RAdam": {"weight_decay": 0.1, "maximize": True},
+    "Adamax": {"weight_decay": 0.1},
+}
+BETA_STEPS = 8  # a zero gradient leaf on step 1; RAdam rectified from step 6
+
+
+def _beta_kwargs(name: str, form: str) -> dict:
+    return {"lr": 0.03, **BETA_OPTIONS[name], **BETA_FORMS[form](), "foreach": False}
+
+
+@pytest.mark.parametrize("form", sorted(BETA_FORMS))
+@pytest.mark.parametrize("name", sorted(BETA_OPTIONS))
+def test_tensor_betas_of_nadam_radam_adamax_match_torch_bit_for_bit(name, form):
+    """funcamp's ``b1``/``b2`` take 0-d tensors as torch.optim's NAdam, RAdam and Adamax do, with
+    torch's numbers after several steps: Adamax's and RAdam's params and state bit for bit;
+    NAdam's within the suite's tolerance (its float32 square root of ``exp_avg_sq /
+    bias_correction2`` is correctly rounded, torch's not always: docs/differences.md) and its
+    ``mu_product``, all tensor math in the beta's dtype, bit for bit."""
+    kwargs = _beta_kwargs(name, form)
+    _, params, state, _ = _funcamp_run(name, kwargs, steps=BETA_STEPS)
+    _, tps, tstate = _torch_run(name, kwargs, BETA_STEPS)
+    _check(name, kwargs, params, state, BETA_STEPS)
+    expected = _expected_state(name, kwargs, tstate)
+    if name == "NAdam":
+        assert_trees_equal(state.mu_product, expected["mu_product"])
+        return
+    assert_trees_equal(params, {k: v.detach() for k, v in tps.items()})
+    for field, want in expected.items():
+        assert_trees_equal(getattr(state, field), want)
+
+
+@pytest.mark.parametrize("name", ["NAdam", pytest.param("RAdam", marks=pytest.mark.slow), "Adamax"])
+def test_tensor_betas_of_nadam_radam_adamax_compiled(name):
+    """Compiled (aot_eager, one graph over every step) the same numbers as eager."""
+    torch._dynamo.reset()
+    kwargs = _beta_kwargs(name, "both")
+    _, params, state, counter = _funcamp_run(name, kwargs, backend="aot_eager", steps=BETA_STEPS)
+    assert counter.frame_count == 1
+    _, eager, eager_state, _ = _funcamp_run(name, kwargs, steps=BETA_STEPS)
+    assert_trees_equal((params, state), (eager, eager_state))
+    _check(name, kwargs, params, state, BETA_STEPS)
+
+
+@pytest.mark.parametrize("factory", [funcamp.nadam, funcamp.radam, funcamp.adamax])
+@pytest.mark.parametrize(
+    ("beta", "error", "match"),
+    [
+        (torch.tensor([0.9]), TypeError, r"`b1` must be a float or a 0-d float32 or float64"),
+        (torch.tensor(0.9, dtype=torch.bfloat16), TypeError, r"`b1` .* 0-d float32 or float64"),
+        (torch.tensor(0.9, requires_grad=True), TypeError, r"`b1` .* without grad .* b1.detach"),
+        (torch.tensor(1.0), ValueError, r"`b1` must be .* in \[0.0, 1.0\), got 1.0"),
+    ],
+    ids=["1-d", "bfloat16", "requires_grad", "one"],
+)
+def test_tensor_betas_refused_clearly(factory, beta, error, match):
+    """What torch.optim's NAdam/RAdam/Adamax refuse (a beta of 1; a beta of another shape fails
+    in their step) and what funcamp does not take (half dtypes, a beta to differentiate) is
+    refused when the optimizer is built, naming the fix."""
+    with pytest.raises(error, match=rf"funcamp\.{factory.__name__}: {match}"):
+        factory(0.01, beta, 0.99)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        {"betas": (0.8, 0.99), "lr": torch.tensor(0.03)},
+        {"betas": (torch.tensor(0.8), torch.tensor(0.99)), "lr": torch.tensor(0.03)},
+        {"betas": (torch.tensor(0.8), torch.tensor(0.99)), "lr": 0.03},
+    ],
+    ids=["float_betas_tensor_lr", "tensor_betas_tensor_lr", "tensor_betas"],
+)
+@pytest.mark.parametrize("name", ["RAdam", "Adamax"])
+def test_tensor_step_sizes_bit_for_bit_over_many_steps(name, form):
+    """The step sizes torch computes as tensor math (a tensor beta's bias corrections, a tensor
+    lr's ``lr / bias_correction``), step after step: 100 steps of a small param, bit for bit
+    at every step."""
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(4, generator=gen)
+    p = torch.nn.Parameter(p0.clone())
+    copy = lambda x: x.clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+    betas = tuple(copy(b) for b in form["betas"])
+    ref = CLASSES[name]([p], lr=copy(form["lr"]), betas=betas, foreach=False)
+    opt = FACTORIES[name](form["lr"], *form["betas"])
+    params = {"w": p0.clone()}
+    state = opt.init(params)
+    for i in range(100):
+        g = torch.randn(4, generator=gen)
+        p.grad = g.clone()
+        ref.step()
+        updates, state = opt.update({"w": g}, state, params)
+        params = funcamp.apply_updates(params, updates)
+        assert torch.equal(params["w"], p.detach()), i

@@ -13,6 +13,8 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed.tensor as dtensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from funcamp._core.checks import (
     check_count,
@@ -31,6 +33,7 @@ from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._shared import _f64
 from funcamp.optim._states import AdafactorState
+from funcamp.optim._whole import check_whole_leaves
 
 __all__ = ["adafactor"]
 
@@ -48,6 +51,29 @@ def _shapes(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[in
     return (0,), (0,), tuple(p.shape)
 
 
+def _like(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A step scalar ``x`` (a plain 0-d tensor) as an operand of ``p``'s math: replicated on
+    ``p``'s mesh when ``p`` is a DTensor (DTensor's ops refuse plain tensors)."""
+    if not isinstance(p, DTensor):
+        return x
+    mesh = p.device_mesh
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _zeros(shape: tuple[int, ...], p: torch.Tensor) -> torch.Tensor:
+    """A zero statistic of ``shape`` for ``p``; for a DTensor ``p`` a DTensor on its mesh,
+    sharded as ``p`` along the dimensions it keeps whole and replicated along those it
+    reduces (a row mean of a row-sharded matrix is row-sharded, its column mean replicated)."""
+    dtype = math_dtype(p.dtype)
+    if not isinstance(p, DTensor):
+        return torch.zeros(shape, dtype=dtype, device=p.device)
+    placements = [
+        q if isinstance(q, Shard) and len(shape) == p.dim() and shape[q.dim] > 1 else Replicate()
+        for q in p.placements
+    ]
+    return dtensor.zeros(shape, dtype=dtype, device_mesh=p.device_mesh, placements=placements)
+
+
 def _leaf(
     g: torch.Tensor,
     p: torch.Tensor,
@@ -63,11 +89,11 @@ def _leaf(
     row_var, col_var, variance = bufs
     # alpha = max(eps2, ||p|| / sqrt(numel)) * rho_t, from the param before the decay
     norm = torch.linalg.vector_norm(p).to(torch.float64) / math.sqrt(p.numel())
-    alpha = torch.clamp(norm, min=eps2) * rho
+    alpha = torch.clamp(norm, min=eps2) * _like(rho, norm)
     new_p = p
     if weight_decay != 0:
         decay = 1.0 - lr64 * weight_decay  # a Python float or a float64 tensor
-        new_p = p * (decay.to(p.dtype) if isinstance(decay, torch.Tensor) else decay)
+        new_p = p * (_like(decay.to(p.dtype), p) if isinstance(decay, torch.Tensor) else decay)
     if g.dim() > 1:
         row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / g.size(-1)
         row_var = torch.lerp(row_var, row_mean, weight)
@@ -106,8 +132,17 @@ def adafactor(
     memory); a vector keeps it whole (``variance``). Their decay is ``1 - t**beta2_decay``;
     the update ``g / sqrt(v)`` is clipped to RMS ``d`` and scaled by
     ``max(eps2, rms(p)) * min(lr, 1 / sqrt(t))`` (the relative step size); the weight decay is
-    decoupled, ``p *= 1 - lr * weight_decay``. A param sharded as a DTensor reduces its norms
-    and means through DTensor's collectives.
+    decoupled, ``p *= 1 - lr * weight_decay``.
+
+    Sharded params: the column means of a row-sharded matrix (the row means of a
+    column-sharded one), the mean of ``row_var`` and the RMS norms of the param and of the
+    update are over whole params. Called on DTensor params, the update reduces them over the
+    ranks through DTensor's collectives (partial sums all-reduced; nothing else is gathered),
+    with its statistics DTensors sharded as the param along the dimensions they keep and
+    replicated along those they reduce: the unsharded numbers within float32 rounding. Under
+    ``make_train_step(..., parallel=Sharded(mesh))`` on more than one rank, where the update
+    runs on each rank's local shards, it raises instead of averaging each rank's own rows;
+    train with ``parallel=DataParallel(group)``.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
@@ -157,10 +192,7 @@ def adafactor(
         bufs = [
             unflatten(
                 spec,
-                [
-                    torch.zeros(s[i], dtype=math_dtype(p.dtype), device=p.device)
-                    for s, p in zip(shapes, leaves)
-                ],
+                [_zeros(s[i], p) for s, p in zip(shapes, leaves)],
             )
             for i in range(3)
         ]
@@ -186,6 +218,7 @@ def adafactor(
         count = state.count
         if not gs:
             return unflatten(spec, []), state._replace(count=count + 1)
+        check_whole_leaves(api, "its row and column means and its RMS norms are over whole params")
         lr = lr_fn(count)[0]
         lr64 = _f64(lr)
         t = (count + 1).to(torch.float64)
@@ -200,7 +233,7 @@ def adafactor(
         for i, g, p in zip(range(len(gs)), gs, pm):
             g = g.to(p.dtype)
             g = -g if maximize else g
-            w = weight.to(p.device, p.dtype)
+            w = _like(weight.to(p.device, p.dtype), p)
             delta, leaf_bufs = _leaf(g, p, tuple(b[i] for b in bufs), lr64, w, rho, cfg)
             deltas.append(delta)
             for out, x in zip(new, leaf_bufs):

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_flag, check_number
+from funcamp.optim import _betas as bt
 from funcamp.optim._base import Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
     LearningRate,
     Tensors,
     _add_scaled,
-    _betas,
     _build,
     _checked,
     _f64,
@@ -290,16 +290,25 @@ def adadelta(
 # adamax
 
 
-def _adamax_step(b1: float, b2: float, eps: float, weight_decay: float, maximize: bool) -> Any:
+def _adamax_step(b1: Any, b2: Any, eps: float, weight_decay: float, maximize: bool) -> Any:
+    w1 = bt.one_minus(b1)  # as torch's kernels read them (float32)
+    beta2 = bt.f32(b2) if isinstance(b2, torch.Tensor) else b2
+
     def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
         # torch.optim.Adamax: exp_avg.lerp_(grad, 1 - b1); torch.maximum(exp_inf.mul_(b2),
-        # grad.abs().add_(eps), out=exp_inf); clr = lr / (1 - b1**step) (double);
-        # p.addcdiv_(exp_avg, exp_inf, value=-clr).
+        # grad.abs().add_(eps), out=exp_inf); clr = lr / (1 - b1**step) (double; a tensor b1:
+        # its dtype, see _betas); p.addcdiv_(exp_avg, exp_inf, value=-clr).
         g = _prologue(ops, g, p, maximize, weight_decay)
-        neg_clr = ops.scalar(-(_f64(lr) / (1.0 - torch.pow(b1, _steps(count)))))
-        m = ops.lerp(buffers["exp_avg"], g, 1.0 - b1)
+        t = _steps(count)
+        if isinstance(b1, torch.Tensor):
+            neg_clr = ops.scalar(-bt.over(lr, bt.one_minus_power(bt.on(b1, t), t)))
+        elif bt.is_tensor_rate(lr):  # torch's tensor lr / a Python float: in lr's dtype
+            neg_clr = ops.scalar(-(lr / (1.0 - torch.pow(b1, t)).to(lr.dtype)))
+        else:
+            neg_clr = ops.scalar(-(_f64(lr) / (1.0 - torch.pow(b1, t))))
+        m = ops.lerp(buffers["exp_avg"], g, w1)
         norm = ops.add(_map(torch.abs, g), eps)
-        u = ops.maximum(ops.mul(buffers["exp_inf"], b2), norm, into=norm)
+        u = ops.maximum(ops.mul(buffers["exp_inf"], beta2), norm, into=norm)
         deltas = ops.div(ops.mul(m, neg_clr), u)
         return deltas, _kept(ops, buffers, exp_avg=m, exp_inf=u)
 
@@ -308,8 +317,8 @@ def _adamax_step(b1: float, b2: float, eps: float, weight_decay: float, maximize
 
 def adamax(
     learning_rate: LearningRate,
-    b1: float = 0.9,
-    b2: float = 0.999,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
@@ -326,8 +335,9 @@ def adamax(
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
-        b1: decay of the first moment, in [0, 1).
-        b2: decay of the infinity norm, in [0, 1).
+        b1: decay of the first moment, in [0, 1): a float, or a 0-d float32/float64 tensor
+            as torch.optim accepts (the bias correction is then tensor math, as torch's).
+        b2: decay of the infinity norm, in [0, 1) (a float or a 0-d tensor, as ``b1``).
         eps: added to ``|g|`` (>= 0).
         weight_decay: L2 penalty added to the gradient (>= 0).
         maximize: ascend the objective (the gradients are negated first).
@@ -349,7 +359,7 @@ def adamax(
     """
     api = "adamax"
     eps, weight_decay = _checked(api, maximize, eps, weight_decay)
-    b1, b2 = _betas(api, b1, b2)
+    b1, b2 = bt.betas(api, b1, b2)
     step = _adamax_step(b1, b2, eps, weight_decay, maximize)
     modes = (master_weights, kahan, stochastic_rounding, seed)
     return _build(api, AdamaxState, step, learning_rate, modes, needs_params=weight_decay > 0)

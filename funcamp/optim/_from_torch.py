@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from funcamp._core.tree import describe
 from funcamp.optim import _lr_schedulers as ls
@@ -60,6 +61,47 @@ def _floats(name: str, group: Mapping[str, Any], key: str, i: int) -> Any:
     return value
 
 
+#: torch optimizer -> which tensor betas (b1, b2) its foreach step fails on (torch 2.13:
+#: NAdam's on either, RAdam's on b2, Adamax's on b1); its single-tensor step takes them all.
+_FOREACH_REFUSES = {"NAdam": (True, True), "RAdam": (False, True), "Adamax": (True, False)}
+
+
+def _foreach(group: Mapping[str, Any]) -> bool:
+    """Whether torch runs the group's foreach step (``foreach=None``: torch's default for the
+    group's params, foreach on CUDA, not on CPU)."""
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    params = list(group["params"])
+    return _default_to_fused_or_foreach(params, bool(group.get("differentiable")), False)[1]
+
+
+def _tensor_betas(name: str, group: Mapping[str, Any], i: int) -> tuple[Any, Any]:
+    """A group's ``betas`` where funcamp's optimizer takes 0-d tensors as torch does: copies
+    (the group's stay), detached unless torch differentiates through them; refused where
+    torch's own step fails on them (a foreach step)."""
+    betas = tuple(group["betas"])
+    on = tuple(isinstance(b, torch.Tensor) for b in betas)
+    if not any(on):
+        return betas
+    where = f"{name} param group {i}'s `betas`"
+    refuses = _FOREACH_REFUSES.get(name, (False, False))
+    if any(t and r for t, r in zip(on, refuses)) and _foreach(group):
+        raise _refuse(
+            where,
+            f"holds tensors ({betas!r}), on which torch.optim.{name}'s foreach step fails: "
+            f"build it with foreach=False (its single-tensor step, whose numbers funcamp's "
+            "has) or with float betas",
+        )
+    if group.get("differentiable") and any(t and b.requires_grad for t, b in zip(on, betas)):
+        raise _refuse(
+            where,
+            f"holds tensors that require grad ({betas!r}) in a differentiable group; funcamp "
+            "reads a beta's value once and does not differentiate through it: pass detached "
+            "betas",
+        )
+    return tuple(b.detach().clone() if t else b for t, b in zip(on, betas))
+
+
 def _check_keys(name: str, group: Mapping[str, Any], known: set[str], i: int) -> None:
     for key, value in group.items():
         if key in _IGNORED or key in known:
@@ -89,8 +131,7 @@ def _adam_like(decoupled: bool) -> Translator:
         known = {"betas", "eps", "weight_decay", "amsgrad", "maximize", "fused",
                  "decoupled_weight_decay"}  # fmt: skip
         _check_keys(name, group, known, i)
-        # 0-d tensor betas: funcamp's adam takes them as torch does (copies: the group's stay)
-        b1, b2 = (b.clone() if isinstance(b, torch.Tensor) else b for b in group["betas"])
+        b1, b2 = _tensor_betas(name, group, i)
         make = adamw if decoupled or group.get("decoupled_weight_decay", False) else adam
         return make(
             lr,
@@ -121,15 +162,24 @@ def _lion(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer
 _FUNCAMP_ONLY = {"learning_rate", "master_weights", "kahan", "stochastic_rounding", "seed"}
 
 
-def _same_names(make: Callable[..., Optimizer], accepted: tuple[str, ...] = ()) -> Translator:
+def _same_names(
+    make: Callable[..., Optimizer], accepted: tuple[str, ...] = (), tensor_betas: bool = False
+) -> Translator:
     """The translator of a funcamp optimizer whose arguments are torch's, by name (``betas``
-    split into ``b1, b2``); ``accepted``: group keys that do not change the numbers."""
+    split into ``b1, b2``); ``accepted``: group keys that do not change the numbers;
+    ``tensor_betas``: ``make`` takes 0-d tensor betas as torch does."""
     args = [k for k in inspect.signature(make).parameters if k not in _FUNCAMP_ONLY]
     keys = ["betas" if k == "b1" else k for k in args if k != "b2"]
 
     def translate(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer:
         _check_keys(name, group, {*keys, *accepted}, i)
-        kwargs = {k: _floats(name, group, k, i) for k in keys if k in group}
+        kwargs = {
+            k: _tensor_betas(name, group, i)
+            if k == "betas" and tensor_betas
+            else _floats(name, group, k, i)
+            for k in keys
+            if k in group
+        }
         if "betas" in kwargs:
             kwargs["b1"], kwargs["b2"] = kwargs.pop("betas")
         return make(lr, **kwargs)
@@ -154,9 +204,9 @@ OPTIMIZERS: dict[type | str, Callable[..., Optimizer]] = {
     # fused=True: torch's fused CPU kernel, the same operations (within optim_db's tolerance)
     torch.optim.Adagrad: _same_names(adagrad, ("fused",)),
     torch.optim.Adadelta: _same_names(adadelta),
-    torch.optim.Adamax: _same_names(adamax),
-    torch.optim.NAdam: _same_names(nadam),
-    torch.optim.RAdam: _same_names(radam),
+    torch.optim.Adamax: _same_names(adamax, tensor_betas=True),
+    torch.optim.NAdam: _same_names(nadam, tensor_betas=True),
+    torch.optim.RAdam: _same_names(radam, tensor_betas=True),
     torch.optim.ASGD: _same_names(asgd),
     torch.optim.Rprop: _same_names(rprop),
     torch.optim.Adafactor: _same_names(adafactor),
@@ -287,9 +337,11 @@ def from_torch(
     by identity (which tensor of ``params`` is in which group). Adam/AdamW's ``fused=True``
     maps to funcamp's ``fused=True`` (torch's kernel, bit for bit), Adagrad's to the same
     operations; ``foreach``, ``capturable`` and ``differentiable`` do not change the numbers.
-    What has no translation is refused by name: tensor betas (but Adam's and AdamW's), a
-    group key no translator knows, a param in no group or in two, a scheduler stepped already
-    or one that cycles the momentum, ``SparseAdam``. A ``ReduceLROnPlateau`` wraps the
+    0-d tensor betas are translated where funcamp's optimizer takes them (Adam, AdamW, NAdam,
+    RAdam, Adamax) and torch's step does. What has no translation is refused by name: tensor
+    betas elsewhere or on a foreach step that fails on them, a group key no translator knows,
+    a param in no group or in two, a scheduler stepped already or one that cycles the
+    momentum, ``SparseAdam``. A ``ReduceLROnPlateau`` wraps the
     optimizer in :func:`funcamp.optim.reduce_on_plateau` (feed it with
     :func:`funcamp.optim.plateau_step`).
 

@@ -18,6 +18,7 @@ from funcamp.optim._base import Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import LearningRate, Tensors, _build, _f64, _kept
 from funcamp.optim._states import MuonState
+from funcamp.optim._whole import check_whole_leaves
 
 __all__ = ["muon", "newton_schulz"]
 
@@ -87,6 +88,7 @@ def _muon_step(
         # torch.optim.Muon: buf.lerp_(grad, 1 - momentum); update = grad.lerp(buf, momentum)
         # (nesterov) or buf; update = NS(update) (bfloat16); adjusted_lr = lr * ratio(shape);
         # p.mul_(1 - lr * weight_decay); p.add_(update, alpha=-adjusted_lr).
+        check_whole_leaves("muon", "Newton-Schulz orthogonalises whole matrices")
         buf = ops.lerp(buffers["momentum_buffer"], g, 1.0 - momentum)
         update = ops.lerp(g, buf, momentum) if nesterov else buf
         dtypes = [x.dtype for x in g]
@@ -126,8 +128,15 @@ def muon(
     sqrt(max(1, rows / cols))`` (``adjust_lr_fn="original"`` or None) or ``lr * 0.2 *
     sqrt(max(rows, cols))`` (``"match_rms_adamw"``, Moonshot's). Every param must be a matrix:
     pair Muon with another optimizer for the rest through :func:`funcamp.multi_transform`
-    (docs/guides/writing-an-optimizer.md shows the usual Muon + AdamW split). A param sharded
-    as a DTensor is orthogonalised by DTensor's own matmul rules (whole-matrix collectives).
+    (docs/guides/writing-an-optimizer.md shows the usual Muon + AdamW split).
+
+    Sharded params: Newton-Schulz needs each matrix whole. Called on DTensor params, the
+    update gathers what it needs through DTensor's collectives -- the norm is all-reduced and
+    each product ``X @ X.T`` redistributes its row-sharded operands as DTensor's matmul rules
+    pick -- which is the unsharded result within its bfloat16 rounding. Under
+    ``make_train_step(..., parallel=Sharded(mesh))`` on more than one rank, where the update
+    runs on each rank's own block of rows, it raises instead of orthogonalising the blocks;
+    train with ``parallel=DataParallel(group)`` (the matrices whole on every rank).
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_flag, check_number
+from funcamp.optim import _betas as bt
 from funcamp.optim._base import Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
     LearningRate,
     Tensors,
-    _betas,
     _build,
     _checked,
     _decayed_prologue,
@@ -36,15 +36,58 @@ __all__ = ["asgd", "nadam", "radam", "rprop"]
 # nadam
 
 
+def _nadam_scalars(
+    ops: Ops, b1: Any, b2: Any, momentum_decay: float, lr: Any, count: Any, mu_product: Any
+) -> tuple[Any, Any, Any, Any]:
+    """NAdam's step scalars: ``bias_correction2``, the new ``mu_product`` and the two
+    ``addcdiv`` values, as torch computes them (Python doubles, or tensor math in a tensor
+    beta's dtype: see ``_betas``)."""
+    t = _steps(count)
+    if isinstance(b2, torch.Tensor):
+        bc2 = ops.scalar(bt.one_minus_power(bt.on(b2, t), t))
+    else:
+        bc2 = ops.scalar(1.0 - torch.pow(b2, t))
+    c = 1.0 - 0.5 * torch.pow(0.96, t * momentum_decay)
+    c_next = 1.0 - 0.5 * torch.pow(0.96, (t + 1.0) * momentum_decay)
+    if not isinstance(b1, torch.Tensor):
+        mu, mu_next = b1 * c, b1 * c_next
+        mu_product = mu_product * ops.scalar(mu)
+        mp = mu_product.to(torch.float64)
+        if bt.is_tensor_rate(lr):  # torch's tensor lr: its dtype's math, Python floats rounded
+            neg_lr = -lr
+            c1 = (neg_lr * (1.0 - mu).to(lr.dtype)) / (1.0 - mp).to(lr.dtype)
+            c2 = (neg_lr * mu_next.to(lr.dtype)) / (1.0 - mp * mu_next).to(lr.dtype)
+            return bc2, mu_product, ops.scalar(c1), ops.scalar(c2)
+        lr64 = _f64(lr)
+        c1 = ops.scalar(-lr64 * (1.0 - mu) / (1.0 - mp))
+        c2 = ops.scalar((-lr64 * mu_next) / (1.0 - mp * mu_next))
+        return bc2, mu_product, c1, c2
+    beta1 = bt.on(b1, t)
+    dtype = beta1.dtype
+    mu, mu_next = beta1 * c.to(dtype), beta1 * c_next.to(dtype)
+    wide = torch.promote_types(torch.float32, dtype)  # mu_product *= mu: 0-d tensors promote
+    mu_product = (mu_product.to(wide) * mu.to(wide)).to(torch.float32)
+    mp = mu_product.to(torch.float64)  # torch's _get_value(mu_product), a Python float
+    neg_lr, out = bt.rate(lr, dtype)
+    neg_lr = -neg_lr.to(t.device)
+    c1 = (neg_lr * (1 - mu).to(out)) / (1.0 - mp).to(out)
+    mp_next = mp.to(dtype) * mu_next
+    c2 = (neg_lr * mu_next.to(out)) / (1 - mp_next).to(out)
+    return bc2, mu_product, ops.scalar(c1), ops.scalar(c2)
+
+
 def _nadam_step(
-    b1: float,
-    b2: float,
+    b1: Any,
+    b2: Any,
     eps: float,
     weight_decay: float,
     momentum_decay: float,
     decoupled: bool,
     maximize: bool,
 ) -> Any:
+    w1, w2 = bt.one_minus(b1), bt.one_minus(b2)  # as torch's kernels read them (float32)
+    beta2 = bt.f32(b2) if isinstance(b2, torch.Tensor) else b2
+
     def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
         # torch.optim.NAdam: bias_correction2 = 1 - b2**step; p.mul_(1 - lr * wd) (decoupled)
         # or grad.add(p, alpha=wd); mu = b1 * (1 - 0.5 * 0.96**(step * momentum_decay)),
@@ -56,16 +99,11 @@ def _nadam_step(
         lr64 = _f64(lr)
         g, decayed = _decayed_prologue(ops, g, p, maximize, weight_decay, decoupled, lr64)
         base = p if decayed is None else decayed
-        t = _steps(count)
-        bc2 = ops.scalar(1.0 - torch.pow(b2, t))
-        mu = b1 * (1.0 - 0.5 * torch.pow(0.96, t * momentum_decay))
-        mu_next = b1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1.0) * momentum_decay))
-        mu_product = buffers["mu_product"] * ops.scalar(mu)
-        mp = mu_product.to(torch.float64)
-        c1 = ops.scalar(-lr64 * (1.0 - mu) / (1.0 - mp))
-        c2 = ops.scalar((-lr64 * mu_next) / (1.0 - mp * mu_next))
-        m = ops.lerp(buffers["exp_avg"], g, 1.0 - b1)
-        v = ops.addcmul(ops.mul(buffers["exp_avg_sq"], b2), g, g, 1.0 - b2)
+        bc2, mu_product, c1, c2 = _nadam_scalars(
+            ops, b1, b2, momentum_decay, lr, count, buffers["mu_product"]
+        )
+        m = ops.lerp(buffers["exp_avg"], g, w1)
+        v = ops.addcmul(ops.mul(buffers["exp_avg_sq"], beta2), g, g, w2)
         denom = ops.sqrt(ops.div(v, bc2))
         denom = ops.add(denom, eps, into=denom)
         a = ops.div(ops.mul(g, c1), denom)
@@ -81,8 +119,8 @@ def _nadam_step(
 
 def nadam(
     learning_rate: LearningRate,
-    b1: float = 0.9,
-    b2: float = 0.999,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     momentum_decay: float = 4e-3,
@@ -100,8 +138,9 @@ def nadam(
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
-        b1: decay of the first moment, in [0, 1).
-        b2: decay of the second moment, in [0, 1).
+        b1: decay of the first moment, in [0, 1): a float, or a 0-d float32/float64 tensor
+            as torch.optim accepts (the step's scalars are then tensor math, as torch's).
+        b2: decay of the second moment, in [0, 1) (a float or a 0-d tensor, as ``b1``).
         eps: added to the denominator (>= 0).
         weight_decay: L2 penalty (>= 0), or decoupled (AdamW's) with
             ``decoupled_weight_decay``.
@@ -127,7 +166,7 @@ def nadam(
     api = "nadam"
     check_flag(api, "decoupled_weight_decay", decoupled_weight_decay)
     eps, weight_decay = _checked(api, maximize, eps, weight_decay)
-    b1, b2 = _betas(api, b1, b2)
+    b1, b2 = bt.betas(api, b1, b2)
     momentum_decay = check_number(api, "momentum_decay", momentum_decay)
     step = _nadam_step(b1, b2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize)
     modes = (master_weights, kahan, stochastic_rounding, seed)
@@ -141,10 +180,37 @@ def nadam(
 # radam
 
 
+def _radam_scalars(b1: Any, b2: Any, count: Any) -> tuple[Any, Any, Any, Any]:
+    """RAdam's step scalars: ``bias_correction1``, ``sqrt(bias_correction2)``, whether the step
+    is rectified, the rectification term; Python doubles in torch, or tensor math in a tensor
+    beta's dtype (see ``_betas``)."""
+    t = _steps(count)
+    if isinstance(b1, torch.Tensor):
+        bc1 = bt.one_minus_power(bt.on(b1, t), t)
+    else:
+        bc1 = 1.0 - torch.pow(b1, t)
+    if isinstance(b2, torch.Tensor):  # rho_inf = 2 / (1 - b2) - 1: Tensor.__rtruediv__
+        beta2 = bt.on(b2, t)
+        bc2 = bt.one_minus_power(beta2, t)
+        rho_inf = (1 - beta2).reciprocal() * 2 - 1
+        rho_t = rho_inf - ((2.0 * t).to(beta2.dtype) * bt.power(beta2, t)) / bc2
+        root = torch.pow(bc2, 0.5)
+    else:
+        bc2 = 1.0 - torch.pow(b2, t)
+        rho_inf = 2.0 / (1.0 - b2) - 1.0
+        rho_t = rho_inf - 2.0 * t * torch.pow(b2, t) / bc2
+        root = torch.sqrt(bc2)
+    on = rho_t > 5.0
+    safe = torch.where(on, rho_t, torch.full_like(rho_t, 6.0))  # no NaN in the other branch
+    rect = (safe - 4) * (safe - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * safe)
+    return bc1, root, on, torch.pow(rect, 0.5)
+
+
 def _radam_step(
-    b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool, maximize: bool
+    b1: Any, b2: Any, eps: float, weight_decay: float, decoupled: bool, maximize: bool
 ) -> Any:
-    rho_inf = 2.0 / (1.0 - b2) - 1.0
+    w1, w2 = bt.one_minus(b1), bt.one_minus(b2)  # as torch's kernels read them (float32)
+    beta2 = bt.f32(b2) if isinstance(b2, torch.Tensor) else b2
 
     def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
         # torch.optim.RAdam: weight decay as NAdam's; exp_avg.lerp_(grad, 1 - b1);
@@ -152,23 +218,19 @@ def _radam_step(
         # rho_t = rho_inf - 2 * step * b2**step / bc2 (doubles); with rho_t > 5:
         # p.add_(exp_avg / bc1 * lr * (bc2**0.5 / (exp_avg_sq.sqrt() + eps)) * rect,
         # alpha=-1), else p.add_(exp_avg / bc1 * lr, alpha=-1). `x / tensor` is
-        # `tensor.reciprocal() * x` in torch.
+        # `tensor.reciprocal() * x` in torch (a tensor b2: bc2**0.5 is one, and `/` divides).
         g, base = _decayed_prologue(ops, g, p, maximize, weight_decay, decoupled, _f64(lr))
-        t = _steps(count)
-        bc1 = 1.0 - torch.pow(b1, t)
-        bc2 = 1.0 - torch.pow(b2, t)
-        rho_t = rho_inf - 2.0 * t * torch.pow(b2, t) / bc2
-        on = rho_t > 5.0
-        safe = torch.where(on, rho_t, torch.full_like(rho_t, 6.0))  # no NaN in the other branch
-        rect = torch.sqrt(
-            (safe - 4.0) * (safe - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * safe)
-        )
-        m = ops.lerp(buffers["exp_avg"], g, 1.0 - b1)
-        v = ops.addcmul(ops.mul(buffers["exp_avg_sq"], b2), g, g, 1.0 - b2)
+        bc1, root_bc2, on, rect = _radam_scalars(b1, b2, count)
+        m = ops.lerp(buffers["exp_avg"], g, w1)
+        v = ops.addcmul(ops.mul(buffers["exp_avg_sq"], beta2), g, g, w2)
         scaled = ops.mul(ops.div(m, ops.scalar(bc1)), ops.scalar(lr))
         root = ops.sqrt(v)
         root = ops.add(root, eps, into=root)
-        adaptive = ops.mul(_map(torch.reciprocal, root), ops.scalar(torch.sqrt(bc2)))
+        if isinstance(b2, torch.Tensor):
+            numerator = ops.scalar(root_bc2)
+            adaptive = _map(lambda r: torch.div(numerator, r), root)
+        else:
+            adaptive = ops.mul(_map(torch.reciprocal, root), ops.scalar(root_bc2))
         rectified = ops.mul(ops.mul(scaled, adaptive), ops.scalar(rect))
         steps = ops.where(on, rectified, scaled)
         if base is None:
@@ -182,8 +244,8 @@ def _radam_step(
 
 def radam(
     learning_rate: LearningRate,
-    b1: float = 0.9,
-    b2: float = 0.999,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
@@ -201,8 +263,9 @@ def radam(
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
-        b1: decay of the first moment, in [0, 1).
-        b2: decay of the second moment, in [0, 1).
+        b1: decay of the first moment, in [0, 1): a float, or a 0-d float32/float64 tensor
+            as torch.optim accepts (the step's scalars are then tensor math, as torch's).
+        b2: decay of the second moment, in [0, 1) (a float or a 0-d tensor, as ``b1``).
         eps: added to the denominator (>= 0).
         weight_decay: L2 penalty (>= 0), or decoupled (AdamW's) with
             ``decoupled_weight_decay``.
@@ -227,7 +290,7 @@ def radam(
     api = "radam"
     check_flag(api, "decoupled_weight_decay", decoupled_weight_decay)
     eps, weight_decay = _checked(api, maximize, eps, weight_decay)
-    b1, b2 = _betas(api, b1, b2)
+    b1, b2 = bt.betas(api, b1, b2)
     step = _radam_step(b1, b2, eps, weight_decay, decoupled_weight_decay, maximize)
     modes = (master_weights, kahan, stochastic_rounding, seed)
     return _build(api, RadamState, step, learning_rate, modes, needs_params=weight_decay > 0)
