@@ -1,9 +1,11 @@
-"""Adafactor with torch.optim.Adafactor's semantics: a plain ``Optimizer(init, update)`` (its
-factored statistics are not shaped like the params, and its step sizes are norms of whole
-leaves), with the low-precision modes of the elementwise optimizers.
+"""Adafactor with torch.optim.Adafactor's semantics, as a plain ``Optimizer(init, update)``.
 
-torch.optim reads its norms with ``.item()`` and computes the step sizes in Python doubles; here
-they are float64 0-d tensors, rounded to float32 where torch's kernels round a Python scalar, so
+It is not built with :func:`funcamp.optim.elementwise`: its factored statistics are not shaped
+like the params, and its step sizes are norms of whole leaves. It has the low-precision modes of
+the elementwise optimizers all the same.
+
+torch.optim reads its norms with ``.item()`` and computes the step sizes in Python doubles. Here
+they are float64 0-d tensors, rounded to float32 where torch's kernels round a Python scalar. So
 nothing syncs with the host.
 """
 
@@ -101,19 +103,19 @@ def adafactor(
 ) -> Optimizer:
     """Adafactor (Shazeer and Stern 2018) with torch.optim.Adafactor's semantics and defaults.
 
-    The second moment of a matrix (of each trailing matrix of a higher-dimensional param) is
-    kept factored, as its row and column means (``row_var``, ``col_var``: O(rows + cols)
-    memory); a vector keeps it whole (``variance``). Their decay is ``1 - t**beta2_decay``;
-    the update ``g / sqrt(v)`` is clipped to RMS ``d`` and scaled by
-    ``max(eps2, rms(p)) * min(lr, 1 / sqrt(t))`` (the relative step size); the weight decay is
-    decoupled, ``p *= 1 - lr * weight_decay``. A param sharded as a DTensor reduces its norms
-    and means through DTensor's collectives.
+    The second moment of a matrix (of each trailing matrix of a higher-dimensional param) is kept
+    factored. It is kept as its row and column means (``row_var``, ``col_var``), in O(rows + cols)
+    memory. A vector keeps it whole (``variance``). Their decay is ``1 - t**beta2_decay``. The
+    update ``g / sqrt(v)`` is clipped to RMS ``d``. It is then scaled by the relative step size,
+    ``max(eps2, rms(p)) * min(lr, 1 / sqrt(t))``. The weight decay is decoupled: ``p *= 1 - lr *
+    weight_decay``. A param sharded as a DTensor reduces its norms and means through DTensor's
+    collectives.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
         beta2_decay: the decay exponent of the second moment (<= 0).
-        eps: ``(eps1, eps2)``: the floor of the variance estimate (None: the param dtype's
-            machine epsilon) and of the params' RMS.
+        eps: ``(eps1, eps2)``, the floors of the variance estimate and of the params' RMS.
+            ``eps1=None`` means the param dtype's machine epsilon.
         d: the update's clipping threshold (>= 1).
         weight_decay: decoupled weight decay (>= 0).
         maximize: ascend the objective (the gradients are negated first).

@@ -1,6 +1,7 @@
-"""Muon (momentum orthogonalised by Newton-Schulz) with torch.optim.Muon's semantics, written
-with :func:`funcamp.optim.elementwise`: the algorithm gets each leaf whole, so the
-orthogonalisation is a per-leaf function like any other op; the momentum, the weight decay and
+"""Muon (momentum orthogonalised by Newton-Schulz) with torch.optim.Muon's semantics.
+
+It is written with :func:`funcamp.optim.elementwise`. The algorithm gets each leaf whole, so the
+orthogonalisation is a per-leaf function like any other op. The momentum, the weight decay and
 the step are torch.optim's operations, rounded as its kernels round them.
 """
 
@@ -35,9 +36,11 @@ def newton_schulz(
     ns_steps: int = NS_STEPS,
     eps: float = EPS,
 ) -> torch.Tensor:
-    """The orthogonalisation of a 2-D ``x`` by ``ns_steps`` quintic Newton-Schulz iterations in
-    bfloat16, as torch.optim.Muon computes it: ``x / max(||x||, eps)`` (transposed when it has
-    more rows than columns), then ``X = a X + (b A + c A @ A) @ X`` with ``A = X @ X.T``.
+    """Orthogonalise a 2-D ``x`` by ``ns_steps`` quintic Newton-Schulz iterations in bfloat16.
+
+    This is torch.optim.Muon's computation. It starts from ``x / max(||x||, eps)``, transposed
+    when it has more rows than columns. Each iteration is ``X = a X + (b A + c A @ A) @ X`` with
+    ``A = X @ X.T``.
 
     Args:
         x: a 2-D tensor.
@@ -119,15 +122,17 @@ def muon(
 ) -> Optimizer:
     """Muon with torch.optim.Muon's semantics and defaults, for 2-D params (hidden matrices).
 
-    ``buf = momentum * buf + (1 - momentum) * g`` (a ``lerp``); the direction is
-    ``g + momentum * (buf - g)`` with ``nesterov``, else ``buf``; it is orthogonalised by
-    :func:`funcamp.optim.newton_schulz` (bfloat16, as torch's); then
-    ``p = p * (1 - lr * weight_decay) - adjusted_lr * O`` with ``adjusted_lr = lr *
-    sqrt(max(1, rows / cols))`` (``adjust_lr_fn="original"`` or None) or ``lr * 0.2 *
-    sqrt(max(rows, cols))`` (``"match_rms_adamw"``, Moonshot's). Every param must be a matrix:
-    pair Muon with another optimizer for the rest through :func:`funcamp.multi_transform`
-    (docs/guides/writing-an-optimizer.md shows the usual Muon + AdamW split). A param sharded
-    as a DTensor is orthogonalised by DTensor's own matmul rules (whole-matrix collectives).
+    The momentum is ``buf = momentum * buf + (1 - momentum) * g`` (a ``lerp``). The direction is
+    ``g + momentum * (buf - g)`` with ``nesterov``, else ``buf``.
+    :func:`funcamp.optim.newton_schulz` orthogonalises it into ``O`` (in bfloat16, as torch's).
+    Then ``p = p * (1 - lr * weight_decay) - adjusted_lr * O``. With ``adjust_lr_fn="original"`` or
+    None, ``adjusted_lr = lr * sqrt(max(1, rows / cols))``. With ``"match_rms_adamw"``
+    (Moonshot's), it is ``lr * 0.2 * sqrt(max(rows, cols))``.
+
+    Every param must be a matrix. Pair Muon with another optimizer for the rest through
+    :func:`funcamp.multi_transform` (docs/guides/writing-an-optimizer.md shows the usual Muon +
+    AdamW split). A param sharded as a DTensor is orthogonalised by DTensor's own matmul rules
+    (whole-matrix collectives).
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
@@ -138,7 +143,7 @@ def muon(
         eps: the floor of the norm the direction is divided by (>= 0).
         ns_steps: Newton-Schulz iterations (an int in [0, 100)).
         adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or
-            ``"spectral_unclamped"`` (``sqrt(rows / cols)``, torch 2.14's).
+            ``"spectral_unclamped"`` (``sqrt(rows / cols)``, as in torch 2.14).
         master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
