@@ -284,8 +284,8 @@ def load_into_module(
 
     Raises:
         ValueError: a name the module does not have; a module parameter (or buffer of a given
-            dict) missing from ``state``; a shape that differs from the module's; or a state a
-            train step took (donated). Nothing is written then.
+            dict) missing from ``state``; a shape that differs from the module's; or a donated
+            state (or one whose donated step raised part-way). Nothing is written then.
 
     Example:
         >>> import torch, funcamp
