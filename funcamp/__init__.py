@@ -1,8 +1,9 @@
 """funcamp: JAX-style functional mixed precision for PyTorch.
 
-Pure transforms and immutable state: an ``amp`` transform driven by an inspectable
-``Policy``, a ``ScalerState`` threaded explicitly through pure ``scale`` / ``unscale`` /
-``update`` functions, functional optimizers and a compiled, host-sync-free train step.
+Pure transforms and immutable state. An ``amp`` transform is driven by an inspectable
+``Policy``. A ``ScalerState`` is threaded explicitly through pure ``scale`` / ``unscale`` /
+``update`` functions. Functional optimizers and a compiled, host-sync-free train step complete
+the set.
 """
 
 from funcamp import compiler as compiler  # the public funcamp.compiler submodule

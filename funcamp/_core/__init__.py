@@ -1,9 +1,14 @@
 """The bottom layer: what every other layer needs and nothing above it may be needed for.
 
-Pytree helpers over optree's ``"funcamp"`` namespace (``tree``), the checks behind every public
-function's ``funcamp.<api>: `arg` must be ...`` errors (``checks``, ``specs``), whether dynamo is
-tracing or a torch.func transform is active (``context``), the numerics shared by the
-optimizers and the scaler (``numerics``, ``rounding``), all-or-nothing writes into donated
-tensors (``atomic``), collectives for data parallel (``collectives``), the progress notices of a
-first compile (``progress``), hints (``hints``) and the version (``version``). Imports only torch
-and optree."""
+* ``tree``: pytree helpers over optree's ``"funcamp"`` namespace;
+* ``checks``, ``specs``: the checks behind every public function's
+  ``funcamp.<api>: `arg` must be ...`` errors;
+* ``context``: whether dynamo is tracing or a torch.func transform is active;
+* ``numerics``, ``rounding``: the numerics shared by the optimizers and the scaler;
+* ``atomic``: atomic file writes; ``donation``: what became of a donated state;
+* ``collectives``: collectives for data parallel;
+* ``progress``: the progress notices of a first compile;
+* ``hints`` and ``version``.
+
+It imports only torch and optree.
+"""

@@ -1,26 +1,26 @@
 """Atomic file writes, and the removal of what crashed writes left behind (standard library only).
 
-:func:`atomic_write` writes ``path`` through a temporary file in the same directory: written,
-flushed and ``fsync``-ed, renamed over ``path`` (``os.replace``: atomic on POSIX and Windows),
-then the directory ``fsync``-ed. Whatever happens -- an exception, a full disk, a ``SIGKILL``, a
-power cut -- ``path`` holds either its previous contents or the new ones, never a mixture.
+:func:`atomic_write` writes ``path`` through a temporary file in the same directory. The file is
+written, flushed, ``fsync``-ed and renamed over ``path`` (``os.replace``: atomic on POSIX and
+Windows). Then the directory is ``fsync``-ed. Whatever happens, ``path`` holds either its previous
+contents or the new ones, never a mixture. That holds for an exception, a full disk, a ``SIGKILL``
+or a power cut.
 
-An exception removes the temporary file; a killed process cannot. So every temporary file names
-its writer, ``.<name>.<host>.<pid>.<16 hex digits>.tmp``, and its writer holds an exclusive
-``flock`` on it while it writes. (``<name>`` is ``~`` and 16 hex digits of a hash of the name
-when the name is too long for what the temporary name adds: a temporary name is never longer
-than :data:`NAME_MAX` bytes.) Before writing, :func:`atomic_write` removes the temporary files
-of earlier writes to the same ``path`` whose writer is gone (:func:`remove_debris`), so a job
-that is killed and restarted again and again does not fill its disk. A file is removed only if
-its name has exactly that form for this ``path`` and
+An exception removes the temporary file; a killed process cannot. So every temporary file names its
+writer, ``.<name>.<host>.<pid>.<16 hex digits>.tmp``. Its writer holds an exclusive ``flock`` on it
+while it writes. A temporary name is never longer than :data:`NAME_MAX` bytes: when the name is too
+long, ``<name>`` is ``~`` and 16 hex digits of its hash. Before writing, :func:`atomic_write`
+removes the temporary files of earlier writes to the same ``path`` whose writer is gone
+(:func:`remove_debris`). So a job that is killed and restarted again and again does not fill its
+disk. A file is removed only if its name has exactly that form for this ``path`` and
 
 * nobody holds its lock (the kernel drops a dead process's locks; a live writer holds it), and
-* its writer is known to be gone: on this host (same host name), no process with its pid is
-  running; elsewhere (another host on a shared file system, or a pid now used by another
+* its writer is known to be gone. On this host (same host name), no process with its pid is
+  running. Elsewhere (another host on a shared file system, or a pid now used by another
   process), it has not been modified for :data:`STALE_S` seconds.
 
-Where the file system cannot lock (``flock`` fails), only the first case of the second rule is
-used (this host, pid not running); files of other hosts are then left alone. On Windows nothing is
+Where the file system cannot lock (``flock`` fails), only the same-host case of the second rule
+is used. Files of other hosts are then left alone. On Windows nothing is
 removed (no ``flock``; its own file sharing rules keep an open file). Files written by older
 funcamp versions (``.<name>.<random>.tmp``, without a writer in the name) are never removed.
 """
@@ -69,8 +69,11 @@ def _stem(name: str) -> str:
 
 
 def temp_name(name: str) -> str:
-    """The name of a fresh temporary file for writing ``name``: it names this host and process,
-    and is at most :data:`NAME_MAX` bytes long (a long ``name`` is replaced by its hash)."""
+    """The name of a fresh temporary file for writing ``name``.
+
+    It names this host and process. It is at most :data:`NAME_MAX` bytes long (a long ``name``
+    is replaced by its hash).
+    """
     return f".{_stem(name)}.{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
 
 
@@ -125,8 +128,9 @@ def _left_behind(path: str, host: str, pid: int) -> bool:
 
 
 def remove_debris(path: str | os.PathLike[str]) -> list[str]:
-    """Remove the temporary files that crashed :func:`atomic_write` calls for ``path`` left
-    behind (only those, and only when their writer is gone: see the module docstring).
+    """Remove the temporary files that crashed :func:`atomic_write` calls for ``path`` left.
+
+    Only those are removed, and only when their writer is gone (see the module docstring).
 
     Returns:
         The names of the files removed.
@@ -164,15 +168,16 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` atomically: ``write(f)`` fills a temporary file in its directory, which
-    is ``fsync``-ed and renamed over ``path``; then the directory is ``fsync``-ed.
+    """Write ``path`` atomically.
 
-    On any failure (an exception, ``KeyboardInterrupt``) the temporary file is removed and
-    ``path`` is untouched. A failure of the file system (a full disk, a read-only directory)
-    raises ``OSError`` with its ``errno``, naming ``path``, even where ``write`` wrapped it in
-    another exception (``torch.save`` raises ``RuntimeError``). The temporary files that killed writers left for ``path`` are removed
-    first (:func:`remove_debris`). The file gets the usual permissions (``0o666`` less the
-    umask).
+    ``write(f)`` fills a temporary file in its directory, which is ``fsync``-ed and renamed over
+    ``path``. Then the directory is ``fsync``-ed. On any failure (an exception,
+    ``KeyboardInterrupt``) the temporary file is removed and ``path`` is untouched. A failure of
+    the file system (a full disk, a read-only directory) raises ``OSError`` with its ``errno``,
+    naming ``path``. It does so even where ``write`` wrapped it in another exception
+    (``torch.save`` raises ``RuntimeError``). The temporary files that killed writers left for
+    ``path`` are removed first (:func:`remove_debris`). The file gets the usual permissions
+    (``0o666`` less the umask).
     """
     p = Path(path)
     remove_debris(p)

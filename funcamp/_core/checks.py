@@ -6,17 +6,19 @@ values (``*_values``: build or load time, never on the step path). Errors have t
 
 Learning rates
 --------------
-A learning rate is a Python float (checked when the optimizer is built), a 0-d floating tensor
-(checked when built; it may be changed in place later) or a schedule ``count -> lr``. A schedule
-is probed once when the optimizer is built, with the count ``torch.zeros((), dtype=torch.int32)``:
-it must return a 0-d floating tensor whose value is finite and >= 0 (a schedule that raises, or
-returns a Python number, ``None``, a string or a tensor of another shape, is refused there). On
-the step path each value a schedule returns is checked again for its type and shape (metadata, no
-host sync). Its *value* can only be known on the device: a tensor learning rate that is NaN,
-infinite or negative at run time is replaced by 0 inside ``update`` (so the params do not move)
-and :func:`funcamp.unscale_and_step` / :func:`funcamp.make_train_step` treat that step as skipped
-(``found_inf`` is True: params and optimizer state kept bit-identical, the ``skipped`` counter
-counts it, and a dynamic scaler backs off as for an overflow).
+A learning rate is a Python float, a 0-d floating tensor or a schedule ``count -> lr``. A float
+or a tensor is checked when the optimizer is built; a tensor may be changed in place later. A
+schedule is probed once when the optimizer is built, with the count
+``torch.zeros((), dtype=torch.int32)``. It must return a 0-d floating tensor whose value is
+finite and >= 0. A schedule that raises, or returns anything else, is refused there. On the step
+path each value a schedule returns is checked again for its type and shape (metadata, no host
+sync).
+
+A tensor's *value* can only be known on the device. A tensor learning rate that is NaN, infinite
+or negative at run time is replaced by 0 inside ``update``, so the params do not move.
+:func:`funcamp.unscale_and_step` and :func:`funcamp.make_train_step` treat that step as skipped
+(``found_inf`` is True). Params and optimizer state are kept bit-identical, the ``skipped``
+counter counts it, and a dynamic scaler backs off as for an overflow.
 """
 
 from __future__ import annotations
@@ -78,8 +80,10 @@ def _guard_lr(lr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def learning_rate_fn(api: str, learning_rate: Any) -> LrFn:
-    """Validate a learning rate when the optimizer is built; return ``count -> (lr, bad)`` (a
-    schedule is probed here, at build time)."""
+    """Validate a learning rate when the optimizer is built; return ``count -> (lr, bad)``.
+
+    A schedule is probed here, at build time.
+    """
     if isinstance(learning_rate, torch.Tensor):
         if (
             learning_rate.dim() != 0
@@ -378,9 +382,11 @@ def check_state_like(
     *,
     empty: Sequence[bool] | None = None,
 ) -> None:
-    """Each of ``leaves`` (the optimizer state's ``name`` tree, flattened like the grads) must be
-    a tensor of its ``refs``' shape and of ``dtypes[i]`` (an empty tensor where ``empty[i]``).
-    Metadata only."""
+    """Check the leaves of the optimizer state's ``name`` tree, flattened like the grads.
+
+    Each must be a tensor of its ``refs``' shape and of ``dtypes[i]`` (an empty tensor where
+    ``empty[i]``). Metadata only.
+    """
     # Runs on every step, traced by dynamo under compile: shapes compare as torch.Size, the
     # expected shape is spelled out only for the message.
     for i, x, ref, dtype in zip(range(len(leaves)), leaves, refs, dtypes):

@@ -1,14 +1,14 @@
 """Collectives for a step: gradient averaging, ``found_inf`` consensus and the global norm
 of gradients held as shards.
 
-Built on ``torch.distributed._functional_collectives``, so they return new tensors (the inputs are
-never modified), need no host sync and trace into a single graph under
+They are built on ``torch.distributed._functional_collectives``. So they return new tensors (the
+inputs are never modified), need no host sync, and trace into a single graph under
 ``torch.compile(fullgraph=True)``. :func:`all_reduce_step` packs everything a data-parallel step
-exchanges -- the gradients, the loss, a non-finite flag and rank 0's buffers -- into one flat
-buffer per gradient dtype, so a float32-gradient step costs one all-reduce. :class:`Across`
-describes gradients held as shards (each rank a different part of some leaves): while
-:func:`funcamp.unscale_and_step` runs with one, norms and ``found_inf`` are global
-(:func:`active_across`, read by :func:`funcamp.clip_by_global_norm` too).
+exchanges into one flat buffer per gradient dtype: the gradients, the loss, a non-finite flag and
+rank 0's buffers. So a float32-gradient step costs one all-reduce. :class:`Across` describes
+gradients held as shards, each rank holding a different part of some leaves. While
+:func:`funcamp.unscale_and_step` runs with one, norms and ``found_inf`` are global.
+(:func:`active_across` gives it; :func:`funcamp.clip_by_global_norm` reads it too.)
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ def any_across(flag: torch.Tensor, group: Any = None) -> torch.Tensor:
 def all_reduce_grads(grads: PyTree, group: Any = None) -> PyTree:
     """Average the floating tensor leaves of ``grads`` over the ranks of ``group``.
 
-    Leaves are packed into one flat buffer per (device, dtype), so a step issues one all-reduce
-    per dtype rather than one per leaf. Each rank divides its gradients by the world size (a
-    Python constant fixed when the function is traced) *before* the sum, as DDP does, so a
-    float16 sum cannot overflow where the mean would not; with a power-of-two world size the
+    Leaves are packed into one flat buffer per (device, dtype), so a step issues one all-reduce per
+    dtype rather than one per leaf. Each rank divides its gradients by the world size *before* the
+    sum, as DDP does. (The world size is a Python constant, fixed when the function is traced.) So
+    a float16 sum cannot overflow where the mean would not. With a power-of-two world size the
     division is exact. Non-floating and non-tensor leaves pass through.
 
     Args:
@@ -103,9 +103,10 @@ def all_reduce_grads(grads: PyTree, group: Any = None) -> PyTree:
 
 
 class Reduced(NamedTuple):
-    """What :func:`all_reduce_step` returns: the mean gradients, the mean loss, the non-finite
-    consensus (True on every rank when any rank's gradients held an inf or nan) and rank 0's
-    buffers.
+    """What :func:`all_reduce_step` returns.
+
+    It holds the mean gradients, the mean loss, the non-finite consensus and rank 0's buffers.
+    The consensus is True on every rank when any rank's gradients held an inf or nan.
 
     Example:
         >>> import torch, funcamp.distributed as fd
@@ -153,19 +154,24 @@ def all_reduce_step(
 ) -> Reduced:
     """Everything a data-parallel step exchanges, in one all-reduce per gradient dtype.
 
-    Returns :class:`Reduced`: the mean of ``grads`` over the ranks of ``group`` (default: the
-    world), the mean ``loss``, ``nonfinite`` (True on every rank when any rank's gradients held an
-    inf or nan; None without a loss) and rank 0's ``buffers`` on every rank. ``world_size`` and
-    ``rank`` are read from ``group`` unless given (a step reads them once, when it is built).
+    Returns :class:`Reduced`. It holds the mean of ``grads`` over the ranks of ``group`` (default:
+    the world) and the mean ``loss``. ``nonfinite`` is True on every rank when any rank's gradients
+    held an inf or nan (None without a loss). ``buffers`` is rank 0's, on every rank.
+    ``world_size`` and ``rank`` are read from ``group`` unless given. (A step reads them once, when
+    it is built.)
 
-    Gradients are grouped by (device, dtype) and concatenated, each rank's divided by
-    ``world_size`` before the sum (the result is their mean). The float32 buffer on the loss's
-    device (made for the purpose if no float32 gradients live there) also carries the loss
-    (divided too: the result is the mean loss), this rank's non-finite flag (1.0 when one of its
-    gradients is inf or nan; the sum is > 0 when any rank's is) and the tensor leaves of
-    ``buffers`` encoded with :func:`_encode`: rank 0 sends them, every other rank sends
-    ``-0.0``, and ``x + -0.0 == x`` bit for bit for every float32 ``x`` (nan and ``-0.0``
-    included), so the sum is rank 0's buffers exactly -- a broadcast, without another collective.
+    Gradients are grouped by (device, dtype) and concatenated. Each rank's are divided by
+    ``world_size`` before the sum, so the result is their mean. The float32 buffer on the loss's
+    device also carries three more things. (It is made for the purpose if no float32 gradients live
+    there.)
+
+    * The loss, divided too, so the result is the mean loss.
+    * This rank's non-finite flag: 1.0 when one of its gradients is inf or nan. The sum is > 0 when
+      any rank's is.
+    * The tensor leaves of ``buffers``, encoded with :func:`_encode`. Rank 0 sends them, and every
+      other rank sends ``-0.0``. ``x + -0.0 == x`` bit for bit for every float32 ``x`` (nan and
+      ``-0.0`` included). So the sum is rank 0's buffers exactly: a broadcast, without another
+      collective.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -243,9 +249,11 @@ def all_reduce_step(
 
 
 class Across(NamedTuple):
-    """Gradients held across the ranks of ``group``: for each floating gradient leaf (in
-    flattening order), whether each rank holds a different shard of it (``True``: squared norms
-    are summed over the ranks) or the same values (``False``: counted once).
+    """Gradients held across the ranks of ``group``.
+
+    There is one flag for each floating gradient leaf, in flattening order. ``True`` means each
+    rank holds a different shard of it, so squared norms are summed over the ranks. ``False``
+    means every rank holds the same values, counted once.
 
     Example:
         >>> import funcamp.distributed as fd
@@ -280,10 +288,12 @@ _ACROSS: list[Across] = []
 
 
 class summing_across:
-    """While it is active (``with summing_across(across): ...``), :func:`active_across` returns
-    ``across``; ``None`` changes nothing. Entered by :func:`funcamp.unscale_and_step`
-    around the optimizer's update, so :func:`funcamp.clip_by_global_norm` clips by the global
-    norm of sharded gradients."""
+    """Make :func:`active_across` return ``across`` while this is active.
+
+    Use it as ``with summing_across(across): ...``; ``None`` changes nothing.
+    :func:`funcamp.unscale_and_step` enters it around the optimizer's update. So
+    :func:`funcamp.clip_by_global_norm` clips by the global norm of sharded gradients.
+    """
 
     def __init__(self, across: Across | None) -> None:
         self.across = across
@@ -303,18 +313,23 @@ def active_across() -> Across | None:
 
 
 def in_params_order(tree: Any, xs: list[Any]) -> list[Any]:
-    """``xs`` (one per leaf of ``tree``, in flatten order: dict keys sorted) in the order the
-    dicts of ``tree`` iterate -- ``model.parameters()`` order for a params dict, the order
-    torch's ``clip_grad_norm_`` sums a global norm in (a float sum depends on its order)."""
+    """``xs`` (one per leaf of ``tree``, in flatten order) in the order ``tree``'s dicts iterate.
+
+    Flatten order sorts dict keys. Iteration order is ``model.parameters()`` order for a params
+    dict. It is the order in which torch's ``clip_grad_norm_`` sums a global norm, and a float
+    sum depends on its order.
+    """
     order = insertion_order(tree)
     return xs if order is None else [xs[i] for i in order]
 
 
 def global_norm(norms: list[torch.Tensor], tree: Any = None) -> torch.Tensor:
-    """The L2 norm of per-leaf norms (one per leaf of ``tree``, in flatten order), in float32;
-    summed in ``tree``'s dict order (:func:`in_params_order`) when ``tree`` is given; across
-    the ranks of a sharded step (:func:`active_across`: the norms of local shards, in flatten
-    order, as :meth:`Across.reduce` pairs them with its leaves)."""
+    """The L2 norm of per-leaf norms (one per leaf of ``tree``, in flatten order), in float32.
+
+    When ``tree`` is given, the sum runs in ``tree``'s dict order (:func:`in_params_order`). In
+    a sharded step it runs across the ranks (:func:`active_across`). The norms are then those of
+    the local shards, in flatten order, as :meth:`Across.reduce` pairs them with its leaves.
+    """
     across = active_across()
     if across is None:
         ordered = norms if tree is None else in_params_order(tree, norms)

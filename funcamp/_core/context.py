@@ -1,14 +1,18 @@
 """The execution context, decided here and nowhere else.
 
 funcamp runs the same pure functions in three contexts, and a few fast paths and graph-shaping
-hints depend on which: *compiling* (dynamo is tracing: ``torch.compile``), *inside a torch.func
-transform* (``grad``, ``vmap``, ``jvp``: functorch wrapper tensors), or *plain eager*. Every
-question about the context goes through the functions below: ``torch.compiler.is_compiling()``
-is called in this module only.
+hints depend on which:
 
-``import funcamp`` does not import dynamo (nor, through it, any inductor module): the one mark
-funcamp's own code needs from dynamo at definition time, :func:`constant_result`, is set without
-importing it on the torch releases where that is what dynamo's decorator does.
+* *compiling*: dynamo is tracing (``torch.compile``);
+* *inside a torch.func transform*: ``grad``, ``vmap``, ``jvp`` (functorch wrapper tensors);
+* *plain eager*.
+
+Every question about the context goes through the functions below.
+``torch.compiler.is_compiling()`` is called in this module only.
+
+``import funcamp`` does not import dynamo, nor, through it, any inductor module. funcamp's own
+code needs one mark from dynamo at definition time, :func:`constant_result`. It is set without
+importing dynamo, on the torch releases where that is what dynamo's decorator does.
 """
 
 from __future__ import annotations
@@ -50,9 +54,9 @@ def constant_result(fn: F) -> F:
     """``torch.compiler.assume_constant_result(fn)``: under ``torch.compile``, a call of ``fn``
     is run at trace time and its result is a constant of the graph.
 
-    On :data:`MARK_RELEASES` the mark is set as torch's decorator sets it, so that defining a
-    marked function does not import dynamo (and inductor modules with it) at ``import funcamp``;
-    on any other release torch's decorator itself runs.
+    On :data:`MARK_RELEASES` the mark is set as torch's decorator sets it. So defining a marked
+    function does not import dynamo (and inductor modules with it) at ``import funcamp``. On any
+    other release torch's decorator itself runs.
 
     Example:
         >>> import torch
@@ -86,10 +90,12 @@ def in_transform() -> bool:
 
 @constant_result
 def transform_while_tracing() -> bool:
-    """:func:`in_transform`, asked while dynamo traces: its answer at trace time becomes a
-    constant of the graph (dynamo cannot put the functorch level in a graph, and a graph traced
-    under a transform is only ever run under it: dynamo guards on the functorch stack; a step
-    saved to disk is run only outside transforms, see funcamp/stepcache/cache.py)."""
+    """:func:`in_transform`, asked while dynamo traces: its answer becomes a constant of the graph.
+
+    Dynamo cannot put the functorch level in a graph. A graph traced under a transform is only
+    ever run under it, since dynamo guards on the functorch stack. A step saved to disk is run
+    only outside transforms (see funcamp/stepcache/cache.py).
+    """
     return torch._C._functorch.maybe_current_level() is not None
 
 
@@ -115,9 +121,11 @@ def _marking_while_tracing() -> bool:
 
 
 def is_batched(xs: Iterable[Any]) -> bool:
-    """Whether any tensor of ``xs`` is batched by the innermost ``vmap`` (a functorch
-    ``BatchedTensor`` itself, not under another transform's wrapper). Dynamo folds each answer
-    to a constant of the graph."""
+    """Whether any tensor of ``xs`` is batched by the innermost ``vmap``.
+
+    Such a tensor is a functorch ``BatchedTensor`` itself, not under another transform's
+    wrapper. Dynamo folds each answer to a constant of the graph.
+    """
     for x in xs:  # noqa: SIM110 -- a loop, not any(): dynamo traces any() in Python
         if isinstance(x, torch.Tensor) and torch._C._functorch.is_batchedtensor(x):
             return True
@@ -156,8 +164,11 @@ def _vmap_below_while_tracing() -> bool:
 
 
 def plain_eager() -> bool:
-    """Neither compiling nor inside a ``torch.func`` transform: a question about the context
-    alone (:func:`plain_eager_tensors` and :func:`plain_tensors` also ask about tensors)."""
+    """Neither compiling nor inside a ``torch.func`` transform.
+
+    It asks about the context alone. :func:`plain_eager_tensors` and :func:`plain_tensors` also
+    ask about tensors.
+    """
     return not compiling() and not in_transform()
 
 
@@ -197,26 +208,33 @@ def _plain_untracked(xs: Sequence[Any]) -> bool:
 
 
 def plain_eager_tensors(xs: Sequence[Any]) -> bool:
-    """:func:`plain_eager` and :func:`plain_tensors`: plain eager, and every tensor of ``xs`` a
-    plain ``torch.Tensor`` on CPU/CUDA that autograd does not track. The one predicate behind
-    every eager fast path (foreach kernels, in-place writes into owned temporaries, the fused
-    unscale kernel, torch's fused optimizer kernels)."""
+    """:func:`plain_eager` and :func:`plain_tensors`, both.
+
+    Plain eager, and every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd
+    does not track. It is the one predicate behind every eager fast path: foreach kernels,
+    in-place writes into owned temporaries, the fused unscale kernel, torch's fused optimizer
+    kernels.
+    """
     return plain_eager() and _plain_untracked(xs)
 
 
 def plain_tensors(xs: Sequence[Any]) -> bool:
-    """Every tensor of ``xs`` a plain ``torch.Tensor`` on CPU/CUDA that autograd does not track,
-    outside any ``torch.func`` transform, in plain eager (:func:`plain_eager_tensors`) or while
-    dynamo traces: where torch's multi-tensor kernels (the fused unscale, ``_foreach_norm``,
-    torch's fused optimizer kernels) may run. Compiled, inductor calls such a kernel as it is
-    (an extern kernel) instead of generating code for it: on the CPU every generated kernel is
-    a C++ build on the first call.
+    """Whether torch's multi-tensor kernels may run on ``xs``.
 
-    Traced, the transform is asked once, as a constant of the graph (a compiled ``grad``,
-    ``vmap`` or ``jvp`` through the update takes the per-leaf ops): foreach kernels have no vmap
-    rule, the fused unscale no derivative, and inside a traced ``torch.func.grad`` dynamo
-    reports ``requires_grad=False``. Asking each tensor ``is_batchedtensor`` instead put a graph node
-    per tensor in the step and let a compiled ``grad`` through the update reach the kernels."""
+    Those are the fused unscale, ``_foreach_norm`` and torch's fused optimizer kernels. Every
+    tensor of ``xs`` must be a plain ``torch.Tensor`` on CPU/CUDA that autograd does not track.
+    The context must be outside any ``torch.func`` transform, in plain eager
+    (:func:`plain_eager_tensors`) or while dynamo traces. Compiled, inductor calls such a kernel
+    as it is (an extern kernel) instead of generating code for it. On the CPU every generated
+    kernel is a C++ build on the first call.
+
+    Traced, the transform is asked once, as a constant of the graph. So a compiled ``grad``,
+    ``vmap`` or ``jvp`` through the update takes the per-leaf ops. Foreach kernels have no vmap
+    rule and the fused unscale has no derivative. Inside a traced ``torch.func.grad``, dynamo
+    reports ``requires_grad=False``.
+    """
+    # Asking each tensor is_batchedtensor instead put a graph node per tensor in the step and
+    # let a compiled grad through the update reach the kernels.
     if not compiling():
         return plain_eager_tensors(xs)
     return not transform_while_tracing() and _plain_untracked(xs)

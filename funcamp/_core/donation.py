@@ -1,23 +1,26 @@
 """What became of a state given to a donating train step: the one registry every use consults.
 
 A donated train step writes the new state into the tensors of the state it was given. Each
-state is known by a key object -- its :class:`funcamp.ScalerState`, which every step returns new
-and ``TrainState.create`` gives each state its own -- and the registry records, weakly (it
-keeps nothing alive), what happened to it:
+state is known by a key object: its :class:`funcamp.ScalerState`. Every step returns a new one,
+and ``TrainState.create`` gives each state its own. The registry records what happened to each
+state, weakly (it keeps nothing alive):
 
-* :data:`CHECKED`: the state passed the once-per-state checks of a donating step (a state that
-  step returned is checked already: its tensors are the given ones, or new);
+* :data:`CHECKED`: the state passed the once-per-state checks of a donating step. (A state that
+  step returned is checked already: its tensors are the given ones, or new.)
 * :data:`WRITING`: a donated step is writing into its tensors, or began to and raised;
 * :data:`DONATED`: a donated step wrote into it and returned the new state;
 * ``"raised part-way (<exception>)"``: a donated step raised after its first write.
 
-A step marks its state :data:`WRITING` *before* its first write and :data:`DONATED` only after it
-returned, so a state whose step was interrupted anywhere in between (``KeyboardInterrupt``, an
-allocation failure, a torch error on one write) stays marked: :func:`refuse_consumed` refuses it
-in every later step, ``save``, ``state_dict`` and ``load_into_module``. The eager step marks at
-its first write (:func:`writing`, armed by the wrapper with :func:`arm`, so that a ``loss_fn``
-that raises leaves a usable state); the compiled one before the compiled call (its writes run
-inside the graph), and a trace that fails before the graph runs unmarks it (:func:`restore`).
+A step marks its state :data:`WRITING` *before* its first write, and :data:`DONATED` only after
+it returned. So a state whose step was interrupted anywhere in between stays marked
+(``KeyboardInterrupt``, an allocation failure, a torch error on one write).
+:func:`refuse_consumed` refuses it in every later step, ``save``, ``state_dict`` and
+``load_into_module``.
+
+The eager step marks at its first write (:func:`writing`, armed by the wrapper with :func:`arm`).
+So a ``loss_fn`` that raises leaves a usable state. The compiled step marks before the compiled
+call, since its writes run inside the graph. A trace that fails before the graph runs unmarks it
+(:func:`restore`).
 """
 
 from __future__ import annotations
@@ -86,8 +89,10 @@ def arm(key: Any) -> None:
 
 
 def writing() -> Any:
-    """Called by an eager donated step just before its first write: mark the armed state.
-    Returns what :func:`not_written` needs to take the mark back."""
+    """Mark the armed state; an eager donated step calls this just before its first write.
+
+    Returns what :func:`not_written` needs to take the mark back.
+    """
     key = getattr(_ARMED, "key", None)
     if key is None:
         return None
@@ -98,8 +103,11 @@ def writing() -> Any:
 
 
 def not_written(token: Any) -> None:
-    """Take back :func:`writing`'s mark when the write it announced did not happen (a fused
-    kernel that declined the leaves): the state stays armed for the real first write."""
+    """Take back :func:`writing`'s mark when the write it announced did not happen.
+
+    That happens when a fused kernel declined the leaves. The state stays armed for the real
+    first write.
+    """
     if token is None:
         return
     key, previous = token

@@ -1,10 +1,10 @@
 """Reading dynamo's guard sources (duck-typed: nothing here imports dynamo).
 
 A compiled step checks the guards rooted in its arguments (``state``, ``batch``) or in torch's
-global state on every call. Two users read guard sources the same way: the guard filter of
-``make_train_step(..., specialize=True)`` (:func:`funcamp.train.compiling.input_guards_only`)
-and the compiled step kept on disk (:mod:`funcamp.stepcache`), which checks the other guards
-once, when it loads an entry.
+global state on every call. Two users read guard sources the same way. One is the guard filter
+of ``specialize=True`` (:func:`funcamp.train.compiling.input_guards_only`). The other is the
+compiled step kept on disk (:mod:`funcamp.stepcache`), which checks the other guards once, when
+it loads an entry.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def source_root(source: Any) -> Any:
 
 
 def is_mode_flag(source: Any) -> bool:
-    """Whether a guard source reads a module's ``training`` flag (``....training``): the flag
-    ``model.train()`` / ``model.eval()`` sets, which a compiled step must follow."""
+    """Whether a guard source reads a module's ``training`` flag (``....training``).
+
+    ``model.train()`` / ``model.eval()`` set that flag, and a compiled step must follow it.
+    """
     return type(source).__name__ == "AttrSource" and getattr(source, "member", None) == "training"

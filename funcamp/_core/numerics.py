@@ -1,5 +1,7 @@
-"""Numerics every layer uses: float32 scalars, math dtypes, and two hints that shape what
-inductor makes of a per-step scalar (:func:`hoist_scalar`, :func:`spread`)."""
+"""Numerics every layer uses: float32 scalars, math dtypes, and two hints for inductor.
+
+The hints (:func:`hoist_scalar`, :func:`spread`) shape what inductor makes of a per-step scalar.
+"""
 
 from __future__ import annotations
 
@@ -35,15 +37,19 @@ def f32(value: float) -> float:
 
 
 def math_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype optimizer math and unscaling run in: float64 for float64, else float32 (float16
-    and bfloat16 values are upcast; GradScaler unscales float64 grads in float64 too)."""
+    """The dtype optimizer math and unscaling run in: float64 for float64, else float32.
+
+    Float16 and bfloat16 values are upcast. GradScaler unscales float64 grads in float64 too.
+    """
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``, written so that a tensor already of ``dtype`` is returned without a
-    call: the same tensor either way, but dynamo records every ``to`` in its graph (a node and a
-    fake-tensor run each, per leaf of a train step's trees) even when it is a no-op."""
+    """``x.to(dtype)``, returning a tensor already of ``dtype`` without a call.
+
+    The result is the same tensor either way. But dynamo records every ``to`` in its graph even
+    when it is a no-op: a node and a fake-tensor run each, per leaf of a train step's trees.
+    """
     return x if x.dtype == dtype else x.to(dtype)
 
 
@@ -53,15 +59,14 @@ def is_half(p: torch.Tensor) -> bool:
 
 
 def hoist_scalar(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself: a 0-d step scalar (an unscale factor, a bias-corrected step size) that
-    inductor should compute once per step rather than inline into every element's loop.
+    """``x`` itself, marked so that inductor computes it once per step.
 
-    Inductor inlines a cheap 0-d expression into each consumer kernel, so a per-step scalar made
-    of ``pow``/``sqrt``/float64 divisions is recomputed for every vector of every leaf (a compiled
-    MLP step lost most of its lead over eager autocast + GradScaler). Its CPU
-    heuristic computes a value once when the expression holds a costly op such as ``exp``; the
-    never-taken branch below adds one. Outside compilation, off the CPU (a GPU thread recomputes
-    a scalar for free) and for non-floating values ``x`` is returned as is.
+    ``x`` is a 0-d step scalar (an unscale factor, a bias-corrected step size). Without the mark
+    inductor inlines it into every element's loop. A per-step scalar made of
+    ``pow``/``sqrt``/float64 divisions is then recomputed for every vector of every leaf. Its
+    CPU heuristic computes a value once when the expression holds a costly op such as ``exp``;
+    the never-taken branch below adds one. Outside compilation, off the CPU (a GPU thread
+    recomputes a scalar for free) and for non-floating values, ``x`` is returned as is.
     """
     if not compiling() or not x.is_floating_point() or x.device.type != "cpu":
         return x
@@ -105,20 +110,22 @@ LEAVES_PER_COPY = 4
 
 
 def spread(x: Any, n: int) -> list[Any]:
-    """``x`` for each of ``n`` leaves, in a list: ``[x] * n``, except for a 0-d CPU tensor (a
-    step scalar: the unscale factor, the skip flag, a learning rate) while compiling, which is
-    copied once for every :data:`LEAVES_PER_COPY` leaves by one ``funcamp::copies`` call.
+    """``x`` for each of ``n`` leaves, in a list: ``[x] * n``, with one exception.
 
-    Why: inductor's fusion search pairs each node with up to 64 later nodes that read a buffer
-    it reads (``max_fusion_buffer_group_pairwise_attempts``), each pair scored for memory. When
-    every leaf's three or so update kernels read one shared scalar, that is some 3n x 64 pairs
-    in each of the fusion rounds: most of a compiled optimizer step's scheduling time (measured
-    on the GPT step in docs/benchmarks.md, "Compile time"). A copy per few leaves keeps the
-    search to neighbours; the leaf's own kernels still fuse through the leaf's own buffers.
-    Inductor cannot look through the op, so the copies stay separate buffers; they cost a clone
-    of a 0-d tensor each per step. Values and results are unchanged. Off the CPU (where each
-    copy would be a kernel launch), in eager code, for few leaves and for a tensor that autograd
-    tracks, ``x`` is shared as is."""
+    While compiling, a 0-d CPU tensor is copied once for every :data:`LEAVES_PER_COPY` leaves,
+    by one ``funcamp::copies`` call. Such a tensor is a step scalar: the unscale factor, the
+    skip flag, a learning rate. Values and results are unchanged. Off the CPU (where each copy
+    would be a kernel launch), in eager code, for few leaves and for a tensor that autograd
+    tracks, ``x`` is shared as is.
+    """
+    # Why: inductor's fusion search pairs each node with up to 64 later nodes that read a buffer
+    # it reads (max_fusion_buffer_group_pairwise_attempts), each pair scored for memory. When
+    # every leaf's three or so update kernels read one shared scalar, that is some 3n x 64 pairs
+    # in each of the fusion rounds: most of a compiled optimizer step's scheduling time (see
+    # docs/internals.md, "Compile time"). A copy per few leaves keeps the search to neighbours;
+    # the leaf's own kernels still fuse through the leaf's own buffers. Inductor cannot look
+    # through the op, so the copies stay separate buffers; they cost a clone of a 0-d tensor
+    # each per step.
     if (
         n <= LEAVES_PER_COPY
         or not isinstance(x, torch.Tensor)

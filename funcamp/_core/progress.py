@@ -1,18 +1,18 @@
 """Say what a long first call is doing: the first call of a compiled train step compiles it.
 
-funcamp logs on the ``"funcamp"`` logger. Its notices (a step is compiling, how long it took,
-a compiled step loaded from a cache) are INFO records, shown by default:
+funcamp logs on the ``"funcamp"`` logger. Its notices are INFO records, shown by default: a
+step is compiling, how long it took, a compiled step loaded from a cache.
 
-* the ``"funcamp"`` logger's level is INFO unless you set one (before or after importing
-  funcamp), so the notices pass whatever level the root logger has;
-* nobody configured logging (no handler on the ``"funcamp"`` logger or the loggers it
-  propagates to): funcamp's own handler writes each record as a plain line to ``sys.stderr``,
-  as ``logging.lastResort`` does for warnings;
-* you configured logging (``logging.basicConfig(...)``, a handler of your own): your handlers
-  get the records, in your format, and funcamp's handler writes nothing.
+* The ``"funcamp"`` logger's level is INFO unless you set one (before or after importing
+  funcamp). So the notices pass whatever level the root logger has.
+* If nobody configured logging, funcamp's own handler writes each record as a plain line to
+  ``sys.stderr``, as ``logging.lastResort`` does for warnings. (Nobody configured it means no
+  handler on the ``"funcamp"`` logger or the loggers it propagates to.)
+* If you configured logging (``logging.basicConfig(...)``, a handler of your own), your handlers
+  get the records, in your format. funcamp's handler then writes nothing.
 
-Silence the notices with the environment variable ``FUNCAMP_QUIET=1`` (read at each record:
-funcamp's INFO records are dropped, warnings still show) or
+Silence the notices with the environment variable ``FUNCAMP_QUIET=1``, read at each record.
+funcamp's INFO records are then dropped; warnings still show. Or call
 ``logging.getLogger("funcamp").setLevel(logging.WARNING)``.
 """
 
@@ -83,8 +83,11 @@ if not any(isinstance(h, _DefaultHandler) for h in logger.handlers):
 
 
 def announce_first_call(fn: Callable[..., Any], what: str = "train step") -> Callable[..., Any]:
-    """Wrap a compiled ``fn``: its first call logs ``COMPILING`` at INFO level before it runs
-    and the time it took after; later calls go straight through."""
+    """Wrap a compiled ``fn`` so that its first call logs what it is doing.
+
+    The first call logs ``COMPILING`` at INFO level before it runs, and the time it took after.
+    Later calls go straight through.
+    """
     done = False
 
     @functools.wraps(fn)

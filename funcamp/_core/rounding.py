@@ -1,10 +1,9 @@
 """Bit-exact rounding of float32 values to bfloat16/float16 and counter-based random bits.
 
-Everything here works on the float32 *bit pattern* with integer ops, so that eager and compiled
-code (inductor, whose default ``emulate_precision_casts=False`` may fuse away a
-``.to(bfloat16).to(float32)`` pair) give bit-identical results. Each function returns a float32
-tensor whose values are exactly representable in the target dtype; the final ``.to(dtype)`` is
-then exact.
+Everything here works on the float32 *bit pattern* with integer ops. So eager and compiled code
+give bit-identical results. (Inductor's default ``emulate_precision_casts=False`` may fuse away a
+``.to(bfloat16).to(float32)`` pair.) Each function returns a float32 tensor whose values are
+exactly representable in the target dtype. The final ``.to(dtype)`` is then exact.
 """
 
 from __future__ import annotations
@@ -50,8 +49,11 @@ def _step_key(seed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 
 def leaf_keys(seed: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
-    """Return the int64 keys of leaves ``0 .. n-1`` for step ``count`` (shape ``(n,)``): the
-    key :func:`random_bits` hashes with the element index, computed for every leaf at once."""
+    """Return the int64 keys of leaves ``0 .. n-1`` for step ``count`` (shape ``(n,)``).
+
+    A key is what :func:`random_bits` hashes with the element index. This computes it for every
+    leaf at once.
+    """
     leaves = torch.arange(n, dtype=torch.int64, device=seed.device)
     return _hash32(_step_key(seed, count) ^ leaves)
 
@@ -66,23 +68,28 @@ def bits_from_key(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def random_bits(
     seed: torch.Tensor, count: torch.Tensor, leaf: int, shape: torch.Size
 ) -> torch.Tensor:
-    """Return int64 random bits in [0, 2**31) of ``shape``, a pure function of
-    (seed, count, leaf index, element index) — never the global RNG."""
+    """Return int64 random bits in [0, 2**31) of ``shape``.
+
+    They are a pure function of (seed, count, leaf index, element index), never the global RNG.
+    """
     return bits_from_key(_hash32(_step_key(seed, count) ^ (leaf & _MASK32)), shape)
 
 
 def computed_once(x: torch.Tensor) -> torch.Tensor:
-    """``x``; while compiling, a view of it (``as_strided`` onto its own size and strides) that
-    makes inductor compute ``x`` into a buffer once instead of inlining its expression into each
-    of its readers. Inductor gives up inlining only past some fan-out or op count, and the
-    integer work here reads its values several times: each hash step reads its input twice
-    (``x ^ (x >> 16)``, three steps a hash), so an inlined chain of hashes grows as a power of two
-    (the stochastic-rounding keys of a few small leaves were slow to compile), and the rounding
-    reads the bit pattern of a whole optimizer update up to six times (Kahan summation compiles
-    faster with this; both measured in docs/benchmarks.md, "Low-precision modes"). Fused into
-    the same kernel, the buffer stays a local value: the same kernels and memory traffic. Left
-    alone where autograd or a functorch transform (vmap, grad) would see the view, and for a
-    non-contiguous ``x`` (whose strides inductor's buffer need not share)."""
+    """``x``, or while compiling a view of it that inductor computes into a buffer once.
+
+    The view is ``as_strided`` onto ``x``'s own size and strides. Without it inductor inlines
+    ``x``'s expression into each of its readers. Fused into the same kernel, the buffer stays a
+    local value: the same kernels and memory traffic. ``x`` is left alone where autograd or a
+    functorch transform (vmap, grad) would see the view. It is also left alone when
+    non-contiguous, since inductor's buffer need not share its strides.
+    """
+    # Why: inductor gives up inlining only past some fan-out or op count, and the integer work
+    # here reads its values several times. Each hash step reads its input twice
+    # (x ^ (x >> 16), three steps a hash), so an inlined chain of hashes grows as a power of
+    # two (the stochastic-rounding keys of a few small leaves were slow to compile). The
+    # rounding reads the bit pattern of a whole optimizer update up to six times (Kahan
+    # summation compiles faster with this; docs/benchmarks.md, "Low-precision modes").
     if (
         not compiling()
         or not x.is_contiguous()
@@ -141,6 +148,9 @@ def round_nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def round_stochastic(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
-    """Round float32 ``x`` stochastically into ``dtype`` (up with probability equal to the
-    fraction of an ulp); ``noise`` from :func:`random_bits`. Float32 result."""
+    """Round float32 ``x`` stochastically into ``dtype``; float32 result.
+
+    It rounds up with probability equal to the fraction of an ulp. ``noise`` comes from
+    :func:`random_bits`.
+    """
     return _round_bits(x, dtype, noise)

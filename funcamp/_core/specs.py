@@ -1,7 +1,8 @@
-"""Treespecs made without optree while dynamo traces: :class:`DictSpec` for a flat ``str``-keyed
-dict of tensors, :class:`NestedSpec` for a tree of dicts, lists, tuples, NamedTuples and None,
-and :func:`flatten`/:func:`unflatten`, which use them under ``torch.compile`` (optree's C++
-flatten otherwise).
+"""Treespecs made without optree while dynamo traces.
+
+:class:`DictSpec` is for a flat ``str``-keyed dict of tensors. :class:`NestedSpec` is for a tree
+of dicts, lists, tuples, NamedTuples and None. :func:`flatten`/:func:`unflatten` use them under
+``torch.compile``, and optree's C++ flatten otherwise.
 
 Workaround of torch internals (docs/upstream.md#specs):
 
@@ -33,15 +34,16 @@ PyTree = Any
 
 
 class DictSpec:
-    """The treespec of a plain ``dict`` of tensors with ``str`` keys (a model's params, their
-    grads, an optimizer buffer), made without optree under ``torch.compile``.
+    """The treespec of a plain ``dict`` of tensors with ``str`` keys, made without optree.
 
-    Dynamo traces optree's flattening in Python, about 350 bytecode instructions a leaf, and a
-    train step flattens such dicts a dozen times; this spec is built from the sorted keys in a
-    few instructions a leaf. It orders, compares and rebuilds exactly as optree's treespec of
-    the same dict does: leaves in sorted key order, equal to a spec of the same keys in any
-    order, rebuilt in the flattened dict's key order. :func:`flatten` makes it only while
-    compiling; eager code keeps optree's C++ treespec."""
+    Such a dict is a model's params, their grads, or an optimizer buffer. Dynamo traces optree's
+    flattening in Python, about 350 bytecode instructions a leaf. A train step flattens such
+    dicts a dozen times. This spec is built from the sorted keys in a few instructions a leaf.
+    It orders, compares and rebuilds exactly as optree's treespec of the same dict does. Leaves
+    come in sorted key order. It is equal to a spec of the same keys in any order. It rebuilds
+    in the flattened dict's key order. :func:`flatten` makes it only while compiling; eager code
+    keeps optree's C++ treespec.
+    """
 
     __slots__ = ("keys", "order")
 
@@ -124,17 +126,16 @@ def _plain_namedtuple(cls: type) -> bool:
 
 
 class NestedSpec:
-    """The treespec of a tree of ``dict`` (``str`` keys), ``list``, ``tuple``, NamedTuple and
-    ``None`` nodes with tensor leaves (an optimizer's state, a train state), made without optree
-    under ``torch.compile``, as :class:`DictSpec` is for a flat dict.
+    """The treespec of a tree of containers with tensor leaves, made without optree.
 
-    Dynamo traces optree's flattening in Python, some 350 bytecode instructions a leaf (a large
-    part of a GPT-2 step's trace went to flattening its AdamW state; docs/benchmarks.md,
-    "Compile time"). Leaves come in optree's
-    order (dict keys sorted, NamedTuple fields in order, ``None`` a node without children),
-    ``flatten_up_to`` takes what optree's takes (a dict node a dict, ``OrderedDict`` or
-    ``defaultdict`` with the same keys; the other nodes their own type), and the spec compares
-    equal to optree's treespec of the same tree."""
+    The nodes are ``dict`` (``str`` keys), ``list``, ``tuple``, NamedTuple and ``None``: an
+    optimizer's state, a train state. It is to such a tree what :class:`DictSpec` is to a flat
+    dict. Dynamo traces optree's flattening in Python, some 350 bytecode instructions a leaf.
+    Leaves come in optree's order: dict keys sorted, NamedTuple fields in order, ``None`` a node
+    without children. ``flatten_up_to`` takes what optree's takes: for a dict node a dict,
+    ``OrderedDict`` or ``defaultdict`` with the same keys; for other nodes their own type. The
+    spec compares equal to optree's treespec of the same tree.
+    """
 
     __slots__ = ("children", "kind", "meta")
 
@@ -273,10 +274,13 @@ def _nested(tree: PyTree, leaves: list[Any]) -> Any:
 
 
 def flatten(tree: PyTree) -> tuple[list[Any], Any]:
-    """``optree.tree_flatten(tree, namespace=NAMESPACE)``; under ``torch.compile`` a plain dict of
-    tensors with str keys gets a :class:`DictSpec` instead (same leaves, same order), and a tree of
-    dicts, lists, tuples, NamedTuples and None with tensor leaves a :class:`NestedSpec`. Rebuild
-    with :func:`unflatten`; the specs have ``flatten_up_to`` and compare like treespecs."""
+    """``optree.tree_flatten(tree, namespace=NAMESPACE)``, with funcamp's specs under compile.
+
+    Under ``torch.compile`` a plain dict of tensors with str keys gets a :class:`DictSpec`
+    instead (same leaves, same order). A tree of dicts, lists, tuples, NamedTuples and None with
+    tensor leaves gets a :class:`NestedSpec`. Rebuild with :func:`unflatten`. The specs have
+    ``flatten_up_to`` and compare like treespecs.
+    """
     if compiling():
         if type(tree) is dict:
             for k, v in tree.items():  # a loop, not all(): dynamo traces all() in Python

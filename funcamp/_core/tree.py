@@ -48,9 +48,12 @@ def _write_into(new: PyTree, old: PyTree) -> PyTree:
 
 
 def plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
-    """:func:`_write_into` in two phases, for an all-or-nothing donated step: the structure of
-    ``new`` is checked against ``old`` now (raising before anything is written), and the returned
-    function does the writes (plain copies between matched tensors) and returns the tree."""
+    """:func:`_write_into` in two phases, for an all-or-nothing donated step.
+
+    The structure of ``new`` is checked against ``old`` now, raising before anything is
+    written. The returned function does the writes (plain copies between matched tensors) and
+    returns the tree.
+    """
     if isinstance(old, (dict, list, tuple)) and not old:  # no buffers (dynamo: no {} specs)
         return lambda: new
     old_leaves, spec = flatten(old)
@@ -84,15 +87,17 @@ def plan_write(new: PyTree, old: PyTree) -> Callable[[], PyTree]:
 
 
 def plan_select_write(pred: torch.Tensor, new: PyTree, old: PyTree) -> Callable[[], PyTree]:
-    """``tree_select(pred, old, new)`` written into the tensors of ``old``, in two phases: the
-    trees are matched and checked now (raising before anything is written, with
-    :func:`tree_select`'s messages), and the returned function writes
-    ``where(pred, o, n)`` into each old tensor ``o`` whose new value ``n`` is another tensor,
-    and returns ``old`` itself (its tensors now hold the selection).
+    """``tree_select(pred, old, new)`` written into the tensors of ``old``, in two phases.
 
-    The traced donated step's select and write in one pass over flat leaves: compiled, it
-    replaces a select over both trees, a flatten of the selection and a rebuild (dynamo traces
-    every leaf of each, and a train step's state has a few hundred)."""
+    The trees are matched and checked now, raising before anything is written (with
+    :func:`tree_select`'s messages). The returned function writes ``where(pred, o, n)`` into
+    each old tensor ``o`` whose new value ``n`` is another tensor. It returns ``old`` itself,
+    whose tensors now hold the selection.
+
+    This is the traced donated step's select and write, in one pass over flat leaves. Compiled,
+    it replaces a select over both trees, a flatten of the selection and a rebuild. (Dynamo
+    traces every leaf of each, and a train step's state has a few hundred.)
+    """
     if isinstance(old, (dict, list, tuple)) and not old:  # no leaves (dynamo: no {} specs)
         return lambda: old
     old_leaves, spec = flatten(old)
@@ -129,11 +134,13 @@ def storage_key(x: torch.Tensor) -> int | None:
 
 
 def self_overlapping(x: torch.Tensor) -> bool:
-    """Whether elements of ``x`` share memory -- an expanded tensor, such as the grad of
-    ``w.sum()`` from ``torch.func.grad`` (all strides 0): torch refuses to write into it in
-    place, so it is never donated or owned. torch's own test; "too hard to tell" (a sliding
-    window view, but also a step slice such as ``x[::2]``) counts as overlapping: such a tensor
-    is copied, not written."""
+    """Whether elements of ``x`` share memory.
+
+    Such a tensor is an expanded one, like the grad of ``w.sum()`` from ``torch.func.grad`` (all
+    strides 0). Torch refuses to write into it in place, so it is never donated or owned. This
+    is torch's own test. "Too hard to tell" counts as overlapping (a sliding window view, but
+    also a step slice such as ``x[::2]``). Such a tensor is copied, not written.
+    """
     return not x.is_contiguous() and torch._debug_has_internal_overlap(x) != 0
 
 
@@ -144,8 +151,11 @@ def _leaf_name(name: str, tree: PyTree, index: int) -> str:
 
 
 def first_leaf(trees: dict[str, PyTree], bad: Callable[[Any], bool]) -> str | None:
-    """The name (tree name + leaf path) of the first leaf of ``trees`` for which ``bad`` holds,
-    or None. Paths are made only for the answer: this runs on every eager step."""
+    """The name (tree name + leaf path) of the first leaf of ``trees`` for which ``bad`` holds.
+
+    None when there is none. Paths are made only for the answer, since this runs on every eager
+    step.
+    """
     for name, tree in trees.items():
         for i, x in enumerate(optree.tree_leaves(tree, namespace=NAMESPACE)):
             if bad(x):
@@ -154,8 +164,11 @@ def first_leaf(trees: dict[str, PyTree], bad: Callable[[Any], bool]) -> str | No
 
 
 def sharing_memory(trees: dict[str, PyTree]) -> tuple[str, str] | None:
-    """The names (tree name + leaf path) of the first two tensor leaves of ``trees`` that share
-    memory, or None. Paths are made only for the answer: this runs on every eager step."""
+    """The names (tree name + leaf path) of the first two tensor leaves that share memory.
+
+    None when there are none. Paths are made only for the answer, since this runs on every eager
+    step.
+    """
     seen: dict[int, tuple[str, PyTree, int]] = {}
     for name, tree in trees.items():
         for i, x in enumerate(optree.tree_leaves(tree, namespace=NAMESPACE)):
@@ -174,10 +187,12 @@ def _flatten_with_path(tree: PyTree) -> tuple[list[str], list[Any], optree.PyTre
 
 
 def insertion_order(tree: PyTree) -> list[int] | None:
-    """The leaf indices of ``tree`` (in flatten order, where dict keys are sorted) in the order
-    its dicts iterate -- a model's ``named_parameters()`` order for a params dict -- or None
-    when the two orders agree. Reductions over the params follow it, as torch's do over
-    ``model.parameters()`` (a float sum depends on its order)."""
+    """The leaf indices of ``tree`` in the order its dicts iterate (None: flatten order).
+
+    Flatten order sorts dict keys. Iteration order is a model's ``named_parameters()`` order
+    for a params dict. Reductions over the params follow it, as torch's do over
+    ``model.parameters()``: a float sum depends on its order.
+    """
     if type(tree) is dict and all(type(k) is str for k in tree):
         keys = list(tree)
         if all(not isinstance(v, (dict, list, tuple)) for v in tree.values()):  # flat: fast
@@ -216,9 +231,11 @@ def path_str(path: tuple[Any, ...]) -> str:
 
 
 def leaf_path(tree: PyTree, index: int) -> str:
-    """The readable path of leaf ``index`` of ``tree``, for an error message. Checks flatten
-    without paths and call this only when they fail: under ``torch.compile`` dynamo traces
-    optree's flattening in Python, and the paths cost as much again."""
+    """The readable path of leaf ``index`` of ``tree``, for an error message.
+
+    Checks flatten without paths and call this only when they fail. Under ``torch.compile``
+    dynamo traces optree's flattening in Python, and the paths cost as much again.
+    """
     return path_str(optree.tree_flatten_with_path(tree, namespace=NAMESPACE)[0][index])
 
 
@@ -233,11 +250,13 @@ def leaf_paths(tree: PyTree) -> list[str]:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """``tree`` with ``fn`` applied to every tensor in it, looking into every common container:
-    optree's pytrees (dicts, lists, tuples, NamedTuples, funcamp's states), types registered
-    with torch's pytree (Hugging Face's ``ModelOutput``), dataclasses and other mappings (a
-    container in which nothing changed is returned as it is). What a function or a module
-    returns is cast through this, so an output cast misses no tensor a user can see."""
+    """``tree`` with ``fn`` applied to every tensor in it, looking into every common container.
+
+    The containers are optree's pytrees (dicts, lists, tuples, NamedTuples, funcamp's states),
+    types registered with torch's pytree (Hugging Face's ``ModelOutput``), dataclasses and other
+    mappings. A container in which nothing changed is returned as it is. What a function or a
+    module returns is cast through this. So an output cast misses no tensor a user can see.
+    """
     leaves, spec = flatten(tree)
     new = [_map_leaf(fn, x) for x in leaves]
     for a, b in zip(new, leaves):  # a loop, not all(): dynamo traces all() in Python
@@ -287,8 +306,8 @@ def tree_cast(tree: PyTree, dtype: torch.dtype, *, only_floating: bool = True) -
         only_floating: when True (default) only floating-point tensors are cast; integer,
             bool and complex tensors pass through. When False every tensor leaf is cast.
 
-    Non-tensor leaves always pass through untouched; leaves already in ``dtype`` are returned
-    as they are (no copy). Besides optree's pytrees, the tensors inside dataclasses, mappings and
+    Non-tensor leaves always pass through untouched. Leaves already in ``dtype`` are returned as
+    they are (no copy). Besides optree's pytrees, the tensors inside dataclasses, mappings and
     types registered with torch's pytree (Hugging Face's ``ModelOutput``) are cast too.
 
     Example:
@@ -340,8 +359,8 @@ def tree_select(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree
     """Leaf-wise ``torch.where(pred, on_true, on_false)`` over two pytrees of one structure.
 
     ``pred`` is a 0-d bool tensor (a host-sync-free condition). Tensor leaves are selected with
-    :func:`torch.where`, which keeps each leaf's dtype bit-exactly; non-tensor leaves must be equal
-    in both trees and are kept.
+    :func:`torch.where`, which keeps each leaf's dtype bit-exactly. Non-tensor leaves must be equal
+    in both trees, and are kept.
 
     Example:
         >>> import torch, funcamp
@@ -389,11 +408,13 @@ def select_into(
     writable: Callable[[torch.Tensor], bool] | None,
     done: Callable[[torch.Tensor], bool] | None = None,
 ) -> PyTree:
-    """:func:`tree_select`; an ``on_false`` leaf for which ``writable(leaf)`` is True (a
-    temporary the caller owns and nobody else sees) receives the result in place
-    (``torch.where(..., out=leaf)``: same values, no fresh allocation), one for which
-    ``done(leaf)`` is True already holds the selected value, and a leaf that is the very same
-    tensor in both trees is returned as is."""
+    """:func:`tree_select`, writing into the ``on_false`` leaves it may write.
+
+    An ``on_false`` leaf for which ``writable(leaf)`` is True receives the result in place
+    (``torch.where(..., out=leaf)``). It is a temporary the caller owns and nobody else sees.
+    One for which ``done(leaf)`` is True already holds the selected value. A leaf that is the
+    very same tensor in both trees is returned as is.
+    """
     if not isinstance(pred, torch.Tensor) or pred.dtype != torch.bool or pred.dim() != 0:
         raise TypeError(
             f"funcamp.tree_select: `pred` must be a 0-d bool tensor, got {describe(pred)}"
@@ -467,11 +488,14 @@ _BIT_SELECT_MIN = 16384
 def where_into(
     pred: torch.Tensor, a: torch.Tensor, b: torch.Tensor, masks: dict[torch.dtype, torch.Tensor]
 ) -> torch.Tensor:
-    """``torch.where(pred, a, b, out=b)`` for a ``b`` the caller owns. On CPU torch's ``where``
-    with a 0-d condition runs a scalar loop; for large float leaves the same bits come from
-    three vectorized in-place passes over ``b``'s integer view: ``b ^= a; b &= k; b ^= a``, with
-    ``k`` all zeros where ``pred`` holds (giving ``a``) and all ones where not (giving ``b``).
-    ``masks`` caches ``k`` per integer dtype for one select over a tree."""
+    """``torch.where(pred, a, b, out=b)`` for a ``b`` the caller owns.
+
+    On CPU torch's ``where`` with a 0-d condition runs a scalar loop. For large float leaves the
+    same bits come from three vectorized in-place passes over ``b``'s integer view:
+    ``b ^= a; b &= k; b ^= a``. ``k`` is all zeros where ``pred`` holds (giving ``a``) and all
+    ones where not (giving ``b``). ``masks`` caches ``k`` per integer dtype for one select over
+    a tree.
+    """
     bits = BITS.get(b.dtype)
     if bits is None or not (b.is_cpu and pred.is_cpu) or b.numel() < _BIT_SELECT_MIN:
         return torch.where(pred, a, b, out=b)
@@ -484,8 +508,10 @@ def where_into(
 
 
 def describe(x: Any) -> str:
-    """A short description of a value for error messages: a tensor's dtype and shape, else its
-    type and (at most 80 characters of) its repr."""
+    """A short description of a value for error messages.
+
+    For a tensor, its dtype and shape. Else its type and at most 80 characters of its repr.
+    """
     if isinstance(x, torch.Tensor):
         return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
     text = repr(x)

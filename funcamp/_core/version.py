@@ -1,5 +1,8 @@
-"""funcamp's version (read by the façade, checkpoints and the step cache), and torch's release
-(read by every version gate: :mod:`funcamp.compiler.gate`, :func:`funcamp._core.context.constant_result`)."""
+"""funcamp's version, and torch's release.
+
+The façade, checkpoints and the step cache read funcamp's version. Every version gate reads
+torch's release (:mod:`funcamp.compiler.gate`, :func:`funcamp._core.context.constant_result`).
+"""
 
 import torch
 

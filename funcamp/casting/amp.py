@@ -1,12 +1,12 @@
 """``amp`` and ``full_precision``: per-op casting as a pure function transform.
 
 The transform enters a :class:`torch.overrides.TorchFunctionMode` for the duration of the wrapped
-call and leaves it on exit (also on error), so no global state survives the call. The mode looks
-each torch call up in the policy's dispatch table (callable -> rule), casts the floating inputs as
-the rule says and runs the op with the mode off. Python composites such as
+call. It leaves it on exit (also on error), so no global state survives the call. The mode looks
+each torch call up in the policy's dispatch table (callable -> rule). It casts the floating inputs
+as the rule says and runs the op with the mode off. Python composites such as
 ``F.multi_head_attention_forward`` are re-entered with the mode on, so the torch calls they make
-inside are seen too, and so are the Python copies of C++ composites (``einsum``, ``cov``,
-``linalg.pinv`` ...), so the ops inside them are cast as torch.autocast casts them (see
+inside are seen too. So are the Python copies of C++ composites (``einsum``, ``cov``,
+``linalg.pinv`` ...). The ops inside them are thus cast as torch.autocast casts them (see
 ``funcamp/casting/reentry.py`` and ``funcamp/casting/cpp_composites.py``).
 """
 
@@ -459,17 +459,18 @@ def recompute_under(policy: Policy | str) -> Iterator[None]:
     """Run a backward pass in which activation-checkpointed regions are recomputed under
     ``policy``, as in their forward pass.
 
-    ``torch.utils.checkpoint`` (reentrant or not) re-runs a checkpointed function in the
-    backward pass and re-enters the torch.autocast state it had in the forward; an ``amp``
-    call has returned by then, so without this its ops would run uncast (and a non-reentrant
-    checkpoint refuses the recomputed values: ``CheckpointError: ... different metadata``).
-    While the block runs, what runs with grad mode on -- the recomputation -- is cast by
-    ``policy`` (module policies included); everything else in the backward pass (the
-    backward of an autograd function, a hook) runs as it does outside torch.autocast. The
-    recomputed values equal the forward's bit for bit, so the gradients are those of the same
-    model without checkpointing. :func:`funcamp.make_train_step` does this itself; wrap your
-    own ``loss.backward()`` or ``torch.autograd.grad`` in it. Eager only: a compiled function
-    recomputes inside its graph (nothing to do there).
+    ``torch.utils.checkpoint`` (reentrant or not) re-runs a checkpointed function in the backward
+    pass. It re-enters the torch.autocast state the function had in the forward. An ``amp`` call
+    has returned by then, so without this its ops would run uncast. (A non-reentrant checkpoint
+    then refuses the recomputed values: ``CheckpointError: ... different metadata``.)
+
+    While the block runs, the recomputation (what runs with grad mode on) is cast by ``policy``,
+    module policies included. Everything else in the backward pass runs as it does outside
+    torch.autocast (the backward of an autograd function, a hook). The recomputed values equal the
+    forward's bit for bit. So the gradients are those of the same model without checkpointing.
+    :func:`funcamp.make_train_step` does this itself; wrap your own ``loss.backward()`` or
+    ``torch.autograd.grad`` in it. Eager only: a compiled function recomputes inside its graph, so
+    there is nothing to do there.
 
     Example:
         >>> import torch, funcamp
@@ -512,17 +513,18 @@ def check_fn(fn: Any, api: str) -> None:
 def amp(fn: F, policy: Policy | str) -> F:
     """Transform ``fn`` so that every torch op inside runs in the dtype ``policy`` says.
 
-    Inside the call each torch op is cast by its :class:`OpRule` (matmuls and convolutions to
-    the compute dtype, reductions, norms and losses to float32 with the default table); the
-    floating outputs of ``fn`` are cast to ``policy.output_dtype`` -- every floating tensor in
-    what it returns: in tuples, lists, dicts and other mappings, NamedTuples, dataclasses and
-    types registered with torch's pytree (Hugging Face's ``ModelOutput``); other objects (a KV
-    cache) pass through as they are. Inputs and params are not
-    cast at entry (autocast semantics), so gradients come back in the params' dtype. Works
-    eagerly, under ``torch.func.grad/vjp/jvp/vmap/functional_call`` and inside
-    ``torch.compile(fullgraph=True)``; nothing stays active after the call returns or raises.
-    It commutes with the torch.func transforms: ``grad(amp(f))`` and ``amp(grad(f))`` give the
-    same result (and so for ``vjp``, ``jacrev``, ``hessian``, ``vmap`` ...).
+    Inside the call each torch op is cast by its :class:`OpRule`. With the default table, matmuls
+    and convolutions go to the compute dtype, and reductions, norms and losses to float32. Every
+    floating tensor ``fn`` returns is cast to ``policy.output_dtype``. That includes tensors in
+    tuples, lists, dicts and other mappings, NamedTuples, dataclasses, and types registered with
+    torch's pytree (Hugging Face's ``ModelOutput``). Other objects (a KV cache) pass through as
+    they are. Inputs and params are not cast at entry (autocast semantics), so gradients come back
+    in the params' dtype.
+
+    It works eagerly, under ``torch.func.grad/vjp/jvp/vmap/functional_call`` and inside
+    ``torch.compile(fullgraph=True)``. Nothing stays active after the call returns or raises. It
+    commutes with the torch.func transforms: ``grad(amp(f))`` and ``amp(grad(f))`` give the same
+    result (and so for ``vjp``, ``jacrev``, ``hessian``, ``vmap`` ...).
 
     Args:
         fn: the function to transform.
@@ -563,9 +565,9 @@ def amp(fn: F, policy: Policy | str) -> F:
 def full_precision(fn: F) -> F:
     """Run ``fn`` in float32 with casting suspended, also inside an ``amp``-wrapped function.
 
-    Floating tensor inputs (float16/bfloat16) are cast to float32 and no op inside is cast:
-    what ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` and ``autocast(enabled=False)`` do.
-    float64 inputs pass through.
+    Floating tensor inputs (float16/bfloat16) are cast to float32, and no op inside is cast.
+    This is what ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` and
+    ``autocast(enabled=False)`` do. Float64 inputs pass through.
 
     Example:
         >>> import torch, funcamp

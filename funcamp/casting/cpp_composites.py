@@ -1,30 +1,32 @@
 """Python copies of torch's C++ composites, so the amp mode sees the ops they are made of.
 
-torch.autocast applies its lists at the aten level: when a C++ composite that is not on a list
+torch.autocast applies its lists at the aten level. Some C++ composites are not on a list
 (``einsum``, ``tensordot``, ``cov``, ``linalg.matrix_power``, ``linalg.pinv``, ``bilinear``,
-``F.pad``'s reflect mode, the RNN cells ...) calls a listed op inside its kernel (``bmm``, ``mm``, ``matmul``,
-``reflection_pad2d``), autocast casts that inner call and nothing else. A
-:class:`torch.overrides.TorchFunctionMode` sees the composite only from outside. Each copy here
-makes, one torch call at a time, the calls the C++ kernel of torch 2.13 makes (same ops, same
-shapes, same order), so the amp mode, re-entering a copy, casts exactly what autocast casts:
-bit-identical to the C++ composite when nothing is cast, and to torch.autocast when the table
-is torch's list (``tests/test_opinfo.py`` pins both over torch's OpInfo samples).
+``F.pad``'s reflect mode, the RNN cells ...). When one calls a listed op inside its kernel
+(``bmm``, ``mm``, ``matmul``, ``reflection_pad2d``), autocast casts that inner call and nothing
+else. A :class:`torch.overrides.TorchFunctionMode` sees the composite only from outside.
+
+Each copy here makes the calls the C++ kernel of torch 2.13 makes, one torch call at a time
+(same ops, same shapes, same order). So the amp mode, re-entering a copy, casts exactly what
+autocast casts. When nothing is cast, a copy is bit-identical to the C++ composite. When the
+table is torch's list, it is bit-identical to torch.autocast. ``tests/test_opinfo.py`` pins both
+over torch's OpInfo samples.
 
 A copy returns ``NotImplemented`` before making any torch call when its inputs are outside what
-it reproduces (no float16/bfloat16/float32 tensor to cast, an ``out=`` tensor, arguments the
-C++ kernel would refuse): the mode then runs the op as called, and torch raises its own error.
-``REACHES`` names the listed ops each copy may call: the mode re-enters a copy only under a
-table that lists one of them.
+it reproduces. That is: no float16/bfloat16/float32 tensor to cast, an ``out=`` tensor, or
+arguments the C++ kernel would refuse. The mode then runs the op as called, and torch raises its
+own error. ``REACHES`` names the listed ops each copy may call. The mode re-enters a copy only
+under a table that lists one of them.
 
 Workaround of torch internals (docs/upstream.md#cpp-composites):
 
 - Root cause: torch.autocast casts at the aten level, so a C++ composite (einsum, tensordot,
-  cov, the RNN cells) has its inner listed calls cast; a TorchFunctionMode sees only the outer
+  cov, the RNN cells) has its inner listed calls cast. A TorchFunctionMode sees only the outer
   call.
 - Upstream: none; a function mode cannot see inside C++ composites by design. The write-up is
   docs/upstream.md#cpp-composites.
 - Why it is safe: each copy makes the calls torch 2.13's C++ kernel makes, and returns
-  NotImplemented outside what it reproduces; tests/test_opinfo.py pins both the uncast and the
+  NotImplemented outside what it reproduces. tests/test_opinfo.py pins both the uncast and the
   autocast results.
 - Tested on: torch 2.13 and 2.14 (the OpInfo suite runs on both in CI).
 - Delete when: torch offers a Python-visible decomposition hook for those composites under a

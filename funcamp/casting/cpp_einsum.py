@@ -1,14 +1,15 @@
 """The Python copy of ``einsum`` (and the pairwise ``bmm`` contraction ``bilinear`` shares).
 
-See ``funcamp/casting/cpp_composites.py``: the copy makes the calls ATen's ``einsum`` kernel makes -- labels
-aligned by permutation, diagonals for repeated labels, dimensions only one operand has summed
-first, then one ``bmm`` per pair of operands (or a ``mul`` when nothing is contracted) -- so the
-amp mode casts the ``bmm`` calls, and only them, as torch.autocast casts them.
+See ``funcamp/casting/cpp_composites.py``. The copy makes the calls ATen's ``einsum`` kernel
+makes. Labels are aligned by permutation, with diagonals for repeated labels. Dimensions only one
+operand has are summed first. Then comes one ``bmm`` per pair of operands (or a ``mul`` when
+nothing is contracted). So the amp mode casts the ``bmm`` calls, and only them, as torch.autocast
+casts them.
 
 Workaround of torch internals (docs/upstream.md#cpp-composites):
 
-- Root cause: as for funcamp/casting/cpp_composites.py: ATen's einsum calls bmm inside its C++ kernel,
-  which a function mode cannot see.
+- Root cause: as for funcamp/casting/cpp_composites.py. ATen's einsum calls bmm inside its C++
+  kernel, which a function mode cannot see.
 - Upstream: none; see docs/upstream.md#cpp-composites.
 - Why it is safe: the copy makes the calls ATen's kernel makes, so the bits match
   (tests/test_opinfo.py, tests/test_cpp_composites.py).
@@ -340,9 +341,11 @@ def _sublist_equation(args: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]] | No
 
 
 def einsum_public(*args: Any) -> Any:
-    """``torch.einsum``: the equation (or sublist) parsed as ``torch.functional.einsum`` does,
-    then :func:`einsum`. With opt_einsum installed, three or more operands are declined (their
-    contraction order is opt_einsum's path search)."""
+    """``torch.einsum``: the equation (or sublist) parsed as ``torch.functional.einsum`` does.
+
+    Then it calls :func:`einsum`. With opt_einsum installed, three or more operands are declined,
+    since their contraction order is opt_einsum's path search.
+    """
     if len(args) < 2:
         return NotImplemented
     if isinstance(args[0], torch.Tensor):

@@ -1,30 +1,34 @@
-"""FP8 state and scaling: the explicit delayed-scaling state ``Fp8State`` and its update, the
-scales and the quantization of the scaled matmul (:mod:`funcamp.casting.fp8_matmul`) that ``amp`` runs for the linear and addmm calls of the modules a policy's
-:meth:`~funcamp.Policy.with_fp8` selects.
+"""FP8 state and scaling: the delayed-scaling state ``Fp8State``, its update, and quantization.
 
-Numerics (one linear ``y = x @ w.T + b`` of an FP8 call site, compute dtype ``c``; an
-``addmm(b, x, w)`` -- ``w`` of shape ``(in, out)``, as Hugging Face's ``Conv1D`` keeps it -- runs
-as the linear with weight ``w.T``: ``w``'s per-tensor scale and FP8 values do not depend on its
-layout, so the quantization, matmuls and state are the same):
+``amp`` runs a scaled FP8 matmul (:mod:`funcamp.casting.fp8_matmul`) for the linear and addmm
+calls of the modules a policy's :meth:`~funcamp.Policy.with_fp8` selects. This module holds the
+explicit delayed-scaling state and its update, the scales, and the quantization.
 
-* ``x`` is cast to ``c`` first (as the ``COMPUTE`` rule does); ``w`` is quantized from its own
+Numerics, for one linear ``y = x @ w.T + b`` of an FP8 call site with compute dtype ``c``:
+
+* ``x`` is cast to ``c`` first (as the ``COMPUTE`` rule does). ``w`` is quantized from its own
   dtype (torchao's ``Float8Linear`` does the same).
-* a tensor ``t`` is quantized with a float32 scale ``s`` as ``clamp(t.float() * s, -max, max)
-  .to(fp8)`` (saturating, torchao's ``to_fp8_saturated``; TransformerEngine's cast kernels
-  saturate to the finite range too). ``x`` and ``w`` use ``float8_e4m3fn`` (max 448), the
+* a tensor ``t`` is quantized with a float32 scale ``s`` as
+  ``clamp(t.float() * s, -max, max).to(fp8)``. This saturates, as torchao's ``to_fp8_saturated``
+  and TransformerEngine's cast kernels do. ``x`` and ``w`` use ``float8_e4m3fn`` (max 448), the
   output gradient ``float8_e5m2`` (max 57344).
-* ``current`` scaling (torchao's tensorwise dynamic default): ``s = fp8_max / max(amax(t), 1e-12)``
-  of this very tensor, computed in float64 and rounded to float32 as torchao's ``amax_to_scale``
-  does (the same float32 as a correctly rounded float32 division for ``amax >= 1e-12``).
-* ``delayed`` scaling (TransformerEngine's ``DelayedScaling``): ``s`` is read from the
-  :class:`Fp8State`; after the call the amax of each tensor joins its history (the last
-  ``history`` amaxes) and the next scale is ``fp8_max / max(history) / 2**margin`` -- kept at the
-  previous scale where that max is 0 or not finite, ``float32.max`` where the quotient overflows
-  (TransformerEngine's ``_default_sf_compute``).
-* the three matmuls (``y``, ``dx = g @ w``, ``dw = g.T @ x``) run with ``torch._scaled_mm`` on the
-  FP8 operands with the inverse scales ``1/s`` (rounded once from float64), output in ``c``; the
-  bias is added after, in ``c`` (torchao). ``dw`` is cast to ``w``'s dtype, as the backward of a
-  ``COMPUTE`` cast does.
+* ``current`` scaling (torchao's tensorwise dynamic default) uses this very tensor:
+  ``s = fp8_max / max(amax(t), 1e-12)``. It is computed in float64 and rounded to float32, as
+  torchao's ``amax_to_scale`` does. (That is the same float32 as a correctly rounded float32
+  division for ``amax >= 1e-12``.)
+* ``delayed`` scaling (TransformerEngine's ``DelayedScaling``) reads ``s`` from the
+  :class:`Fp8State`. After the call the amax of each tensor joins its history (the last
+  ``history`` amaxes). The next scale is ``fp8_max / max(history) / 2**margin``. It keeps the
+  previous scale where that max is 0 or not finite, and is ``float32.max`` where the quotient
+  overflows (TransformerEngine's ``_default_sf_compute``).
+* the three matmuls (``y``, ``dx = g @ w``, ``dw = g.T @ x``) run with ``torch._scaled_mm`` on
+  the FP8 operands. They use the inverse scales ``1/s`` (rounded once from float64) and output
+  in ``c``. The bias is added after, in ``c`` (torchao). ``dw`` is cast to ``w``'s dtype, as the
+  backward of a ``COMPUTE`` cast does.
+
+An ``addmm(b, x, w)`` with ``w`` of shape ``(in, out)`` (as Hugging Face's ``Conv1D`` keeps it)
+runs as the linear with weight ``w.T``. ``w``'s per-tensor scale and FP8 values do not depend on
+its layout, so the quantization, matmuls and state are the same.
 """
 
 from __future__ import annotations
@@ -63,11 +67,11 @@ _ROWS = ("input", "weight", "grad_output")
 class Fp8State(NamedTuple):
     """Delayed-scaling state of every FP8 call site: amax histories and scales. Pure data.
 
-    ``amax_history[site]`` is a float32 tensor of shape ``(3, history)`` and ``scale[site]`` one
-    of shape ``(3,)``; the rows are the input, the weight and the output gradient, the newest
-    amax is the last column. Sites are module paths as ``named_modules()`` gives them. Empty
-    (``Fp8State()``) when no delayed recipe is used. Build it with :meth:`init` (or
-    ``TrainState.create(..., model=module)``); it is a NamedTuple, so it flattens, compiles and
+    ``amax_history[site]`` is a float32 tensor of shape ``(3, history)``, and ``scale[site]`` one
+    of shape ``(3,)``. The rows are the input, the weight and the output gradient. The newest
+    amax is the last column. Sites are module paths as ``named_modules()`` gives them. The state
+    is empty (``Fp8State()``) when no delayed recipe is used. Build it with :meth:`init` (or
+    ``TrainState.create(..., model=module)``). It is a NamedTuple, so it flattens, compiles and
     checkpoints like any state.
 
     Example:
@@ -134,10 +138,10 @@ class Fp8State(NamedTuple):
 def fp8_update(state: Fp8State, grads: Fp8State) -> Fp8State:
     """The new :class:`Fp8State` from its "gradient": the overwrite-with-gradient merge.
 
-    Under :func:`with_fp8_state`, differentiating with respect to the FP8 state gives, for each
-    call site that ran, its *new* state (new histories and scales), not a derivative; sites that
-    did not run get zeros. This keeps the new state where a site ran (its new scale is never 0)
-    and the old one elsewhere. Pure: nothing is mutated.
+    Under :func:`with_fp8_state`, differentiating with respect to the FP8 state does not give a
+    derivative. For each call site that ran, it gives its *new* state (new histories and
+    scales). Sites that did not run get zeros. This keeps the new state where a site ran (its
+    new scale is never 0), and the old one elsewhere. Pure: nothing is mutated.
 
     Args:
         state: the state the step started from.
@@ -191,13 +195,14 @@ _SCOPES = _Scopes()
 def with_fp8_state(fn: F) -> Callable[..., Any]:
     """Thread an explicit :class:`Fp8State` through ``fn``: ``g(fp8_state, *args, **kwargs)``.
 
-    ``g`` calls ``fn(*args, **kwargs)`` with the delayed-scaling FP8 linears inside (those of an
-    ``amp``-wrapped function whose policy has ``with_fp8(Fp8Recipe.delayed(...))``) reading
-    their scales from ``fp8_state``. The new state comes back as the *gradient* with respect to
-    ``fp8_state`` (flax's "overwrite with gradient"): the output gradient's amax is only known in
-    the backward pass, so the backward pass is where the state is produced. Differentiate with
-    ``torch.func.grad(g, argnums=(0, 1))`` (or autograd) and pass the state's gradient to
-    :func:`fp8_update`. Without differentiation (evaluation) the state is only read.
+    ``g`` calls ``fn(*args, **kwargs)``, and the delayed-scaling FP8 linears inside read their
+    scales from ``fp8_state``. (Those are the linears of an ``amp``-wrapped function whose policy
+    has ``with_fp8(Fp8Recipe.delayed(...))``.) The new state comes back as the *gradient* with
+    respect to ``fp8_state`` (flax's "overwrite with gradient"). The output gradient's amax is
+    only known in the backward pass, so the backward pass is where the state is produced.
+    Differentiate with ``torch.func.grad(g, argnums=(0, 1))`` (or autograd). Then pass the
+    state's gradient to :func:`fp8_update`. Without differentiation (evaluation) the state is
+    only read.
 
     A call site may run once per call of ``g`` (its two updates would add up); a second call
     raises.
@@ -310,11 +315,14 @@ def _delayed_scale(history: torch.Tensor, scale: torch.Tensor, margin: int) -> t
 
 
 def all_reduce_amax(state: Fp8State, grads: Fp8State, margin: int, group: Any) -> Fp8State:
-    """Data parallel: the FP8 "gradient" (the new state, see :func:`fp8_update`) with each
-    site's amax histories max-reduced over the ranks of ``group`` and the scales recomputed
-    from them, as TransformerEngine reduces amaxes over its data-parallel group. One packed
-    all-reduce; every rank gets the same new state. ``state`` (the same on every rank) gives the
-    fallback scales; a site counts as run when it ran on any rank."""
+    """Data parallel: the FP8 "gradient" with amax histories max-reduced over the ranks.
+
+    The "gradient" is the new state (see :func:`fp8_update`). Each site's amax histories are
+    max-reduced over the ranks of ``group``, and the scales recomputed from them. This is how
+    TransformerEngine reduces amaxes over its data-parallel group. It takes one packed
+    all-reduce, and every rank gets the same new state. ``state`` (the same on every rank) gives
+    the fallback scales. A site counts as run when it ran on any rank.
+    """
     sites = list(state.scale)
     if not sites:
         return grads

@@ -1,6 +1,7 @@
-"""The FP8 matmul ``amp`` runs for an FP8 call site's ``linear`` or ``addmm``: the operands
-quantized with their scales (current or delayed, :mod:`funcamp.casting.fp8`), ``torch._scaled_mm``
-forward and backward, and the fallbacks for calls FP8 cannot run.
+"""The FP8 matmul ``amp`` runs for an FP8 call site's ``linear`` or ``addmm``.
+
+The operands are quantized with their scales (current or delayed, :mod:`funcamp.casting.fp8`).
+``torch._scaled_mm`` runs forward and backward. Calls FP8 cannot run fall back to the policy.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def scaled_mm(
     inv_b: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``(a @ b) * inv_a * inv_b`` for FP8 ``a`` (m, k) and ``b`` (k, n) via ``torch._scaled_mm``
-    (row-major ``a``, column-major ``b``; padded to multiples of 16 on CUDA)."""
+    """``(a @ b) * inv_a * inv_b`` for FP8 ``a`` (m, k) and ``b`` (k, n) via ``torch._scaled_mm``.
+
+    ``a`` is row-major and ``b`` column-major; both are padded to multiples of 16 on CUDA.
+    """
     m, n = a.shape[0], b.shape[1]
     if a.is_cuda:
         a = _pad_to_16(a.contiguous(), (1,))
@@ -168,9 +171,10 @@ _MARK_LOCK = threading.Lock()
 def prepare_trace() -> None:
     """Have dynamo put the FP8 linears in a graph whole (``torch.compiler.allow_in_graph``).
 
-    Called when a policy with FP8 is first given to :func:`funcamp.amp` (so before anything
-    can trace an FP8 call), not at import: ``allow_in_graph`` imports dynamo. Once per process,
-    under a lock."""
+    Called when a policy with FP8 is first given to :func:`funcamp.amp`, so before anything can
+    trace an FP8 call. Not at import, since ``allow_in_graph`` imports dynamo. Once per process,
+    under a lock.
+    """
     with _MARK_LOCK:
         if not _MARKED:
             torch.compiler.allow_in_graph(_current_linear)
@@ -179,8 +183,10 @@ def prepare_trace() -> None:
 
 
 class Fp8Record(NamedTuple):
-    """One linear or addmm call that ran in FP8, as :func:`funcamp.trace` records it
-    (``AmpTrace.fp8``; ``trace[record.index].op`` says which op).
+    """One linear or addmm call that ran in FP8, as :func:`funcamp.trace` records it.
+
+    :func:`funcamp.trace` lists them as ``AmpTrace.fp8``. ``trace[record.index].op`` says which
+    op.
 
     Attributes:
         site: the module path of the call site.
@@ -188,8 +194,8 @@ class Fp8Record(NamedTuple):
         recipe: ``"current"`` or ``"delayed"``.
         input_scale: the float32 scale the input was quantized with.
         weight_scale: the float32 scale the weight was quantized with.
-        grad_scale: the output gradient's scale (delayed) or None (current: computed in the
-            backward pass from the gradient's own amax).
+        grad_scale: the output gradient's scale (delayed), or None (current). A current scale
+            is computed in the backward pass from the gradient's own amax.
         input_amax: amax of the input (in the compute dtype).
         weight_amax: amax of the weight.
         output_dtype: dtype of the result.
@@ -218,10 +224,10 @@ class Fp8Record(NamedTuple):
 class Fp8Fallback(NamedTuple):
     """A linear or addmm call of an FP8 call site that ran under the policy instead, and why.
 
-    :func:`funcamp.trace` lists them as ``AmpTrace.fp8_fallbacks``: a call of a selected module
-    that the scaled FP8 matmul cannot express (float64 or integer operands, ``addmm`` with
-    ``beta``/``alpha`` other than 1, a bias that is not 1-D, ``out=``) runs by the policy's rule
-    for its op, as it would without ``with_fp8``.
+    :func:`funcamp.trace` lists them as ``AmpTrace.fp8_fallbacks``. Some calls of a selected
+    module cannot be expressed by the scaled FP8 matmul: float64 or integer operands, ``addmm``
+    with ``beta``/``alpha`` other than 1, a bias that is not 1-D, ``out=``. Such a call runs by
+    the policy's rule for its op, as it would without ``with_fp8``.
 
     Attributes:
         site: the module path of the call site.
@@ -330,11 +336,13 @@ def run_fp8(
     kwargs: dict[str, Any],
     on_record: Callable[[tuple[torch.Tensor, ...], torch.Tensor, Fp8Record], None] | None = None,
 ) -> Any:
-    """Run ``F.linear(*args, **kwargs)`` or ``torch.addmm(*args, **kwargs)`` (``op``) of an FP8
-    call site as the scaled FP8 matmul. ``addmm(b, x, w)`` is ``linear(x, w.T, b)``: the same
-    quantization (``w``'s per-tensor scale does not depend on its layout), matmuls and state.
-    Returns an :class:`Fp8Fallback` (``index`` -1) when the call cannot run in FP8, to let the
-    policy's rule apply. ``on_record(operands, out, record)`` is called when ``trace`` records."""
+    """Run an FP8 call site's ``linear`` or ``addmm`` (``op``) as the scaled FP8 matmul.
+
+    ``addmm(b, x, w)`` is ``linear(x, w.T, b)``, with the same quantization, matmuls and state.
+    (``w``'s per-tensor scale does not depend on its layout.) When the call cannot run in FP8,
+    it returns an :class:`Fp8Fallback` (``index`` -1), so that the policy's rule applies.
+    ``on_record(operands, out, record)`` is called when ``trace`` records.
+    """
     operands = _operands(op, args, kwargs)
     if isinstance(operands, str):
         return Fp8Fallback(site, -1, op, operands)

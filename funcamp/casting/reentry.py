@@ -1,17 +1,18 @@
 """What the amp mode re-enters, so the calls made inside a composite reach it too.
 
 Python composites (``torch.nn.functional``, ``torch.functional``, a few ``Tensor`` methods) are
-re-entered as *unchecked copies* (:func:`_unchecked_copies`), C++ composites through their Python
-*Python copies* (``funcamp/casting/cpp_composites.py``). :func:`reentered` chooses, once per op table, which of them may
-reach a listed op; the mode re-enters those and runs every other call as called.
+re-entered as *unchecked copies* (:func:`_unchecked_copies`). C++ composites are re-entered
+through their Python copies (``funcamp/casting/cpp_composites.py``). :func:`reentered` chooses,
+once per op table, which of them may reach a listed op. The mode re-enters those and runs every
+other call as called.
 
 Workaround of torch internals (docs/upstream.md#reentry):
 
-- Root cause: while a mode's __torch_function__ runs the mode is off, and a Python composite's
-  own has_torch_function check sends a naive re-entry straight back to the mode.
+- Root cause: while a mode's __torch_function__ runs, the mode is off. A Python composite's own
+  has_torch_function check sends a naive re-entry straight back to the mode.
 - Upstream: none; the write-up is docs/upstream.md#reentry.
 - Why it is safe: the unchecked copies are the composites' own code with only the entry check
-  skipped; tests/test_opinfo.py compares every op with torch.autocast.
+  skipped. tests/test_opinfo.py compares every op with torch.autocast.
 - Tested on: torch 2.13 and 2.14.
 - Delete when: torch lets a mode re-enter for the body of a composite (a 'run with this mode,
   skip the entry dispatch' primitive).
@@ -172,15 +173,16 @@ def _body(key: tuple[str, str]) -> _Body:
 def reentered(table: dict[Any, Any]) -> dict[tuple[str, str], Any]:
     """The Python composites and the copies of C++ composites whose body may reach an op of ``table``.
 
-    Re-entering a composite costs a second trip through the mode for every torch call inside
-    it; a thin wrapper such as ``F.relu`` whose body names no listed op, calls no ``@``/``**``
-    and calls no other Python function that might, runs as called instead (the same result: its
-    inner ops are run as called either way). A copy is re-entered when an op it may call is
-    listed (``REACHES``), and a composite naming a re-entered copy's entry point (``F.pad``
-    calls ``torch._C._nn.pad``) is re-entered too. A composite is re-entered when any composite
-    it calls, directly or through others, is; any Python helper other than a known composite
-    makes it re-entered (conservative), a cycle alone does not (``meshgrid`` and ``_meshgrid``
-    name each other and reach nothing listed).
+    Re-entering a composite costs a second trip through the mode for every torch call inside it. So
+    a thin wrapper such as ``F.relu`` runs as called instead, when its body names no listed op,
+    calls no ``@``/``**`` and calls no other Python function that might. The result is the same:
+    its inner ops are run as called either way.
+
+    A copy is re-entered when an op it may call is listed (``REACHES``). A composite naming a
+    re-entered copy's entry point is re-entered too (``F.pad`` calls ``torch._C._nn.pad``). A
+    composite is re-entered when any composite it calls, directly or through others, is. Any Python
+    helper other than a known composite makes it re-entered (conservative). A cycle alone does not:
+    ``meshgrid`` and ``_meshgrid`` name each other and reach nothing listed.
     """
     if any(not isinstance(key, str) for key in table):
         return dict(COMPOSITES)  # ops given as callables: match them wherever they are called
@@ -209,10 +211,11 @@ _BODIES = {key: _body(key) for key in COMPOSITES if key not in CPP_COMPOSITES}
 
 
 def backward_entries() -> dict[Any, types.FunctionType]:
-    """``torch.autograd.grad``, ``torch.autograd.backward`` and ``Tensor.backward`` -> their
-    unchecked copies: a backward
-    pass started while a mode is active dispatches to the mode first, which runs the copy with
-    the mode on (for :func:`funcamp.recompute_under`)."""
+    """``torch.autograd.grad``, ``torch.autograd.backward`` and ``Tensor.backward`` -> their copies.
+
+    The copies are unchecked. A backward pass started while a mode is active dispatches to the
+    mode first. The mode runs the copy with the mode on (for :func:`funcamp.recompute_under`).
+    """
     originals = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
     copies = _unchecked_copies(frozenset(originals))
     return {fn: copies[(fn.__module__, fn.__name__)] for fn in originals}

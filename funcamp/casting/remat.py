@@ -1,19 +1,20 @@
 """``remat``: activation checkpointing as a function transform, JAX's ``jax.checkpoint``.
 
-``remat(fn, policy)`` returns ``fn`` whose intermediate activations are not kept for the
-backward pass (except those ``policy`` saves) but recomputed there: less memory for more compute.
-It is ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)``, with torch's
-selective activation checkpointing (``create_selective_checkpoint_contexts``) for a policy that
-saves some ops' outputs, so it composes with everything torch's checkpoint composes with:
+``remat(fn, policy)`` returns ``fn`` whose intermediate activations are recomputed in the
+backward pass instead of kept (except those ``policy`` saves): less memory for more compute. It is
+``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)``. A policy that saves some
+ops' outputs uses torch's selective activation checkpointing
+(``create_selective_checkpoint_contexts``). So it composes with everything torch's checkpoint
+composes with:
 
-* :func:`funcamp.amp`: the recomputation runs under the same policy (eagerly inside
-  :func:`funcamp.recompute_under`, which :func:`funcamp.make_train_step` enters; compiled, in
-  the graph), so the values and gradients are bit for bit those without ``remat``;
-* ``torch.compile(fullgraph=True)``: dynamo records the region, and the graph recomputes it;
-  :func:`funcamp.make_train_step`'s compiled step then takes its gradients from torch.autograd
-  in the graph (torch.func supports no saved-tensor hooks: pytorch issues 122729, 141845);
-* ``torch.func.grad``/``vjp``/``vmap`` in eager code: ``fn`` runs as it is (the same values;
-  nothing is saved or recomputed, since torch.func has no saved-tensor hooks).
+* :func:`funcamp.amp`: the recomputation runs under the same policy. Eagerly it runs inside
+  :func:`funcamp.recompute_under`, which :func:`funcamp.make_train_step` enters; compiled, in the
+  graph. So the values and gradients are bit for bit those without ``remat``.
+* ``torch.compile(fullgraph=True)``: dynamo records the region, and the graph recomputes it.
+  :func:`funcamp.make_train_step`'s compiled step then takes its gradients from torch.autograd in
+  the graph. (torch.func supports no saved-tensor hooks: pytorch issues 122729, 141845.)
+* ``torch.func.grad``/``vjp``/``vmap`` in eager code: ``fn`` runs as it is, with the same values.
+  Nothing is saved or recomputed, since torch.func has no saved-tensor hooks.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def remat(fn: F, policy: str | Callable[[Any], bool] = "nothing") -> F:
 
     Args:
         fn: the function (a block of a model, or a whole loss) whose activations to recompute.
-        policy: what is kept anyway: ``"nothing"`` (default), ``"matmuls"``
-            (:data:`MATMUL_OPS`' outputs), ``"everything"`` (no checkpointing) or a callable
-            ``op -> bool`` of the aten op. See "Policies" above.
+        policy: what is kept anyway: ``"nothing"`` (default), ``"matmuls"`` (:data:`MATMUL_OPS`'
+            outputs), ``"everything"`` (no checkpointing), or a callable ``op -> bool`` of the
+            aten op. See "Policies" above.
 
     Returns:
         ``fn`` with the same signature; its keyword arguments pass through.

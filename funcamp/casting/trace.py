@@ -58,9 +58,9 @@ class OpRecord(NamedTuple):
         module: path of the innermost module running (``"encoder.0.attn"``), or None.
         inplace: True for in-place ops (never cast).
         out: True for calls given ``out=`` (never cast).
-        amax: with ``trace(..., stats=True)``: the largest magnitude among the op's floating
-            outputs (``inf`` when one overflowed; nan elements are left out, and it is nan when
-            every element is nan); else None.
+        amax: with ``trace(..., stats=True)``, the largest magnitude among the op's floating
+            outputs (``inf`` when one overflowed; nan elements are left out). Nan when every
+            element is nan. Else None.
         nonfinite: with ``stats=True``: the fraction of the floating output elements that are
             inf or nan; else None.
         subnormal: with ``stats=True``: the fraction of the floating output elements that are
@@ -221,8 +221,9 @@ class AmpTrace:
         output: what the traced function returned (cast to the output dtype, as ``amp`` does).
         records: one :class:`OpRecord` per op call, in call order.
         policy: the policy the function ran under.
-        fp8: one :class:`funcamp.Fp8Record` per linear or addmm call that ran in FP8 (its site
-            and scales; its op record, at ``fp8[i].index``, lists the FP8 operands as inputs).
+        fp8: one :class:`funcamp.Fp8Record` per linear or addmm call that ran in FP8, with its
+            site and scales. Its op record, at ``fp8[i].index``, lists the FP8 operands as
+            inputs.
         fp8_fallbacks: one :class:`funcamp.Fp8Fallback` per linear or addmm call of an FP8 call
             site that ran under the policy instead, with the reason.
 
@@ -283,9 +284,9 @@ class AmpTrace:
     def summary(self) -> dict[tuple[str, str], Any]:
         """Count op calls by (rule, output dtype): ``{("compute", "bfloat16"): 3, ...}``.
 
-        For a trace taken with ``stats=True`` each value is an :class:`OpStats` instead:
-        the count, the largest output magnitude, and how many of those ops produced a
-        non-finite or a subnormal value.
+        For a trace taken with ``stats=True`` each value is an :class:`OpStats` instead. It holds
+        the count, the largest output magnitude, and how many of those ops produced a non-finite
+        or a subnormal value.
         """
         counts: collections.Counter[tuple[str, str]] = collections.Counter()
         amax: dict[tuple[str, str], float] = collections.defaultdict(float)
@@ -358,15 +359,17 @@ def trace(
 ) -> Callable[..., AmpTrace]:
     """Run ``fn`` under ``amp(fn, policy)`` and record every op: name, rule, dtypes, module.
 
-    Eager only (it records Python-side, call by call). With ``stats=True`` each record also
-    carries the op's output amax and the fractions of its output elements that are non-finite
-    and subnormal (in the output's dtype), and the table and :meth:`AmpTrace.summary` show them:
-    under ``mixed_float16`` the first op whose output is non-finite is the one that overflowed
-    float16 (values past 65504); under ``float32`` the amax column shows which ops would.
-    Reading them back costs a host sync per op. Under torch.func transforms (``fn`` a
-    ``grad``, ``vmap``, ... of a function, or calling one) the calls torch.func makes itself --
-    marking its inputs, switching grad mode, ``dim``/``size`` checks, the ``autograd.grad`` it
-    runs -- are not recorded: the records are the function's own ops.
+    Eager only: it records Python-side, call by call. With ``stats=True`` each record also carries
+    the op's output amax. It also carries the fractions of its output elements that are non-finite
+    and subnormal (in the output's dtype). The table and :meth:`AmpTrace.summary` show them. Under
+    ``mixed_float16`` the first op whose output is non-finite is the one that overflowed float16
+    (values past 65504). Under ``float32`` the amax column shows which ops would. Reading them back
+    costs a host sync per op.
+
+    Under torch.func transforms (``fn`` a ``grad``, ``vmap``, ... of a function, or calling one),
+    the calls torch.func makes itself are not recorded. Those are: marking its inputs, switching
+    grad mode, ``dim``/``size`` checks, and the ``autograd.grad`` it runs. The records are the
+    function's own ops.
 
     Args:
         fn: the function to run.

@@ -2,12 +2,12 @@
 
 A product with a bias under ``vmap``:
 
-Under ``vmap`` functorch's batching runs before torch.autocast's kernel: ``linear``, ``addmm``,
-``baddbmm`` and ``addbmm`` with a batched argument decompose into a product (``mm``/``bmm``),
-which autocast casts, and a bias added to it, which autocast does not: the bias is added in
-float32 to the compute-dtype product and the result is float32. Unbatched, autocast casts the
-whole call (bias included) and the result is in the compute dtype. The mode follows autocast in
-both places (docs/differences.md says why, with numbers).
+Under ``vmap`` functorch's batching runs before torch.autocast's kernel. So ``linear``,
+``addmm``, ``baddbmm`` and ``addbmm`` with a batched argument decompose into a product
+(``mm``/``bmm``) and a bias added to it. Autocast casts the product but not the addition. The
+bias is added in float32 to the compute-dtype product, and the result is float32. Unbatched,
+autocast casts the whole call (bias included), and the result is in the compute dtype. The mode
+follows autocast in both places (docs/differences.md says why).
 """
 
 from __future__ import annotations
@@ -51,10 +51,13 @@ def _decomposed_linear(x: Any, w: Any, b: Any) -> bool:
 def vmapped_bias_product(
     name: str, dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``name(*args, **kwargs)`` as torch.autocast runs it under ``vmap``, or None where the
-    call is not such a product with a bias (not decomposed: nothing batched at the innermost
-    ``vmap``, or addmm-type ops under ``grad`` above it; no bias, ``beta=0``, unexpected
-    arguments): the caller then casts it as a whole."""
+    """``name(*args, **kwargs)`` as torch.autocast runs it under ``vmap``, or None.
+
+    None means the call is not such a product with a bias, and the caller casts it as a whole.
+    That is the case when it is not decomposed: nothing batched at the innermost ``vmap``, or
+    addmm-type ops under ``grad`` above it. It is also the case with no bias, ``beta=0`` or
+    unexpected arguments.
+    """
     if name == "linear":
         if len(args) + len(kwargs) > 3 or set(kwargs) - {"input", "weight", "bias"}:
             return None
@@ -83,12 +86,14 @@ def vmapped_bias_product(
 
 
 def cast_with_tangent(x: Any, dtype: torch.dtype) -> Any:
-    """The mode's cast under forward-mode AD (``jvp``, ``jacfwd``, ``hessian``, ``linearize``): a
-    tensor already in ``dtype`` is copied, so that its tangent is cast too. torch.autocast
-    casts the ops of the tangent formulas as well; a primal in ``dtype`` can carry a float32
-    tangent (layer_norm's, from a bf16 input and float32 weight), which would meet a bf16
+    """The mode's cast under forward-mode AD (``jvp``, ``jacfwd``, ``hessian``, ``linearize``).
+
+    A tensor already in ``dtype`` is copied, so that its tangent is cast too. torch.autocast
+    casts the ops of the tangent formulas as well. A primal in ``dtype`` can carry a float32
+    tangent (layer_norm's, from a bf16 input and float32 weight). That tangent would meet a bf16
     operand in the next matmul's tangent formula (``expected m1 and m2 to have the same
-    dtype``)."""
+    dtype``).
+    """
     if isinstance(x, torch.Tensor) and x.dtype is dtype and x.is_floating_point():
         return x.to(dtype, copy=True)
     if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):

@@ -1,5 +1,7 @@
-"""Checkpoints written by several ranks: ``save``/``load`` with a process group go through
-``torch.distributed.checkpoint`` (each rank writes its own shards; the header is rank 0's).
+"""Checkpoints written by several ranks, through ``torch.distributed.checkpoint``.
+
+``save``/``load`` with a process group come here. Each rank writes its own shards; the header
+is rank 0's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""What a checkpoint file holds and how it is checked: the header (:class:`CheckpointInfo`: the
-policy, scaler kinds, versions, metadata), the checksum, reading, and rebuilding a state from a
-loaded dict against its template. Shared by the one-process and the multi-rank paths.
+"""What a checkpoint file holds and how it is checked.
+
+It holds the header (:class:`CheckpointInfo`: the policy, scaler kinds, versions, metadata) and
+the checksum. This module reads it, and rebuilds a state from a loaded dict against its
+template. The one-process and the multi-rank paths share it.
 """
 
 from __future__ import annotations
@@ -48,15 +50,14 @@ class CheckpointInfo(NamedTuple):
         policy: the policy string it was saved under (``str(policy)``).
         policy_repr: ``repr(policy)``: also shows op-rule and module overrides.
         scaler_kind: the kind of its :class:`~funcamp.ScalerState` (``"dynamic"``,
-            ``"static"``, ``"noop"``), ``None`` without one (or with several: see ``scalers``).
+            ``"static"``, ``"noop"``). ``None`` without one, or with several (see ``scalers``).
         scalers: every :class:`~funcamp.ScalerState` in the state, ``{path: kind}``.
         funcamp_version: the funcamp version that wrote it.
         torch_version: the torch version that wrote it.
         metadata: the keyword arguments given to :func:`save`.
         world_size: the number of ranks that wrote it (1 for a single file).
         policy_spec: the whole policy as plain data (dtypes, op table and op rules, module
-            rules, FP8), what :func:`load` compares; ``None`` for checkpoints written before
-            funcamp stored it.
+            rules, FP8), what :func:`load` compares. ``None`` for older checkpoints.
 
     Example:
         >>> import os, tempfile, torch, funcamp
@@ -120,8 +121,10 @@ def as_info(raw: dict[str, Any]) -> CheckpointInfo:
 
 
 def parse_info(raw: dict[str, Any], api: str, where: str) -> CheckpointInfo:
-    """The :class:`CheckpointInfo` of a read checkpoint, or a ``ValueError`` saying it is
-    corrupted (a key or a value of the header damaged)."""
+    """The :class:`CheckpointInfo` of a read checkpoint.
+
+    A damaged key or value of the header gives a ``ValueError`` saying it is corrupted.
+    """
     try:
         return as_info(raw["info"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -145,8 +148,10 @@ def verify(raw: dict[str, Any], keys: tuple[str, ...], api: str, where: str) -> 
 
 
 def verify_header(raw: dict[str, Any], keys: tuple[str, ...], api: str, where: str) -> None:
-    """Check the header's own CRC-32 (``raw["info_checksum"]``); a file written before funcamp
-    stored it is checked whole (``keys``: what ``raw["checksum"]`` covers)."""
+    """Check the header's own CRC-32 (``raw["info_checksum"]``).
+
+    An older file without it is checked whole. ``keys`` is what ``raw["checksum"]`` covers.
+    """
     if "info_checksum" not in raw:
         verify(raw, keys, api, where)
         return
@@ -308,8 +313,11 @@ def _rebuild(template: PyTree, sd: dict[str, Any], where: str) -> PyTree:
 def check_and_rebuild(
     info: CheckpointInfo, sd: Any, template: PyTree, policy: Any, convert: bool, where: str
 ) -> PyTree:
-    """The loaded state dict ``sd`` as ``template``'s tree: policy checked, newer-version warning,
-    converted (``convert``) or scaler configs checked, then rebuilt leaf by leaf."""
+    """The loaded state dict ``sd`` as ``template``'s tree.
+
+    The policy is checked, and a newer version warned about. The state is converted
+    (``convert``), or else its scaler configs are checked. Then it is rebuilt leaf by leaf.
+    """
     check_policy(info, policy, convert, where)
     _warn_newer(info, where)
     template_sd = state_dict(template)

@@ -1,26 +1,26 @@
 """Whole-state checkpoints: :func:`save`, :func:`load` and :func:`checkpoint_info`.
 
 Built on :func:`funcamp.state_dict` / :func:`funcamp.load_state_dict`. A checkpoint records what
-produced it -- the policy, the kind of every :class:`~funcamp.ScalerState` in the state, the
-funcamp and torch versions -- and the caller's metadata, and :func:`load` checks them.
+produced it: the policy, the kind of every :class:`~funcamp.ScalerState` in the state, and the
+funcamp and torch versions. It also records the caller's metadata. :func:`load` checks them.
 
 One process (``group=None``): one file, written atomically. The file is first written under a
-temporary name in the same directory, flushed and ``fsync``-ed, then renamed over ``path``
-(``os.replace``, atomic on POSIX and Windows) and the directory ``fsync``-ed: whatever happens
-during a save (an exception, a full disk, a ``SIGKILL``, a power cut), ``path`` holds either the
-previous checkpoint or the new one, never a mixture (:mod:`funcamp._core.atomic`, which also
-removes the temporary files that killed saves to the same path left behind). A CRC-32 of every
-value is stored with them, so a file damaged later (truncated, bytes flipped) fails to load with
-an error starting ``funcamp.load:`` instead of loading wrong numbers or crashing inside
-``torch.load``.
+temporary name in the same directory, flushed and ``fsync``-ed. Then it is renamed over ``path``
+(``os.replace``, atomic on POSIX and Windows), and the directory is ``fsync``-ed. Whatever
+happens during a save, ``path`` holds either the previous checkpoint or the new one, never a
+mixture. That holds for an exception, a full disk, a ``SIGKILL`` or a power cut
+(:mod:`funcamp._core.atomic`). Temporary files that killed saves to the same path left behind
+are removed. A CRC-32 of every value is stored with them. So a file damaged later (truncated,
+bytes flipped) fails to load with an error starting ``funcamp.load:``. It does not load wrong
+numbers or crash inside ``torch.load``.
 
 Several processes (``group=pg``): ``path`` is a directory. The tensors go through
-``torch.distributed.checkpoint`` into a fresh ``data-<token>/`` subdirectory (each rank writes
-its part: replicated tensors are split between the ranks, sharded ones -- DTensors -- are saved
-shard by shard), then rank 0 commits the checkpoint by writing the small header file
-``path/funcamp.pt`` (structure, records and metadata) atomically as above, and only then removes
-the data of the previous checkpoint -- every ``data-*`` directory but its own, so the data of
-saves killed before their commit goes too. A save that fails before the commit leaves the
+``torch.distributed.checkpoint`` into a fresh ``data-<token>/`` subdirectory. Each rank writes
+its part: replicated tensors are split between the ranks, and sharded ones (DTensors) are saved
+shard by shard. Then rank 0 commits the checkpoint by writing the small header file
+``path/funcamp.pt`` (structure, records and metadata), atomically as above. Only then does it
+remove the data of the previous checkpoint: every ``data-*`` directory but its own. So the data
+of saves killed before their commit goes too. A save that fails before the commit leaves the
 previous checkpoint in place.
 """
 
@@ -109,25 +109,26 @@ def save(
 ) -> None:
     """Save a whole training state atomically, with what produced it.
 
-    The file holds :func:`funcamp.state_dict` of ``state`` (any funcamp pytree: a
-    :class:`~funcamp.TrainState`, a dict of them, ...), the whole policy (dtypes, op table and
-    op rules, module rules, FP8: ``CheckpointInfo.policy_spec``), the kind of every
-    :class:`~funcamp.ScalerState` in it, the funcamp and torch versions, a CRC-32 of every value
-    (and one of the header) and ``metadata``. It is written to a temporary file in the same
-    directory, ``fsync``-ed and renamed over ``path``: the previous checkpoint survives any
-    failure, including the process being killed mid-write. A failure of the file system (a full
-    disk) raises ``OSError`` with its ``errno``, naming ``path``. Read it back with :func:`load`. A state
-    donated to a train step (or whose donated step raised part-way) is refused: its tensors
-    hold another state than its scaler's.
+    The file holds :func:`funcamp.state_dict` of ``state``, which may be any funcamp pytree (a
+    :class:`~funcamp.TrainState`, a dict of them, ...). It also holds the whole policy
+    (``CheckpointInfo.policy_spec``: dtypes, op table and op rules, module rules, FP8). It records
+    the kind of every :class:`~funcamp.ScalerState` in the state, the funcamp and torch versions,
+    and ``metadata``. A CRC-32 of every value is stored, and one of the header.
+
+    The file is written to a temporary file in the same directory, ``fsync``-ed and renamed over
+    ``path``. So the previous checkpoint survives any failure, including the process being killed
+    mid-write. A failure of the file system (a full disk) raises ``OSError`` with its ``errno``,
+    naming ``path``. Read it back with :func:`load`. A state donated to a train step (or whose
+    donated step raised part-way) is refused: its tensors hold another state than its scaler's.
 
     Args:
         path: the checkpoint file (its directory must exist). With ``group``, a directory
             (created if missing).
         state: the pytree to save.
-        policy: the :class:`~funcamp.Policy` (or policy string) the state is trained under;
+        policy: the :class:`~funcamp.Policy` (or policy string) the state is trained under.
             :func:`load` checks it. A :class:`~funcamp.TrainState`'s floating params must be in
             its ``param_dtype``.
-        group: a process group: every rank calls ``save`` with its own state and the same
+        group: a process group. Every rank calls ``save`` with its own state and the same
             ``path``, through ``torch.distributed.checkpoint``. ``None``: one file.
         **metadata: anything to keep with the state: tensors, Python scalars, strings,
             ``None`` and containers of them (``weights_only`` loads). See
@@ -174,9 +175,9 @@ def save(
 def checkpoint_info(path: PathLike) -> CheckpointInfo:
     """Read what a checkpoint written by :func:`save` records, without loading its state.
 
-    The header's CRC-32 is verified (for a file written before funcamp stored one for the
-    header, the whole file's). To read the state and the header of the same save -- a file
-    another process may replace between two calls -- use ``load(..., with_info=True)``.
+    The header's CRC-32 is verified (the whole file's, for an older file without one). Another
+    process may replace the file between two calls. To read the state and the header of the
+    same save, use ``load(..., with_info=True)``.
 
     Args:
         path: the checkpoint file (or multi-rank checkpoint directory).
@@ -217,39 +218,40 @@ def load(
 ) -> PyTree | tuple[PyTree, CheckpointInfo]:
     """Load a checkpoint written by :func:`save` into the structure of ``template``.
 
-    Reads with ``torch.load(weights_only=True)`` (no pickled code runs), verifies the stored
-    CRC-32, checks the structure, shapes and dtypes against ``template`` (as
-    :func:`funcamp.load_state_dict`, which supplies the container types and the device), and
-    checks what the checkpoint records:
+    It reads with ``torch.load(weights_only=True)``, so no pickled code runs. It verifies the
+    stored CRC-32. It checks the structure, shapes and dtypes against ``template``, as
+    :func:`funcamp.load_state_dict` does (which supplies the container types and the device).
+    Then it checks what the checkpoint records:
 
     * ``policy``: the policy the caller trains under. If it differs from the checkpoint's in
       anything (dtypes, op table, op rules, module rules, FP8), ``load`` raises ``ValueError``
-      naming the first difference -- a resumed run never silently changes precision -- unless
-      ``convert=True``.
-    * Each :class:`~funcamp.ScalerState` must be of the kind the template has at that place
-      (a ``dynamic`` checkpoint does not silently become ``noop``), unless ``convert=True``.
+      naming the first difference. So a resumed run never silently changes precision.
+      ``convert=True`` allows the change.
+    * Each :class:`~funcamp.ScalerState` must be of the kind the template has at that place.
+      (A ``dynamic`` checkpoint does not silently become ``noop``.) ``convert=True`` allows the
+      change.
 
-    ``convert=True`` (with ``policy``): continue under a new policy on purpose. Floating
-    tensors are cast to the template's dtypes (build the template for the new policy, e.g. with
-    ``TrainState.create(params, opt, new_policy)``), and a scaler of another kind is replaced by
-    the template's (a float16 run moving to bfloat16 drops its dynamic scaler for the noop one;
-    the other way round starts a fresh dynamic scaler); a scaler of the same kind keeps its
-    state. Optimizer states whose structure depends on the dtype cannot be converted (an error
-    names the path).
+    ``convert=True`` (with ``policy``) continues under a new policy on purpose. Floating tensors
+    are cast to the template's dtypes. (Build the template for the new policy, e.g. with
+    ``TrainState.create(params, opt, new_policy)``.) A scaler of another kind is replaced by the
+    template's. A float16 run moving to bfloat16 drops its dynamic scaler for the noop one; the
+    other way round starts a fresh dynamic scaler. A scaler of the same kind keeps its state.
+    Optimizer states whose structure depends on the dtype cannot be converted (an error names the
+    path).
 
-    A file that is truncated, corrupted or not a funcamp checkpoint raises ``ValueError``
-    starting ``funcamp.load:``; a missing one ``FileNotFoundError``.
+    A file that is truncated, corrupted or not a funcamp checkpoint raises ``ValueError`` starting
+    ``funcamp.load:``. A missing one raises ``FileNotFoundError``.
 
     Args:
-        path: the checkpoint file, or the directory of a multi-rank checkpoint (then, without
-            ``group``, the whole state loads into this one process).
-        template: a pytree of the state's structure (e.g. a fresh ``TrainState.create(...)``);
-            never modified.
+        path: the checkpoint file, or the directory of a multi-rank checkpoint. Without
+            ``group``, a multi-rank checkpoint loads whole into this one process.
+        template: a pytree of the state's structure (e.g. a fresh ``TrainState.create(...)``).
+            Never modified.
         policy: the policy the loaded state will train under; ``None`` skips the policy check.
         convert: cast the state to ``policy`` instead of refusing a different one (see above).
         group: the process group of a multi-rank checkpoint (every rank calls ``load``).
-        with_info: also return the checkpoint's :class:`CheckpointInfo` (its metadata), read
-            from the same file in the same call: the two always belong to the same save.
+        with_info: also return the checkpoint's :class:`CheckpointInfo` (its metadata). It is
+            read from the same file in the same call, so the two belong to the same save.
 
     Returns:
         The state, with ``template``'s structure; with ``with_info``, ``(state, info)``.

@@ -1,11 +1,12 @@
 """Checkpoints of any pytree as plain nested dicts, loadable with ``torch.load(weights_only=True)``.
 
-``state_dict(tree)`` turns every container into a ``dict`` (dict keys kept, sequence indices as
-``"0"``, ``"1"``, ..., NamedTuple and :class:`~funcamp.ScalerState` fields by name) with tensors
-and Python scalars/strings/``None`` as values. :class:`~funcamp.ScalerState`'s static
-configuration is saved next to its tensors. ``load_state_dict(template, sd)`` rebuilds the tree
-with the template's container types, checking the structure, tensor shapes and dtypes on the way
-and naming the path of the first mismatch.
+``state_dict(tree)`` turns every container into a ``dict``, with tensors and Python
+scalars/strings/``None`` as values. Dict keys are kept. Sequence indices become ``"0"``, ``"1"``,
+.... NamedTuple and :class:`~funcamp.ScalerState` fields go by name.
+:class:`~funcamp.ScalerState`'s static configuration is saved next to its tensors.
+``load_state_dict(template, sd)`` rebuilds the tree with the template's container types. It
+checks the structure, tensor shapes and dtypes on the way, and names the path of the first
+mismatch.
 """
 
 from __future__ import annotations
@@ -198,10 +199,10 @@ def _decode(template: Any, value: Any, path: tuple[Any, ...]) -> Any:
 def load_state_dict(template: PyTree, sd: dict[str, Any]) -> PyTree:
     """Rebuild a pytree from :func:`state_dict` output, with ``template``'s structure.
 
-    ``template`` supplies the container types (and, for tensors, the device to load onto); ``sd``
-    supplies the values, including each :class:`~funcamp.ScalerState`'s saved configuration.
-    Keys, tensor shapes and dtypes, and scalar types must match the template; the first mismatch
-    raises ``ValueError`` naming its path.
+    ``template`` supplies the container types (and, for tensors, the device to load onto).
+    ``sd`` supplies the values, including each :class:`~funcamp.ScalerState`'s saved
+    configuration. Keys, tensor shapes and dtypes, and scalar types must match the template. The
+    first mismatch raises ``ValueError`` naming its path.
 
     Example:
         >>> import io, torch, funcamp

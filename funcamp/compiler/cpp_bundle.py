@@ -1,42 +1,45 @@
 """One C++ build for a compiled step's CPU kernels, instead of one build per kernel.
 
-Inductor builds every CPU kernel of a graph as a Python extension of its own: one ``g++``
+Inductor builds every CPU kernel of a graph as a Python extension of its own. That is one ``g++``
 process per kernel, each of which loads the precompiled ``cpp_prefix.h`` and links against
-libtorch. That fixed part dominates the build of a small kernel, so a train step of a few dozen
-kernels spends most of its C++ compile time on it; the same kernels built as a few translation
-units take a fraction of it (measured in docs/benchmarks.md, "One build for many kernels").
+libtorch. That fixed part dominates the build of a small kernel. So a train step of a few dozen
+kernels spends most of its C++ compile time on it. The same kernels built as a few translation
+units take a fraction of it (docs/benchmarks.md has the numbers).
 
-While :func:`bundling` is active, the kernels of a graph are built in *units*: consecutive
-kernels in the graph's order, cut once their sources reach :data:`UNIT_BYTES`, each kernel in a
-namespace of its own, behind one Python extension per unit with one function per kernel. A unit
-starts building as soon as inductor has generated its kernels (seen where it writes them into
-the graph's Python module), in inductor's compile pool, while inductor generates the rest of the
-graph on the other core; the last, partial unit starts when the graph's module asks for its
-kernels (``async_compile.wait``). The code of every kernel, the compiler, its flags, the
-precompiled header and the on-disk cache (keyed by the unit's source) are inductor's own
-(``CppPythonBindingsCodeCache.load_async``), so the kernels compute the same bits; and since the
-cuts depend only on the kernels' order and sizes, a later process that loads the graph from
-inductor's cache makes the same units and finds them built.
+While :func:`bundling` is active, the kernels of a graph are built in *units*. A unit is
+consecutive kernels in the graph's order, cut once their sources reach :data:`UNIT_BYTES`. Each
+kernel sits in a namespace of its own, behind one Python extension per unit with one function per
+kernel.
 
-A kernel whose source is not the plain shape this relies on (one ``extern "C" void kernel(``
-after the ``cpp_prefix.h`` include, no other preprocessor lines but ``#pragma``) is built the
-usual way, as is everything when this torch's binding scheme is not the one mirrored here.
+A unit starts building as soon as inductor has generated its kernels (seen where it writes them
+into the graph's Python module). It builds in inductor's compile pool, while inductor generates the
+rest of the graph on the other core. The last, partial unit starts when the graph's module asks for
+its kernels (``async_compile.wait``). The code of every kernel, the compiler, its flags, the
+precompiled header and the on-disk cache are inductor's own
+(``CppPythonBindingsCodeCache.load_async``; the cache is keyed by the unit's source). So the
+kernels compute the same bits. The cuts depend only on the kernels' order and sizes. So a later
+process that loads the graph from inductor's cache makes the same units, and finds them built.
 
-Upstream: no PyTorch issue asks for this yet (the nearest, pytorch/pytorch#147323, is about
-the opposite problem of one huge ``cpp_wrapper`` file). Inductor building a graph's CPU kernels
-in a few translation units itself (as ``cpp_wrapper=True`` builds one file per graph, but with
-the Python wrapper and in parallel) would make this module unnecessary. Scope: on only inside
-:func:`bundling` in the thread that entered it (funcamp's own compiles, chosen by
-:mod:`funcamp.compiler.gate`); installed once, under a lock, the first time it is entered.
+Some kernels are built the usual way: those whose source is not the plain shape this relies on.
+(That shape is one ``extern "C" void kernel(`` after the ``cpp_prefix.h`` include, and no other
+preprocessor lines but ``#pragma``.) Everything is built the usual way when this torch's binding
+scheme is not the one mirrored here.
+
+Upstream: no PyTorch issue asks for this yet. (The nearest, pytorch/pytorch#147323, is about the
+opposite problem of one huge ``cpp_wrapper`` file.) This module would be unnecessary if inductor
+built a graph's CPU kernels in a few translation units itself. (``cpp_wrapper=True`` builds one
+file per graph, but it should keep the Python wrapper and build in parallel.) Scope: on only inside
+:func:`bundling`, in the thread that entered it (funcamp's own compiles, chosen by
+:mod:`funcamp.compiler.gate`). It is installed once, under a lock, the first time it is entered.
 
 Workaround of torch internals (docs/upstream.md#cpp-bundle):
 
-- Root cause: inductor builds each CPU kernel as its own Python extension, one g++ process each;
-  the fixed cost (prefix header, libtorch link) dominates small kernels.
+- Root cause: inductor builds each CPU kernel as its own Python extension, one g++ process each.
+  The fixed cost (prefix header, libtorch link) dominates small kernels.
 - Upstream: none asks for this; the write-up is docs/upstream.md#cpp-bundle (nearest:
   pytorch/pytorch#147323, the opposite problem).
 - Why it is safe: the kernels' source, compiler, flags and cache are inductor's own, so the bits
-  are the same (tested); a kernel of another shape is built the usual way.
+  are the same (tested). A kernel of another shape is built the usual way.
 - Tested on: torch 2.13 and 2.14 on the CPU (funcamp.compiler.ALLOWLIST); off elsewhere unless
   asked for.
 - Delete when: inductor builds a graph's CPU kernels in a few translation units itself, or the
@@ -76,9 +79,11 @@ except Exception:  # pragma: no cover - torch without inductor
 
 @functools.cache
 def supported() -> bool:
-    """Whether this torch builds CPU kernels the way this module mirrors: ``cpp_pybinding`` on
-    ``AsyncCompile`` and Python bindings that read tensors through
-    ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``."""
+    """Whether this torch builds CPU kernels the way this module mirrors.
+
+    That means ``cpp_pybinding`` on ``AsyncCompile``, and Python bindings that read tensors
+    through ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``.
+    """
     if _async_compile is None or _codecache is None:
         return False
     cache = getattr(_codecache, "CppPythonBindingsCodeCache", None)
@@ -202,9 +207,12 @@ PyMODINIT_FUNC PyInit_kernel(void) {{
 
 
 def unit_source(kernels: list[tuple[list[str], str]]) -> str:
-    """The C++ source of one unit: ``kernels`` (``(argtypes, source)``, each of :func:`_plain`
-    shape) in namespaces ``funcamp_k<i>``, and a module ``kernel`` whose function
-    ``kernel_<i>`` calls the i-th."""
+    """The C++ source of one unit.
+
+    ``kernels`` are ``(argtypes, source)`` pairs, each of :func:`_plain` shape. They go in
+    namespaces ``funcamp_k<i>``. A module ``kernel`` has a function ``kernel_<i>`` that calls
+    the i-th.
+    """
     parts = [_PREFIX + "\n"]
     functions, methods = [], []
     for i, (argtypes, source) in enumerate(kernels):
@@ -376,10 +384,13 @@ def _patch() -> bool:
 
 @contextlib.contextmanager
 def bundling(enabled: bool | None = None) -> Iterator[None]:
-    """While active (and ``enabled`` on a torch this module supports), inductor's CPU kernels
-    are built together (see the module's docstring). A kernel held back is built when it is
-    first needed, inside or after the block. ``enabled=None``: on unless the environment sets
-    ``FUNCAMP_CPP_BUNDLE=0`` (torch's one build per kernel, for comparison or debugging)."""
+    """Build inductor's CPU kernels together while this is active (see the module docstring).
+
+    It acts when ``enabled``, on a torch this module supports. A kernel held back is built when
+    it is first needed, inside or after the block. ``enabled=None`` means on, unless the
+    environment sets ``FUNCAMP_CPP_BUNDLE=0``. (That gives torch's one build per kernel, for
+    comparison or debugging.)
+    """
     on = False
     try:
         with switched_on(_ACTIVE, "FUNCAMP_CPP_BUNDLE", enabled, supported, _install) as on:

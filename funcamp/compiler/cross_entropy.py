@@ -1,38 +1,38 @@
 """A ``CrossEntropyLoss`` built inside a compiled :func:`funcamp.amp` function reaches the amp mode.
 
-Dynamo special-cases the construction of ``torch.nn.CrossEntropyLoss`` inside a traced
-function: instead of tracing the module's ``__init__`` and ``forward`` it puts a bare
-``F.cross_entropy`` node into the graph (``UserDefinedClassVariable._call_cross_entropy_loss``,
-added with pytorch/torchdynamo#450, "Add support for crossentropy"). That node never reaches an
-active :class:`torch.overrides.TorchFunctionMode`, so under :func:`funcamp.amp` a loss that eager
-code computes in float32 was computed in the compute dtype once compiled (Hugging Face's
-``BertForMaskedLM`` builds ``CrossEntropyLoss()`` in its ``forward``: a bf16 loss, silently).
-Module hooks (module policies, ``trace``'s module paths) were skipped too. Upstream, dynamo
-keeping that fast path only while no torch function mode is on its stack would make this
-module unnecessary (no issue asks for it yet).
+Dynamo special-cases the construction of ``torch.nn.CrossEntropyLoss`` inside a traced function.
+Instead of tracing the module's ``__init__`` and ``forward``, it puts a bare ``F.cross_entropy``
+node into the graph. (This is ``UserDefinedClassVariable._call_cross_entropy_loss``, added with
+pytorch/torchdynamo#450, "Add support for crossentropy".) That node never reaches an active
+:class:`torch.overrides.TorchFunctionMode`. So under :func:`funcamp.amp`, a loss that eager code
+computes in float32 was computed in the compute dtype once compiled. (Hugging Face's
+``BertForMaskedLM`` builds ``CrossEntropyLoss()`` in its ``forward``: a bf16 loss, silently.)
+Module hooks (module policies, ``trace``'s module paths) were skipped too. Upstream, this module
+would be unnecessary if dynamo kept that fast path only while no torch function mode is on its
+stack. No issue asks for it yet.
 
 While funcamp's amp mode (the class given to :func:`install`) is on the traced function's mode
-stack, the construction is routed to an identical subclass instead, which dynamo traces like
-any other module: ``__init__``, the global forward hooks and ``forward`` run as written, and
-``F.cross_entropy`` dispatches to the mode as it does in eager code -- the eager result, bit for
-bit. Any other trace, another torch function mode's included, keeps dynamo's own fast path.
+stack, the construction is routed to an identical subclass. Dynamo traces it like any other module.
+``__init__``, the global forward hooks and ``forward`` run as written. ``F.cross_entropy``
+dispatches to the mode as it does in eager code, giving the eager result, bit for bit. Any other
+trace, another torch function mode's included, keeps dynamo's own fast path.
 
-Installed once, under a lock, when :func:`funcamp.amp` first wraps a function (never at
-``import funcamp``). Which traces route is decided when dynamo meets the construction: as a
-:func:`funcamp.compiler.compiler_patches` block or a step's ``compiler_patches=`` chooses, else
-(``"auto"``) only where every device of the tensors the compiled function was called with is on
-:data:`funcamp.compiler.ALLOWLIST` with this torch release (elsewhere off, said once per release
-and device). A torch whose dynamo has no such special case, or whose internals moved, is left
-alone (logged once).
+It is installed once, under a lock, when :func:`funcamp.amp` first wraps a function (never at
+``import funcamp``). Which traces route is decided when dynamo meets the construction. A
+:func:`funcamp.compiler.compiler_patches` block or a step's ``compiler_patches=`` chooses. Else
+(``"auto"``) it routes only where every device of the compiled function's tensors is on
+:data:`funcamp.compiler.ALLOWLIST` with this torch release. Elsewhere it is off, said once per
+release and device. A torch whose dynamo has no such special case, or whose internals moved, is
+left alone (logged once).
 
 Workaround of torch internals (docs/upstream.md#cross-entropy):
 
 - Root cause: dynamo replaces the construction of nn.CrossEntropyLoss with a bare
-  F.cross_entropy node (from pytorch/torchdynamo#450), which never reaches an active
+  F.cross_entropy node (from pytorch/torchdynamo#450). That node never reaches an active
   TorchFunctionMode.
 - Upstream: none asks for it; the write-up is docs/upstream.md#cross-entropy.
 - Why it is safe: the routed subclass is identical and traced like any module, so the result is
-  eager's, bit for bit (tested); any other trace keeps dynamo's fast path; moved internals leave
+  eager's, bit for bit (tested). Any other trace keeps dynamo's fast path. Moved internals leave
   it alone.
 - Tested on: torch 2.13 and 2.14 on the CPU (funcamp.compiler.ALLOWLIST); off elsewhere unless
   asked for.
@@ -88,8 +88,11 @@ def _amp_mode_active(tx: Any) -> bool:
 
 
 def trace_devices(tx: Any) -> frozenset[str]:
-    """The device types of the tensors the compiled (outermost) function of the trace ``tx`` was
-    called with: in its arguments' pytrees, and the parameters and buffers of modules there."""
+    """The device types of the tensors the compiled function of the trace ``tx`` was called with.
+
+    The compiled function is the outermost one. Its tensors are those in its arguments' pytrees,
+    and the parameters and buffers of modules there.
+    """
     root = getattr(getattr(tx, "output", None), "root_tx", None)
     values = list((getattr(root, "f_locals", None) or {}).values())
     devices: set[str] = set()
@@ -103,9 +106,12 @@ def trace_devices(tx: Any) -> frozenset[str]:
 
 
 def routes(tx: Any) -> bool:
-    """Whether the trace ``tx`` routes: the innermost
-    :func:`funcamp.compiler.compiler_patches` choice (a step's ``compiler_patches=`` enters one), else whether every device of
-    :func:`trace_devices` (``"unknown"`` without any) is on the allowlist with this release."""
+    """Whether the trace ``tx`` routes.
+
+    The innermost :func:`funcamp.compiler.compiler_patches` choice decides (a step's
+    ``compiler_patches=`` enters one). Without one, it routes when every device of
+    :func:`trace_devices` (``"unknown"`` without any) is on the allowlist with this release.
+    """
     choice = gate._CHOICE.get()
     if choice != "auto":
         return bool(choice)
@@ -114,15 +120,19 @@ def routes(tx: Any) -> bool:
 
 
 def installed() -> bool:
-    """Whether the routing is in place (after :func:`install`; False where this torch's dynamo
-    is not the one it was written against)."""
+    """Whether the routing is in place, after :func:`install`.
+
+    False where this torch's dynamo is not the one it was written against.
+    """
     return _STATE == [True]
 
 
 def install(mode_class: type) -> bool:
-    """Route in-graph ``CrossEntropyLoss`` constructions to ``mode_class`` while it is on the
-    trace's mode stack (once per class; dynamo patched once, under a lock); True when the
-    patch is in place."""
+    """Route in-graph ``CrossEntropyLoss`` constructions to ``mode_class`` while it is on the stack.
+
+    The stack is the trace's mode stack. It installs once per class, and patches dynamo once,
+    under a lock. Returns True when the patch is in place.
+    """
     with _LOCK:
         if mode_class not in _MODES:
             _MODES.append(mode_class)

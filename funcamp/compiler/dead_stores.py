@@ -1,45 +1,43 @@
 """Inductor lowering a train step that writes its state in place: only live values are stored.
 
-A step with a donated state writes the new params and optimizer state into the old tensors:
-the graph ends with a ``copy_`` into each input it mutates. Inductor keeps the values of the
-graph it has lowered lazily (a pointwise value is computed where it is read, not stored), and
-before lowering a write into a buffer it stores every value lowered so far that reads that
-buffer (``GraphLowering.mark_buffer_mutated``), so that none reads the new contents. It stores
-them all, the *dead* ones too: every intermediate of the update (``m - g``, ``v * b2``, the
-denominator, ...) reads the old params or state, and each becomes a buffer of its own, whose
-readers were lowered long before and already compute it inline. Nothing ever reads those
-buffers, and the scheduler drops them -- after building a scheduler node for each, the most
-expensive part of inductor's scheduling (on the real-model suite about half of a step's nodes
-were dead ones: docs/benchmarks.md, "Dead values at the state's writes").
+A step with a donated state writes the new params and optimizer state into the old tensors. So the
+graph ends with a ``copy_`` into each input it mutates. Inductor keeps the values of the graph it
+has lowered lazily: a pointwise value is computed where it is read, not stored. Before lowering a
+write into a buffer, it stores every value lowered so far that reads that buffer
+(``GraphLowering.mark_buffer_mutated``). So none reads the new contents.
 
-While :func:`skip_dead_stores` is active, a write stores only the values that can still be
-read: a value whose graph node's readers have all been lowered is gone from the lowering's
-environment (``torch.fx.Interpreter`` frees each value after its last reader), so nothing can
-read it any more but the values that computed it inline, which are themselves live (and stored
-now) or dead. The values stored, and so the kernels and their bits, are the ones inductor
-keeps anyway; only the nodes it would have built and dropped are not made (node counts and
-scheduling times in docs/benchmarks.md). Everything else is inductor's own code;
-a torch whose lowering does not look like this (no ``name_to_users``/``env``) runs it
-unchanged.
+It stores them all, the *dead* ones too. Every intermediate of the update (``m - g``, ``v * b2``,
+the denominator, ...) reads the old params or state. Each becomes a buffer of its own, whose
+readers were lowered long before and already compute it inline. Nothing ever reads those buffers,
+and the scheduler drops them. But first it builds a scheduler node for each, the most expensive
+part of inductor's scheduling. On the real-model suite about half of a step's nodes were dead ones
+(docs/benchmarks.md has the numbers).
+
+While :func:`skip_dead_stores` is active, a write stores only the values that can still be read. A
+value whose graph node's readers have all been lowered is gone from the lowering's environment
+(``torch.fx.Interpreter`` frees each value after its last reader). Nothing can read it any more but
+the values that computed it inline. Those are themselves live (and stored now) or dead. The values
+stored, and so the kernels and their bits, are the ones inductor keeps anyway. Only the nodes it
+would have built and dropped are not made. Everything else is inductor's own code. A torch whose
+lowering does not look like this (no ``name_to_users``/``env``) runs it unchanged.
 
 Upstream: ``mark_buffer_mutated`` realizing every registered reader came with
-pytorch/pytorch#105882 ("Optimize finding users of buffers for mutation", which replaced a scan
-of the environment by ``register_users_of``); no issue asks for the dead readers to be skipped.
-Inductor dropping a reader from ``name_to_users`` once its FX node's value is freed (or
-realizing lazily at scheduling) would make this module unnecessary. Scope: on only inside
-:func:`skip_dead_stores` in the thread that entered it (funcamp's own compiles, chosen by
-:mod:`funcamp.compiler.gate`), and part of inductor's FX graph cache key there
-(:mod:`funcamp.compiler.keys`).
+pytorch/pytorch#105882. ("Optimize finding users of buffers for mutation" replaced a scan of the
+environment by ``register_users_of``.) No issue asks for the dead readers to be skipped. This
+module would be unnecessary if inductor dropped a reader from ``name_to_users`` once its FX node's
+value is freed, or realized lazily at scheduling. Scope: on only inside :func:`skip_dead_stores`,
+in the thread that entered it (funcamp's own compiles, chosen by :mod:`funcamp.compiler.gate`).
+There it is part of inductor's FX graph cache key (:mod:`funcamp.compiler.keys`).
 
 Workaround of torch internals (docs/upstream.md#dead-stores):
 
 - Root cause: GraphLowering.mark_buffer_mutated stores every registered reader of a buffer
-  before a write into it, the dead ones too; the scheduler builds and then drops a node for
+  before a write into it, the dead ones too. The scheduler builds and then drops a node for
   each.
 - Upstream: none asks for the dead readers to be skipped; the write-up is docs/upstream.md#live-
   reads (origin: pytorch/pytorch#105882).
 - Why it is safe: the values stored, and so the kernels and their bits, are those inductor keeps
-  anyway (tested); a lowering without name_to_users/env runs unchanged.
+  anyway (tested). A lowering without name_to_users/env runs unchanged.
 - Tested on: torch 2.13 and 2.14 on the CPU (funcamp.compiler.ALLOWLIST); off elsewhere unless
   asked for.
 - Delete when: inductor drops a reader once its FX value is freed, or realizes lazily at
@@ -72,10 +70,12 @@ _ORIGINAL: Any = None
 
 @functools.cache
 def supported() -> bool:
-    """Whether this torch lowers a write the way this module relies on: a
-    ``GraphLowering.mark_buffer_mutated`` that realizes the values listed in ``name_to_users``
-    (each graph node's value, registered by ``register_users_of``), values held in ``env`` (a
-    ``torch.fx.Interpreter``), and lazy values as ``StorageBox`` of ``Loops``."""
+    """Whether this torch lowers a write the way this module relies on.
+
+    That means a ``GraphLowering.mark_buffer_mutated`` that realizes the values listed in
+    ``name_to_users`` (each graph node's value, registered by ``register_users_of``). Values are
+    held in ``env`` (a ``torch.fx.Interpreter``). Lazy values are ``StorageBox`` of ``Loops``.
+    """
     if _GraphLowering is None or _ir is None:
         return False
     return (
@@ -120,8 +120,10 @@ def _patch() -> bool:
 
 
 def drop_dead_readers(graph: Any, name: Any) -> None:
-    """Drop from ``graph.name_to_users[name]`` the lazy values nothing can read any more (see
-    the module docstring); the rest inductor realizes before the write into ``name``."""
+    """Drop from ``graph.name_to_users[name]`` the lazy values nothing can read any more.
+
+    See the module docstring. Inductor realizes the rest before the write into ``name``.
+    """
     users = getattr(graph, "name_to_users", {}).get(name)
     env = getattr(graph, "env", None)
     if users and isinstance(env, dict):
@@ -148,11 +150,14 @@ def _wrap(original: Any) -> Any:
 
 @contextlib.contextmanager
 def skip_dead_stores(enabled: bool | None = None) -> Iterator[None]:
-    """While active (and ``enabled`` on a torch this module supports), inductor stores only the
-    live values that read a buffer before lowering a write into it (see the module's
-    docstring); graphs lowered in other threads or outside the block are untouched.
-    ``enabled=None``: on unless the environment sets ``FUNCAMP_DEAD_STORES=0`` (inductor's own
-    lowering, for comparison or debugging; the old name ``FUNCAMP_LIVE_READS=0`` works too)."""
+    """Store only live readers before an in-place write, while this is active.
+
+    It acts when ``enabled``, on a torch this module supports. Inductor then stores only the
+    live values that read a buffer before lowering a write into it (see the module docstring).
+    Graphs lowered in other threads or outside the block are untouched. ``enabled=None`` means
+    on, unless the environment sets ``FUNCAMP_DEAD_STORES=0``. (That gives inductor's own
+    lowering, for comparison or debugging. The old name ``FUNCAMP_LIVE_READS=0`` works too.)
+    """
     if enabled is None:
         enabled = _from_environment()
     with switched_on(_ACTIVE, "FUNCAMP_DEAD_STORES", enabled, supported, _install):

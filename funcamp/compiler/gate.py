@@ -1,11 +1,11 @@
 """The one gate of funcamp's compiler patches: which torch releases and devices they are on for.
 
-A patch is on for a compile when it is chosen explicitly (``compiler_patches=True`` of
-:func:`funcamp.make_train_step` / :func:`funcamp.make_eval_step`, or a
-:func:`compiler_patches` block), or, by default (``"auto"``), when this torch release and the
-step's device are on :data:`ALLOWLIST` -- the pairs on which funcamp's whole test suite has run
-with the patches on. Elsewhere they are off, and the first compile that leaves them off says so
-(once per release and device, on the ``"funcamp"`` logger). ``compiler_patches=False`` or
+A patch is on for a compile when it is chosen explicitly: ``compiler_patches=True`` of
+:func:`funcamp.make_train_step` / :func:`funcamp.make_eval_step`, or a :func:`compiler_patches`
+block. By default (``"auto"``) it is on when this torch release and the step's device are on
+:data:`ALLOWLIST`. Those are the pairs on which funcamp's whole test suite has run with the
+patches on. Elsewhere they are off, and the first compile that leaves them off says so (once per
+release and device, on the ``"funcamp"`` logger). ``compiler_patches=False`` or
 ``compiler_patches(False)`` turns them off everywhere.
 """
 
@@ -43,8 +43,9 @@ _SAID_LOCK = threading.Lock()
 
 
 def torch_release() -> str:
-    """This torch's release, ``"major.minor"`` (``"2.13"`` for ``2.13.0+cpu``), as
-    :data:`ALLOWLIST` names it.
+    """This torch's release as :data:`ALLOWLIST` names it: ``"major.minor"``.
+
+    For example ``"2.13"`` for ``2.13.0+cpu``.
 
     Example:
         >>> from funcamp.compiler import torch_release
@@ -55,8 +56,7 @@ def torch_release() -> str:
 
 
 def check_choice(api: str, choice: Any) -> Choice:
-    """``choice`` if it is ``"auto"``, ``True`` or ``False``; a ``TypeError`` naming ``api``
-    otherwise."""
+    """``choice`` if it is ``"auto"``, ``True`` or ``False``; else a TypeError naming ``api``."""
     if choice == "auto" or isinstance(choice, bool):
         return choice  # type: ignore[no-any-return]
     raise TypeError(
@@ -65,9 +65,11 @@ def check_choice(api: str, choice: Any) -> Choice:
 
 
 def patches_on(choice: Choice, device_type: str | None) -> bool:
-    """Whether the patches are on for a compile on ``device_type`` given ``choice``: an explicit
-    ``True``/``False`` wins; ``"auto"`` takes the innermost :func:`compiler_patches` block's
-    choice, and without one is on only for an :data:`ALLOWLIST` pair (off elsewhere, said once).
+    """Whether the patches are on for a compile on ``device_type`` given ``choice``.
+
+    An explicit ``True``/``False`` wins. ``"auto"`` takes the innermost :func:`compiler_patches`
+    block's choice. Without one, it is on only for an :data:`ALLOWLIST` pair (off elsewhere,
+    said once).
 
     Example:
         >>> from funcamp.compiler import compiler_patches, patches_on
@@ -100,11 +102,14 @@ def patches_on(choice: Choice, device_type: str | None) -> bool:
 
 @contextlib.contextmanager
 def compiler_patches(enabled: Choice = True) -> Iterator[None]:
-    """Choose funcamp's compiler patches for the compiles this block starts in this thread
-    (or task): ``True`` on whatever the torch release and device, ``False`` off, ``"auto"``
-    the allowlist. A step's own ``compiler_patches=True``/``False`` wins over the block. Also
-    what a ``torch.compile`` of a :func:`funcamp.amp` function of your own follows (the routing
-    of ``CrossEntropyLoss`` built inside the traced function to the amp mode).
+    """Choose funcamp's compiler patches for the compiles this block starts in this thread.
+
+    A task (asyncio) counts as a thread here.
+
+    ``True`` turns them on whatever the torch release and device, and ``False`` off. ``"auto"``
+    follows the allowlist. A step's own ``compiler_patches=True``/``False`` wins over the block.
+    A ``torch.compile`` of your own :func:`funcamp.amp` function follows it too. (It decides the
+    routing of a ``CrossEntropyLoss`` built inside the traced function to the amp mode.)
 
     Example:
         >>> import torch, funcamp

@@ -1,12 +1,12 @@
 """funcamp's compiler patches in inductor's FX graph cache key.
 
 A graph inductor has compiled is cached under a key of the graph, the torch version and
-inductor's config, the custom passes' ``uuid()`` among them -- not under the state of code that
-patches inductor's methods. Without this a graph lowered with
-:mod:`~funcamp.compiler.dead_stores` on was loaded again with it off (``FUNCAMP_DEAD_STORES=0``),
-and a graph cached before a fix of a patch was loaded after it. :class:`PatchKey` is the
-``post_grad_custom_pre_pass`` of funcamp's compiles while the patches are on (torchao keys its
-passes the same way): it leaves the graph as it is, and its ``uuid`` is a digest of the patch
+inductor's config (the custom passes' ``uuid()`` among them). The state of code that patches
+inductor's methods is not in the key. Without this, a graph lowered with
+:mod:`~funcamp.compiler.dead_stores` on was loaded again with it off (``FUNCAMP_DEAD_STORES=0``).
+A graph cached before a fix of a patch was loaded after it. :class:`PatchKey` is the
+``post_grad_custom_pre_pass`` of funcamp's compiles while the patches are on. (torchao keys its
+passes the same way.) It leaves the graph as it is. Its ``uuid`` is a digest of the patch
 modules' files and of which patches are on for the compile being keyed.
 """
 
@@ -34,10 +34,12 @@ def state() -> tuple[tuple[str, bool], ...]:
 
 
 class PatchKey(CustomGraphPass):  # type: ignore[misc]
-    """Inductor's ``post_grad_custom_pre_pass`` for funcamp's compiles: runs ``inner`` (the
-    caller's own pass there, if any) and nothing else; ``uuid`` keys the patches (module
-    docstring). A caller's pass that cannot be keyed (no ``uuid``) keeps the graph out of the
-    cache, as inductor itself does."""
+    """Inductor's ``post_grad_custom_pre_pass`` for funcamp's compiles.
+
+    It runs ``inner`` (the caller's own pass there, if any) and nothing else. ``uuid`` keys the
+    patches (see the module docstring). A caller's pass that cannot be keyed (no ``uuid``) keeps
+    the graph out of the cache, as inductor itself does.
+    """
 
     def __init__(self, inner: Any = None) -> None:
         self.inner = inner

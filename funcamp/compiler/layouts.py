@@ -1,44 +1,45 @@
-"""An inductor graph pass for a whole train step on convolutions: saved activations stay
-channels-last.
+"""An inductor graph pass for a train step on convolutions: saved activations stay channels-last.
 
 A compiled train step is one graph holding the forward *and* the backward (``torch.func.grad``
-traced inline), which inductor compiles as an inference graph. With its layout optimization on
-(the default for graphs with convolutions) inductor runs the convolutions channels-last, but it
-fixes the layout of every tensor that several ops read and that ``convolution_backward`` reads
-to the tensor's *traced* strides -- contiguous (NCHW) for a model fed NCHW images. So each
-activation the backward needs (a ReLU's output, a pooled residual) is stored twice, once NCHW
-for the backward and once channels-last for the next convolution, and the backward's
-elementwise kernels mix NCHW with channels-last gradients: tiled transposes, slow to generate
-and to run. torch's own training path escapes this by compiling the backward as a separate
-graph whose saved inputs arrive channels-last.
+traced inline). Inductor compiles it as an inference graph. With its layout optimization on (the
+default for graphs with convolutions), inductor runs the convolutions channels-last. But some
+tensors are read by several ops, including ``convolution_backward``. Inductor fixes their layout to
+the tensor's *traced* strides: contiguous (NCHW) for a model fed NCHW images. So each activation
+the backward needs (a ReLU's output, a pooled residual) is stored twice. It is stored once NCHW for
+the backward, and once channels-last for the next convolution. The backward's elementwise kernels
+then mix NCHW with channels-last gradients: tiled transposes, slow to generate and to run. torch's
+own training path escapes this by compiling the backward as a separate graph, whose saved inputs
+arrive channels-last.
 
 :class:`ChannelsLastConvBackward` records channels-last strides on exactly those tensors before
-inductor lowers the graph, where inductor's layout optimization will run the convolutions
-channels-last anyway: the activation is stored once, channels-last, and read as it is by both.
-The same kernels compute the same values; only layouts change (fewer tiled transposes in
-the generated code: docs/benchmarks.md).
+inductor lowers the graph. It does so only where inductor's layout optimization will run the
+convolutions channels-last anyway. The activation is then stored once, channels-last, and read as
+it is by both. The same kernels compute the same values. Only layouts change, with fewer tiled
+transposes in the generated code.
 
 A tensor is left as traced when any op that reads it takes its traced strides as a constraint:
-a custom op of fixed stride order or exact strides (``torch._C.Tag.needs_fixed_stride_order``,
-``needs_exact_strides``, or the custom-op default, which inductor enforces with
-``constrain_to_fx_strides``), an op inductor lowers with a layout constraint of its own (a
-collective), or anything that is not an ATen operator overload (a higher-order op).
+
+* a custom op of fixed stride order or exact strides (``torch._C.Tag.needs_fixed_stride_order``,
+  ``needs_exact_strides``, or the custom-op default, which inductor enforces with
+  ``constrain_to_fx_strides``);
+* an op inductor lowers with a layout constraint of its own (a collective);
+* anything that is not an ATen operator overload (a higher-order op).
 
 Upstream: pytorch/pytorch#189239 (inductor's layout optimization and ``convolution_backward``)
-covers the separate backward graphs of torch's training path; inductor choosing the layout of a
-tensor read by both a convolution and its backward in *one* graph would make this pass
-unnecessary. It reaches inductor through its public ``post_grad_custom_post_pass`` option, keyed
-by a digest of this file (:meth:`ChannelsLastConvBackward.uuid`).
+covers the separate backward graphs of torch's training path. This pass would be unnecessary if
+inductor chose the layout of a tensor read by both a convolution and its backward in *one* graph.
+It reaches inductor through its public ``post_grad_custom_post_pass`` option, keyed by a digest of
+this file (:meth:`ChannelsLastConvBackward.uuid`).
 
 Workaround of torch internals (docs/upstream.md#layouts):
 
-- Root cause: in one forward-and-backward graph inductor fixes a tensor read by a convolution's
-  backward to its traced (NCHW) strides, so activations are stored twice.
-- Upstream: pytorch/pytorch#189239 covers torch's separate backward graphs; the one-graph case
+- Root cause: in one forward-and-backward graph, inductor fixes a tensor read by a
+  convolution's backward to its traced (NCHW) strides. So activations are stored twice.
+- Upstream: pytorch/pytorch#189239 covers torch's separate backward graphs. The one-graph case
   is written up in docs/upstream.md#layouts.
-- Why it is safe: a public extension point (post_grad_custom_post_pass, keyed by this file's
-  digest); only layouts change, the values are the same (tested); fixed-stride ops are left
-  alone.
+- Why it is safe: it is a public extension point (post_grad_custom_post_pass, keyed by this
+  file's digest). Only layouts change; the values are the same (tested). Fixed-stride ops are
+  left alone.
 - Tested on: torch 2.13 and 2.14 on the CPU (funcamp.compiler.ALLOWLIST); off elsewhere unless
   asked for.
 - Delete when: inductor chooses the layout of a tensor read by both a convolution and its
@@ -131,8 +132,9 @@ def _movable(node: torch.fx.Node) -> bool:
 
 
 class ChannelsLastConvBackward(CustomGraphPass):  # type: ignore[misc]
-    """Inductor's ``post_grad_custom_post_pass`` for a train step's graph: see the module
-    docstring. A no-op where inductor's layout optimization is off, and on graphs without
+    """Inductor's ``post_grad_custom_post_pass`` for a train step's graph (see the module).
+
+    A no-op where inductor's layout optimization is off, and on graphs without
     ``convolution_backward``.
 
     Example:

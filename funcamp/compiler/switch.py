@@ -1,7 +1,10 @@
-"""The switch shared by funcamp's patches of inductor (:mod:`funcamp.compiler.cpp_bundle`,
-:mod:`funcamp.compiler.dead_stores`): installed once (under one lock, whichever thread asks
-first), in force only inside a block of the thread (or task) that entered it, on unless the
-environment turns it off; and a short record of where a patch's own code path ran."""
+"""The switch shared by funcamp's patches of inductor, and a record of where a patch acted.
+
+The patches are :mod:`funcamp.compiler.cpp_bundle` and :mod:`funcamp.compiler.dead_stores`.
+Each is installed once, under one lock, whichever thread asks first. It is in force only inside
+a block of the thread (or task) that entered it. It is on unless the environment turns it off.
+The record notes where a patch's own code path ran.
+"""
 
 from __future__ import annotations
 
@@ -28,9 +31,12 @@ def acted(name: str) -> None:
 
 
 def install_once(name: str, install: Callable[[], bool]) -> bool:
-    """Run ``install()`` for patch ``name`` once in the process (under a lock: two threads
-    compiling at once install it once); whether it is installed. ``install`` returns False
-    (and patches nothing) where this torch's internals are not the ones it expects."""
+    """Run ``install()`` for patch ``name`` once in the process; return whether it is installed.
+
+    It runs under a lock, so two threads compiling at once install it once. ``install``
+    returns False (and patches nothing) where this torch's internals are not the ones it
+    expects.
+    """
     with _LOCK:
         if name not in _INSTALLED and install():
             _INSTALLED.add(name)
@@ -45,9 +51,11 @@ def switched_on(
     supported: Callable[[], bool],
     install: Callable[[], None],
 ) -> Iterator[bool]:
-    """Set ``flag`` for the block (the patch's code asks it), after ``install()``, where
-    ``enabled`` (``None``: on unless the environment sets ``env`` to ``0``) and ``supported()``
-    hold; yields whether it did."""
+    """Set ``flag`` for the block, after ``install()``; yield whether it did.
+
+    The patch's code asks ``flag``. It is set where ``enabled`` and ``supported()`` hold.
+    ``enabled=None`` means on, unless the environment sets ``env`` to ``0``.
+    """
     if enabled is None:
         enabled = os.environ.get(env, "1") != "0"
     if not enabled or not supported():

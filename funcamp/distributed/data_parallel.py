@@ -1,5 +1,8 @@
-"""Data parallel: every rank runs the step on its own shard of the batch and ends with the same
-state, as with DDP -- the :class:`DataParallel` piece of the one step algorithm."""
+"""Data parallel: the :class:`DataParallel` piece of the one step algorithm.
+
+Every rank runs the step on its own shard of the batch, and ends with the same state, as with
+DDP.
+"""
 
 from __future__ import annotations
 
@@ -39,10 +42,15 @@ def check_group(api: str, group: Any) -> tuple[Any, int, int]:
 class DataParallel(SingleProcess):
     """The ranks of ``group`` each run the step on their own equal shard of the batch.
 
-    After the backward pass one all-reduce per gradient dtype (:func:`all_reduce_step`) carries
-    the scaled gradients averaged over the ranks, the loss (the mean over ranks is reported), a
-    non-finite flag (any rank's inf/nan skips the step on every rank) and rank 0's new buffers
-    (DDP's ``broadcast_buffers``); delayed-FP8 amaxes are max-reduced over the ranks.
+    After the backward pass, one all-reduce per gradient dtype (:func:`all_reduce_step`)
+    carries four things:
+
+    * the scaled gradients, averaged over the ranks;
+    * the loss (the mean over ranks is reported);
+    * a non-finite flag: any rank's inf/nan skips the step on every rank;
+    * rank 0's new buffers (DDP's ``broadcast_buffers``).
+
+    Delayed-FP8 amaxes are max-reduced over the ranks.
 
     Example:
         >>> import torch, torch.distributed as dist, funcamp

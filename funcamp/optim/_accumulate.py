@@ -1,6 +1,8 @@
-"""Gradient accumulation (:func:`accumulate`) and its window under a loss scaler: what
-:func:`funcamp.unscale_and_step` reads and closes so that a window of micro-steps is
-``torch.amp.GradScaler``'s optimizer step."""
+"""Gradient accumulation (:func:`accumulate`) and its window under a loss scaler.
+
+:func:`funcamp.unscale_and_step` reads and closes the window, so that a window of micro-steps
+is ``torch.amp.GradScaler``'s optimizer step.
+"""
 
 from __future__ import annotations
 
@@ -49,11 +51,16 @@ Tensors = list[torch.Tensor]
 
 
 class AccumulateState(NamedTuple):
-    """State of :func:`funcamp.accumulate`: ``micro_step`` (0-d int32, micro-batches summed so
-    far), ``applies`` (0-d bool, whether the next update applies), ``grad_sum`` (params-shaped
-    float32 sums), ``inner`` (the wrapped optimizer's state) and ``overflowed`` (0-d bool, a
-    micro-batch of this window had an inf or nan gradient: the window's update will be
-    skipped; kept by :func:`funcamp.unscale_and_step`).
+    """State of :func:`funcamp.accumulate`.
+
+    Attributes:
+        micro_step: 0-d int32, the micro-batches summed so far.
+        applies: 0-d bool, whether the next update applies.
+        grad_sum: params-shaped float32 sums.
+        inner: the wrapped optimizer's state.
+        overflowed: 0-d bool, True when a micro-batch of this window had an inf or nan
+            gradient. The window's update will then be skipped. Kept by
+            :func:`funcamp.unscale_and_step`.
 
     Example:
         >>> import torch, funcamp
@@ -76,27 +83,28 @@ class AccumulateState(NamedTuple):
 def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
     """Gradient accumulation over ``every`` micro-steps.
 
-    Each call adds the grads (in float32) to a running sum. On micro-steps 1 … ``every - 1``
-    the updates are zero and the inner optimizer's state is untouched; on the ``every``-th the
-    averaged grads ``sum / every`` go through ``optimizer`` and its updates are returned, and the
-    sum resets. With equal micro-batches and a mean loss this is one step on the concatenated
-    batch (torch's recipe divides each micro-batch's loss by ``every`` instead: the same
-    average). The inner update is computed on every micro-step and selected with ``torch.where``
-    (no host sync), so each micro-step costs one inner update.
+    Each call adds the grads (in float32) to a running sum. On micro-steps 1 … ``every - 1`` the
+    updates are zero, and the inner optimizer's state is untouched. On the ``every``-th, the
+    averaged grads ``sum / every`` go through ``optimizer``. Its updates are returned, and the sum
+    resets. With equal micro-batches and a mean loss, this is one step on the concatenated batch.
+    (Torch's recipe divides each micro-batch's loss by ``every`` instead: the same average.) The
+    inner update is computed on every micro-step and selected with ``torch.where``, with no host
+    sync. So each micro-step costs one inner update.
 
-    Under a loss scaler (:func:`funcamp.unscale_and_step`, the train step) the window is
-    ``torch.amp.GradScaler``'s optimizer step: an inf or nan gradient in any micro-batch skips
-    the whole update (the inner state, and the count schedules see, stay as they were; the
-    window starts afresh), and the train step updates the scaler once per window, on the
-    micro-step that applies (``growth_interval`` counts optimizer steps). Clip inside:
-    ``accumulate(chain(clip_by_global_norm(c), opt), every)`` clips the accumulated gradient;
-    :func:`funcamp.chain` refuses a clip in front of ``accumulate`` (it would clip each
-    micro-batch).
+    Under a loss scaler (:func:`funcamp.unscale_and_step`, the train step), the window is
+    ``torch.amp.GradScaler``'s optimizer step. An inf or nan gradient in any micro-batch skips the
+    whole update. The inner state and the count that schedules see stay as they were, and the
+    window starts afresh. The train step updates the scaler once per window, on the micro-step that
+    applies (``growth_interval`` counts optimizer steps).
+
+    To clip, clip inside: ``accumulate(chain(clip_by_global_norm(c), opt), every)`` clips the
+    accumulated gradient. :func:`funcamp.chain` refuses a clip in front of ``accumulate``, which
+    would clip each micro-batch.
 
     Use :func:`accumulate_applies` on the state *before* an update to learn whether that update
-    applies (for example to all-reduce grads only then). Called directly, outside
-    ``unscale_and_step``, it knows nothing of overflows: a caller that keeps the old state on a
-    bad micro-batch (``tree_select``) drops that micro-batch, and the next one takes its place.
+    applies (for example, to all-reduce grads only then). Called directly, outside
+    ``unscale_and_step``, it knows nothing of overflows. A caller that keeps the old state on a bad
+    micro-batch (``tree_select``) drops that micro-batch, and the next one takes its place.
 
     Args:
         optimizer: the inner :class:`Optimizer`.
@@ -229,11 +237,11 @@ def _accumulate(
 
 
 def accumulate_applies(opt_state: PyTree) -> torch.Tensor:
-    """Return a 0-d bool tensor: True when the next ``update`` with ``opt_state`` applies an
-    update (the last micro-step of :func:`accumulate`).
+    """Return a 0-d bool tensor: True when the next ``update`` with ``opt_state`` applies.
 
-    ``opt_state`` may be an :class:`funcamp.optim.AccumulateState` or contain one (e.g. inside
-    a :func:`chain`'s tuple); without one every step applies, and the result is True.
+    An update applies on the last micro-step of :func:`accumulate`. ``opt_state`` may be an
+    :class:`funcamp.optim.AccumulateState` or contain one (e.g. inside a :func:`chain`'s tuple).
+    Without one every step applies, and the result is True.
 
     Example:
         >>> import torch, funcamp
@@ -265,10 +273,13 @@ _REPORTS: list[Callable[[Tensors], None]] = []
 
 
 class reporting_accumulated:
-    """While it is active (``with reporting_accumulated(report): ...``), an :func:`accumulate`
-    update calls ``report(averaged_grads)`` (float32 leaves, not to be kept or written) before
-    its inner optimizer runs: :func:`funcamp.unscale_and_step` takes the accumulated gradient's
-    norm there."""
+    """Make :func:`accumulate` updates report their averaged grads while this is active.
+
+    Inside ``with reporting_accumulated(report): ...``, an update calls
+    ``report(averaged_grads)`` before its inner optimizer runs. The leaves are float32, not to be
+    kept or written. :func:`funcamp.unscale_and_step` takes the accumulated gradient's norm
+    there.
+    """
 
     def __init__(self, report: Callable[[Tensors], None] | None) -> None:
         self.report = report
@@ -293,9 +304,11 @@ def _accumulate_states(opt_state: PyTree) -> list[AccumulateState]:
 
 
 class AccumulationWindow(NamedTuple):
-    """The window of the :func:`accumulate` states in an optimizer state, read before an
-    update: ``applies`` (the update closes the window), ``overflowed`` (a micro-batch of the
-    window so far had an inf or nan gradient), and each state's own ``applies``."""
+    """The window of the :func:`accumulate` states in an optimizer state, read before an update.
+
+    ``applies``: the update closes the window. ``overflowed``: a micro-batch of the window so
+    far had an inf or nan gradient. Each state also keeps its own ``applies``.
+    """
 
     applies: torch.Tensor
     overflowed: torch.Tensor
@@ -303,11 +316,13 @@ class AccumulationWindow(NamedTuple):
 
 
 def accumulation_window(optimizer: Optimizer, opt_state: PyTree) -> AccumulationWindow | None:
-    """The :class:`AccumulationWindow` of ``opt_state``, or None when ``optimizer`` is not, and
-    does not hold, an :func:`accumulate` (each flag copied: a donated state is overwritten by
-    the step). Whether it does is known when it is built (:func:`funcamp.chain`,
-    :func:`masked` and :func:`multi_transform` pass it on), so an optimizer without one pays
-    no search of its state."""
+    """The :class:`AccumulationWindow` of ``opt_state``.
+
+    None when ``optimizer`` neither is nor holds an :func:`accumulate`. Each flag is copied,
+    since the step overwrites a donated state. Whether an optimizer holds one is known when it
+    is built (:func:`funcamp.chain`, :func:`masked` and :func:`multi_transform` pass it on). So
+    an optimizer without one pays no search of its state.
+    """
     if optimizer.update not in ACCUMULATES:
         return None
     found = _accumulate_states(opt_state)
@@ -328,10 +343,13 @@ def close_window(
     window_inf: torch.Tensor,
     in_place: bool,
 ) -> PyTree:
-    """The optimizer state after a micro-step under a loss scaler: each :class:`AccumulateState`
-    records whether its window overflowed (``window_inf``, until the window closes) and, where the
-    window's update was ``skipped`` (the step kept the old state: its sums, its last micro-step),
-    starts a new window. ``in_place``: written into the state's tensors (a donated state)."""
+    """The optimizer state after a micro-step under a loss scaler.
+
+    Each :class:`AccumulateState` records whether its window overflowed (``window_inf``, until
+    the window closes). Where the window's update was ``skipped``, it starts a new window. (A
+    skipped step kept the old state: its sums and its last micro-step.) With ``in_place``, the
+    result is written into the state's tensors (a donated state).
+    """
     each = iter(window.each)
 
     def close(s: Any) -> Any:

@@ -137,11 +137,13 @@ def prepare_update(optimizer: Optimizer, grads: PyTree, state: PyTree, params: P
 def learning_rate(optimizer: Optimizer, opt_state: PyTree) -> Any:
     """The learning rate the next ``optimizer.update`` from ``opt_state`` applies.
 
-    A schedule's value at the state's step count (the count of updates applied so far, which
-    skipped steps do not advance), as a 0-d tensor: no host sync, so it can be logged from a
-    compiled step (:func:`funcamp.make_train_step` reports it as ``metrics["lr"]``). Through
-    :func:`funcamp.chain` (the last part that has one), :func:`funcamp.accumulate` and
-    :func:`funcamp.masked` it is the inner optimizer's; :func:`funcamp.multi_transform` gives a
+    It is the schedule's value at the state's step count, as a 0-d tensor. The count is the
+    number of updates applied so far; skipped steps do not advance it. Reading it does not sync
+    with the host, so it can be logged from a compiled step (:func:`funcamp.make_train_step`
+    reports it as ``metrics["lr"]``).
+
+    Through :func:`funcamp.chain` (the last part that has one), :func:`funcamp.accumulate` and
+    :func:`funcamp.masked` it is the inner optimizer's. :func:`funcamp.multi_transform` gives a
     dict from each label to its optimizer's. None for an optimizer without a learning rate
     (:func:`funcamp.clip_by_global_norm`, or one that declares none).
 
@@ -163,11 +165,11 @@ class Optimizer(NamedTuple):
     """A pair of pure functions: ``init(params) -> state`` and
     ``update(grads, state, params) -> (updates, state)``.
 
-    Two optional fields: ``prepare``, the one fast-path hook (``prepare(grads, state, params)
-    -> Prepared``: check the inputs first, then run the update writing what
-    :class:`funcamp.optim.Writes` allows), and ``learning_rate`` (``state -> lr``, what
-    :func:`funcamp.optim.learning_rate` reports). An optimizer without them runs on the pure
-    path, with the same results.
+    Two fields are optional. ``prepare`` is the one fast-path hook,
+    ``prepare(grads, state, params) -> Prepared``. It checks the inputs first, then runs the
+    update, writing what :class:`funcamp.optim.Writes` allows. ``learning_rate`` is
+    ``state -> lr``, what :func:`funcamp.optim.learning_rate` reports. An optimizer without them
+    runs on the pure path, with the same results.
 
     Example:
         >>> import torch, funcamp
@@ -232,8 +234,9 @@ def exclusive(candidates: Sequence[torch.Tensor], others: Sequence[torch.Tensor]
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """Return the params after ``updates``, leaf by leaf.
 
-    A tensor update is added in float32 (float64 for float64 params) and rounded once, to
-    nearest-even, into the param's dtype — on the bit pattern, so eager and compiled agree.
+    A tensor update is added in float32 (float64 for float64 params). The sum is rounded once,
+    to nearest-even, into the param's dtype. The rounding works on the bit pattern, so eager and
+    compiled agree.
     A :class:`funcamp.optim.SetParam` update (from a low-precision mode) replaces the param
     with its value.
 
@@ -261,10 +264,10 @@ def apply_updates_owned(
     """:func:`apply_updates` for a step that owns some of the update tensors (the eager path of
     :func:`funcamp.unscale_and_step`).
 
-    ``owned(t)``: the caller owns update tensor ``t`` exclusively; a plain delta of the param's
-    dtype, device and layout then receives the new param in place (the same ``p + u`` kernel,
-    no fresh allocation), after ``skip_mask(u)`` -- when given -- has had the chance to rewrite
-    the delta in place (it returns True if it did: the skip-step select is then done).
+    ``owned(t)`` says the caller owns update tensor ``t`` exclusively. A plain delta of the
+    param's dtype, device and layout then receives the new param in place (the same ``p + u``
+    kernel, no fresh allocation). Before that, ``skip_mask(u)`` (when given) may rewrite the
+    delta in place. It returns True if it did, and the skip-step select is then done.
 
     Returns the new params, the ids of the new leaves that are fresh tensors nobody else holds,
     and the ids of those that ``skip_mask`` already handled.
@@ -363,15 +366,17 @@ def chain(*transforms: Optimizer) -> Optimizer:
     """Compose transforms left to right: each one's updates are the next one's grads.
 
     The state is a tuple of the transforms' states. A low-precision mode optimizer (whose
-    updates may hold :class:`funcamp.optim.SetParam` leaves) must come last. The chain keeps
-    its parts' fast path: it prepares every part up front (each check runs before anything is
-    written), its first part may overwrite grads its caller owns, each later part the fresh
-    outputs of the one before, and only its last part writes a donated state.
+    updates may hold :class:`funcamp.optim.SetParam` leaves) must come last.
 
-    A clip in front of :func:`funcamp.accumulate` (``chain(clip_by_global_norm(c),
-    accumulate(opt, k))``) would clip each micro-batch, not the accumulated gradient that
-    ``clip_grad_norm_`` clips after the last backward: it is refused, and
-    ``accumulate(chain(clip_by_global_norm(c), opt), k)`` is the composition to use.
+    The chain keeps its parts' fast path. It prepares every part up front, so each check runs
+    before anything is written. Its first part may overwrite grads its caller owns; each later
+    part may overwrite the fresh outputs of the one before. Only its last part writes a donated
+    state.
+
+    A clip in front of :func:`funcamp.accumulate` is refused:
+    ``chain(clip_by_global_norm(c), accumulate(opt, k))`` would clip each micro-batch. Torch's
+    ``clip_grad_norm_`` clips the accumulated gradient after the last backward. Use
+    ``accumulate(chain(clip_by_global_norm(c), opt), k)`` instead.
 
     Args:
         *transforms: :class:`Optimizer` values.

@@ -1,10 +1,10 @@
-"""Building blocks in optax's style, composed with :func:`funcamp.chain`: the pieces of
-torch.optim's ``maximize`` and ``amsgrad`` options as transforms of their own.
+"""torch.optim's ``maximize`` and ``amsgrad`` as transforms of their own, in optax's style.
 
-``funcamp.chain(funcamp.negate_gradients(), opt)`` ascends where ``opt`` descends (torch.optim's
-``maximize=True``, optax's ``scale(-1)`` in front); :func:`scale_by_amsgrad` is Adam's direction
-with torch.optim's AMSGrad maximum (optax's ``scale_by_amsgrad``, with torch's rule for the
-maximum), to be scaled by a learning rate (``funcamp.sgd(lr)`` after it).
+Compose them with :func:`funcamp.chain`. ``funcamp.chain(funcamp.negate_gradients(), opt)`` ascends
+where ``opt`` descends (torch.optim's ``maximize=True``, optax's ``scale(-1)`` in front).
+:func:`scale_by_amsgrad` is Adam's direction with torch.optim's AMSGrad maximum (optax's
+``scale_by_amsgrad``, with torch's rule for the maximum). Scale it by a learning rate, for example
+with ``funcamp.sgd(lr)`` after it.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ Tensors = list[torch.Tensor]
 def negate_gradients() -> Optimizer:
     """A transform whose updates are the gradients negated (``-g``, exactly, in their dtype).
 
-    In front of an optimizer in :func:`funcamp.chain` it turns descent into ascent: what
-    torch.optim's ``maximize=True`` does first, and what ``funcamp.sgd``/``adam``/``adamw(...,
-    maximize=True)`` do, bit for bit. Optax writes it ``optax.scale(-1.0)``. The state is ``()``.
+    In front of an optimizer in :func:`funcamp.chain` it turns descent into ascent. It is what
+    torch.optim's ``maximize=True`` does first. ``funcamp.sgd``/``adam``/``adamw(...,
+    maximize=True)`` do the same, bit for bit. Optax writes it ``optax.scale(-1.0)``. The state is
+    ``()``.
 
     Returns:
         An :class:`~funcamp.Optimizer` with state ``()``.
@@ -67,16 +68,18 @@ def _amsgrad_direction(b1: float, b2: float, eps: float) -> Any:
 
 
 def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Optimizer:
-    """Adam's direction with the AMSGrad maximum, as torch.optim computes it, to be scaled by a
-    learning rate: ``chain(scale_by_amsgrad(b1, b2, eps), sgd(lr))`` is ``adam(lr, b1, b2, eps,
-    amsgrad=True)`` (within rounding: the product with ``lr`` is rounded separately).
+    """Adam's direction with the AMSGrad maximum, as torch.optim computes it.
 
-    ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``, ``v_max = max(v_max, v)``; the update
-    is ``(m / (1 - b1^t)) / (sqrt(v_max) / sqrt(1 - b2^t) + eps)``. The maximum is taken of
-    the raw second moments and divided by the current bias correction, as
-    ``torch.optim.Adam(amsgrad=True)`` does (optax's ``scale_by_amsgrad`` takes the maximum of
-    the bias-corrected moments instead: the two differ while the correction changes). The state
-    is an :class:`~funcamp.optim.AdamState` with ``max_exp_avg_sq``: checkpointed, skipped on an
+    Scale it by a learning rate: ``chain(scale_by_amsgrad(b1, b2, eps), sgd(lr))`` is
+    ``adam(lr, b1, b2, eps, amsgrad=True)``. They agree within rounding, since the product with
+    ``lr`` is rounded separately.
+
+    The moments are ``m = b1 m + (1 - b1) g`` and ``v = b2 v + (1 - b2) g^2``, and ``v_max =
+    max(v_max, v)``. The update is ``(m / (1 - b1^t)) / (sqrt(v_max) / sqrt(1 - b2^t) + eps)``. The
+    maximum is taken of the raw second moments and divided by the current bias correction, as
+    ``torch.optim.Adam(amsgrad=True)`` does. (Optax's ``scale_by_amsgrad`` takes the maximum of the
+    bias-corrected moments; the two differ while the correction changes.) The state is an
+    :class:`~funcamp.optim.AdamState` with ``max_exp_avg_sq``. It is checkpointed, skipped on an
     overflowing step and sharded like the moments. Float32 math for half grads.
 
     Args:

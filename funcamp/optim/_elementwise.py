@@ -1,11 +1,15 @@
 """From an algorithm to an :class:`~funcamp.Optimizer`: everything around the math, once.
 
-:func:`elementwise` takes an optimizer's algorithm -- a short function of lists of tensors -- and
-adds what every funcamp optimizer needs: validation of the inputs and of the state against them,
-the learning rate (a float, a tensor or a schedule of the step count; an unusable value skips the
-step), the step count, the empty-grads case, the state's buffers, the low-precision modes
-(master weights, Kahan, stochastic rounding), the execution path (:mod:`funcamp.optim._paths`)
-and its fast path (:attr:`~funcamp.Optimizer.prepare`).
+:func:`elementwise` takes an optimizer's algorithm, a short function of lists of tensors. It adds
+what every funcamp optimizer needs:
+
+* validation of the inputs, and of the state against them;
+* the learning rate: a float, a tensor or a schedule of the step count (an unusable value skips
+  the step);
+* the step count and the empty-grads case;
+* the state's buffers and the low-precision modes (master weights, Kahan, stochastic rounding);
+* the execution path (:mod:`funcamp.optim._paths`) and its fast path
+  (:attr:`~funcamp.Optimizer.prepare`).
 """
 
 from __future__ import annotations
@@ -72,18 +76,22 @@ def elementwise(
 ) -> Optimizer:
     """Build an :class:`~funcamp.Optimizer` from an elementwise algorithm, written once.
 
-    ``step(ops, grads, params, buffers, lr, count) -> (deltas, new_buffers)`` receives lists of
-    tensors, one per param leaf, in the math dtype (float32, or float64 for float64 params):
-    ``grads``; ``params`` (the float32 masters in master-weights mode; None when ``update`` got
-    no params and ``needs_params`` is False); ``buffers``, a dict from each buffer name to its
-    list; ``lr``, a float or a 0-d tensor (0 where a tensor value was unusable: the step is then
-    skipped); ``count``, the 0-d int32 number of updates applied before this one. It returns the
-    deltas to add to the params and the new buffers. All arithmetic goes through ``ops``
-    (:class:`~funcamp.optim.Ops`: ``add``, ``sub``, ``mul``, ``div``, ``fma``, ``lerp``,
-    ``addcmul``, ``sqrt``, ``sign``, ``maximum``, ``where``, ``scalar``), which runs it on the
-    eager or the traced path; a Python scalar is rounded to float32 as torch's kernels round it.
-    ``ops.kept(xs)`` marks a list that goes into the new state (``ops.kept(xs, replaces=buf)``:
-    the new value of buffer ``buf``, written into it at once on a donated eager step), and
+    The algorithm is ``step(ops, grads, params, buffers, lr, count) -> (deltas, new_buffers)``.
+    It returns the deltas to add to the params and the new buffers. It receives lists of tensors,
+    one per param leaf, in the math dtype (float32, or float64 for float64 params):
+
+    * ``grads``;
+    * ``params``: the float32 masters in master-weights mode. None when ``update`` got no params
+      and ``needs_params`` is False;
+    * ``buffers``: a dict from each buffer name to its list;
+    * ``lr``: a float or a 0-d tensor. It is 0 where a tensor value was unusable, and the step
+      is then skipped;
+    * ``count``: the 0-d int32 number of updates applied before this one.
+
+    All arithmetic goes through ``ops`` (:class:`~funcamp.optim.Ops`), which runs it on the eager
+    or the traced path. A Python scalar is rounded to float32 as torch's kernels round it.
+    ``ops.kept(xs)`` marks a list that goes into the new state. ``ops.kept(xs, replaces=buf)``
+    makes it the new value of buffer ``buf``, written into it at once on a donated eager step.
     ``into=xs`` lets an op reuse a dead list's memory.
 
     Args:
@@ -101,9 +109,9 @@ def elementwise(
         seed: seed of the stochastic-rounding hash.
         fill: a buffer's initial value where it is not zero (Adagrad's
             ``initial_accumulator_value``).
-        scalars: state fields holding one 0-d float32 tensor for all leaves, by name with
-            their initial value (NAdam's ``mu_product``); ``step`` receives and returns each
-            in ``buffers`` as the tensor itself.
+        scalars: state fields holding one 0-d float32 tensor for all leaves, by name, with
+            their initial value (NAdam's ``mu_product``). ``step`` receives and returns each in
+            ``buffers`` as the tensor itself.
 
     Returns:
         An :class:`~funcamp.Optimizer` whose state is a ``state``, with its fast path
@@ -489,11 +497,13 @@ def _run_fused(
 
 
 def mask_flags(api: str, mask: Any, params: PyTree, *, strict: bool = False) -> list[bool]:
-    """One Python bool per leaf of ``params``, from a mask: a pytree of bools with the params'
-    structure or a prefix of it (a bool then covers a whole subtree), a callable of the dotted
-    leaf path returning a bool, or a callable of the params returning a pytree (optax's ``mask``):
-    see :mod:`funcamp.optim._masks`. ``strict`` (``init``, eager) also checks that the mask has
-    nothing the params lack, and that it selects at least one leaf."""
+    """One Python bool per leaf of ``params``, from a mask (see :mod:`funcamp.optim._masks`).
+
+    A mask is a pytree of bools with the params' structure or a prefix of it (a bool then covers
+    a whole subtree). It may also be a callable of the dotted leaf path returning a bool, or a
+    callable of the params returning a pytree (optax's ``mask``). ``strict`` (``init``, eager)
+    also checks that the mask has nothing the params lack and selects at least one leaf.
+    """
     flags = leaf_values(api, "mask", mask, params, (bool,), strict=strict)
     if strict:
         check_selects(api, "mask", mask, params, flags, "drop the mask (or weight_decay=0.0)")

@@ -1,12 +1,12 @@
 """An exponential moving average of the weights, kept in the optimizer's state.
 
-:func:`with_ema` wraps an optimizer: after each update it folds the new params into an average
-(``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))``, or
-timm's ``ModelEmaV3`` with its warm-up). The average is a tree of tensors shaped and placed like
-the params -- sharded like them (a DTensor param gives a DTensor average, with the same
-placements: every operation on it is elementwise) -- so it compiles, checkpoints and skips with
-the rest of the optimizer state: a step the loss scaler skips keeps the old state, and the
-average with it.
+:func:`with_ema` wraps an optimizer. After each update it folds the new params into an average.
+This is ``torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))``,
+or timm's ``ModelEmaV3`` with its warm-up. The average is a tree of tensors shaped and placed like
+the params. It is sharded like them: a DTensor param gives a DTensor average with the same
+placements, since every operation on it is elementwise. So it compiles, checkpoints and skips with
+the rest of the optimizer state. A step the loss scaler skips keeps the old state, and the average
+with it.
 """
 
 from __future__ import annotations
@@ -68,19 +68,20 @@ def with_ema(
 ) -> Optimizer:
     """``optimizer``, plus an exponential moving average of the params it produces.
 
-    Every ``every``-th applied update the average becomes ``lerp(ema, new_params, 1 - d)``
-    (torch's ``_foreach_lerp_``, rounded as its CPU kernel). Without ``warmup``, ``d = decay``
-    except on the first averaging, which copies the params: this is
-    ``AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))`` with
-    ``update_parameters(model)`` called after every ``every``-th ``optimizer.step()``. With
-    ``warmup``, ``d`` is timm's ``ModelEmaV3`` decay at step ``s`` (the count of applied
-    updates): 0 for ``s - update_after - 1 <= 0``, else ``1 - (1 + t / warmup_gamma) **
-    -warmup_power`` with ``t = s - update_after - 1``, clamped to ``[min_decay, decay]``.
+    Every ``every``-th applied update, the average becomes ``lerp(ema, new_params, 1 - d)``
+    (torch's ``_foreach_lerp_``, rounded as its CPU kernel). Without ``warmup``, ``d = decay``,
+    except on the first averaging, which copies the params. This is ``AveragedModel(model,
+    multi_avg_fn=get_ema_multi_avg_fn(decay))`` with ``update_parameters(model)`` called after
+    every ``every``-th ``optimizer.step()``.
 
-    Read the average with :func:`funcamp.optim.ema_params`; evaluate on it with
+    With ``warmup``, ``d`` is timm's ``ModelEmaV3`` decay at step ``s``, the count of applied
+    updates. Let ``t = s - update_after - 1``. Then ``d`` is 0 for ``t <= 0``, else ``1 - (1 + t /
+    warmup_gamma) ** -warmup_power``, clamped to ``[min_decay, decay]``.
+
+    Read the average with :func:`funcamp.optim.ema_params`. Evaluate on it with
     ``funcamp.make_eval_step(fn, policy)((ema_params, buffers), batch)``. ``update`` needs the
-    params. The wrapped optimizer's in-place fast paths are not used (the average needs the new
-    params): a donated step runs the pure update.
+    params. The average needs the new params, so the wrapped optimizer's in-place fast paths are
+    not used: a donated step runs the pure update.
 
     Args:
         optimizer: the :class:`~funcamp.Optimizer` whose params to average.
@@ -192,9 +193,10 @@ def _check(state: Any) -> EmaState:
 
 
 def ema_params(opt_state: Any) -> PyTree:
-    """The average of the params kept by :func:`with_ema`, from an optimizer state that holds
-    one :class:`EmaState` (at the top, or inside a :func:`funcamp.chain`'s or another
-    combinator's state).
+    """The average of the params kept by :func:`with_ema`.
+
+    ``opt_state`` must hold one :class:`EmaState`, at the top or inside a
+    :func:`funcamp.chain`'s or another combinator's state.
 
     Args:
         opt_state: the optimizer state (``TrainState.opt_state``).

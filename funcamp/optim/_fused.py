@@ -1,16 +1,18 @@
 """torch's fused optimizer kernels as funcamp custom ops, for eager and compiled code alike.
 
 ``funcamp::fused_adam_`` (in place) and ``funcamp::fused_adam`` (on copies) call
-``torch._fused_adam_``/``torch._fused_adamw_``; ``funcamp::fused_sgd_`` calls
-``torch._fused_sgd_``. One call updates every leaf, or none where ``found_inf`` is set (the
-kernels read the flag themselves: no host sync). torch's own ops cannot be traced in place
-(functionalization refuses ``_fused_adamw_`` on a graph's inputs), while a custom op that
-declares what it mutates is traced as ``auto_functionalized`` and put back in place by inductor:
-a compiled step then calls torch's kernel as an extern kernel and inductor generates no code for
-the update (on the CPU every generated kernel is a C++ build on the first call).
+``torch._fused_adam_``/``torch._fused_adamw_``. ``funcamp::fused_sgd_`` calls
+``torch._fused_sgd_``. One call updates every leaf, or none where ``found_inf`` is set. The kernels
+read the flag themselves, so there is no host sync.
 
-The ops have no autograd formula and no vmap rule: the optimizers that use them refuse
-``torch.func`` transforms (:func:`funcamp.adamw` with ``fused=True``) or take them on the
+Why custom ops: torch's own ops cannot be traced in place (functionalization refuses
+``_fused_adamw_`` on a graph's inputs). A custom op that declares what it mutates is traced as
+``auto_functionalized``, and inductor puts it back in place. A compiled step then calls torch's
+kernel as an extern kernel, and inductor generates no code for the update. (On the CPU every
+generated kernel is a C++ build on the first call.)
+
+The ops have no autograd formula and no vmap rule. So the optimizers that use them refuse
+``torch.func`` transforms (:func:`funcamp.adamw` with ``fused=True``). Or they take them on the
 kernel path only (plain SGD's donated step).
 """
 
@@ -188,11 +190,13 @@ def _advance(state: Any, skip: Any = None, **buffers: Any) -> Any:
 
 
 def fused_sgd(weight_decay: float, maximize: bool = False) -> Any:
-    """torch's fused SGD kernel: the params updated in one pass, or not at all where the step
-    is skipped (the kernel reads the skip's flag: no host sync). Plain SGD only (weight decay
-    and maximize allowed), where it gives torch.optim.SGD's params bit for bit; with momentum
-    the kernel's rounding differs from torch.optim's foreach path. Compiled, it runs as
-    ``funcamp::fused_sgd_``."""
+    """torch's fused SGD kernel: the params updated in one pass, or not at all.
+
+    The kernel reads the skip's flag itself, so there is no host sync. Plain SGD only (weight
+    decay and maximize allowed), where it gives torch.optim.SGD's params bit for bit. With
+    momentum the kernel's rounding differs from torch.optim's foreach path. Compiled, it runs as
+    ``funcamp::fused_sgd_``.
+    """
     if FUSED_SGD is None:  # pragma: no cover - older torch
         return None
 
@@ -221,11 +225,13 @@ def fused_adam(
     amsgrad: bool = False,
     maximize: bool = False,
 ) -> tuple[Any, Any]:
-    """torch's fused Adam/AdamW kernel as ``(in place on a donated state, on copies)``: params
-    and moments (and, with ``amsgrad``, the running maxima of the second moments) in one pass a
-    leaf -- ``torch.optim.Adam``/``AdamW(fused=True)`` bit for bit, ``amsgrad`` and ``maximize``
-    included (the kernel takes both). A weight-decay mask splits the leaves into two calls, as
-    two param groups would."""
+    """torch's fused Adam/AdamW kernel as ``(in place on a donated state, on copies)``.
+
+    It updates params and moments in one pass a leaf (with ``amsgrad``, also the running maxima
+    of the second moments). It matches ``torch.optim.Adam``/``AdamW(fused=True)`` bit for bit,
+    ``amsgrad`` and ``maximize`` included. A weight-decay mask splits the leaves into two calls,
+    as two param groups would.
+    """
 
     def groups(n: int, mask: Any) -> list[tuple[list[int], float]]:
         if mask is None or weight_decay == 0:

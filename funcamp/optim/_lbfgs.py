@@ -1,5 +1,6 @@
-"""L-BFGS as a functional optimizer: torch.optim.LBFGS's step, run on a flat copy of the params
-with its state restored from and returned as a pytree of tensors.
+"""L-BFGS as a functional optimizer: torch.optim.LBFGS's step, on a flat copy of the params.
+
+Its state is restored from, and returned as, a pytree of tensors.
 
 L-BFGS needs the loss, not only a gradient: it evaluates the function several times a step (its
 line search), as torch.optim.LBFGS calls its closure. ``update`` therefore takes the value
@@ -68,19 +69,22 @@ def lbfgs(
     *,
     maximize: bool = False,
 ) -> Optimizer:
-    """L-BFGS with torch.optim.LBFGS's semantics, defaults and numbers: its ``step`` runs on a
-    flat copy of the params (all of one dtype), its state restored from the
-    :class:`funcamp.optim.LbfgsState` and returned as a new one.
+    """L-BFGS with torch.optim.LBFGS's semantics, defaults and numbers.
 
-    ``update(grads, state, params, *, value_fn)``: ``value_fn(params) -> loss`` (a 0-d tensor
-    differentiable in the params) is what torch.optim.LBFGS's closure computes; it is evaluated
-    up to ``max_eval`` times (its gradient by autograd). ``grads`` is not read (pass None):
-    the first evaluation gives them. The update leaves are :class:`funcamp.optim.SetParam` (the
-    new params); ``state.loss`` is the loss at the params the update started from (what
-    torch.optim's ``step`` returns). The loop's stopping rules read tensor values, so the update
-    syncs with the host: it is for an eager loop, not ``unscale_and_step``/``make_train_step``
-    or a compiled step (which have no ``value_fn`` to give). The state's history is
-    ``history_size`` vectors of the params' total size, twice.
+    Its ``step`` runs on a flat copy of the params (all of one dtype). Its state is restored
+    from the :class:`funcamp.optim.LbfgsState` and returned as a new one.
+
+    The update is ``update(grads, state, params, *, value_fn)``. ``value_fn(params) -> loss`` is
+    what torch.optim.LBFGS's closure computes: a 0-d tensor differentiable in the params. It is
+    evaluated up to ``max_eval`` times, its gradient by autograd. ``grads`` is not read (pass
+    None); the first evaluation gives them. The update leaves are :class:`funcamp.optim.SetParam`
+    (the new params). ``state.loss`` is the loss at the params the update started from (what
+    torch.optim's ``step`` returns).
+
+    The loop's stopping rules read tensor values, so the update syncs with the host. It is for an
+    eager loop. It is not for ``unscale_and_step``, ``make_train_step`` or a compiled step, which
+    have no ``value_fn`` to give. The state's history is ``history_size`` vectors of the params'
+    total size, twice.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
@@ -90,8 +94,8 @@ def lbfgs(
         tolerance_change: stop when the step or the loss changes by less (>= 0).
         history_size: the number of curvature pairs kept (>= 1).
         line_search_fn: None or ``"strong_wolfe"``.
-        maximize: ascend ``value_fn``, as ``torch.optim.LBFGS(maximize=True)`` (torch 2.14 and
-            newer: an error on a torch whose LBFGS has no ``maximize``).
+        maximize: ascend ``value_fn``, as ``torch.optim.LBFGS(maximize=True)``. Needs torch 2.14
+            or newer; an error on a torch whose LBFGS has no ``maximize``.
 
     Returns:
         An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.LbfgsState`.

@@ -1,16 +1,16 @@
 """torch.optim.lr_scheduler's schedules as functions of the step count.
 
-Each function here is the schedule of one ``torch.optim.lr_scheduler`` class: its value at
-count ``t`` is the learning rate that class reports (``scheduler.get_last_lr()``) after ``t``
-calls of ``scheduler.step()``, which is the learning rate of optimizer step ``t + 1`` (count
-``t`` = the updates applied before this one, as every funcamp schedule receives). They compute
-in float64 from torch's closed forms, operation for operation where torch has one, and return a
-0-d float64 tensor: torch's learning rate is a Python float (a double), and funcamp's
-optimizers compute their step sizes from it in float64 and round once, as torch.optim does.
+Each function here is the schedule of one ``torch.optim.lr_scheduler`` class. Its value at count
+``t`` is the learning rate that class reports (``scheduler.get_last_lr()``) after ``t`` calls of
+``scheduler.step()``. That is the learning rate of optimizer step ``t + 1``. (Count ``t`` is the
+number of updates applied before this one, as every funcamp schedule receives.) They compute in
+float64 from torch's closed forms, operation for operation where torch has one. They return a 0-d
+float64 tensor. Torch's learning rate is a Python float (a double), and funcamp's optimizers
+compute their step sizes from it in float64 and round once, as torch.optim does.
 
-Several classes step *recursively* (``lr = lr * ratio``; torch's "chainable form"), which
-accumulates a rounding error of a few double ulps over a long run that the closed form lacks:
-the values agree to ~1e-13 relative and, rounded to float32, almost always bit for bit.
+Several classes step *recursively* (``lr = lr * ratio``; torch's "chainable form"). Over a long run
+this accumulates a rounding error of a few double ulps that the closed form lacks. The values agree
+to ~1e-13 relative. Rounded to float32 they almost always agree bit for bit.
 :func:`lambda_lr`/:func:`multiplicative_lr` with ``total_steps`` tabulate a Python function in
 Python doubles, exactly as torch calls it, and index the table by the count.
 """
@@ -320,11 +320,12 @@ def lambda_lr(
 ) -> Schedule:
     """``torch.optim.lr_scheduler.LambdaLR``: ``lr * lr_lambda(count)``.
 
-    With ``total_steps``, ``lr_lambda`` is called as torch calls it -- on the Python ints
-    ``0 … total_steps`` -- once, when the schedule is built, and the values (Python doubles,
-    torch's numbers exactly) are looked up by the count; past ``total_steps`` the last one
-    holds. Without it ``lr_lambda`` receives the count as a 0-d float64 tensor on every call
-    and must compute with tensor operations (traceable: no ``float()``/``if`` on the value).
+    With ``total_steps``, ``lr_lambda`` is called once, when the schedule is built, on the Python
+    ints ``0 … total_steps`` (as torch calls it). The values are Python doubles, torch's numbers
+    exactly, looked up by the count. Past ``total_steps`` the last one holds. Without
+    ``total_steps``, ``lr_lambda`` receives the count as a 0-d float64 tensor on every call. It
+    must then compute with tensor operations, so that it traces (no ``float()``/``if`` on the
+    value).
 
     Args:
         lr: the initial learning rate.
@@ -359,9 +360,9 @@ def multiplicative_lr(lr: float, lr_lambda: Callable[[int], float], total_steps:
     """``torch.optim.lr_scheduler.MultiplicativeLR``: the learning rate multiplied by
     ``lr_lambda(t)`` at each step ``t = 1, 2, ...``.
 
-    A running product has no closed form: ``lr_lambda`` is called on the Python ints
-    ``1 … total_steps`` once, when the schedule is built, and the products -- in Python
-    doubles, in torch's order, so torch's numbers exactly -- are looked up by the count; past
+    A running product has no closed form. So ``lr_lambda`` is called once, when the schedule is
+    built, on the Python ints ``1 … total_steps``. The products are taken in Python doubles, in
+    torch's order, so they are torch's numbers exactly. They are looked up by the count. Past
     ``total_steps`` the last one holds.
 
     Args:

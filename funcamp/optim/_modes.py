@@ -1,17 +1,19 @@
 """Low-precision modes: what an optimizer does with float16/bfloat16 params.
 
-An algorithm computes float32 deltas; :func:`to_updates` turns them into update leaves: plain
-deltas for float32/float64 params (and for half params without a mode), or a
-:class:`funcamp.optim.SetParam` holding the new half param, computed by the mode:
+An algorithm computes float32 deltas, and :func:`to_updates` turns them into update leaves. For
+float32/float64 params (and half params without a mode) they stay plain deltas. For half params
+in a mode, the leaf is a :class:`funcamp.optim.SetParam` holding the new half param, computed by
+the mode:
 
-* ``master_weights`` -- the delta is added to a float32 copy in the state, and the param becomes
-  that copy rounded to nearest;
-* ``kahan`` -- a compensation buffer in the param dtype carries each step's rounding error into
-  the next;
-* ``stochastic_rounding`` -- the new param is rounded up or down at random (a counter-based hash of
-  seed, count, leaf and element: never the global RNG).
+* ``master_weights``: the delta is added to a float32 copy in the state. The param becomes that
+  copy rounded to nearest.
+* ``kahan``: a compensation buffer in the param dtype carries each step's rounding error into
+  the next.
+* ``stochastic_rounding``: the new param is rounded up or down at random. The bits come from a
+  counter-based hash of seed, count, leaf and element, never the global RNG.
 
-All rounding is done on the float32 bit pattern (:mod:`funcamp._core.rounding`), so eager and inductor agree.
+All rounding is done on the float32 bit pattern (:mod:`funcamp._core.rounding`), so eager and
+inductor agree.
 """
 
 from __future__ import annotations
@@ -124,11 +126,13 @@ _EXACT_MASTERS: contextvars.ContextVar[dict[int, torch.Tensor] | None] = context
 
 
 def init_from_exact(optimizer: Optimizer, params: PyTree, originals: PyTree) -> PyTree:
-    """``optimizer.init(params)`` for ``params`` that were rounded from ``originals`` (same
-    structure, usually float32): float32 master weights start from the originals, so they are
-    exact rather than rounded through the half dtype. Everything else is what ``init`` builds.
-    Leaves are matched by identity, so this works through every wrapper that hands the same
-    params (or a subset of them) to the inner ``init``."""
+    """``optimizer.init(params)`` for ``params`` that were rounded from ``originals``.
+
+    ``originals`` has the same structure, usually float32. Float32 master weights start from
+    the originals, so they are exact rather than rounded through the half dtype. Everything else
+    is what ``init`` builds. Leaves are matched by identity. So this works through every wrapper
+    that hands the same params (or a subset of them) to the inner ``init``.
+    """
     leaves = optree.tree_leaves(params, namespace=NAMESPACE)
     exact = optree.tree_leaves(originals, namespace=NAMESPACE)
     table = {

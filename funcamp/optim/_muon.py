@@ -1,6 +1,7 @@
-"""Muon (momentum orthogonalised by Newton-Schulz) with torch.optim.Muon's semantics, written
-with :func:`funcamp.optim.elementwise`: the algorithm gets each leaf whole, so the
-orthogonalisation is a per-leaf function like any other op; the momentum, the weight decay and
+"""Muon (momentum orthogonalised by Newton-Schulz) with torch.optim.Muon's semantics.
+
+It is written with :func:`funcamp.optim.elementwise`. The algorithm gets each leaf whole, so the
+orthogonalisation is a per-leaf function like any other op. The momentum, the weight decay and
 the step are torch.optim's operations, rounded as its kernels round them.
 """
 
@@ -36,9 +37,11 @@ def newton_schulz(
     ns_steps: int = NS_STEPS,
     eps: float = EPS,
 ) -> torch.Tensor:
-    """The orthogonalisation of a 2-D ``x`` by ``ns_steps`` quintic Newton-Schulz iterations in
-    bfloat16, as torch.optim.Muon computes it: ``x / max(||x||, eps)`` (transposed when it has
-    more rows than columns), then ``X = a X + (b A + c A @ A) @ X`` with ``A = X @ X.T``.
+    """Orthogonalise a 2-D ``x`` by ``ns_steps`` quintic Newton-Schulz iterations in bfloat16.
+
+    This is torch.optim.Muon's computation. It starts from ``x / max(||x||, eps)``, transposed
+    when it has more rows than columns. Each iteration is ``X = a X + (b A + c A @ A) @ X`` with
+    ``A = X @ X.T``.
 
     Args:
         x: a 2-D tensor.
@@ -121,22 +124,22 @@ def muon(
 ) -> Optimizer:
     """Muon with torch.optim.Muon's semantics and defaults, for 2-D params (hidden matrices).
 
-    ``buf = momentum * buf + (1 - momentum) * g`` (a ``lerp``); the direction is
-    ``g + momentum * (buf - g)`` with ``nesterov``, else ``buf``; it is orthogonalised by
-    :func:`funcamp.optim.newton_schulz` (bfloat16, as torch's); then
-    ``p = p * (1 - lr * weight_decay) - adjusted_lr * O`` with ``adjusted_lr = lr *
-    sqrt(max(1, rows / cols))`` (``adjust_lr_fn="original"`` or None) or ``lr * 0.2 *
-    sqrt(max(rows, cols))`` (``"match_rms_adamw"``, Moonshot's). Every param must be a matrix:
-    pair Muon with another optimizer for the rest through :func:`funcamp.multi_transform`
-    (docs/guides/writing-an-optimizer.md shows the usual Muon + AdamW split).
+    The momentum is ``buf = momentum * buf + (1 - momentum) * g`` (a ``lerp``). The direction is
+    ``g + momentum * (buf - g)`` with ``nesterov``, else ``buf``.
+    :func:`funcamp.optim.newton_schulz` orthogonalises it into ``O`` (in bfloat16, as torch's).
+    Then ``p = p * (1 - lr * weight_decay) - adjusted_lr * O``. With ``adjust_lr_fn="original"`` or
+    None, ``adjusted_lr = lr * sqrt(max(1, rows / cols))``. With ``"match_rms_adamw"``
+    (Moonshot's), it is ``lr * 0.2 * sqrt(max(rows, cols))``.
 
-    Sharded params: Newton-Schulz needs each matrix whole. Called on DTensor params, the
-    update gathers what it needs through DTensor's collectives -- the norm is all-reduced and
-    each product ``X @ X.T`` redistributes its row-sharded operands as DTensor's matmul rules
-    pick -- which is the unsharded result within its bfloat16 rounding. Under
-    ``make_train_step(..., parallel=Sharded(mesh))`` on more than one rank, where the update
-    runs on each rank's own block of rows, it raises instead of orthogonalising the blocks;
-    train with ``parallel=DataParallel(group)`` (the matrices whole on every rank).
+    Every param must be a matrix. Pair Muon with another optimizer for the rest through
+    :func:`funcamp.multi_transform` (docs/guides/writing-an-optimizer.md shows the usual Muon +
+    AdamW split).
+
+    Newton-Schulz needs each matrix whole. On DTensor params, DTensor's collectives gather what
+    it needs (the norm is all-reduced; each ``X @ X.T`` redistributes its operands), which gives
+    the unsharded result within bfloat16 rounding. Under ``parallel=Sharded(mesh)`` on more than
+    one rank each rank holds a block of rows, so the update raises. Train with
+    ``parallel=DataParallel(group)`` instead (the matrices whole on every rank).
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
@@ -147,7 +150,7 @@ def muon(
         eps: the floor of the norm the direction is divided by (>= 0).
         ns_steps: Newton-Schulz iterations (an int in [0, 100)).
         adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or
-            ``"spectral_unclamped"`` (``sqrt(rows / cols)``, torch 2.14's).
+            ``"spectral_unclamped"`` (``sqrt(rows / cols)``, as in torch 2.14).
         master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.

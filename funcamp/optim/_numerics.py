@@ -1,13 +1,17 @@
 """Numerics shared by every optimizer: float32 scalars, math dtypes and two custom ops.
 
 torch.optim's CPU kernels round ``add(alpha=)``, ``lerp`` and ``addcmul`` once (a fused
-multiply-add), and torch's eager float32 ``sqrt`` is one ulp off in about 0.5 % of elements while
+multiply-add). Torch's eager float32 ``sqrt`` is one ulp off in about 0.5 % of elements, while
 inductor's is correctly rounded. The two ops defined here give the same bits in eager and compiled
-code: ``funcamp::fma`` (``a * b + c`` rounded once; inductor lowers it to the hardware instruction,
-every other backend runs torch's fused ``addcmul``) and ``funcamp::sqrt`` (correctly rounded:
-float64 then one rounding as a kernel, inductor's own exact ``sqrt`` when compiled). Both are
-differentiable and have vmap rules. Which of them an update uses is decided by the execution path
-(:mod:`funcamp.optim._paths`), never here.
+code:
+
+* ``funcamp::fma``: ``a * b + c`` rounded once. Inductor lowers it to the hardware instruction;
+  every other backend runs torch's fused ``addcmul``.
+* ``funcamp::sqrt``: correctly rounded. As a kernel it takes the root in float64 and rounds once;
+  compiled, it is inductor's own exact ``sqrt``.
+
+Both are differentiable and have vmap rules. The execution path (:mod:`funcamp.optim._paths`)
+decides which of them an update uses, never this module.
 """
 
 from __future__ import annotations
@@ -179,24 +183,22 @@ def _plain_cpu(x: torch.Tensor) -> bool:
 
 
 def exact_sqrt(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The correctly rounded square root of ``x``: for float32, the root in float64 rounded once;
-    other dtypes use torch's ``sqrt``. ``out``: a tensor of ``x``'s dtype and shape to write the
-    result into (eager only).
+    """The correctly rounded square root of ``x``.
 
-    Why float64 is enough: a float32 rounding boundary (the midpoint of two float32 neighbours)
-    is at least ``2**-51`` of ``sqrt(x)`` away from it (``x - m*m`` is a nonzero multiple of
-    ``m``'s half-ulp squared), and a float64 root within that rounds like the exact one.
-    On CPU torch's float64 ``sqrt`` kernel is slower than its ``rsqrt``; ``1 / (1 / sqrt(x))``
-    -- ``rsqrt`` then ``reciprocal``, three float64 roundings, within ``3 * 2**-53`` -- rounds
-    the same and is faster (checked on all
-    2**32 float32 bit patterns; the NaN of a negative input then has its sign bit set, as the
-    hardware square root inductor uses gives it). A contiguous CPU tensor of more than ``2**18``
-    elements goes through one 2 MB float64 scratch in chunks, so the root never holds a float64
-    copy of a whole large leaf. Anything but a plain eager dense CPU tensor -- one autograd
-    differentiates (forward or reverse), under ``torch.func`` transforms or ``torch.compile``,
-    sparse or nested, on CUDA -- takes torch's float64 ``sqrt`` (its derivative, batching rule
-    and layouts are sqrt's).
+    For float32 it is the root in float64, rounded once. Other dtypes use torch's ``sqrt``.
+    ``out`` is a tensor of ``x``'s dtype and shape to write the result into (eager only).
     """
+    # Why float64 is enough: a float32 rounding boundary (the midpoint of two float32 neighbours)
+    # is at least 2**-51 of sqrt(x) away from it (x - m*m is a nonzero multiple of m's half-ulp
+    # squared), and a float64 root within that rounds like the exact one. On CPU torch's float64
+    # sqrt kernel is slower than its rsqrt; 1 / (1 / sqrt(x)) (rsqrt then reciprocal, three
+    # float64 roundings, within 3 * 2**-53) rounds the same and is faster (checked on all 2**32
+    # float32 bit patterns; the NaN of a negative input then has its sign bit set, as the
+    # hardware square root inductor uses gives it). A contiguous CPU tensor of more than 2**18
+    # elements goes through one 2 MB float64 scratch in chunks, so the root never holds a float64
+    # copy of a whole large leaf. Anything but a plain eager dense CPU tensor (one autograd
+    # differentiates, under torch.func transforms or torch.compile, sparse or nested, on CUDA)
+    # takes torch's float64 sqrt: its derivative, batching rule and layouts are sqrt's.
     if x.dtype != torch.float32:
         return torch.sqrt(x) if out is None else torch.sqrt(x, out=out)
     if not _plain_cpu(x):

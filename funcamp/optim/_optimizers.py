@@ -1,11 +1,11 @@
 """The optimizers: each one's algorithm, written once, and its public factory.
 
 Each algorithm is a ``step(ops, grads, params, buffers, lr, count)`` function (see
-:func:`funcamp.optim.elementwise`) that does torch.optim's operations in torch.optim's order,
-rounding as its CPU kernels do: ``add(alpha=)``, ``lerp`` and ``addcmul`` are one fused
-multiply-add (``ops.fma``). The update leaf is the step itself (Adam) or ``new_p - p`` (SGD, the
-decoupled decays, Lion), which ``apply_updates`` adds back exactly unless a step nearly reaches
-zero, where ``p + (new_p - p)`` can be one ulp off.
+:func:`funcamp.optim.elementwise`). It does torch.optim's operations in torch.optim's order and
+rounds as its CPU kernels do. ``add(alpha=)``, ``lerp`` and ``addcmul`` are one fused multiply-add
+(``ops.fma``). The update leaf is the step itself (Adam) or ``new_p - p`` (SGD, the decoupled
+decays, Lion). ``apply_updates`` adds it back exactly, unless a step nearly reaches zero: there ``p
++ (new_p - p)`` can be one ulp off.
 """
 
 from __future__ import annotations
@@ -107,21 +107,21 @@ def sgd(
 ) -> Optimizer:
     """Stochastic gradient descent with torch.optim.SGD's semantics.
 
-    ``d = g + weight_decay * p`` (``g`` negated first with ``maximize``); with momentum
-    ``buf = momentum * buf + (1 - dampening) * d`` (``buf = d`` on the first step), then
-    ``d = d + momentum * buf`` (nesterov) or ``d = buf``; the update is ``-lr * d``. Math runs
-    in float32 for half params.
+    The direction is ``d = g + weight_decay * p`` (``g`` is negated first with ``maximize``). With
+    momentum, ``buf = momentum * buf + (1 - dampening) * d`` (``buf = d`` on the first step). Then
+    ``d = d + momentum * buf`` (nesterov) or ``d = buf``. The update is ``-lr * d``. Math runs in
+    float32 for half params.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
-            built; a value that is NaN, infinite or negative at run time skips the step).
+            built). A value that is NaN, infinite or negative at run time skips the step.
         momentum: momentum factor (>= 0).
         nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         weight_decay: L2 penalty added to the gradient (>= 0).
         dampening: dampening for momentum, in [0, 1].
-        maximize: ascend the objective instead of descending it: the gradients are negated
-            before anything else, as ``torch.optim.SGD(maximize=True)`` does (the same as
-            ``funcamp.chain(funcamp.negate_gradients(), funcamp.sgd(...))``).
+        maximize: ascend the objective: negate the gradients first, as
+            ``torch.optim.SGD(maximize=True)`` does. The same as
+            ``funcamp.chain(funcamp.negate_gradients(), funcamp.sgd(...))``.
         master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -313,8 +313,10 @@ def adam(
     seed: int = 0,
     fused: bool = False,
 ) -> Optimizer:
-    """Adam with torch.optim.Adam's semantics (``weight_decay`` is an L2 term added to the
-    gradient; ``eps`` is added after the bias-corrected square root).
+    """Adam with torch.optim.Adam's semantics.
+
+    ``weight_decay`` is an L2 term added to the gradient. ``eps`` is added after the
+    bias-corrected square root.
 
     Math runs in float32 for half params (moments are float32). For the memory per parameter of
     each low-precision mode see the table in :mod:`funcamp.optim`.
@@ -327,8 +329,8 @@ def adam(
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
-            built; a value that is NaN, infinite or negative at run time skips the step).
-        b1: decay of the first moment, in [0, 1): a float, or a 0-d tensor as torch.optim
+            built). A value that is NaN, infinite or negative at run time skips the step.
+        b1: decay of the first moment, in [0, 1). A float, or a 0-d tensor as torch.optim
             accepts (the bias corrections are then float32 tensor math, as torch's).
         b2: decay of the second moment, in [0, 1) (a float or a 0-d tensor, as ``b1``).
         eps: added to the denominator (>= 0).
@@ -336,9 +338,9 @@ def adam(
         amsgrad: divide by the running maximum of the second moment, as
             ``torch.optim.Adam(amsgrad=True)``. :func:`funcamp.scale_by_amsgrad` is the same
             as a transform.
-        maximize: ascend the objective instead of descending it: the gradients are negated
-            before anything else, as ``torch.optim.Adam(maximize=True)`` does (the same as
-            ``funcamp.chain(funcamp.negate_gradients(), funcamp.adam(...))``).
+        maximize: ascend the objective: negate the gradients first, as
+            ``torch.optim.Adam(maximize=True)`` does. The same as
+            ``funcamp.chain(funcamp.negate_gradients(), funcamp.adam(...))``.
         master_weights: keep float32 copies of half params.
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -384,15 +386,15 @@ def adamw(
     """AdamW with torch.optim.AdamW's semantics: decoupled weight decay
     ``p -= lr * weight_decay * p`` next to the Adam step.
 
-    ``mask`` picks the leaves the weight decay applies to, as optax's ``adamw(mask=)`` does;
-    the others take the plain Adam step. So ``adamw(lr, weight_decay=wd, mask=m)`` is
-    ``torch.optim.AdamW`` with two param groups, ``weight_decay=wd`` where ``m`` is True and
-    ``weight_decay=0`` elsewhere (one optimizer, one state and one step count).
+    ``mask`` picks the leaves the weight decay applies to, as optax's ``adamw(mask=)`` does.
+    The others take the plain Adam step. So ``adamw(lr, weight_decay=wd, mask=m)`` is
+    ``torch.optim.AdamW`` with two param groups: ``weight_decay=wd`` where ``m`` is True, and
+    ``weight_decay=0`` elsewhere. It keeps one optimizer, one state and one step count.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
-            built; a value that is NaN, infinite or negative at run time skips the step).
-        b1: decay of the first moment, in [0, 1): a float, or a 0-d tensor as torch.optim
+            built). A value that is NaN, infinite or negative at run time skips the step.
+        b1: decay of the first moment, in [0, 1). A float, or a 0-d tensor as torch.optim
             accepts (the bias corrections are then float32 tensor math, as torch's).
         b2: decay of the second moment, in [0, 1) (a float or a 0-d tensor, as ``b1``).
         eps: added to the denominator (>= 0).
@@ -403,9 +405,9 @@ def adamw(
         amsgrad: divide by the running maximum of the second moment, as
             ``torch.optim.AdamW(amsgrad=True)``. :func:`funcamp.scale_by_amsgrad` is the same
             as a transform.
-        maximize: ascend the objective instead of descending it: the gradients are negated
-            before anything else, as ``torch.optim.AdamW(maximize=True)`` does (the same as
-            ``funcamp.chain(funcamp.negate_gradients(), funcamp.adamw(...))``).
+        maximize: ascend the objective: negate the gradients first, as
+            ``torch.optim.AdamW(maximize=True)`` does. The same as
+            ``funcamp.chain(funcamp.negate_gradients(), funcamp.adamw(...))``.
         master_weights: keep float32 copies of half params.
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -502,27 +504,29 @@ def lion(
     stochastic_rounding: bool = False,
     seed: int = 0,
 ) -> Optimizer:
-    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the update is
-    the sign of an interpolation of the momentum and the gradient, with decoupled weight decay.
+    """Lion: the sign of an interpolation of momentum and gradient, with decoupled weight decay.
 
-    ``p = p * (1 - lr * weight_decay) - lr * sign(b1 * m + (1 - b1) * g)``, then
-    ``m = b2 * m + (1 - b2) * g``. One buffer per param (half Adam's memory). The defaults are
-    optax's (``optax.lion``), including ``weight_decay=1e-3``; lion-pytorch's ``Lion`` defaults to
-    ``weight_decay=0.0``: pass ``weight_decay=0.0`` to reproduce it (its decay, when set, is this
-    one, ``p *= 1 - lr * weight_decay``; with its ``decoupled_weight_decay=True`` pass its
-    ``weight_decay / lr``). Lion wants a learning rate 3-10x smaller than AdamW's and
-    a larger weight decay. ``mask`` picks the leaves the weight decay applies to, as optax's
-    ``lion(mask=)`` does (see :func:`funcamp.adamw`).
+    From Chen et al., "Symbolic Discovery of Optimization Algorithms".
+
+    The step is ``p = p * (1 - lr * weight_decay) - lr * sign(b1 * m + (1 - b1) * g)``, then ``m =
+    b2 * m + (1 - b2) * g``. Lion keeps one buffer per param (half Adam's memory). Lion wants a
+    learning rate 3-10x smaller than AdamW's, and a larger weight decay. ``mask`` picks the leaves
+    the weight decay applies to, as optax's ``lion(mask=)`` does (see :func:`funcamp.adamw`).
+
+    The defaults are optax's (``optax.lion``), including ``weight_decay=1e-3``. lion-pytorch's
+    ``Lion`` defaults to ``weight_decay=0.0``; pass ``weight_decay=0.0`` to reproduce it. Its
+    decay, when set, is this one: ``p *= 1 - lr * weight_decay``. With its
+    ``decoupled_weight_decay=True``, pass its ``weight_decay / lr``.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
-            built; a value that is NaN, infinite or negative at run time skips the step).
+            built). A value that is NaN, infinite or negative at run time skips the step.
         b1: interpolation factor of the update direction, in [0, 1).
         b2: decay of the momentum, in [0, 1).
-        weight_decay: decoupled decay rate (>= 0); 1e-3 by default (optax's; lion-pytorch's is
+        weight_decay: decoupled decay rate (>= 0). 1e-3 by default (optax's; lion-pytorch's is
             0.0).
         mask: where the weight decay applies: a pytree of Python bools (or a prefix of the
-            params' structure), a callable of the leaf path or of the params (see
+            params' structure), or a callable of the leaf path or of the params (see
             :func:`funcamp.adamw`). ``None`` (default): every leaf.
         master_weights: keep float32 copies of half params.
         kahan: keep Kahan compensation buffers for half params.

@@ -4,25 +4,23 @@ An algorithm (see :func:`funcamp.optim.elementwise`) is written once against an 
 object: leaf-wise arithmetic on lists of tensors. :func:`choose_ops` picks one of two paths for
 the whole update, from all of its input tensors:
 
-``"eager"`` -- :class:`EagerOps`
+``"eager"``: :class:`EagerOps`
     Plain eager tensors on CPU/CUDA that autograd does not track, outside ``torch.compile`` and
-    ``torch.func`` transforms. Arithmetic runs as torch's ``_foreach_*`` kernels; a fused
-    multiply-add runs as torch's own fused kernel (``add(alpha=)`` for a Python scalar,
-    ``addcmul`` for a tensor) -- what torch.optim runs. An op given ``into=xs`` writes its result
-    into ``xs`` when this update owns ``xs`` (a temporary it made, or grads its caller donated):
-    the same kernel, no fresh allocation.
+    ``torch.func`` transforms. Arithmetic runs as torch's ``_foreach_*`` kernels. A fused
+    multiply-add runs as torch's own fused kernel, as in torch.optim (``add(alpha=)`` for a
+    Python scalar, ``addcmul`` for a tensor). An op given ``into=xs`` writes its result into
+    ``xs`` when this update owns ``xs`` (a temporary it made, or grads its caller donated).
 
-``"traced"`` -- :class:`TracedOps`
+``"traced"``: :class:`TracedOps`
     Everything else (``torch.compile``, ``vmap``/``grad``, autograd through the update, tensor
-    subclasses, other devices): pure per-leaf ops, never in place. Compiled by inductor without
-    differentiation, the fused multiply-add and the square root are the ``funcamp::fma`` and
-    ``funcamp::sqrt`` ops (hardware ``fmadd``, exact ``sqrt``); otherwise the multiply-add is
-    emulated in float64 (the product of two float32 values is exact there; the sum rounds twice,
-    which differs from one rounding only when the float64 result is a float32 tie, about one case
-    in 2**29) and the square root is taken in float64 and rounded once.
+    subclasses, other devices). It runs pure per-leaf ops, never in place. Compiled by inductor
+    without differentiation, the fused multiply-add and the square root are the
+    ``funcamp::fma`` and ``funcamp::sqrt`` ops (hardware ``fmadd``, exact ``sqrt``). Otherwise
+    the multiply-add is emulated in float64, and the square root is taken in float64 and
+    rounded once.
 
 Both paths give the same bits for float32 math (tested under inductor and aot_eager for every
-optimizer); float64 leaves on the unfused traced path multiply and add with two roundings.
+optimizer). Float64 leaves on the unfused traced path multiply and add with two roundings.
 """
 
 from __future__ import annotations
@@ -160,13 +158,13 @@ class Ops:
     def kept(self, xs: Tensors, replaces: Tensors | None = None) -> Tensors:
         """Mark ``xs`` as kept (it goes into the new state): never written into afterwards.
 
-        ``replaces``: the state buffer whose new value ``xs`` is. On a donated eager step (the
-        caller gave up its state: :class:`~funcamp.optim.Writes`' ``skip``) the new values are
-        written into that buffer at once through ``skip.write`` (a skipped step leaves it
-        bit-identical), and the buffer is returned, leaving
-        ``xs`` dead (free for ``into=``). Use only the returned list afterwards, never
-        ``replaces``, and call it once nothing that can raise is left. Elsewhere ``xs`` is
-        returned."""
+        ``replaces`` is the state buffer whose new value ``xs`` is. On a donated eager step the
+        caller gave up its state (:class:`~funcamp.optim.Writes`' ``skip``). There the new values
+        are written into that buffer at once through ``skip.write``, and the buffer is returned.
+        A skipped step leaves it bit-identical. ``xs`` is then dead (free for ``into=``). Use
+        only the returned list afterwards, never ``replaces``. Call it once nothing that can
+        raise is left. Elsewhere ``xs`` is returned.
+        """
         return xs
 
     def add(self, xs: Tensors, y: Scalar, into: Tensors | None = None) -> Tensors:
@@ -199,10 +197,12 @@ class Ops:
         raise NotImplementedError
 
     def lerp(self, xs: Tensors, ys: Tensors, weight: float, into: Tensors | None = None) -> Tensors:
-        """``torch.lerp(x, y, weight)`` leaf by leaf (``weight`` a Python float, rounded to
-        float32), rounded as torch's CPU kernel: the difference ``y - x`` rounded, then one
-        multiply-add from the nearer end, ``x + w (y - x)`` for ``|w| < 0.5``, else
-        ``y + (w - 1)(y - x)``. (torch.optim.Adam's ``exp_avg.lerp_(grad, 1 - b1)``.)"""
+        """``torch.lerp(x, y, weight)`` leaf by leaf, rounded as torch's CPU kernel.
+
+        ``weight`` is a Python float, rounded to float32. The difference ``y - x`` is rounded,
+        then one multiply-add runs from the nearer end: ``x + w (y - x)`` for ``|w| < 0.5``, else
+        ``y + (w - 1)(y - x)``. (torch.optim.Adam's ``exp_avg.lerp_(grad, 1 - b1)``.)
+        """
         w = _python_float("lerp", "weight", weight)
         # the difference may go into `into` unless an input still needed lives there
         keep = _shares_a_tensor(into, xs) or (abs(w) >= 0.5 and _shares_a_tensor(into, ys))
@@ -215,10 +215,12 @@ class Ops:
     def addcmul(
         self, zs: Tensors, xs: Tensors, ys: Tensors, value: float, into: Tensors | None = None
     ) -> Tensors:
-        """``torch.addcmul(z, x, y, value=value)`` leaf by leaf (``value`` a Python float,
-        rounded to float32), rounded as torch's CPU kernel: ``value * x`` rounded, then one
-        multiply-add, ``z + (value * x) * y``. (torch.optim.Adam's
-        ``exp_avg_sq.addcmul_(grad, grad, value=1 - b2)``.)"""
+        """``torch.addcmul(z, x, y, value=value)`` leaf by leaf, rounded as torch's CPU kernel.
+
+        ``value`` is a Python float, rounded to float32. ``value * x`` is rounded, then one
+        multiply-add gives ``z + (value * x) * y``. (torch.optim.Adam's
+        ``exp_avg_sq.addcmul_(grad, grad, value=1 - b2)``.)
+        """
         v = _python_float("addcmul", "value", value)
         return self.fma(self.mul(xs, v), ys, zs, into=into)
 
@@ -415,10 +417,10 @@ class EagerOps(Ops):
 class TracedOps(Ops):
     """The ``"traced"`` path: pure per-leaf ops (``into`` is ignored).
 
-    ``fused`` (decided by :func:`choose_ops`): this update is being compiled, so the
-    multiply-add and the square root are ``funcamp::fma`` and ``funcamp::sqrt`` -- except for
-    operands that autograd (or ``torch.func.grad``) differentiates, which take the float64
-    emulation (plain torch ops that dynamo can differentiate inside functorch transforms).
+    ``fused`` (decided by :func:`choose_ops`) means this update is being compiled. The
+    multiply-add and the square root are then ``funcamp::fma`` and ``funcamp::sqrt``. Operands
+    that autograd (or ``torch.func.grad``) differentiates take the float64 emulation instead:
+    plain torch ops that dynamo can differentiate inside functorch transforms.
     """
 
     path = "traced"
@@ -470,10 +472,12 @@ def choose_ops(
     donated: Sequence[torch.Tensor] = (),
     skip: SkipWrites | None = None,
 ) -> Ops:
-    """The execution path for one update whose input tensors are ``tensors`` (grads, params,
-    state leaves, the learning rate): :class:`EagerOps` when :func:`plain_eager_tensors` holds
-    (owning ``owned``, grads donated by the caller; with ``skip``, the state buffers ``donated``
-    receive their new values in :meth:`Ops.kept`), else :class:`TracedOps`.
+    """The execution path for one update whose input tensors are ``tensors``.
+
+    ``tensors`` are the grads, params, state leaves and the learning rate. The path is
+    :class:`EagerOps` when :func:`plain_eager_tensors` holds, else :class:`TracedOps`. The eager
+    path owns ``owned`` (grads donated by the caller). With ``skip``, the state buffers
+    ``donated`` receive their new values in :meth:`Ops.kept`.
     """
     if device is None:
         first = next((x for x in tensors if isinstance(x, torch.Tensor)), None)

@@ -1,5 +1,8 @@
-"""``torch.optim.lr_scheduler.ReduceLROnPlateau`` as state: an optimizer wrapper whose updates
-are scaled by a factor that :func:`plateau_step` lowers when a metric stops improving."""
+"""``torch.optim.lr_scheduler.ReduceLROnPlateau`` as state.
+
+An optimizer wrapper scales its updates by a factor. :func:`plateau_step` lowers the factor when
+a metric stops improving.
+"""
 
 from __future__ import annotations
 
@@ -73,15 +76,17 @@ def reduce_on_plateau(
     min_lr: float = 0.0,
     eps: float = 1e-8,
 ) -> Optimizer:
-    """``torch.optim.lr_scheduler.ReduceLROnPlateau`` on ``optimizer``: its updates scaled by
-    a factor that :func:`funcamp.optim.plateau_step` (torch's ``scheduler.step(metric)``)
-    multiplies by ``factor`` when the metric has not improved for ``patience`` calls.
+    """``torch.optim.lr_scheduler.ReduceLROnPlateau`` on ``optimizer``.
 
-    The factor multiplies the wrapped optimizer's learning rate (a float or a schedule, as
-    torch's schedulers chained with ReduceLROnPlateau multiply ``group["lr"]``):
+    The optimizer's updates are scaled by a factor. :func:`funcamp.optim.plateau_step` (torch's
+    ``scheduler.step(metric)``) multiplies the factor by ``factor`` when the metric has not
+    improved for ``patience`` calls.
+
+    The factor multiplies the wrapped optimizer's learning rate, a float or a schedule. (Torch's
+    schedulers chained with ReduceLROnPlateau multiply ``group["lr"]`` the same way.)
     :func:`funcamp.optim.learning_rate` reports the product. Updates of SGD/Adam/AdamW are
-    proportional to the learning rate, so scaling them is torch's step to rounding; the
-    low-precision modes and ``fused=True`` (whose updates are new params) are refused.
+    proportional to the learning rate, so scaling them is torch's step up to rounding. The
+    low-precision modes and ``fused=True`` are refused, since their updates are new params.
 
     Args:
         optimizer: the :class:`~funcamp.Optimizer`; it must declare a learning rate.
@@ -190,10 +195,12 @@ def reduce_on_plateau(
 
 
 def plateau_step(optimizer: Optimizer, opt_state: Any, value: Any) -> Any:
-    """torch's ``ReduceLROnPlateau.step(metric)``: the optimizer state after one metric (a loss
-    on the validation set, once an epoch): the best metric, the count of metrics without
-    improvement and the cooldown advance, and the learning-rate factor drops by ``factor``
-    when the patience runs out. Pure tensor operations: no host sync, compilable.
+    """torch's ``ReduceLROnPlateau.step(metric)``: the optimizer state after one metric.
+
+    The metric is typically a loss on the validation set, once an epoch. The best metric, the
+    count of metrics without improvement and the cooldown advance. The learning-rate factor
+    drops by ``factor`` when the patience runs out. Pure tensor operations: no host sync,
+    compilable.
 
     Args:
         optimizer: the :func:`reduce_on_plateau` optimizer (not a chain holding it).

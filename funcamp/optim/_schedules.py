@@ -1,10 +1,10 @@
-"""Learning-rate schedules: pure functions of the step count (a tensor) returning a 0-d float64
-tensor, so a changing learning rate never recompiles a compiled step.
+"""Learning-rate schedules: pure functions of the step count, returning a 0-d float64 tensor.
 
-The count a schedule receives is the number of updates applied before this one (0 on the first
-step, as in optax). Schedules compute in float64 and return it, unrounded: torch's learning rate
-is a Python float (a double), and funcamp's optimizers compute their step sizes from it in
-float64 and round once, as torch.optim does (``lr / bias_correction1`` for Adam).
+The count is a tensor, so a changing learning rate never recompiles a compiled step. It is the
+number of updates applied before this one (0 on the first step, as in optax). Schedules compute
+in float64 and return the value unrounded. Torch's learning rate is a Python float (a double).
+funcamp's optimizers compute their step sizes from it in float64 and round once, as torch.optim
+does (``lr / bias_correction1`` for Adam).
 """
 
 from __future__ import annotations
@@ -105,13 +105,14 @@ def linear_schedule(
 def cosine_decay_schedule(
     init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0
 ) -> Schedule:
-    """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` steps
-    (optax's ``cosine_decay_schedule``; torch's ``CosineAnnealingLR`` with ``eta_min =
-    alpha * lr`` for ``exponent=1``).
+    """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` steps.
+
+    This is optax's ``cosine_decay_schedule``. For ``exponent=1`` it is torch's
+    ``CosineAnnealingLR`` with ``eta_min = alpha * lr``.
 
     Args:
         init_value: value at count 0.
-        decay_steps: number of steps to decay over (> 0); the value stays at the end afterwards.
+        decay_steps: number of steps to decay over (> 0). The value stays at the end afterwards.
         alpha: final value as a fraction of ``init_value`` (>= 0).
         exponent: power applied to the cosine factor (> 0).
 
@@ -152,9 +153,9 @@ def linear_warmup_cosine_decay(
     Args:
         peak_value: value reached at count ``warmup_steps``.
         warmup_steps: length of the linear warmup (>= 0).
-        decay_steps: total length of the schedule *including* the warmup (>= 1); the value
-            is ``end_value`` from count ``max(decay_steps, warmup_steps)`` on (no cosine when
-            ``decay_steps <= warmup_steps``: a run shorter than its warmup, as nanoGPT allows).
+        decay_steps: total length of the schedule *including* the warmup (>= 1). From count
+            ``max(decay_steps, warmup_steps)`` on, the value is ``end_value``. A run may be
+            shorter than its warmup (no cosine then), as nanoGPT allows.
         init_value: value at count 0.
         end_value: final value.
         exponent: power applied to the cosine factor (> 0).
@@ -201,9 +202,11 @@ def _mark(schedule: Callable[[torch.Tensor], torch.Tensor], base: float) -> Sche
 
 
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
-    """Join schedules at step boundaries (optax's ``join_schedules``; torch's
-    ``SequentialLR(schedulers, milestones)``): from ``boundaries[i]`` on, the value is
-    ``schedules[i + 1](count - boundaries[i])``, each schedule starting from its own count 0.
+    """Join schedules at step boundaries.
+
+    This is optax's ``join_schedules`` and torch's ``SequentialLR(schedulers, milestones)``.
+    From ``boundaries[i]`` on, the value is ``schedules[i + 1](count - boundaries[i])``. So each
+    schedule starts from its own count 0.
 
     Args:
         schedules: the schedules, one more than ``boundaries``.
@@ -244,8 +247,9 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
 
 
 def chained_lr(*schedules: Schedule) -> Schedule:
-    """torch's ``ChainedScheduler`` (or several schedulers stepped on one optimizer): each
-    scheduler multiplies the learning rate by its own factor, so the value is the base
+    """torch's ``ChainedScheduler``, or several schedulers stepped on one optimizer.
+
+    Each scheduler multiplies the learning rate by its own factor. So the value is the base
     learning rate times the product of each schedule's ``value / base``.
 
     Args:

@@ -1,8 +1,11 @@
-"""The helpers the built-in elementwise optimizers share: the factory that builds one from its
-``step`` with the low-precision mode's arguments (:func:`_build`), the common argument checks,
-and the steps' building blocks (the gradient prologue, torch's rounding of ``add(alpha=)`` and
-of ``lerp`` with a tensor weight, the float64 step count and learning rate); and the
-scaffolding of a stateless gradient transform (:func:`_stateless`).
+"""The helpers the built-in elementwise optimizers share.
+
+* :func:`_build`: the factory that builds one from its ``step`` and the low-precision mode's
+  arguments;
+* the common argument checks;
+* the steps' building blocks: the gradient prologue, torch's rounding of ``add(alpha=)`` and of
+  ``lerp`` with a tensor weight, the float64 step count and learning rate;
+* :func:`_stateless`: the scaffolding of a stateless gradient transform.
 """
 
 from __future__ import annotations

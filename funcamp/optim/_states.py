@@ -27,8 +27,12 @@ PyTree = Any
 
 
 class SgdState(NamedTuple):
-    """State of :func:`funcamp.sgd`: ``count`` (0-d int32), ``momentum`` (a params-shaped tree
-    of buffers, or ``()`` without momentum) and ``low`` (a low-precision mode's state or ``()``).
+    """State of :func:`funcamp.sgd`.
+
+    Attributes:
+        count: 0-d int32, the updates applied so far.
+        momentum: a params-shaped tree of buffers, or ``()`` without momentum.
+        low: a low-precision mode's state, or ``()``.
 
     Example:
         >>> import torch, funcamp
@@ -42,14 +46,16 @@ class SgdState(NamedTuple):
 
 
 class AdamState(NamedTuple):
-    """State of :func:`funcamp.adam`/:func:`funcamp.adamw` (and :func:`funcamp.scale_by_amsgrad`):
-    ``count`` (0-d int32), ``exp_avg`` and ``exp_avg_sq`` (params-shaped trees, float32 for half
-    params), ``max_exp_avg_sq`` (with ``amsgrad=True``: the running maximum of ``exp_avg_sq``,
-    params-shaped like it, torch.optim's ``state["max_exp_avg_sq"]``; ``()`` otherwise) and
-    ``low`` (a mode's state or ``()``).
+    """State of :func:`funcamp.adam`/:func:`funcamp.adamw` (and :func:`funcamp.scale_by_amsgrad`).
 
-    ``max_exp_avg_sq`` came after the first releases: it has a default, ``()``, so checkpoints
-    of an optimizer without ``amsgrad`` written before it still load (:func:`funcamp.load`).
+    Attributes:
+        count: 0-d int32, the updates applied so far.
+        exp_avg: params-shaped tree, float32 for half params.
+        exp_avg_sq: params-shaped tree, float32 for half params.
+        max_exp_avg_sq: with ``amsgrad=True``, the running maximum of ``exp_avg_sq``
+            (torch.optim's ``state["max_exp_avg_sq"]``); ``()`` otherwise. It defaults to
+            ``()``, so older checkpoints without it still load (:func:`funcamp.load`).
+        low: a low-precision mode's state, or ``()``.
 
     Example:
         >>> import torch, funcamp
@@ -69,8 +75,12 @@ class AdamState(NamedTuple):
 
 
 class LionState(NamedTuple):
-    """State of :func:`funcamp.lion`: ``count`` (0-d int32), ``exp_avg`` (params-shaped, float32
-    for half params) and ``low`` (a mode's state or ``()``).
+    """State of :func:`funcamp.lion`.
+
+    Attributes:
+        count: 0-d int32, the updates applied so far.
+        exp_avg: params-shaped, float32 for half params.
+        low: a low-precision mode's state, or ``()``.
 
     Example:
         >>> import torch, funcamp
@@ -84,9 +94,11 @@ class LionState(NamedTuple):
 
 
 class RmspropState(NamedTuple):
-    """State of :func:`funcamp.rmsprop`: ``count``, ``square_avg``, ``momentum_buffer`` (with
-    ``momentum > 0``, else ``()``), ``grad_avg`` (with ``centered=True``, else ``()``) and
-    ``low``; torch.optim.RMSprop's per-param state of the same names.
+    """State of :func:`funcamp.rmsprop`: torch.optim.RMSprop's per-param state of the same names.
+
+    The fields are ``count``, ``square_avg``, ``momentum_buffer``, ``grad_avg`` and ``low``.
+    ``momentum_buffer`` is ``()`` unless ``momentum > 0``. ``grad_avg`` is ``()`` unless
+    ``centered=True``.
 
     Example:
         >>> import torch, funcamp
@@ -148,8 +160,10 @@ class AdamaxState(NamedTuple):
 
 class NadamState(NamedTuple):
     """State of :func:`funcamp.nadam`: ``count``, ``exp_avg``, ``exp_avg_sq``, ``mu_product``
-    (a 0-d float32 tensor, the product of the momentum coefficients so far: torch.optim.NAdam
-    keeps one per param, all equal) and ``low``.
+    and ``low``.
+
+    ``mu_product`` is a 0-d float32 tensor, the product of the momentum coefficients so far.
+    (torch.optim.NAdam keeps one per param, all equal.)
 
     Example:
         >>> import torch, funcamp
@@ -195,9 +209,10 @@ class AsgdState(NamedTuple):
 
 
 class RpropState(NamedTuple):
-    """State of :func:`funcamp.rprop`: ``count``, ``prev`` (the previous step's gradient, zero
-    where its sign flipped), ``step_size`` (per element; zero before the first step, which
-    starts it at the learning rate) and ``low``.
+    """State of :func:`funcamp.rprop`: ``count``, ``prev``, ``step_size`` and ``low``.
+
+    ``prev`` is the previous step's gradient, zero where its sign flipped. ``step_size`` is per
+    element. It is zero before the first step, which starts it at the learning rate.
 
     Example:
         >>> import torch, funcamp
@@ -226,10 +241,17 @@ class MuonState(NamedTuple):
 
 
 class AdafactorState(NamedTuple):
-    """State of :func:`funcamp.adafactor`: ``count``; ``row_var`` and ``col_var`` (the factored
-    second moment of each param with two or more dimensions: its shape with the last, resp.
-    the second-to-last, dimension 1) and ``variance`` (the whole second moment of a vector);
-    an empty tensor, shape ``(0,)``, where torch.optim.Adafactor keeps no such entry; ``low``.
+    """State of :func:`funcamp.adafactor`.
+
+    Attributes:
+        count: 0-d int32, the updates applied so far.
+        row_var: the factored second moment of a param with two or more dimensions: its shape
+            with the last dimension 1.
+        col_var: the same with the second-to-last dimension 1.
+        variance: the whole second moment of a vector.
+        low: a low-precision mode's state, or ``()``.
+
+    A field is an empty tensor, shape ``(0,)``, where torch.optim.Adafactor keeps no such entry.
 
     Example:
         >>> import torch, funcamp
@@ -245,12 +267,13 @@ class AdafactorState(NamedTuple):
 
 
 class LbfgsState(NamedTuple):
-    """State of :func:`funcamp.lbfgs`: torch.optim.LBFGS's state as tensors. ``count`` (updates
-    so far), ``func_evals`` and ``n_iter`` (int64: torch's counters), ``d`` and ``t`` (the last
-    direction and step size), ``old_dirs``/``old_stps``/``ro`` (the curvature history: its
-    first ``history`` rows, oldest first), ``h_diag``, ``prev_flat_grad``, ``prev_loss`` and
-    ``loss`` (the loss at the params the last update started from). Vectors are over the
-    params' concatenation.
+    """State of :func:`funcamp.lbfgs`: torch.optim.LBFGS's state as tensors.
+
+    Vectors are over the params' concatenation. ``count`` is the updates so far. ``func_evals``
+    and ``n_iter`` are torch's counters (int64). ``d`` and ``t`` are the last direction and step
+    size. ``old_dirs``/``old_stps``/``ro`` are the curvature history: its first ``history``
+    rows, oldest first. Then come ``h_diag``, ``prev_flat_grad`` and ``prev_loss``. ``loss`` is
+    the loss at the params the last update started from.
 
     Example:
         >>> import torch, funcamp

@@ -1,5 +1,7 @@
-"""Transforms and wrappers: gradient clipping and parameter groups (accumulation:
-:mod:`funcamp.optim._accumulate`, re-exported here)."""
+"""Transforms and wrappers: gradient clipping and parameter groups.
+
+Accumulation lives in :mod:`funcamp.optim._accumulate` and is re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -240,8 +242,8 @@ def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimi
             lambda path: "on" if mask_fn(path) else "off",
         )
 
-    (their updates are then their gradients, bit for bit). For weight decay on some leaves
-    only, ``funcamp.adamw(..., mask=)`` and ``funcamp.lion(..., mask=)`` take optax's mask.
+    Their updates are then their gradients, bit for bit. For weight decay on some leaves only,
+    ``funcamp.adamw(..., mask=)`` and ``funcamp.lion(..., mask=)`` take optax's mask.
 
     The masked leaves reach ``optimizer`` as a dict keyed by their dotted paths
     (``"encoder.weight"``), so its state (and a checkpoint of it) names them. Combine several
@@ -250,9 +252,9 @@ def masked(optimizer: Optimizer, mask: PyTree | Callable[[str], bool]) -> Optimi
 
     Args:
         optimizer: the :class:`Optimizer` for the masked leaves (any low-precision mode).
-        mask: a pytree of Python bools with the params' structure (or a prefix of it), a
-            callable of the dotted leaf path returning a bool, or a callable of the params
-            returning such a pytree. It must select at least one leaf (checked by ``init``).
+        mask: a pytree of Python bools with the params' structure (or a prefix of it). Or a
+            callable of the dotted leaf path returning a bool, or of the params returning such
+            a pytree. It must select at least one leaf (checked by ``init``).
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.MaskedState`.
@@ -295,13 +297,13 @@ def _unwrap_masked(state: Any) -> dict[str, PyTree]:
 def multi_transform(
     transforms: Mapping[str, Optimizer], labels: PyTree | Callable[[str], str]
 ) -> Optimizer:
-    """Parameter groups: each param leaf gets the optimizer of its label (optax's
-    ``multi_transform``, torch.optim's ``param_groups``).
+    """Parameter groups: each param leaf gets the optimizer of its label.
 
-    Each optimizer sees its leaves as a dict keyed by their dotted paths and keeps its own
-    state (its own step count, moments and low-precision mode), so
-    ``multi_transform({"decay": adamw(lr, weight_decay=0.1), "no_decay": adamw(lr,
-    weight_decay=0.0)}, labels)`` is ``torch.optim.AdamW`` with two param groups.
+    This is optax's ``multi_transform`` and torch.optim's ``param_groups``. Each optimizer sees
+    its leaves as a dict keyed by their dotted paths. It keeps its own state: its own step
+    count, moments and low-precision mode. So ``multi_transform({"decay": adamw(lr,
+    weight_decay=0.1), "no_decay": adamw(lr, weight_decay=0.0)}, labels)`` is
+    ``torch.optim.AdamW`` with two param groups.
 
     Args:
         transforms: a dict from label to :class:`Optimizer`.

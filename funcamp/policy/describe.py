@@ -1,6 +1,8 @@
-"""A policy as plain data: :func:`describe_policy` gives a canonical, complete description of a
-:class:`~funcamp.Policy` (dtypes, op rules, module rules, FP8) made of strings, ints, lists and
-dicts (so a checkpoint stores it and ``torch.load(weights_only=True)`` reads it back), and
+"""A policy as plain data.
+
+:func:`describe_policy` gives a canonical, complete description of a :class:`~funcamp.Policy`:
+dtypes, op rules, module rules, FP8. It is made of strings, ints, lists and dicts. So a
+checkpoint stores it, and ``torch.load(weights_only=True)`` reads it back.
 :func:`policy_difference` names the first place where two descriptions differ.
 
 Op rules are described against the named table they are closest to (``default``,
@@ -99,8 +101,10 @@ def _dtype(dtype: Any) -> str:
 
 
 def policy_difference(saved: dict[str, Any], given: dict[str, Any], prefix: str = "") -> str | None:
-    """The first difference between two :func:`describe_policy` descriptions, in words (``None``
-    when they are equal): what differs, its value in ``saved`` (the checkpoint's) and in ``given``.
+    """The first difference between two :func:`describe_policy` descriptions, in words.
+
+    It says what differs, and its value in ``saved`` (the checkpoint's) and in ``given``.
+    ``None`` when they are equal.
 
     Example:
         >>> import funcamp

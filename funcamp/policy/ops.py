@@ -2,10 +2,10 @@
 
 torch.autocast keeps its op lists in C++ (``aten/src/ATen/autocast_mode.cpp`` and
 ``autocast_mode.h``) and applies them at the aten level. funcamp applies the same lists at the
-Python level, through a :class:`torch.overrides.TorchFunctionMode`, so the tables below map every
-Python entry point that reaches a listed aten op (``torch.*``, ``torch.nn.functional.*``,
-``torch.linalg.*``, ``torch.fft.*``, ``Tensor`` methods and operators such as ``@`` and ``**``)
-onto one canonical op name.
+Python level, through a :class:`torch.overrides.TorchFunctionMode`. So the tables below map every
+Python entry point that reaches a listed aten op onto one canonical op name. The entry points are
+``torch.*``, ``torch.nn.functional.*``, ``torch.linalg.*``, ``torch.fft.*``, and ``Tensor``
+methods and operators such as ``@`` and ``**``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ class OpRule(enum.Enum):
 
     - ``COMPUTE``: cast floating inputs to the policy's compute dtype (autocast's
       ``lower_precision_fp``).
-    - ``FLOAT32``: cast floating inputs to float32 (autocast's ``fp32``). For ops with a ``dtype``
-      argument (softmax, log_softmax, sum, prod, cumsum, cumprod, vector/matrix norms) the
-      input is left alone and ``dtype=torch.float32`` is passed instead, as torch's
-      ``fp32_set_opt_dtype`` does; an explicit ``dtype=`` from the caller is kept.
+    - ``FLOAT32``: cast floating inputs to float32 (autocast's ``fp32``). Some ops have a
+      ``dtype`` argument (softmax, log_softmax, sum, prod, cumsum, cumprod, vector/matrix
+      norms). For them the input is left alone, and ``dtype=torch.float32`` is passed instead,
+      as torch's ``fp32_set_opt_dtype`` does. An explicit ``dtype=`` from the caller is kept.
     - ``PROMOTE``: cast floating inputs to the widest of the compute dtype and the floating
       input dtypes (autocast's ``promote``).
     - ``NONE``: run the op as called.
@@ -396,9 +396,11 @@ class OpPolicy(Mapping[OpKey, OpRule]):
         return f"OpPolicy({len(self._items)} rules)"
 
     def dispatch_table(self) -> dict[Any, OpRule]:
-        """Return ``{name: rule}`` for the ``__name__`` of every Python entry point of every
-        listed op (``"linear"``, ``"__rmatmul__"``, ...), plus ``{callable: rule}`` for ops given
-        as callables that funcamp does not know by name.
+        """Return the table the amp mode looks each call up in.
+
+        It maps the ``__name__`` of every Python entry point of every listed op to its rule
+        (``"linear"``, ``"__rmatmul__"``, ...). Ops given as callables that funcamp does not know
+        by name map as ``{callable: rule}``.
 
         The amp mode matches a torch call by the ``__name__`` torch gives its callable: names
         are what dynamo reliably constant-folds, where dict lookups keyed by functions are not.
@@ -470,8 +472,11 @@ OPS_BY_NAME = {"default": _DEFAULT, "autocast_cuda": _CUDA, "autocast_cpu": _CPU
 
 
 def ops_name(ops: OpPolicy) -> str | None:
-    """The name a policy string gives ``ops``: None for the default table and for tables that
-    are not one of ``OPS_BY_NAME`` (a policy's op overrides, which only its repr shows)."""
+    """The name a policy string gives ``ops``.
+
+    None for the default table, and for tables that are not one of ``OPS_BY_NAME``. (Those are
+    a policy's op overrides, which only its repr shows.)
+    """
     if ops == _DEFAULT:
         return None
     for name, table in OPS_BY_NAME.items():

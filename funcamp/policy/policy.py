@@ -239,9 +239,9 @@ class Policy:
         """Return a policy with per-module overrides added (or replaced, for the same key).
 
         While a matching module runs, its floating inputs are cast to the module policy's
-        compute dtype on entry, its floating outputs to its output dtype on exit, and its op
-        rules apply inside; the innermost matching module wins. Keys are ``nn.Module``
-        subclasses or glob patterns over module paths as ``named_modules()`` gives them for the
+        compute dtype on entry. Its floating outputs are cast to its output dtype on exit. Its
+        op rules apply inside. The innermost matching module wins. Keys are ``nn.Module``
+        subclasses, or glob patterns over module paths as ``named_modules()`` gives them for the
         root module (e.g. ``"encoder.*.norm"``). A value given as a string is parsed with
         :func:`get_policy` (default op table).
 
@@ -280,17 +280,19 @@ class Policy:
     ) -> Policy:
         """Return a policy whose matching linear and addmm calls run as scaled FP8 matmuls.
 
-        A linear call (``F.linear``, what ``nn.Linear`` runs) or an ``addmm(bias, x, w)`` call
-        (``torch.addmm`` or ``Tensor.addmm``, what Hugging Face's ``Conv1D`` runs, ``w`` of
-        shape ``(in, out)``) runs in FP8 when the innermost module running it matches
-        ``modules`` (an ``nn.Module`` subclass or a glob over module paths as
-        ``named_modules()`` gives them) and no ``exclude`` entry (``exclude`` wins): input and
-        weight quantized to ``float8_e4m3fn``, the output gradient to ``float8_e5m2``, each
-        with a per-tensor scale chosen by ``recipe``, the matmuls done by ``torch._scaled_mm``,
-        the output (and the bias add) in the compute dtype of the policy in force. An addmm
-        runs in FP8 only with 2-D ``x`` and ``w``, a 1-D bias and ``beta = alpha = 1``; other
-        calls of a selected module (and float64 ones) follow the policy, and
-        :func:`funcamp.trace` lists them with the reason (``AmpTrace.fp8_fallbacks``).
+        Two calls can run in FP8. One is a linear call (``F.linear``, what ``nn.Linear`` runs).
+        The other is an ``addmm(bias, x, w)`` call (``torch.addmm`` or ``Tensor.addmm``, what
+        Hugging Face's ``Conv1D`` runs, with ``w`` of shape ``(in, out)``). A call runs in FP8
+        when the innermost module running it matches ``modules`` and no ``exclude`` entry
+        (``exclude`` wins). Entries are ``nn.Module`` subclasses, or globs over module paths as
+        ``named_modules()`` gives them.
+
+        In FP8, input and weight are quantized to ``float8_e4m3fn``, and the output gradient to
+        ``float8_e5m2``. Each gets a per-tensor scale chosen by ``recipe``. The matmuls are done
+        by ``torch._scaled_mm``. The output (and the bias add) is in the compute dtype of the
+        policy in force. An addmm runs in FP8 only with 2-D ``x`` and ``w``, a 1-D bias and
+        ``beta = alpha = 1``. Other calls of a selected module (and float64 ones) follow the
+        policy. :func:`funcamp.trace` lists them with the reason (``AmpTrace.fp8_fallbacks``).
         Everything else follows this policy. See the FP8 guide for the exact numerics.
 
         Args:
@@ -369,13 +371,17 @@ def get_policy(spec: str) -> Policy:
     ``bf16|bfloat16``, ``f64|float64``. Params default to float32, compute follows params,
     output follows compute. A bare dtype name sets all three. An ``ops`` key names the op table:
     ``default`` (torch's CUDA autocast lists, on every device: the default), ``autocast_cpu``
-    (torch's CPU lists), ``autocast_cuda`` (the same as ``default``) or ``none``. Presets:
-    ``"mixed_float16"``/``"16-mixed"``, ``"mixed_bfloat16"``/``"bf16-mixed"``,
-    ``"bf16-true"``, ``"16-true"``, ``"float32"``/``"32-true"``, and torch.autocast's own
-    defaults: ``"autocast_cpu"`` (bfloat16 compute, CPU's lists: bit-identical to
-    ``torch.autocast("cpu")``), ``"autocast_cuda"`` (float16 compute, CUDA's lists: equal to
-    ``"mixed_float16"``) and ``"autocast"``, which is ``"autocast_cuda"`` when
-    ``torch.cuda.is_available()`` at the time of the call and ``"autocast_cpu"`` otherwise.
+    (torch's CPU lists), ``autocast_cuda`` (the same as ``default``) or ``none``.
+
+    Presets: ``"mixed_float16"``/``"16-mixed"``, ``"mixed_bfloat16"``/``"bf16-mixed"``,
+    ``"bf16-true"``, ``"16-true"``, ``"float32"``/``"32-true"``. Three more are torch.autocast's
+    own defaults:
+
+    * ``"autocast_cpu"``: bfloat16 compute with CPU's lists, bit-identical to
+      ``torch.autocast("cpu")``;
+    * ``"autocast_cuda"``: float16 compute with CUDA's lists, equal to ``"mixed_float16"``;
+    * ``"autocast"``: ``"autocast_cuda"`` when ``torch.cuda.is_available()`` at the time of the
+      call, and ``"autocast_cpu"`` otherwise.
 
     Raises:
         ValueError: naming the bad part of ``spec`` and listing what is valid.

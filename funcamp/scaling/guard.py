@@ -1,11 +1,11 @@
 """Stop a run whose loss scale has collapsed: :class:`ScaleCollapseGuard`.
 
-A dynamic scaler backs off on every overflow. When the gradients are non-finite whatever the
-scale (a nan in the data or the model, a diverged run), the scale falls to ``min_scale`` and
-every later step is skipped: the run goes on forever without learning, and nothing says so.
-DeepSpeed stops such a run ("Current loss scale already at minimum"); this guard does the
-same without a host sync on the step: it reads the ``found_inf`` and ``scale`` metrics only
-where the loop reads its metrics anyway (every N steps, once per epoch), from the per-step
+A dynamic scaler backs off on every overflow. Sometimes the gradients are non-finite whatever the
+scale (a nan in the data or the model, a diverged run). The scale then falls to ``min_scale``, and
+every later step is skipped. The run goes on forever without learning, and nothing says so.
+DeepSpeed stops such a run ("Current loss scale already at minimum"). This guard does the same
+without a host sync on the step. It reads the ``found_inf`` and ``scale`` metrics only where the
+loop reads its metrics anyway (every N steps, once per epoch). It reads them from the per-step
 metric tensors collected in between.
 """
 
@@ -45,17 +45,17 @@ class ScaleCollapseGuard:
     """Stop training when the scaler sits at its floor and keeps skipping steps.
 
     A step *counts* when it was skipped (``metrics["found_inf"]``) and the scale it used
-    (``metrics["scale"]``) was already at the floor: at or below the scaler's ``min_scale``.
-    A ``dynamic`` scaler without ``min_scale`` has no floor (it would back off towards 0), and
-    ``static`` and ``noop`` scalers never change, so for them every skipped step counts. When
-    ``patience`` consecutive steps count, :meth:`check` raises :class:`ScaleCollapseError`
-    with the numbers; any step that is not skipped, or is skipped above the floor (the scaler
-    still searching for its level), resets the count.
+    (``metrics["scale"]``) was already at the floor. The floor is the scaler's ``min_scale``. A
+    ``dynamic`` scaler without ``min_scale`` has no floor (it would back off towards 0). ``static``
+    and ``noop`` scalers never change. So for them every skipped step counts. When ``patience``
+    consecutive steps count, :meth:`check` raises :class:`ScaleCollapseError` with the numbers. Any
+    step that is not skipped resets the count. So does a step skipped above the floor (the scaler
+    still searching for its level).
 
-    The guard holds the count between calls (it is host-side bookkeeping, not training state:
-    nothing is added to :class:`~funcamp.TrainState`) and reads the metrics only when
-    :meth:`check` is called: pass it the metrics of *every* step since the previous call, in
-    order, where the loop reads its metrics anyway -- one host read per call, none on the step.
+    The guard holds the count between calls. It is host-side bookkeeping, not training state:
+    nothing is added to :class:`~funcamp.TrainState`. It reads the metrics only when :meth:`check`
+    is called. Pass it the metrics of *every* step since the previous call, in order, where the
+    loop reads its metrics anyway. That is one host read per call, and none on the step.
 
     Args:
         patience: how many consecutive counted steps stop the run (default 100).
@@ -95,13 +95,12 @@ class ScaleCollapseGuard:
         """Count the skipped steps at the floor among ``metrics``; raise when there are too many.
 
         Args:
-            scaler: the :class:`~funcamp.ScalerState` (its ``kind`` and ``min_scale`` say where
-                the floor is), or a state with a ``scaler`` field (a
+            scaler: the :class:`~funcamp.ScalerState`, whose ``kind`` and ``min_scale`` say
+                where the floor is. Or a state with a ``scaler`` field (a
                 :class:`~funcamp.TrainState`).
-            metrics: the metrics of every step since the previous call, in order: a list of
+            metrics: the metrics of every step since the previous call, in order. A list of
                 ``make_train_step`` metrics dicts (only ``found_inf`` and ``scale`` are read),
-                one such dict, or a dict whose ``found_inf`` and ``scale`` are 1-d tensors
-                stacked over the steps.
+                one such dict, or a dict of 1-d tensors stacked over the steps.
 
         Raises:
             ScaleCollapseError: ``patience`` consecutive steps were skipped at the floor.

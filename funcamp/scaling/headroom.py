@@ -3,9 +3,9 @@
 A loss scale moves every gradient by the same power of two. Cast into a half-precision dtype,
 a scaled gradient element can *flush to zero* (it rounds to 0), land *subnormal* (it keeps fewer
 significant bits) or *overflow* (it rounds past the dtype's largest finite value to inf).
-:func:`headroom` counts each, per gradient leaf and overall, and gives the range of scales at
+:func:`headroom` counts each, per gradient leaf and overall. It gives the range of scales at
 which nothing flushes and nothing overflows. Everything is computed with tensor ops and no host
-sync, so it runs inside a compiled step (``make_train_step(..., headroom=True)``).
+sync. So it runs inside a compiled step (``make_train_step(..., headroom=True)``).
 """
 
 from __future__ import annotations
@@ -31,24 +31,24 @@ class Headroom(NamedTuple):
     Every field is a 0-d float32 tensor (no host sync to build it).
 
     Attributes:
-        underflow: fraction of all elements (zeros included in the denominator) that are nonzero
-            but flush to zero once scaled and cast: magnitude at most half the dtype's smallest
-            subnormal (the tie rounds to the even value, 0).
+        underflow: fraction of all elements that are nonzero but flush to zero once scaled and
+            cast (zeros count in the denominator). Their magnitude is at most half the dtype's
+            smallest subnormal (the tie rounds to the even value, 0).
         subnormal: fraction of all elements that are nonzero and land in the dtype's subnormal
-            range once scaled and cast (they survive with fewer significant bits).
-        overflow: fraction of all elements that overflow once scaled and cast: they round past
+            range once scaled and cast. They survive with fewer significant bits.
+        overflow: fraction of all elements that overflow once scaled and cast. They round past
             the dtype's max to inf, or are already inf or nan.
         amax: the largest magnitude among the *unscaled* gradients (nan when one is nan).
         log2_scale_min: scales ``s`` with ``log2(s) > log2_scale_min`` flush no nonzero element
             to zero (``-inf`` when every element is zero).
         log2_scale_max: scales ``s`` with ``log2(s) < log2_scale_max`` overflow no element
             (``inf`` when every element is zero; ``-inf`` when one is already non-finite).
-            The open interval ``(log2_scale_min, log2_scale_max)`` is the range of scales that
-            lose nothing measurable: nothing flushes, nothing overflows. When it is empty the
-            gradients span more than the dtype can hold at any one scale.
         leaves: ``{path: Headroom}`` for each gradient leaf (the same fields; their ``leaves``
-            is ``{}``). A path joins the keys with dots: ``"fc.weight"`` for a
-            ``named_parameters()`` dict, ``"encoder.0"`` for nested containers.
+            is ``{}``). A path joins the keys with dots (``"fc.weight"``, ``"encoder.0"``).
+
+    The open interval ``(log2_scale_min, log2_scale_max)`` is the range of scales that lose
+    nothing measurable: nothing flushes, nothing overflows. When it is empty, the gradients span
+    more than the dtype can hold at any one scale.
 
     Example:
         >>> import torch, funcamp
@@ -69,8 +69,9 @@ class Headroom(NamedTuple):
     leaves: dict[str, Headroom]
 
     def summary(self) -> dict[str, torch.Tensor]:
-        """The overall fields as a dict of 0-d tensors (what ``make_train_step(...,
-        headroom=True)`` puts in ``metrics["headroom"]``).
+        """The overall fields as a dict of 0-d tensors.
+
+        ``make_train_step(..., headroom=True)`` puts this in ``metrics["headroom"]``.
 
         Example:
             >>> import torch, funcamp
@@ -158,9 +159,12 @@ def headroom_of(
     leaves: bool = True,
     include: Callable[[str], bool] | None = None,
 ) -> Headroom:
-    """``headroom`` of ``grads``; with ``scaled=True`` they are already multiplied by ``scale``
-    (the train step's own gradients); ``leaves=False`` skips the per-leaf results; ``include``
-    (a predicate of the leaf path) keeps only some leaves."""
+    """``headroom`` of ``grads``.
+
+    With ``scaled=True`` they are already multiplied by ``scale`` (the train step's own
+    gradients). ``leaves=False`` skips the per-leaf results. ``include``, a predicate of the
+    leaf path, keeps only some leaves.
+    """
     lim = _limits(dtype)
     paths, tensors, _ = optree.tree_flatten_with_path(grads, namespace=NAMESPACE)
     scale = scale.to(torch.float32)
@@ -212,21 +216,22 @@ def _check_dtype(dtype: Any, api: str) -> torch.dtype:
 def headroom(grads: Any, scaler_state: ScalerState, dtype: torch.dtype = torch.float16) -> Headroom:
     """Measure how ``grads`` fare once multiplied by the loss scale and cast to ``dtype``.
 
-    For each floating leaf of ``grads`` (the *unscaled* gradients) and for all of them together:
-    the fractions of elements that flush to zero, land subnormal or overflow once multiplied by
-    ``scaler_state.scale`` (in float32) and cast to ``dtype``; the amax of the unscaled
-    gradients; and the range of scales (log2) at which nothing flushes and nothing overflows.
-    Fractions count every element, zeros included, in the denominator. The thresholds are
-    those of round-to-nearest-even, so the counts equal what ``(g * scale).to(dtype)`` does.
+    It works for each floating leaf of ``grads`` (the *unscaled* gradients), and for all of them
+    together. It gives the fractions of elements that flush to zero, land subnormal or overflow.
+    (That is, once multiplied by ``scaler_state.scale`` in float32 and cast to ``dtype``.) It gives
+    the amax of the unscaled gradients, and the range of scales (log2) at which nothing flushes and
+    nothing overflows. Fractions count every element, zeros included, in the denominator. The
+    thresholds are those of round-to-nearest-even, so the counts equal what ``(g *
+    scale).to(dtype)`` does.
 
-    A parameter gradient is the end of a backward pass whose activation gradients ran in
-    ``dtype``; its headroom is a direct reading of where the loss scale sits against the
-    dtype's range. Pure and traceable: tensor ops only, no host sync; it runs inside
+    A parameter gradient is the end of a backward pass whose activation gradients ran in ``dtype``.
+    So its headroom is a direct reading of where the loss scale sits against the dtype's range.
+    Pure and traceable: tensor ops only, no host sync. It runs inside
     ``torch.compile(fullgraph=True)``.
 
     Args:
-        grads: a pytree of gradients (unscaled, as :func:`funcamp.unscale` returns them);
-            non-floating leaves are ignored.
+        grads: a pytree of gradients, unscaled (as :func:`funcamp.unscale` returns them).
+            Non-floating leaves are ignored.
         scaler_state: the :class:`funcamp.ScalerState` whose ``scale`` to apply.
         dtype: the half dtype to measure against: ``torch.float16`` (default) or
             ``torch.bfloat16``.

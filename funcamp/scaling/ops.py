@@ -1,9 +1,9 @@
-"""Loss scaling as pure functions over a :class:`~funcamp.ScalerState`: :func:`scale`,
-:func:`unscale` and :func:`update`.
+"""Loss scaling as pure functions over a :class:`~funcamp.ScalerState`.
 
-:func:`update` reproduces ``torch._amp_update_scale_`` bit for bit (the products are computed in
-float64 and rounded to float32, as torch's kernel does) and adds ``min_scale``/``max_scale`` clamps
-and Megatron-LM's hysteresis. Nothing on the step path syncs with the host.
+The functions are :func:`scale`, :func:`unscale` and :func:`update`. :func:`update` reproduces
+``torch._amp_update_scale_`` bit for bit: the products are computed in float64 and rounded to
+float32, as torch's kernel does. It adds ``min_scale``/``max_scale`` clamps and Megatron-LM's
+hysteresis. Nothing on the step path syncs with the host.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ PyTree = Any
 def scale(state: ScalerState, tree: PyTree) -> PyTree:
     """Multiply the floating tensor leaves of ``tree`` (usually the loss) by the scale.
 
-    The product is computed in float32 (float16/bfloat16 leaves are upcast first, so a scaled
-    float16 loss cannot overflow; float64 leaves stay float64, as with ``GradScaler.scale``).
+    The product is computed in float32. Float16/bfloat16 leaves are upcast first, so a scaled
+    float16 loss cannot overflow. Float64 leaves stay float64, as with ``GradScaler.scale``.
     Integer, bool and non-tensor leaves pass through.
 
     Example:
@@ -54,20 +54,24 @@ def scale(state: ScalerState, tree: PyTree) -> PyTree:
 
 
 def fused_unscale(leaves: list[torch.Tensor]) -> bool:
-    """Whether unscaling runs torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
-    copies of the leaves (one pass for the check and the multiply): on the
-    :func:`~funcamp._core.context.plain_tensors` -- plain eager, or compiled, where inductor calls
-    it (inside ``funcamp::unscale``) instead of generating a check and a multiply per leaf. It has
-    no autograd formula and no vmap rule: the traced path's pure ops, which give identical
-    results, run under functorch transforms and autograd."""
+    """Whether unscaling runs torch's fused kernel on copies of the leaves.
+
+    The kernel is ``_amp_foreach_non_finite_check_and_unscale_``: one pass for the check and the
+    multiply. It runs on :func:`~funcamp._core.context.plain_tensors`: plain eager, or compiled.
+    Compiled, inductor calls it (inside ``funcamp::unscale``) instead of generating a check and
+    a multiply per leaf. It has no autograd formula and no vmap rule. So under functorch
+    transforms and autograd the traced path's pure ops run, with identical results.
+    """
     return hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_") and plain_tensors(leaves)
 
 
 def floating_leaves(
     grads: PyTree, flat: tuple[list[Any], Any] | None = None
 ) -> tuple[list[Any], Any, list[int]]:
-    """``(leaves, treespec, indices of the floating tensor leaves)`` of ``grads`` (``flat``:
-    its leaves and treespec, when the caller has them)."""
+    """``(leaves, treespec, indices of the floating tensor leaves)`` of ``grads``.
+
+    ``flat`` is its leaves and treespec, when the caller has them.
+    """
     leaves, spec = flatten(grads) if flat is None else flat
     idx = [
         i
@@ -180,23 +184,22 @@ def unscale(
 ) -> tuple[PyTree, torch.Tensor]:
     """Divide scaled gradients by the scale and check them for inf/nan.
 
-    Floating leaves are returned in float32 (float16 and bfloat16 grads are unscaled in float32,
-    which ``GradScaler.unscale_`` refuses to do for float16; float64 stays float64), multiplied by
-    ``float32(1 / float64(scale))`` exactly as ``GradScaler`` does. ``found_inf`` is a 0-d bool
-    tensor, True when any *scaled* gradient is inf or nan (torch's rule). Integer and non-tensor
-    leaves pass through. The input tensors are never modified; no host sync.
+    Floating leaves are returned in float32; float64 stays float64. Float16 and bfloat16 grads are
+    unscaled in float32, which ``GradScaler.unscale_`` refuses to do for float16. They are
+    multiplied by ``float32(1 / float64(scale))``, exactly as ``GradScaler`` does. ``found_inf`` is
+    a 0-d bool tensor, True when any *scaled* gradient is inf or nan (torch's rule). Integer and
+    non-tensor leaves pass through. The input tensors are never modified; no host sync.
 
     Plain CPU/CUDA tensors use torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` on
-    fresh copies, in eager code and under ``torch.compile`` (where inductor calls it, inside the
-    ``funcamp::unscale`` op, rather than generating a check and a multiply per leaf); under
-    ``torch.func`` transforms or autograd a pure-torch path with bit-identical results runs
-    instead.
+    fresh copies. They do so in eager code and under ``torch.compile``, where inductor calls it
+    inside the ``funcamp::unscale`` op. Under ``torch.func`` transforms or autograd, a pure-torch
+    path with bit-identical results runs instead.
 
     Args:
         state: the scaler state the loss was scaled with.
         grads: scaled gradients (any pytree).
-        donate_grads: for callers that never use ``grads`` again: in plain eager, float32
-            and float64 leaves are unscaled in place, saving a copy. Default False: ``grads``
+        donate_grads: for callers that never use ``grads`` again. In plain eager, float32 and
+            float64 leaves are then unscaled in place, saving a copy. Default False: ``grads``
             are never modified.
 
     Example:
@@ -224,16 +227,18 @@ def unscale(
 def update(state: ScalerState, found_inf: torch.Tensor) -> ScalerState:
     """Return the next scaler state after a step whose overflow flag is ``found_inf``.
 
-    ``skipped`` counts up on every overflow, for every kind. ``static`` and ``noop`` scalers
-    keep their scale. A ``dynamic`` scaler follows ``torch._amp_update_scale_`` bit for bit
-    (float64 products rounded to float32): on overflow the scale is multiplied by
-    ``backoff_factor`` and the growth tracker resets; otherwise the tracker counts up, and when it
-    reaches ``growth_interval`` it resets and the scale is multiplied by ``growth_factor`` unless
-    the grown value is not finite. Then ``min_scale``/``max_scale`` clamp the backed-off/grown
-    value. With ``hysteresis=h`` (Megatron-LM's ``DynamicGradScaler``) each overflow also
-    decrements a hysteresis tracker that starts at ``h``; the scale backs off only when that
-    tracker reaches 0 (and on every overflow while it stays 0), and the tracker returns to ``h``
-    at each growth step (``growth_interval`` clean steps in a row). ``h=1`` is torch's rule.
+    ``skipped`` counts up on every overflow, for every kind. ``static`` and ``noop`` scalers keep
+    their scale. A ``dynamic`` scaler follows ``torch._amp_update_scale_`` bit for bit (float64
+    products rounded to float32). On overflow the scale is multiplied by ``backoff_factor``, and
+    the growth tracker resets. Otherwise the tracker counts up. When it reaches
+    ``growth_interval``, it resets, and the scale is multiplied by ``growth_factor`` (unless the
+    grown value is not finite). Then ``min_scale``/``max_scale`` clamp the backed-off or grown
+    value.
+
+    With ``hysteresis=h`` (Megatron-LM's ``DynamicGradScaler``), each overflow also decrements a
+    hysteresis tracker that starts at ``h``. The scale backs off only when that tracker reaches 0,
+    and on every overflow while it stays 0. The tracker returns to ``h`` at each growth step
+    (``growth_interval`` clean steps in a row). ``h=1`` is torch's rule.
 
     Args:
         state: the current state.
@@ -340,8 +345,11 @@ def _update_with_kernel(
 
 
 def disjoint(leaves: list[torch.Tensor], taken: set[int | None]) -> bool:
-    """Whether no two of ``leaves`` share memory, none shares memory with ``taken``, and none
-    with itself (an expanded grad)."""
+    """Whether ``leaves`` are free of shared memory.
+
+    No two of them may share memory, none with ``taken``, and none with itself (an expanded
+    grad).
+    """
     seen: set[int | None] = set()
     for x in leaves:
         key = storage_key(x)

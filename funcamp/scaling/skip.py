@@ -1,11 +1,15 @@
 """Skipping an overflowed step: :class:`Skip`, the one place funcamp keeps the old values.
 
-Every path of :func:`funcamp.unscale_and_step` skips through one :class:`Skip`: the pure path
-selects trees, the eager path masks its deltas and selects into its temporaries, a donated
-state has each new buffer written into the old one, torch's fused kernels read the flag
-themselves, and the train step keeps its FP8 state with it. Optimizers receive it through
-:class:`funcamp.optim.Writes` and never read ``found_inf`` themselves. Changing how a step is
-skipped means changing this file.
+Every path of :func:`funcamp.unscale_and_step` skips through one :class:`Skip`:
+
+* the pure path selects trees;
+* the eager path masks its deltas and selects into its temporaries;
+* a donated state has each new buffer written into the old one;
+* torch's fused kernels read the flag themselves;
+* the train step keeps its FP8 state with it.
+
+Optimizers receive it through :class:`funcamp.optim.Writes`, and never read ``found_inf``
+themselves. Changing how a step is skipped means changing this file.
 """
 
 from __future__ import annotations
@@ -73,9 +77,11 @@ class Skip:
         writable: Callable[[torch.Tensor], bool] | None = None,
         done: Callable[[torch.Tensor], bool] | None = None,
     ) -> PyTree:
-        """Two trees of one structure, leaf by leaf (:func:`funcamp.tree_select`). A ``new``
-        leaf for which ``writable`` holds (a temporary of the caller) receives the result in
-        place; one for which ``done`` holds already holds it."""
+        """Two trees of one structure, leaf by leaf (:func:`funcamp.tree_select`).
+
+        A ``new`` leaf for which ``writable`` holds (a temporary of the caller) receives the
+        result in place. One for which ``done`` holds already holds it.
+        """
         return select_into(self.found_inf, old, new, writable, done)
 
     def write(self, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> Any:
@@ -87,24 +93,31 @@ class Skip:
         return olds
 
     def plan_write(self, old: PyTree, new: PyTree) -> Callable[[], PyTree]:
-        """:meth:`write` over two trees in two phases: checked now (raising before anything is
-        written), written by the returned function, which returns ``old``."""
+        """:meth:`write` over two trees, in two phases.
+
+        The trees are checked now, raising before anything is written. The returned function
+        writes, and returns ``old``.
+        """
         return plan_select_write(self.found_inf, new, old)
 
     def flag(self, device: torch.device) -> torch.Tensor:
-        """``found_inf`` as torch's fused kernels read it (float32 on ``device``): they skip
-        by themselves."""
+        """``found_inf`` as torch's fused kernels read it (float32 on ``device``).
+
+        The kernels skip by themselves.
+        """
         return self.found_inf.to(device=device, dtype=torch.float32)
 
     def mask_delta(self, delta: torch.Tensor) -> bool:
-        """Turn an owned float32/float64 delta into ``-0.0`` everywhere on a skipped step, in
-        place, so that ``p + delta`` is ``p`` bit for bit (signed zeros and infinities
-        included): ``min(bits, cap)`` on the integer view, with a 0-d ``cap`` that is the
-        bits of ``-0.0`` when skipped and the largest integer otherwise. One vectorized pass
-        instead of a ``torch.where`` over both trees (a scalar loop on CPU). Returns False
-        (the caller then selects) for other dtypes, and on CPU while subnormals are flushed,
-        where ``p + -0.0`` is not ``p``. A signaling-NaN param (torch never makes one) would
-        come back quiet from a skipped step."""
+        """Turn an owned float32/float64 delta into ``-0.0`` everywhere on a skipped step, in place.
+
+        Then ``p + delta`` is ``p`` bit for bit, signed zeros and infinities included. It takes
+        ``min(bits, cap)`` on the integer view. The 0-d ``cap`` is the bits of ``-0.0`` when
+        skipped, and the largest integer otherwise. That is one vectorized pass instead of a
+        ``torch.where`` over both trees (a scalar loop on CPU). It returns False for other
+        dtypes, and the caller then selects. It also returns False on CPU while subnormals are
+        flushed, where ``p + -0.0`` is not ``p``. A signaling-NaN param (torch never makes one)
+        would come back quiet from a skipped step.
+        """
         int_dtype = BITS.get(delta.dtype)
         if int_dtype is None or int_dtype == torch.int16:
             return False

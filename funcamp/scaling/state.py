@@ -1,9 +1,9 @@
 """The loss-scaler state: :class:`ScalerState`, an immutable pytree.
 
-A frozen dataclass registered with optree (namespace ``"funcamp"``) and ``torch.utils._pytree``:
-its tensors are leaves, its configuration is static metadata, so it survives flatten/unflatten,
-``torch.compile``, ``torch.func.vmap`` and checkpoints whole. Interop with
-``torch.amp.GradScaler`` both ways.
+It is a frozen dataclass registered with optree (namespace ``"funcamp"``) and
+``torch.utils._pytree``. Its tensors are leaves, and its configuration is static metadata. So it
+survives flatten/unflatten, ``torch.compile``, ``torch.func.vmap`` and checkpoints whole. It
+converts to and from ``torch.amp.GradScaler``.
 """
 
 from __future__ import annotations
@@ -64,22 +64,22 @@ class ScalerState:
 
     Leaves (threaded through the step, traced by ``torch.compile``):
 
-    * ``scale`` -- 0-d float32, the current loss scale.
-    * ``growth_tracker`` -- 0-d int32, clean steps since the scale last changed (torch's name).
-    * ``hysteresis_tracker`` -- 0-d int32, overflows still tolerated before backing off.
-    * ``skipped`` -- 0-d int32, running total of skipped (non-finite) steps.
+    * ``scale``: 0-d float32, the current loss scale.
+    * ``growth_tracker``: 0-d int32, clean steps since the scale last changed (torch's name).
+    * ``hysteresis_tracker``: 0-d int32, overflows still tolerated before backing off.
+    * ``skipped``: 0-d int32, running total of skipped (non-finite) steps.
 
-    Static configuration (pytree metadata, a compile-time constant): ``kind``
+    Static configuration is pytree metadata, a compile-time constant. It holds ``kind``
     (``"dynamic"``, ``"static"`` or ``"noop"``), ``growth_factor``, ``backoff_factor``,
     ``growth_interval``, ``min_scale``, ``max_scale`` (``None`` for unbounded) and ``hysteresis``.
 
     All three kinds skip steps whose gradients are non-finite. ``static`` keeps its scale
-    forever; ``noop`` is a static scale of 1: nothing is scaled, but ``found_inf`` is still
-    computed and a non-finite step is still skipped, which protects bfloat16 and float32 training
+    forever. ``noop`` is a static scale of 1: nothing is scaled, but ``found_inf`` is still
+    computed and a non-finite step is still skipped. That protects bfloat16 and float32 training
     from a single NaN step destroying the parameters.
 
     Build one with :meth:`dynamic`, :meth:`static`, :meth:`noop`, :meth:`for_policy` or
-    :meth:`from_grad_scaler`; the class is frozen, and :func:`update` returns a new state.
+    :meth:`from_grad_scaler`. The class is frozen; :func:`update` returns a new state.
 
     Example:
         >>> import torch, funcamp
@@ -142,7 +142,7 @@ class ScalerState:
             min_scale: optional floor, a normal float32 value; backoff never goes below it.
             max_scale: optional ceiling, a finite float32 value; growth never goes above it.
             hysteresis: overflows tolerated since the last growth before backing off
-                (Megatron-LM's rule); 1 is torch's rule (back off on every overflow).
+                (Megatron-LM's rule). 1 is torch's rule: back off on every overflow.
             device: where the state's tensors live (default: the default device).
 
         Example:
@@ -253,14 +253,14 @@ class ScalerState:
     ) -> ScalerState:
         """Convert a ``torch.amp.GradScaler`` (or its ``state_dict()``) to a :class:`ScalerState`.
 
-        The scale, growth tracker, factors and interval carry over exactly; a disabled scaler
-        (empty state dict) becomes :meth:`noop`. ``skipped`` starts at 0 (GradScaler keeps no
-        such count).
+        The scale, growth tracker, factors and interval carry over exactly. A disabled scaler
+        (empty state dict) becomes :meth:`noop`. ``skipped`` starts at 0, since GradScaler
+        keeps no such count.
 
         Args:
             scaler_or_state_dict: a GradScaler or the dict its ``state_dict()`` returned.
-            device: where the state's tensors live (default: the scaler's scale tensor's device
-                when it has one, else the default device).
+            device: where the state's tensors live. Default: the device of the scaler's scale
+                tensor when it has one, else the default device.
 
         Example:
             >>> import torch, funcamp
@@ -343,12 +343,11 @@ class ScalerState:
         )
 
     def to_grad_scaler_state_dict(self) -> dict[str, Any]:
-        """Return the state as ``torch.amp.GradScaler.state_dict()`` would (host sync: use it
-        for checkpointing, not inside a step).
+        """Return the state as ``torch.amp.GradScaler.state_dict()`` would.
 
-        A ``noop`` scaler gives ``{}`` (a disabled GradScaler). GradScaler cannot represent a
-        ``static`` scaler, hysteresis or scale bounds; those raise ``ValueError`` rather than
-        losing information.
+        It syncs with the host: use it for checkpointing, not inside a step. A ``noop`` scaler
+        gives ``{}`` (a disabled GradScaler). GradScaler cannot represent a ``static`` scaler,
+        hysteresis or scale bounds. Those raise ``ValueError`` rather than losing information.
 
         Example:
             >>> import torch, funcamp
@@ -510,9 +509,11 @@ def check_scaler_leaves(api: str, state: Any, arg: str = "state") -> None:
 
 
 def check_scaler_values(api: str, state: Any, arg: str = "state") -> None:
-    """Value checks for a ScalerState coming in from outside (a checkpoint, a GradScaler): reads
-    the four scalars (host sync: load time only, never on the step path). A stacked state (the
-    leaves of several states, as ``vmap`` makes) is checked element by element."""
+    """Value checks for a ScalerState coming in from outside (a checkpoint, a GradScaler).
+
+    It reads the four scalars: a host sync, at load time only, never on the step path. A stacked
+    state (the leaves of several states, as ``vmap`` makes) is checked element by element.
+    """
     for name, dtype in LEAVES.items():
         x = getattr(state, name)
         if not isinstance(x, torch.Tensor) or x.dtype != dtype:

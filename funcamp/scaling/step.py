@@ -1,5 +1,7 @@
-"""The step algorithm: :func:`unscale_and_step` -- unscale, the optimizer, and the skip of an
-overflowed step -- with its eager fast path and its traced (pure) path.
+"""The step algorithm: :func:`unscale_and_step`.
+
+It unscales, runs the optimizer, and skips an overflowed step. It has an eager fast path and a
+traced (pure) path.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class StepInfo(NamedTuple):
     Attributes:
         found_inf: 0-d bool, True when the scaled gradients had an inf or nan and the step was
             skipped.
-        grad_norm: 0-d float32, the global L2 norm of the unscaled gradients (summed in the
-            grads dict's order, as ``clip_grad_norm_``); ``None`` with ``grad_norm=False``.
+        grad_norm: 0-d float32, the global L2 norm of the unscaled gradients, summed in the
+            grads dict's order (as ``clip_grad_norm_``). ``None`` with ``grad_norm=False``.
 
     Example:
         >>> import torch, funcamp
@@ -106,31 +108,31 @@ def unscale_and_step(
     """Unscale ``grads``, apply ``optimizer``, and skip the step if the grads overflowed.
 
     Runs :func:`unscale`, then ``optimizer.update(grads, opt_state, params)`` and
-    :func:`funcamp.apply_updates`; where ``found_inf`` is True the old ``params`` and
-    ``opt_state`` are returned bit-identical (selected leaf-wise with :func:`funcamp.tree_select`,
-    no host sync). Call :func:`update` with ``info.found_inf`` afterwards.
+    :func:`funcamp.apply_updates`. Where ``found_inf`` is True, the old ``params`` and
+    ``opt_state`` are returned bit-identical. (They are selected leaf-wise with
+    :func:`funcamp.tree_select`, with no host sync.) Call :func:`update` with ``info.found_inf``
+    afterwards.
 
-    The inputs are checked first (trees, shapes, the optimizer state against the params, the
-    learning rate), before the grads are touched or anything is written: a refused call changes
-    nothing, donated or not. A tensor learning rate that is NaN, infinite or negative at run
-    time skips the step like an overflow (``found_inf`` is True).
+    The inputs are checked first: trees, shapes, the optimizer state against the params, the
+    learning rate. That happens before the grads are touched or anything is written. So a refused
+    call changes nothing, donated or not. A tensor learning rate that is NaN, infinite or negative
+    at run time skips the step like an overflow (``found_inf`` is True).
 
     With :func:`funcamp.accumulate` in ``optimizer``, a window of ``every`` calls is
-    ``torch.amp.GradScaler``'s optimizer step: ``found_inf`` is the window's (an inf or nan in
-    any of its micro-batches so far); where the window closes with ``found_inf`` its update is
-    skipped whole (the inner optimizer's state stays as it was) and the next window starts;
-    ``grad_norm`` is the accumulated gradient's on the call that closes the window. Call
-    :func:`update` only where ``funcamp.accumulate_applies(opt_state)`` held before the call
-    (the train step does), as GradScaler's ``update()`` runs once per optimizer step.
+    ``torch.amp.GradScaler``'s optimizer step. ``found_inf`` is the window's: an inf or nan in any
+    of its micro-batches so far. Where the window closes with ``found_inf``, its update is skipped
+    whole, and the inner optimizer's state stays as it was. The next window then starts.
+    ``grad_norm`` is the accumulated gradient's, on the call that closes the window. Call
+    :func:`update` only where ``funcamp.accumulate_applies(opt_state)`` held before the call (the
+    train step does). That matches GradScaler's ``update()``, which runs once per optimizer step.
 
     Donated states: with ``donate_state=True`` the new values are written into the tensors of
-    ``params`` and ``opt_state``, which are returned (compiled, inductor stores straight into
-    them). On plain float32 tensors, :func:`funcamp.sgd` without momentum and
-    ``adam``/``adamw`` with ``fused=True`` run torch's fused kernel, which skips on
-    ``found_inf`` by itself: one pass over the params, ``torch.optim``'s fused results bit for
-    bit. The other built-in optimizers write each new buffer into the old one as soon as it is
-    known, selected on ``found_inf``. Tensors of ``params``/``opt_state`` that share memory
-    are refused.
+    ``params`` and ``opt_state``, which are returned. (Compiled, inductor stores straight into
+    them.) Some optimizers run torch's fused kernel on plain float32 tensors: :func:`funcamp.sgd`
+    without momentum, and ``adam``/``adamw`` with ``fused=True``. The kernel skips on ``found_inf``
+    by itself. That is one pass over the params, and ``torch.optim``'s fused results bit for bit.
+    The other built-in optimizers write each new buffer into the old one as soon as it is known,
+    selected on ``found_inf``. Tensors of ``params``/``opt_state`` that share memory are refused.
 
     Args:
         state: the scaler state the loss was scaled with.
@@ -138,22 +140,22 @@ def unscale_and_step(
         grads: scaled gradients, with the structure and shapes of ``params``.
         opt_state: the optimizer state.
         params: the parameters.
-        group: optional process group; when given, ``found_inf`` is OR-ed across its ranks
-            (:func:`funcamp.distributed.any_across`) so every rank skips together.
-        donate_grads: for callers that never use ``grads`` again: in plain eager their
-            memory may be reused for the results, with identical values. Default False: no
+        group: optional process group. When given, ``found_inf`` is OR-ed across its ranks
+            (:func:`funcamp.distributed.any_across`), so every rank skips together.
+        donate_grads: for callers that never use ``grads`` again. In plain eager their memory
+            may then be reused for the results, with identical values. Default False: no
             argument is ever modified.
         donate_state: write the new params and optimizer state into the tensors of
             ``params`` and ``opt_state``, as ``torch.optim`` does. For callers that keep only
             the returned ones. See "Donated states" above.
         grad_norm: compute ``info.grad_norm``, the global L2 norm of the unscaled gradients
             (default True): one more pass over every gradient. ``False``: ``None``.
-        across: gradients held as shards (:class:`funcamp.distributed.Across`):
+        across: gradients held as shards (:class:`funcamp.distributed.Across`). Then
             ``found_inf`` and the norm cover every rank, and so does
             :func:`funcamp.clip_by_global_norm` inside ``optimizer``.
 
     Returns:
-        ``(params, opt_state, StepInfo(found_inf, grad_norm))``; ``grad_norm`` is the global L2
+        ``(params, opt_state, StepInfo(found_inf, grad_norm))``. ``grad_norm`` is the global L2
         norm of the unscaled gradients (float32), or ``None`` with ``grad_norm=False``.
 
     Example:

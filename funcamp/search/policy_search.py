@@ -299,17 +299,17 @@ def search_policy(
 ) -> tuple[Policy, SearchReport]:
     """Find the cheapest policy from ``base`` whose loss and gradients stay close to float32's.
 
-    "Cheapest" means the most candidate modules left in ``base``'s compute dtype; a candidate
+    "Cheapest" means the most candidate modules left in ``base``'s compute dtype. A candidate
     that is not safe gets a float32 module policy (``base.with_module_policies({c: float32})``).
-    A policy is within tolerance when, on the given arguments, both its loss and its gradients
-    differ from float32's by at most ``tolerance``, relatively (the gradients as one vector, in
-    L2 norm; any inf or nan is an infinite error).
+    A policy is within tolerance when both its loss and its gradients differ from float32's by
+    at most ``tolerance``, relatively, on the given arguments. The gradients count as one
+    vector, in L2 norm. Any inf or nan is an infinite error.
 
-    The search (each step one forward and backward pass of ``loss_fn``, measured against
-    float32 and cached, so no policy is run twice):
+    The search runs in steps. Each step is one forward and backward pass of ``loss_fn``,
+    measured against float32 and cached, so no policy is run twice:
 
-    1. float32 reference (params cast to float32, no ``amp``); the loss scale: for a float16
-       base, the power of two in the middle of the reference gradients' safe range
+    1. the float32 reference (params cast to float32, no ``amp``). It fixes the loss scale: for
+       a float16 base, the power of two in the middle of the reference gradients' safe range
        (:func:`funcamp.headroom`), else 1. Gradients are measured scaled, then unscaled.
     2. ``base`` itself: if within tolerance, it is returned (every candidate in compute).
     3. Each candidate alone in the compute dtype, the others in float32: a candidate over the
@@ -318,14 +318,15 @@ def search_policy(
     5. Otherwise greedily, from the smallest error alone: add each passing candidate to the
        compute set and keep it if the policy stays within tolerance.
 
-    So with ``n`` candidates it costs at most ``2n + 2`` forward/backward runs (``2`` when
-    ``base`` passes, at most ``n + 3`` when the candidates that pass alone pass together, the
-    usual case of a few bad modules), plus one traced forward
-    when ``candidates`` is None; ``report.runs`` counts them. It is deterministic: every run
-    seeds torch's RNG the same way (inside ``torch.random.fork_rng``, leaving the global RNG as
-    it was), so dropout draws the same masks, and ties are broken by candidate order. Greedy
-    selection is not an exhaustive search: it finds a policy within tolerance, not always the
-    largest one.
+    So with ``n`` candidates it costs at most ``2n + 2`` forward/backward runs, plus one traced
+    forward when ``candidates`` is None. It costs ``2`` when ``base`` passes. It costs at most
+    ``n + 3`` when the candidates that pass alone pass together, the usual case of a few bad
+    modules. ``report.runs`` counts them.
+
+    It is deterministic. Every run seeds torch's RNG the same way, inside
+    ``torch.random.fork_rng`` (the global RNG is left as it was). So dropout draws the same
+    masks. Ties are broken by candidate order. Greedy selection is not an exhaustive search: it
+    finds a policy within tolerance, not always the largest one.
 
     Args:
         loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (a 0-d floating tensor). To

@@ -1,32 +1,33 @@
 """A compiled train step kept on disk: ``make_train_step(..., cache_dir=...)``.
 
 torch's compile caches (inductor's FX graph cache, AOTAutograd's cache) make a second process
-skip code generation, but dynamo still traces the whole step again in every new process: most
-of a warm start. This module saves what dynamo produced too (torch's AOT precompile:
-``torch.compile(fn).aot_compile``, ``torch.compiler.load_compiled_function``), so a later
-process loads the step without tracing anything (docs/benchmarks.md, "Warm start", has both).
+skip code generation. But dynamo still traces the whole step again in every new process, and
+that is most of a warm start. This module saves what dynamo produced too, with torch's AOT
+precompile (``torch.compile(fn).aot_compile``, ``torch.compiler.load_compiled_function``). So a
+later process loads the step without tracing anything.
 
-A saved step must never run where it no longer fits. dynamo specialises the graph on what the
-step reads besides its inputs (the model's attributes, closure constants, globals, the code
-itself); a funcamp step, like ``jax.jit``, does not re-check those on every call, and neither
-does the loaded one. So each entry carries:
+A saved step must never run where it no longer fits. Dynamo specialises the graph on what the
+step reads besides its inputs: the model's attributes, closure constants, globals, the code
+itself. A funcamp step, like ``jax.jit``, does not re-check those on every call, and neither does
+the loaded one. So each entry carries:
 
 - a *key*: funcamp, torch and Python versions, the machine, the compile options and the torch
-  compiler configs, the step's options, the loss function's code, and the inputs' structure,
-  shapes, strides, dtypes and devices (one file per key: new input shapes add an entry);
-- torch's record of every function the trace inlined, with a checksum of its source lines,
-  compared with the files as they are now;
-- *specialisation checks*: every guard dynamo made on something other than the inputs'
-  tensors, re-read from the new process's objects and compared the way the guard compares it;
-  a guard on an object known only by its type, or on unmodelled torch state, refuses the save.
+  compiler configs, the step's options, and the loss function's code. Also the inputs'
+  structure, shapes, strides, dtypes and devices. There is one file per key, so new input shapes
+  add an entry.
+- torch's record of every function the trace inlined, with a checksum of its source lines. It is
+  compared with the files as they are now.
+- *specialisation checks*: every guard dynamo made on something other than the inputs' tensors.
+  Each is re-read from the new process's objects and compared the way the guard compares it. A
+  guard on an object known only by its type, or on unmodelled torch state, refuses the save.
 
-Anything that does not match, or any error while loading, compiles the step afresh (and
-replaces the entry). See docs/internals.md for the details. Entries are pickles, as torch's own
+Anything that does not match, or any error while loading, compiles the step afresh and replaces
+the entry. See docs/internals.md for the details. Entries are pickles, as torch's own
 artifacts are: load only cache directories you trust.
 
 Workaround of torch internals (docs/upstream.md#step-cache): AOT precompile re-checks nothing
-besides a loaded step's inputs; the checks above do. Tested on torch 2.13 and 2.14 (CPU).
-Delete when torch.compile ships a guard-checked cache of whole compiled functions.
+besides a loaded step's inputs. The checks above do. Tested on torch 2.13 and 2.14 (CPU). Delete
+when torch.compile ships a guard-checked cache of whole compiled functions.
 """
 
 from __future__ import annotations
@@ -202,11 +203,13 @@ def _guard_loading() -> Any:
 
 
 class CachedStep:
-    """``train_step`` compiled once per input signature and kept in ``directory``: a matching,
-    still valid entry is loaded (no trace), anything else is compiled with torch's AOT
-    precompile and saved. Dispatch between entries is by the inputs' structure and their
-    tensor guards; past torch's recompile limit, and for inputs holding objects known only by
-    their type, ``fallback`` (the step compiled as usual) takes over."""
+    """``train_step`` compiled once per input signature and kept in ``directory``.
+
+    A matching, still valid entry is loaded, with no trace. Anything else is compiled with
+    torch's AOT precompile and saved. Dispatch between entries is by the inputs' structure and
+    their tensor guards. ``fallback`` (the step compiled as usual) takes over past torch's
+    recompile limit, and for inputs holding objects known only by their type.
+    """
 
     def __init__(
         self,

@@ -1,5 +1,8 @@
-"""The files of ``cache_dir``: which sources an entry depends on and whether they changed, and
-the note that a step cannot be saved (:mod:`funcamp.stepcache.cache` reads and writes both)."""
+"""The files of ``cache_dir``: the sources an entry depends on, and the note of an unsaved step.
+
+This module tells whether the sources changed. It also keeps the note that a step cannot be
+saved. :mod:`funcamp.stepcache.cache` reads and writes both.
+"""
 
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ __all__ = [
 
 
 def note_unsaved(stem: str, why: str) -> None:
-    """Record beside the entries that the step of ``stem`` (one key: the same code, versions,
-    options and input shapes) cannot be saved, and why; a note that cannot be written is
-    skipped (the next process finds out again)."""
+    """Record beside the entries that the step of ``stem`` cannot be saved, and why.
+
+    ``stem`` is one key: the same code, versions, options and input shapes. A note that cannot
+    be written is skipped; the next process finds out again.
+    """
     with contextlib.suppress(OSError):
         os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)  # no entry made it yet
         atomic_write(stem + UNSAVED_SUFFIX, lambda f: f.write(why.encode("utf-8", "replace")))
@@ -56,10 +61,13 @@ _SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
 def module_files() -> list[tuple[str, str]]:
-    """The source files of the Python modules loaded now, except the standard library, torch
-    (both pinned by version in the key) and ``__main__`` (checked line by line where the step
-    traced it): code that runs while compiling without being traced (a kernel written in
-    Python, a ``nonstrict_trace`` helper, a tensor subclass) is in one of them."""
+    """The source files of the Python modules loaded now, with three exceptions.
+
+    The standard library and torch are pinned by version in the key. ``__main__`` is checked
+    line by line where the step traced it. Code that runs while compiling without being traced
+    is in one of these files (a kernel written in Python, a ``nonstrict_trace`` helper, a tensor
+    subclass).
+    """
     out = []
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)

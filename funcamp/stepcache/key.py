@@ -1,15 +1,16 @@
-"""Describing what a compiled step depends on, so that two processes can tell whether they hold
-"the same" thing: values (:func:`describe_value`), the step's settings, code digests, the
-machine, torch's context, the inputs' structure, and the step's key (:func:`step_key`); and
-reading dynamo's guards back (which a saved step checks on every call, the views a guard
-compares; the guard sources themselves are read by :mod:`funcamp._core.guard_sources`).
+"""Describing what a compiled step depends on, so two processes can tell whether they match.
+
+It describes values (:func:`describe_value`), the step's settings, code digests, the machine,
+torch's context, the inputs' structure, and the step's key (:func:`step_key`). It also reads
+dynamo's guards back: which a saved step checks on every call, and the views a guard compares.
+:mod:`funcamp._core.guard_sources` reads the guard sources themselves.
 
 Workaround of torch internals (docs/upstream.md#step-cache):
 
-- Root cause: as for funcamp/stepcache/cache.py: deciding whether a saved step still fits needs
+- Root cause: as for funcamp/stepcache/cache.py. Deciding whether a saved step still fits needs
   dynamo's guards, read back through private structures.
 - Upstream: see docs/upstream.md#step-cache.
-- Why it is safe: a guard it cannot read refuses the save; the step then compiles as usual.
+- Why it is safe: a guard it cannot read refuses the save. The step then compiles as usual.
 - Tested on: torch 2.13 and 2.14.
 - Delete when: as for funcamp/stepcache/cache.py.
 
@@ -54,10 +55,12 @@ UNSAVED_SUFFIX = ".funcamp-unsaved"
 
 @functools.cache
 def internals(name: str) -> Any:
-    """torch's module ``name`` (dynamo's AOT precompile, its guards, AOTAutograd's utilities),
-    imported when a step is first keyed, saved or loaded -- they import dynamo, which
-    ``import funcamp`` does not (and so this module, which the train step's guard filter reads,
-    is light); None where this torch has no such module."""
+    """torch's module ``name``, imported when a step is first keyed, saved or loaded.
+
+    These are dynamo's AOT precompile, its guards, and AOTAutograd's utilities. They import
+    dynamo, which ``import funcamp`` does not. So this module, which the train step's guard
+    filter reads, stays light. None where this torch has no such module.
+    """
     try:
         return importlib.import_module(name)
     except ImportError:  # pragma: no cover - other torch versions
@@ -116,12 +119,18 @@ _TORCH_PLAIN = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def describe_value(value: Any, depth: int = 0) -> tuple[Any, ...]:
-    """A picklable description of ``value`` that another process can reproduce from its own
-    object: plain constants by value (floats by their bits), tensors by type, shape, strides,
-    dtype, device, layout and requires_grad, functions by name and code, classes, modules and
-    torch ops by name, sequences, sets and dicts element by element. Anything else is
-    *opaque* (``("o", module, class)``): only its type can be compared across processes, which
-    is enough for a guard on its type and never enough for a guard on its value."""
+    """A picklable description of ``value`` that another process can reproduce from its own object.
+
+    * plain constants: by value (floats by their bits);
+    * tensors: by type, shape, strides, dtype, device, layout and requires_grad;
+    * functions: by name and code;
+    * classes, modules and torch ops: by name;
+    * sequences, sets and dicts: element by element.
+
+    Anything else is *opaque* (``("o", module, class)``). Only its type can be compared across
+    processes. That is enough for a guard on its type, and never enough for a guard on its
+    value.
+    """
     if isinstance(value, _PLAIN):
         return ("v", type(value).__name__, value)
     if isinstance(value, float):
@@ -211,9 +220,11 @@ def _stateless(module: torch.nn.Module) -> bool:
 
 
 def describe_settings(settings: tuple[Any, ...]) -> str:
-    """The text a step's build settings (policy, flags, options) enter its key as: their
-    ``repr``, with a callable among them (a ``headroom=`` filter) described by
-    :func:`describe_value` (its code and what it reads), not by its address."""
+    """The text a step's build settings (policy, flags, options) enter its key as.
+
+    It is their ``repr``. A callable among them (a ``headroom=`` filter) is described by
+    :func:`describe_value` (its code and what it reads), not by its address.
+    """
     return repr(tuple(describe_value(v) if callable(v) else v for v in settings))
 
 
@@ -362,9 +373,12 @@ PORTABLE = ("TENSOR_MATCH", "GLOBAL_STATE", "SHAPE_ENV")
 
 
 def on_inputs(source: Any) -> bool:
-    """A guard source rooted in the step's inputs or in torch's global state: what the saved
-    step checks on every call. Guards rooted elsewhere (closures, globals) cannot be rebuilt
-    in another process from torch's saved guard state; they become load-time checks."""
+    """Whether a guard source is rooted in the step's inputs or in torch's global state.
+
+    Those are what the saved step checks on every call. Guards rooted elsewhere (closures,
+    globals) cannot be rebuilt in another process from torch's saved guard state. They become
+    load-time checks.
+    """
     root = source_root(source)
     kind = type(root).__name__
     if kind == "LocalSource":
@@ -373,11 +387,13 @@ def on_inputs(source: Any) -> bool:
 
 
 def input_structure(state: Any, batch: Any) -> tuple[Any, ...] | None:
-    """What the saved step's tensor guards do not see, compared on every call: the inputs'
-    treespec, their non-tensor leaves (by value), which tensor leaves are the same tensor
-    (dynamo's duplicate-input guard), and the torch state a trace depends on (function modes,
-    the default device, a functorch transform, saved-tensor hooks). None when a leaf is an
-    object only known by its type (the step then runs uncached)."""
+    """What the saved step's tensor guards do not see, compared on every call.
+
+    That is the inputs' treespec and their non-tensor leaves (by value). It is which tensor
+    leaves are the same tensor (dynamo's duplicate-input guard). It is also the torch state a
+    trace depends on: function modes, the default device, a functorch transform, saved-tensor
+    hooks. None when a leaf is an object known only by its type; the step then runs uncached.
+    """
     return _signature(*optree.tree_flatten((state, batch), namespace=NAMESPACE))
 
 
@@ -505,8 +521,11 @@ def _source_code(name: str) -> types.CodeType:
 
 
 def read_source(name: str, scope: dict[str, Any]) -> tuple[bool, Any]:
-    """``(True, value)`` of a guard source in ``scope``, or ``(False, the exception)``. Read on
-    every call of a cached step (its specialisation checks): the name is compiled once."""
+    """``(True, value)`` of a guard source in ``scope``, or ``(False, the exception)``.
+
+    It is read on every call of a cached step (its specialisation checks), so the name is
+    compiled once.
+    """
     try:
         return True, eval(_source_code(name), scope, dict(_source_helpers()))
     except Exception as e:

@@ -4,17 +4,17 @@ Install the extra to use it: ``pip install "funcamp[testing]"`` (it brings Hypot
 
 Strategies:
 
-* :func:`float_dtypes` -- the floating dtypes funcamp works with.
-* :func:`policies` -- :class:`funcamp.Policy` values, with op and module overrides.
-* :func:`tensors` -- tensors whose elements include ``±inf``, ``nan``, ``±0``, subnormals,
+* :func:`float_dtypes`: the floating dtypes funcamp works with.
+* :func:`policies`: :class:`funcamp.Policy` values, with op and module overrides.
+* :func:`tensors`: tensors whose elements include ``±inf``, ``nan``, ``±0``, subnormals,
   values next to the dtype's largest and smallest magnitudes, and powers of two.
-* :func:`pytrees` -- nested dicts, lists, tuples and NamedTuples (empty containers and ``None``
+* :func:`pytrees`: nested dicts, lists, tuples and NamedTuples (empty containers and ``None``
   included) of tensor leaves.
-* :func:`scaler_states` -- :class:`funcamp.ScalerState` values of every kind, with random valid
+* :func:`scaler_states`: :class:`funcamp.ScalerState` values of every kind, with random valid
   configuration and leaves.
 
-Assertions :func:`assert_trees_equal` and :func:`assert_trees_close` compare two pytrees and,
-on failure, name the leaf path that differs and show the largest absolute and relative error.
+Assertions :func:`assert_trees_equal` and :func:`assert_trees_close` compare two pytrees. On
+failure they name the leaf path that differs, and show the largest absolute and relative error.
 
 Example:
     >>> import torch, funcamp

@@ -185,12 +185,12 @@ def assert_trees_close(
 ) -> None:
     """Assert two pytrees have one structure and leaves within ``atol + rtol * |expected|``.
 
-    Tolerances default per dtype to ``torch.testing.assert_close``'s (float16: rtol 1e-3, atol
-    1e-5; bfloat16: 1.6e-2, 1e-5; float32: 1.3e-6, 1e-5; float64: 1e-7, 1e-7); give both
-    ``rtol`` and ``atol`` to override. Infinities must match exactly; ``nan`` equals ``nan``
-    unless ``equal_nan=False``; non-tensor leaves must be equal. Errors are computed in
-    float64. On failure the ``AssertionError`` names the leaf path and shows the max abs and
-    rel error and the worst element.
+    Tolerances default per dtype to ``torch.testing.assert_close``'s. That is rtol 1e-3, atol
+    1e-5 for float16; 1.6e-2, 1e-5 for bfloat16; 1.3e-6, 1e-5 for float32; 1e-7, 1e-7 for
+    float64. Give both ``rtol`` and ``atol`` to override. Infinities must match exactly.
+    ``nan`` equals ``nan`` unless ``equal_nan=False``. Non-tensor leaves must be equal. Errors
+    are computed in float64. On failure the ``AssertionError`` names the leaf path. It shows
+    the max abs and rel error, and the worst element.
 
     Args:
         actual: the tree under test.

@@ -104,10 +104,13 @@ def _is_subnormal(dtype: torch.dtype, x: float) -> bool:
 def special_values(dtype: torch.dtype) -> list[float]:
     """The special values :func:`tensors` mixes in for ``dtype``, as Python floats.
 
-    ``0.0``, ``-0.0``, ``1.0``, ``-1.0``, ``inf``, ``-inf``, ``nan``, the largest finite value
-    and its neighbour (and their negatives), the smallest normal value and its neighbours, the
-    smallest and largest subnormals, ``eps`` and ``1 + eps``. Every value is exactly
-    representable in ``dtype``.
+    * ``0.0``, ``-0.0``, ``1.0``, ``-1.0``, ``inf``, ``-inf``, ``nan``;
+    * the largest finite value and its neighbour, and their negatives;
+    * the smallest normal value and its neighbours;
+    * the smallest and largest subnormals;
+    * ``eps`` and ``1 + eps``.
+
+    Every value is exactly representable in ``dtype``.
 
     Example:
         >>> import torch
@@ -280,10 +283,11 @@ def tensors(
 ) -> st.SearchStrategy[torch.Tensor]:
     """Floating tensors whose elements stress floating-point code.
 
-    Elements mix the dtype's :func:`special_values` (``±0``, ``±inf``, ``nan``, ``±max`` and its
-    neighbour, the smallest normal and subnormal values, ``eps``), powers of two over the whole
-    exponent range (subnormal to max) and arbitrary finite values of the dtype. Every element is
-    exactly representable in the dtype. Examples shrink to small shapes of zeros.
+    Elements mix three kinds of values. First, the dtype's :func:`special_values` (``±0``,
+    ``±inf``, ``nan``, ``±max`` and its neighbour, the smallest normal and subnormal values,
+    ``eps``). Second, powers of two over the whole exponent range (subnormal to max). Third,
+    arbitrary finite values of the dtype. Every element is exactly representable in the dtype.
+    Examples shrink to small shapes of zeros.
 
     Args:
         dtype: a floating dtype or a strategy of them (default :func:`float_dtypes`).
@@ -449,9 +453,9 @@ def policies(
 ) -> st.SearchStrategy[Policy]:
     """:class:`funcamp.Policy` values, optionally with op and module overrides.
 
-    ``param_dtype``, ``compute_dtype`` and ``output_dtype`` are drawn independently; then, when
-    enabled, rules for a few ops are overridden (:meth:`~funcamp.Policy.with_op_rules`) and a
-    few module classes or path globs get policies of their own
+    ``param_dtype``, ``compute_dtype`` and ``output_dtype`` are drawn independently. Then, when
+    enabled, rules for a few ops are overridden (:meth:`~funcamp.Policy.with_op_rules`). A few
+    module classes or path globs get policies of their own
     (:meth:`~funcamp.Policy.with_module_policies`). Shrinks towards an all-float16 policy
     without overrides.
 
@@ -569,10 +573,10 @@ def scaler_states(
     """:class:`funcamp.ScalerState` values with random valid configuration and leaves.
 
     Dynamic states draw ``init_scale`` (powers of two and arbitrary float32 values),
-    ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis`` and optional
-    ``min_scale``/``max_scale`` bounds around the scale, then a growth tracker below
-    ``growth_interval`` and a hysteresis tracker up to ``hysteresis``. Every kind draws a
-    ``skipped`` count. Shrinks towards ``ScalerState.dynamic(init_scale=1.0)``.
+    ``growth_factor``, ``backoff_factor``, ``growth_interval`` and ``hysteresis``. They draw
+    optional ``min_scale``/``max_scale`` bounds around the scale. Then they draw a growth
+    tracker below ``growth_interval``, and a hysteresis tracker up to ``hysteresis``. Every kind
+    draws a ``skipped`` count. Shrinks towards ``ScalerState.dynamic(init_scale=1.0)``.
 
     Args:
         kinds: the kinds to draw (``"dynamic"``, ``"static"``, ``"noop"``).

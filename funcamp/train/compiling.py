@@ -1,14 +1,18 @@
 """Compiling a step, the funcamp way.
 
-:func:`compile_fn` is ``torch.compile(fullgraph=True)``, with every guard dynamo makes (a
-value the loss reads from a closure, a global or a module attribute that changes recompiles the
-step, as ``torch.compile`` does) or, with ``specialize=True``, only the guards on the step's
-inputs and on modules' ``training`` flags (:func:`input_guards_only`: the step is then
-specialised on everything else it closes over, as with ``jax.jit``), the inductor options of a
-step on its device (:func:`step_options_for`) and funcamp's compiler patches where they are on
-(:func:`patches_for`, :mod:`funcamp.compiler`). :func:`run_compiled` calls a compiled function
-and turns a dynamo failure into one paragraph (:mod:`funcamp.train.errors`), or switches a step
-whose model ``torch.func`` refuses to gradients from ``torch.autograd`` in the same graph.
+:func:`compile_fn` is ``torch.compile(fullgraph=True)`` with three additions:
+
+* the guards. By default it keeps every guard dynamo makes: a value the loss reads from a
+  closure, a global or a module attribute recompiles the step when it changes, as with
+  ``torch.compile``. With ``specialize=True`` it keeps only the guards on the step's inputs and
+  on modules' ``training`` flags (:func:`input_guards_only`). The step is then specialised on
+  everything else it closes over, as with ``jax.jit``.
+* the inductor options of a step on its device (:func:`step_options_for`);
+* funcamp's compiler patches, where they are on (:func:`patches_for`, :mod:`funcamp.compiler`).
+
+:func:`run_compiled` calls a compiled function and turns a dynamo failure into one paragraph
+(:mod:`funcamp.train.errors`). When ``torch.func`` refuses the model, it switches the step to
+gradients from ``torch.autograd`` in the same graph.
 """
 
 from __future__ import annotations
@@ -51,11 +55,14 @@ PyTree = Any
 
 
 def input_guards_only(entries: list[Any]) -> list[bool]:
-    """The guard filter of ``specialize=True``: keep the guards on the step's inputs (``state``, ``batch``), on
-    tensors anywhere, on global torch state (grad mode, default device, ...) and on modules'
-    ``training`` flags (so the step follows ``train()``/``eval()``); drop those on closures,
+    """The guard filter of ``specialize=True``.
+
+    It keeps the guards on the step's inputs (``state``, ``batch``) and on tensors anywhere. It
+    keeps those on global torch state (grad mode, default device, ...) and on modules'
+    ``training`` flags, so the step follows ``train()``/``eval()``. It drops those on closures,
     globals and captured modules, which the step is specialised on (as with ``jax.jit``). A
-    guard whose origin cannot be read is kept."""
+    guard whose origin cannot be read is kept.
+    """
     keep = []
     for entry in entries:
         try:
@@ -128,10 +135,12 @@ def rounds_casts(policy: Policy) -> bool:
 def step_options_for(
     device_type: str | None, backend: Any, eager_casts: bool = False
 ) -> dict[str, Any]:
-    """The inductor options funcamp adds for a step on ``device_type`` (see
-    :data:`CPU_STEP_OPTIONS`) and, with ``eager_casts``, for a step that rounds to float16,
-    bfloat16 or FP8 (see :data:`EAGER_CASTS_OPTIONS`); none for another backend or an option
-    this torch lacks."""
+    """The inductor options funcamp adds for a step on ``device_type``.
+
+    They are :data:`CPU_STEP_OPTIONS` for the device. With ``eager_casts`` (a step that rounds to
+    float16, bfloat16 or FP8) they include :data:`EAGER_CASTS_OPTIONS`. There are none for
+    another backend, or for an option this torch lacks.
+    """
     if backend != "inductor":
         return {}
     options = dict(CPU_STEP_OPTIONS) if device_type == "cpu" else {}
@@ -155,9 +164,11 @@ def first_device_type(tree: PyTree) -> str:
 
 
 class Patches(NamedTuple):
-    """funcamp's compiler patches for one compiled step: whether inductor's are ``on`` (see
-    :func:`patches_for`) and the caller's ``choice`` (which the dynamo routing of in-graph
-    ``CrossEntropyLoss`` follows, on every backend)."""
+    """funcamp's compiler patches for one compiled step.
+
+    ``on`` says whether inductor's are on (see :func:`patches_for`). ``choice`` is the caller's
+    choice, which the dynamo routing of in-graph ``CrossEntropyLoss`` follows on every backend.
+    """
 
     on: bool = False
     choice: Choice = "auto"
@@ -182,12 +193,14 @@ def compile_fn(
     patches: bool = False,
     eager_casts: bool = False,
 ) -> Callable[..., Any]:
-    """``torch.compile(fn, fullgraph=True, ...)``, with :func:`input_guards_only` as the guard
-    filter when ``specialize`` (and the caller gives none); ``device_type`` (the step's device,
-    when known) and ``eager_casts`` (the step rounds to float16, bfloat16 or FP8) add
-    :func:`step_options_for` under the caller's options, and ``patches`` (on
-    for this compile: :func:`patches_for`) the compiler patches' inductor options
-    (:func:`funcamp.compiler.hooks.inductor_options`)."""
+    """``torch.compile(fn, fullgraph=True, ...)``, with funcamp's guards and options.
+
+    With ``specialize`` (and no filter from the caller), :func:`input_guards_only` is the guard
+    filter. ``device_type`` (the step's device, when known) and ``eager_casts`` (the step rounds
+    to float16, bfloat16 or FP8) add :func:`step_options_for` under the caller's options.
+    ``patches`` (on for this compile: :func:`patches_for`) adds the compiler patches' inductor
+    options (:func:`funcamp.compiler.hooks.inductor_options`).
+    """
     opts = dict(options)
     backend = opts.pop("backend", "inductor")
     mode = opts.pop("mode", None)
@@ -297,17 +310,21 @@ def run_compiled(
     patches: Patches = NO_PATCHES,
     marks: tuple[Callable[[], None], Callable[[], None]] | None = None,
 ) -> Any:
-    """``run(*args)`` (a compiled function), with a dynamo failure explained: a model torch.func
-    refuses is traced again with torch.autograd (``grad_method``); otherwise ``eagerly()`` re-runs the
-    same computation with compilation off, so an error of the model itself is raised plainly.
-    On the ``first`` call the trace is tried once more after that eager run: a model may set
-    itself up on its first call in a way dynamo cannot trace (transformers installs the hooks
-    that record a model's outputs -- Mixtral's router logits -- under a lock), and then
-    compiles. A failure only the compiler has becomes one paragraph naming the way out.
-    ``patches``: funcamp's compiler patches are on for this compile
-    (:func:`funcamp.compiler.hooks.running`). ``marks``, ``(begin, undo)`` for a donated
-    state: ``begin()`` runs just before each call of ``run`` (whose graph writes the state),
-    ``undo()`` when dynamo failed before the graph ran (:mod:`funcamp._core.donation`)."""
+    """``run(*args)`` (a compiled function), with a dynamo failure explained.
+
+    A model torch.func refuses is traced again with torch.autograd (``grad_method``). Otherwise
+    ``eagerly()`` re-runs the same computation with compilation off. So an error of the model
+    itself is raised plainly. On the ``first`` call the trace is tried once more after that
+    eager run. A model may set itself up on its first call in a way dynamo cannot trace, and
+    then compile. (transformers installs the hooks that record a model's outputs, such as
+    Mixtral's router logits, under a lock.) A failure only the compiler has becomes one
+    paragraph naming the way out.
+
+    ``patches`` says funcamp's compiler patches are on for this compile
+    (:func:`funcamp.compiler.hooks.running`). ``marks`` is ``(begin, undo)`` for a donated state.
+    ``begin()`` runs just before each call of ``run``, whose graph writes the state. ``undo()``
+    runs when dynamo failed before the graph ran (:mod:`funcamp._core.donation`).
+    """
     tracing = grad_method.tracing() if grad_method is not None else contextlib.nullcontext()
     hooks = _saved_tensors_hooks_state()
     try:

@@ -1,8 +1,8 @@
 """How a step is compiled, as one frozen value, and every rule for what does not combine.
 
-:class:`Compile` follows torchao's config pattern: the options of ``torch.compile`` and funcamp's
-own (the step cache, guards, compiler patches) travel as one immutable value, so the step
-builders take ``compile=False | True | Compile(...)`` instead of a dozen keywords.
+:class:`Compile` follows torchao's config pattern. The options of ``torch.compile`` and
+funcamp's own (the step cache, guards, compiler patches) travel as one immutable value. So the
+step builders take ``compile=False | True | Compile(...)`` instead of a dozen keywords.
 :func:`check_combinations` is the one place that refuses options which cannot go together.
 """
 
@@ -119,8 +119,11 @@ def check_combinations(
     delayed_fp8: bool = False,
     donate_state: bool = True,
 ) -> None:
-    """Refuse what does not combine: the one place for these rules. ``cfg`` None is an eager
-    step; ``parallel`` the piece that spreads the step over processes."""
+    """Refuse what does not combine: the one place for these rules.
+
+    ``cfg`` None is an eager step. ``parallel`` is the piece that spreads the step over
+    processes.
+    """
     if cfg is not None and cfg.specialize and _guard_filter_given(cfg):
         raise ValueError(
             f"funcamp.{api}: give `specialize=True` or a `guard_filter_fn`, not both: both "

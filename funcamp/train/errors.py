@@ -1,11 +1,16 @@
-"""What a train step that fails to compile says: one paragraph -- what failed, where in the user's
-code, and the option that gets round it -- with dynamo's own report chained below it.
+"""What a train step that fails to compile says: one paragraph, with dynamo's report below it.
 
-A compile failure the user can cause in their own model comes in a few kinds, each with its own
-way out: a call dynamo cannot trace (a graph break), a Python branch on a tensor's value (a
-data-dependent guard), an op that fails on fake tensors although it runs eagerly, and a failure
-of the compiler backend itself. The step first re-runs eagerly: an error there is the model's own
-and is raised plainly instead (see ``make_train_step``).
+The paragraph says what failed, where in the user's code, and the option that gets round it. A
+compile failure the user can cause in their own model comes in a few kinds, each with its own
+way out:
+
+* a call dynamo cannot trace (a graph break);
+* a Python branch on a tensor's value (a data-dependent guard);
+* an op that fails on fake tensors although it runs eagerly;
+* a failure of the compiler backend itself.
+
+The step first re-runs eagerly. An error there is the model's own, and is raised plainly instead
+(see ``make_train_step``).
 
 Workaround of torch internals (docs/upstream.md#errors):
 
@@ -69,9 +74,11 @@ def _library(filename: str) -> bool:
 
 
 def user_frame(error: BaseException) -> str:
-    """The innermost frame of the user's code (their model, loss function or a library model
-    such as ``transformers``') dynamo was tracing when it failed, as ``File "...", line N, in
-    f: `code```; ``""`` when unknown."""
+    """The innermost frame of the user's code that dynamo was tracing when it failed.
+
+    User code is their model, loss function or a library model (such as ``transformers``'). The
+    frame reads ``File "...", line N, in f: `code```; ``""`` when unknown.
+    """
     stack = getattr(error, "real_stack", None) or []
     for frame in reversed(list(stack)):
         if not _library(frame.filename):
@@ -160,9 +167,11 @@ def compile_failure_message(api: str, error: BaseException) -> str:
 
 
 def explain(api: str, error: BaseException, rerun: Any) -> BaseException:
-    """The exception to raise for ``error``, a dynamo failure of a compiled step: ``rerun()``
-    (the step, eagerly) raises the model's own error plainly if it has one; else the one
-    paragraph of :func:`compile_failure_message`, chained to ``error``."""
+    """The exception to raise for ``error``, a dynamo failure of a compiled step.
+
+    ``rerun()`` runs the step eagerly, and raises the model's own error plainly if it has one.
+    Else it is the one paragraph of :func:`compile_failure_message`, chained to ``error``.
+    """
     rerun()
     failure = RuntimeError(compile_failure_message(api, error))
     failure.__cause__ = error

@@ -54,18 +54,22 @@ def make_eval_step(
     compile: bool | Compile = True,
     **deprecated: Any,
 ) -> Callable[[Any, Batch], Any]:
-    """Build ``eval_step(state, batch) -> fn(params, buffers, batch)``: evaluation under the
-    policy, compiled, without gradients.
+    """Build ``eval_step(state, batch) -> fn(params, buffers, batch)``: evaluation under a policy.
 
-    ``fn`` runs under ``funcamp.amp(fn, policy)`` and ``torch.no_grad()``: ops cast as the policy
-    says and every floating tensor it returns (a loss, logits, a dict of metrics, a Hugging Face
-    ``ModelOutput``) in the policy's output dtype. ``state`` is a :class:`TrainState` (its
-    ``params`` with the ``frozen`` ones merged in, ``buffers`` and delayed-FP8 scales are read) or a ``(params, buffers)`` pair;
-    nothing in it is modified (``fn`` gets copies of the buffers, so a module left in training
-    mode cannot update its running statistics). The compiled step, like the train step, follows
-    the modules' ``train()``/``eval()`` mode (call ``model.eval()`` first: dropout off,
-    BatchNorm's running statistics used) and says on stderr that it compiles on its first call
-    and how long it took; a failure to compile is one paragraph naming the way out.
+    The step is compiled and takes no gradients. ``fn`` runs under ``funcamp.amp(fn, policy)``
+    and ``torch.no_grad()``. Ops cast as the policy says. Every floating tensor ``fn`` returns is
+    in the policy's output dtype (a loss, logits, a dict of metrics, a Hugging Face
+    ``ModelOutput``).
+
+    ``state`` is a :class:`TrainState` or a ``(params, buffers)`` pair. From a ``TrainState`` it
+    reads ``params`` (with the ``frozen`` ones merged in), ``buffers`` and the delayed-FP8
+    scales. Nothing in it is modified. ``fn`` gets copies of the buffers, so a module left in
+    training mode cannot update its running statistics.
+
+    Like the train step, the compiled step follows the modules' ``train()``/``eval()`` mode.
+    Call ``model.eval()`` first (dropout off, BatchNorm's running statistics used). It says on
+    stderr that it compiles on its first call, and how long it took. A failure to compile is one
+    paragraph naming the way out.
 
     Args:
         fn: ``(params, buffers, batch) -> anything``, e.g. the train step's ``loss_fn``.

@@ -1,24 +1,25 @@
-"""Frozen parameters: the part of the params a step passes to the model but neither
-differentiates nor updates (``TrainState.frozen``).
+"""Frozen parameters (``TrainState.frozen``): passed to the model, never differentiated or updated.
 
-torch.optim trains what it is given and skips a parameter whose ``grad`` is ``None``: a
-parameter with ``requires_grad=False`` (a frozen embedding, the base weights of a ``peft`` LoRA
-model) never moves and holds no optimizer state. funcamp keeps that distinction in the state,
-as equinox's ``partition``/``combine`` does: :meth:`funcamp.TrainState.create` splits the params
-into ``state.params`` (differentiated, updated, with optimizer state) and ``state.frozen``
-(passed to ``loss_fn`` merged with the params, never differentiated, never written, no optimizer
-state, no weight decay, no all-reduce).
+torch.optim trains what it is given and skips a parameter whose ``grad`` is ``None``. So a
+parameter with ``requires_grad=False`` never moves and holds no optimizer state (a frozen
+embedding, the base weights of a ``peft`` LoRA model). funcamp keeps that distinction in the
+state, as equinox's ``partition``/``combine`` does. :meth:`funcamp.TrainState.create` splits the
+params in two:
+
+* ``state.params``: differentiated, updated, with optimizer state;
+* ``state.frozen``: passed to ``loss_fn`` merged with the params. Never differentiated, never
+  written; no optimizer state, no weight decay, no all-reduce.
 
 Which params are frozen (``trainable=`` of :meth:`~funcamp.TrainState.create`):
 
-* ``None`` (default): what the module says -- :func:`funcamp.params_and_buffers` hands a
-  parameter with ``requires_grad=False`` over as a (detached) ``torch.nn.Parameter`` with
-  ``requires_grad=False``, and such a leaf is frozen; every other leaf (a plain tensor, as a
-  hand-written params dict holds) is trained;
-* ``True``: every leaf is trained, whatever the module says;
+* ``None`` (default): what the module says. :func:`funcamp.params_and_buffers` hands a parameter
+  with ``requires_grad=False`` over as a (detached) ``torch.nn.Parameter`` with
+  ``requires_grad=False``, and such a leaf is frozen. Every other leaf is trained (a plain
+  tensor, as a hand-written params dict holds).
+* ``True``: every leaf is trained, whatever the module says.
 * a glob pattern (``"*.lora_*"``) or a sequence of them: the leaves whose dotted path
-  (``"layer.0.weight"``) matches one are trained, the others frozen; a pattern that matches
-  nothing is an error;
+  (``"layer.0.weight"``) matches one are trained, the others frozen. A pattern that matches
+  nothing is an error.
 * a callable ``path -> bool`` of the dotted path: True for the leaves to train.
 
 Frozen leaves must sit in dicts (as ``params_and_buffers`` gives them, or nested dicts), so that
@@ -95,9 +96,11 @@ def _some(paths: list[str]) -> str:
 
 
 def split_trainable(api: str, params: PyTree, flags: list[bool]) -> tuple[PyTree, PyTree]:
-    """``(trainable, frozen)``: ``params`` cut by ``flags`` (one per leaf). With nothing
-    frozen, ``(params, {})``; otherwise the frozen leaves must sit in dicts, and both parts are
-    dicts holding only their own leaves (empty sub-dicts dropped)."""
+    """``(trainable, frozen)``: ``params`` cut by ``flags`` (one per leaf).
+
+    With nothing frozen, it is ``(params, {})``. Otherwise the frozen leaves must sit in dicts.
+    Both parts are then dicts holding only their own leaves (empty sub-dicts dropped).
+    """
     if all(flags):
         return params, {}
     paths, leaves, _ = optree.tree_flatten_with_path(params, namespace=NAMESPACE)

@@ -1,13 +1,15 @@
 """Gradients of the scaled loss: the forward and backward half of a train step.
 
-:func:`scaled_grad_and_value` is the public piece (``torch.func.grad_and_value`` of the loss
-times the loss scale, with the loss itself back unscaled); :func:`forward_backward` is the train
-step's use of it, with the model's buffers and the delayed-FP8 state threaded through. Three
-gradient methods compute the same gradients: ``torch.func`` (the default, and what a compiled
-step traces), ``torch.autograd`` on leaf copies of the differentiated inputs (plain eager, where it is
-faster with the same bits -- docs/benchmarks.md, "Whole train step" -- and a step compiled in
-pieces or one whose model torch.func refuses -- traced into the graph then), chosen by
-:func:`grad_method`.
+:func:`scaled_grad_and_value` is the public piece: ``torch.func.grad_and_value`` of the loss
+times the loss scale, with the loss itself back unscaled. :func:`forward_backward` is the train
+step's use of it, with the model's buffers and the delayed-FP8 state threaded through.
+
+:func:`grad_method` chooses between two ways to compute the same gradients:
+
+* ``torch.func``: the default, and what a compiled step traces.
+* ``torch.autograd`` on leaf copies of the differentiated inputs. It runs in plain eager, where
+  it is faster with the same bits. It is also traced into the graph for a step compiled in
+  pieces, or one whose model torch.func refuses.
 """
 
 from __future__ import annotations
@@ -72,10 +74,12 @@ def autograd_grad_and_value(
     has_aux: bool,
     backward: Callable[[], Any] = contextlib.nullcontext,
 ) -> Callable[..., Any]:
-    """``torch.func.grad_and_value(fn, argnums, has_aux=True)`` computed by torch.autograd on
-    leaf copies of the differentiated arguments (grads of unused leaves are zeros, as there).
-    The backward pass runs inside ``backward()`` (the train step's
-    :func:`funcamp.recompute_under`: checkpointed regions recomputed under its policy)."""
+    """``torch.func.grad_and_value(fn, argnums, has_aux=True)``, computed by torch.autograd.
+
+    It works on leaf copies of the differentiated arguments. Grads of unused leaves are zeros,
+    as in torch.func. The backward pass runs inside ``backward()``: the train step's
+    :func:`funcamp.recompute_under`, which recomputes checkpointed regions under its policy.
+    """
     assert has_aux
 
     def run(*args: Any) -> tuple[Any, tuple[torch.Tensor, Any]]:
@@ -159,9 +163,12 @@ def _check_loss(api: str, loss: Any) -> torch.Tensor:
 
 
 def restore_buffers(api: str, new: PyTree, old: PyTree, returned: bool = True) -> PyTree:
-    """Check ``new`` against ``old`` and give every leaf its old dtype back. ``returned``: the
-    new buffers were returned by ``loss_fn`` (``returns_buffers=True``); otherwise they are the
-    copies it was given, which it may update in place but must not rebind or extend."""
+    """Check ``new`` against ``old`` and give every leaf its old dtype back.
+
+    ``returned`` says ``loss_fn`` returned the new buffers (``returns_buffers=True``). Otherwise
+    they are the copies it was given, which it may update in place but must not rebind or
+    extend.
+    """
     what = (
         "`loss_fn` must return new buffers"
         if returned
@@ -207,10 +214,13 @@ def restore_buffers(api: str, new: PyTree, old: PyTree, returned: bool = True) -
 
 
 def grad_method(kind: str) -> GradAndValue:
-    """The ``grad_and_value`` to differentiate with: ``"func"`` (``torch.func``),
-    ``"autograd"`` (:func:`autograd_grad_and_value`) or ``"auto"``: autograd in plain eager
-    (same bits, faster), torch.func otherwise (compiling, inside a torch.func transform).
-    ``"auto"`` answers for the context it is asked in: ask where the gradient is taken."""
+    """The ``grad_and_value`` to differentiate with.
+
+    ``"func"`` is ``torch.func``, and ``"autograd"`` is :func:`autograd_grad_and_value`.
+    ``"auto"`` takes autograd in plain eager (same bits, faster), and torch.func otherwise
+    (compiling, inside a torch.func transform). ``"auto"`` answers for the context it is asked
+    in, so ask where the gradient is taken.
+    """
     if kind == "autograd" or (kind == "auto" and plain_eager()):
         return autograd_grad_and_value
     return torch.func.grad_and_value
@@ -219,11 +229,14 @@ def grad_method(kind: str) -> GradAndValue:
 def auto_grad_and_value(
     fn: Callable[..., Any], *, argnums: int | tuple[int, ...], has_aux: bool
 ) -> Callable[..., Any]:
-    """``grad_method("auto")``, chosen each time the gradient is taken: a function built in plain
-    eager and run under ``vmap`` or ``torch.compile`` differentiates with torch.func there
-    (torch.func refuses ``requires_grad_()`` on torch.autograd's leaf copies, and dynamo
-    traces ``torch.autograd.grad`` only with ``trace_autograd_ops``), and in plain eager with
-    torch.autograd. Under dynamo ``plain_eager()`` is a constant of the trace."""
+    """``grad_method("auto")``, chosen each time the gradient is taken.
+
+    A function built in plain eager differentiates with torch.autograd there. Run under
+    ``vmap`` or ``torch.compile``, it differentiates with torch.func. (torch.func refuses
+    ``requires_grad_()`` on torch.autograd's leaf copies, and dynamo traces
+    ``torch.autograd.grad`` only with ``trace_autograd_ops``.) Under dynamo ``plain_eager()`` is
+    a constant of the trace.
+    """
     return grad_method("auto")(fn, argnums=argnums, has_aux=has_aux)
 
 
@@ -234,14 +247,16 @@ def scaled_grad_and_value(
     argnums: int | tuple[int, ...] = 0,
     has_aux: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
-    """``g(*args) -> (grads, loss)``: the gradients of ``scale(scaler, fn(*args))`` with respect
-    to the arguments ``argnums``, and the loss itself, unscaled, in float32.
+    """``g(*args) -> (grads, loss)``: the gradients of ``scale(scaler, fn(*args))``, and the loss.
+
+    The gradients are with respect to the arguments ``argnums``. The loss comes back unscaled,
+    in float32.
 
     The first half of a mixed-precision step, as one piece: pass the grads (still scaled) to
-    :func:`funcamp.unscale_and_step`. ``fn`` returns a 0-d floating loss, or ``(loss, aux)``
-    with ``has_aux=True`` (then ``g`` returns ``(grads, (loss, aux))``). It is
-    ``torch.func.grad_and_value`` of the scaled loss, so ``g`` composes with ``vmap``, ``grad``
-    and ``torch.compile(fullgraph=True)``, built inside or outside them. In plain eager
+    :func:`funcamp.unscale_and_step`. ``fn`` returns a 0-d floating loss, or ``(loss, aux)`` with
+    ``has_aux=True``. Then ``g`` returns ``(grads, (loss, aux))``. It is
+    ``torch.func.grad_and_value`` of the scaled loss. So ``g`` composes with ``vmap``, ``grad`` and
+    ``torch.compile(fullgraph=True)``, built inside or outside them. In plain eager,
     ``torch.autograd`` on leaf copies of the arguments gives the same bits faster. The gradient
     method is chosen each call, where ``g`` runs.
 
@@ -309,14 +324,17 @@ def forward_backward(
     gather: Callable[[PyTree], PyTree],
     fp8_reduce: Callable[[Fp8State, Fp8State], Fp8State],
 ) -> tuple[PyTree, torch.Tensor, Any, PyTree, Fp8State]:
-    """A train step's forward and backward: ``(scaled grads, loss (float32, unscaled), aux, new
-    buffers, new FP8 state)``. ``run_loss(fp8, params, buffers, batch)`` is the user's loss
-    under ``amp`` with the FP8 state threaded; it runs on ``gather(params)`` (the sharded step's
-    all-gather of its local shards) with the frozen params merged in (constants of the
-    gradient) and on copies of the buffers, so that in-place updates
-    (BatchNorm under ``functional_call``) become the new buffers. With delayed FP8 the state is
-    differentiated too: its "gradient" is this step's amaxes (combined across ranks by
-    ``fp8_reduce``), from which :func:`funcamp.fp8_update` makes the new state."""
+    """A train step's forward and backward.
+
+    It returns ``(scaled grads, loss, aux, new buffers, new FP8 state)``, the loss in float32,
+    unscaled. ``run_loss(fp8, params, buffers, batch)`` is the user's loss under ``amp``, with
+    the FP8 state threaded. It runs on ``gather(params)`` (the sharded step's all-gather of its
+    local shards). The frozen params are merged in, as constants of the gradient. It runs on
+    copies of the buffers, so that in-place updates (BatchNorm under ``functional_call``)
+    become the new buffers. With delayed FP8 the state is differentiated too. Its "gradient" is
+    this step's amaxes, combined across ranks by ``fp8_reduce``. :func:`funcamp.fp8_update`
+    makes the new state from them.
+    """
 
     def loss_of(params: PyTree, fp8: Fp8State) -> tuple[Any, tuple[Any, PyTree]]:
         # Copies made inside the transform, so in-place buffer updates are allowed.
@@ -342,20 +360,27 @@ def forward_backward(
 
 @functools.cache
 def can_trace_autograd() -> bool:
-    """Whether dynamo traces ``torch.autograd.grad`` into a graph (with its option
-    ``trace_autograd_ops``, torch >= 2.7). Asked after a failed trace, when dynamo is loaded
-    (``import funcamp`` does not load it); the answer is kept."""
+    """Whether dynamo traces ``torch.autograd.grad`` into a graph.
+
+    Dynamo does with its option ``trace_autograd_ops`` (torch >= 2.7). This is asked after a
+    failed trace, when dynamo is loaded (``import funcamp`` does not load it). The answer is
+    kept.
+    """
     return hasattr(torch._dynamo.config, "trace_autograd_ops")
 
 
 class GradMethod:
     """Which ``grad_and_value`` a train step differentiates with, asked when it is traced.
 
-    ``torch.func`` by default; ``torch.autograd`` on leaf copies for a step compiled in pieces
-    (``fullgraph=False``: dynamo cannot resume a frame inside ``torch.func.grad``), in plain
-    eager (same bits, faster; not with delayed FP8, whose state is differentiated through
-    torch.func), and -- traced into the same graph -- once torch.func has refused the model
-    (:meth:`switch`)."""
+    It is ``torch.func`` by default. It is ``torch.autograd`` on leaf copies in three cases:
+
+    * a step compiled in pieces (``fullgraph=False``), since dynamo cannot resume a frame inside
+      ``torch.func.grad``;
+    * plain eager (same bits, faster), except with delayed FP8, whose state is differentiated
+      through torch.func;
+    * once torch.func has refused the model (:meth:`switch`); it is traced into the same graph
+      then.
+    """
 
     def __init__(
         self,
@@ -381,11 +406,14 @@ class GradMethod:
         return torch.func.grad_and_value
 
     def switch(self, error: BaseException) -> bool:
-        """After a failed trace: when torch.func refused the model (an autograd function
-        without ``setup_context``, such as a custom op's registered formula: Hugging Face's MoE
-        ``grouped_mm``; or activation checkpointing, whose saved-tensor hooks torch.func does
-        not support), differentiate with torch.autograd in the graph from now on and say so;
-        True when the step should be traced again."""
+        """After a failed trace, switch to torch.autograd where torch.func refused the model.
+
+        torch.func refuses an autograd function without ``setup_context``, such as a custom
+        op's registered formula (Hugging Face's MoE ``grouped_mm``). It also refuses
+        activation checkpointing, whose saved-tensor hooks it does not support. The step then
+        differentiates with torch.autograd in the graph from now on, and says so. Returns True
+        when the step should be traced again.
+        """
         if self.pieces or self.in_graph or not can_trace_autograd():
             return False
         if not refuses_torch_func(error):

@@ -1,11 +1,12 @@
 """How a train step is spread over processes: one piece, plugged into the one step algorithm.
 
-:func:`funcamp.train.step.build_train_step` runs the same algorithm whatever the parallelism --
+:func:`funcamp.train.step.build_train_step` runs the same algorithm whatever the parallelism:
 forward and backward of the scaled loss, an exchange between the ranks, then
-:func:`funcamp.unscale_and_step` and :func:`funcamp.update` -- and asks its parallel piece for
-the few places where processes differ. The base piece, :class:`SingleProcess`, is one process
-alone (every hook is the identity); :class:`funcamp.distributed.DataParallel` averages gradients over a process group
-and :class:`funcamp.distributed.Sharded` trains on shards of the params and optimizer state.
+:func:`funcamp.unscale_and_step` and :func:`funcamp.update`. It asks its parallel piece for the
+few places where processes differ. The base piece, :class:`SingleProcess`, is one process alone
+(every hook is the identity). :class:`funcamp.distributed.DataParallel` averages gradients over
+a process group. :class:`funcamp.distributed.Sharded` trains on shards of the params and
+optimizer state.
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ class SingleProcess:
     def exchange(
         self, grads: PyTree, loss: torch.Tensor, buffers: PyTree
     ) -> tuple[PyTree, torch.Tensor, PyTree, torch.Tensor | None]:
-        """``(grads, loss, buffers, nonfinite)`` after the ranks exchange what they computed:
-        still scaled gradients, the loss reported, the buffers kept, and a non-finite consensus
-        flag (None: nothing to add to ``found_inf``)."""
+        """``(grads, loss, buffers, nonfinite)`` after the ranks exchange what they computed.
+
+        The gradients are still scaled. ``loss`` is the loss reported and ``buffers`` the
+        buffers kept. ``nonfinite`` is a non-finite consensus flag (None: nothing to add to
+        ``found_inf``).
+        """
         return grads, loss, buffers, None
 
     def across(self) -> Across | None:

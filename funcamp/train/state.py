@@ -1,5 +1,7 @@
-"""What a training step threads: :class:`TrainState`, and the module's params and buffers in
-and out of it (:func:`params_and_buffers`, :func:`load_into_module`).
+"""What a training step threads: :class:`TrainState`.
+
+:func:`params_and_buffers` takes a module's params and buffers into it, and
+:func:`load_into_module` writes them back.
 """
 
 from __future__ import annotations
@@ -49,11 +51,10 @@ class TrainState(NamedTuple):
         opt_state: the optimizer's state.
         scaler: the :class:`funcamp.ScalerState` (its ``skipped`` leaf counts skipped steps).
         fp8: the delayed-scaling :class:`funcamp.Fp8State` (amax histories and scales of the
-            FP8 call sites); empty (the default) without a delayed FP8 recipe.
-        frozen: the frozen parameters (``requires_grad=False`` in the module, or left out by
-            ``trainable=`` of :meth:`create`): a dict ``loss_fn`` gets merged into ``params``,
-            never differentiated, updated or given optimizer state; ``{}`` (the default) when
-            every parameter trains.
+            FP8 call sites). Empty (the default) without a delayed FP8 recipe.
+        frozen: the frozen parameters, a dict ``loss_fn`` gets merged into ``params``. Never
+            differentiated, updated or given optimizer state. ``{}`` (the default) when every
+            parameter trains. See :meth:`create`'s ``trainable``.
 
     Being a NamedTuple it flattens with optree and ``torch.utils._pytree``, compiles, and
     checkpoints with :func:`funcamp.state_dict`.
@@ -84,40 +85,39 @@ class TrainState(NamedTuple):
         model: torch.nn.Module | None = None,
         trainable: Trainable = None,
     ) -> TrainState:
-        """Build the initial state: optimizer state, params (and buffers) cast to
-        ``param_dtype``, scaler, and the frozen params kept apart.
+        """Build the initial state.
+
+        It holds the optimizer state, the params (and buffers) cast to ``param_dtype``, the
+        scaler, and the frozen params kept apart.
 
         Frozen parameters are what torch.optim over ``filter(lambda p: p.requires_grad,
-        model.parameters())`` leaves alone: they go to ``state.frozen``, which ``loss_fn``
-        gets merged into its params, and are never differentiated, updated or given optimizer
-        state (no weight decay, no all-reduce). By default a leaf is frozen where the module
-        says so -- :func:`params_and_buffers` hands a parameter with ``requires_grad=False``
-        (a ``peft`` LoRA model's base weights) over as such -- and ``trainable=`` overrides it.
+        model.parameters())`` leaves alone. They go to ``state.frozen``, which ``loss_fn`` gets
+        merged into its params. They are never differentiated, updated or given optimizer state
+        (no weight decay, no all-reduce). By default a leaf is frozen where the module says so:
+        :func:`params_and_buffers` hands a parameter with ``requires_grad=False`` over as such
+        (a ``peft`` LoRA model's base weights). ``trainable=`` overrides it.
 
-        The optimizer state is built for the params in ``param_dtype`` (so a low-precision mode
-        allocates what it needs), and with ``master_weights=True`` the float32 masters are then
-        taken from the params *as given*, before the cast: master weights start exact, not
-        rounded through the half dtype.
+        The optimizer state is built for the params in ``param_dtype``, so a low-precision mode
+        allocates what it needs. With ``master_weights=True`` the float32 masters are taken from
+        the params *as given*, before the cast. So master weights start exact, not rounded
+        through the half dtype.
 
         Args:
             params: a pytree of floating tensors, usually float32 (see
                 :func:`params_and_buffers`).
             optimizer: a :class:`funcamp.Optimizer`.
             policy: a :class:`funcamp.Policy` or a policy string.
-            buffers: optional pytree of buffers; floating ones are cast to ``param_dtype``,
-                as ``module.to(dtype)`` would (BatchNorm needs its stats in the params' dtype);
-                default ``{}``.
+            buffers: optional pytree of buffers (default ``{}``). Floating ones are cast to
+                ``param_dtype``, as ``module.to(dtype)`` would: BatchNorm needs its stats in the
+                params' dtype.
             scaler: the loss scaler; default ``ScalerState.for_policy(policy)`` (dynamic for a
                 float16 policy, noop otherwise) on the params' device.
-            model: the root module ``loss_fn`` runs; with a delayed FP8 policy
-                (``policy.with_fp8(Fp8Recipe.delayed(...))``) the :class:`funcamp.Fp8State` is
-                built for its FP8 call sites (:meth:`funcamp.Fp8State.init`). Ignored when the
-                policy needs no such state.
-            trainable: which params train: ``None`` (default) all but the parameters the
-                module froze (``requires_grad=False``, as :func:`params_and_buffers` gives
-                them); ``True`` all of them; a glob pattern of the dotted parameter path
-                (``"*.lora_*"``) or a sequence of them (each must match a parameter): those,
-                and the others frozen; or a callable ``path -> bool``.
+            model: the root module ``loss_fn`` runs. With a delayed FP8 policy, the
+                :class:`funcamp.Fp8State` is built for its FP8 call sites
+                (:meth:`funcamp.Fp8State.init`). Ignored otherwise.
+            trainable: which params train. ``None`` (default): all but those the module froze.
+                ``True``: all. A glob pattern of the dotted path (``"*.lora_*"``) or a sequence
+                of them, each matching a parameter. Or a callable ``path -> bool``.
 
         Returns:
             A :class:`TrainState`.
@@ -223,11 +223,11 @@ def params_and_buffers(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Return ``(params, buffers)``: detached ``{name: tensor}`` dicts of a module's state.
 
-    The tensors share storage with the module (no copy); funcamp never modifies them. Pass them
-    to ``torch.func.functional_call(module, (params, buffers), args)``. A parameter the module
-    froze (``requires_grad=False``: a frozen embedding, a ``peft`` model's base weights) comes as
-    a detached ``torch.nn.Parameter`` with ``requires_grad=False``, the others as plain
-    tensors, so that :meth:`TrainState.create` keeps the frozen ones out of training.
+    The tensors share storage with the module (no copy); funcamp never modifies them. Pass them to
+    ``torch.func.functional_call(module, (params, buffers), args)``. A parameter the module froze
+    comes as a detached ``torch.nn.Parameter`` with ``requires_grad=False`` (a frozen embedding, a
+    ``peft`` model's base weights). The others come as plain tensors. So :meth:`TrainState.create`
+    keeps the frozen ones out of training.
 
     Example:
         >>> import torch, funcamp
@@ -261,15 +261,16 @@ def load_into_module(
 ) -> torch.nn.Module:
     """Write trained params and buffers back into ``module``, in place, and return it.
 
-    The inverse of :func:`params_and_buffers`: for inference, export, ``torch.save`` of the
-    module or Hugging Face's ``save_pretrained``. Each value is copied into the module's own
-    tensor (``copy_`` under ``no_grad``), so the module keeps its dtypes, devices and tensor
-    identities (an optimizer or hook holding them stays valid), and tied weights stay tied: a
-    parameter shared by several names (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``)
-    is one tensor, named once in ``params_and_buffers``'s dict and written once. Params kept in
-    a lower precision (``"bf16-true"``) are widened into float32 module tensors exactly; call
-    ``module.to(torch.bfloat16)`` first to keep the module in bfloat16. Sharded leaves
-    (``funcamp.distributed.shard``) are gathered first (every rank must call).
+    The inverse of :func:`params_and_buffers`: for inference, export, ``torch.save`` of the module
+    or Hugging Face's ``save_pretrained``. Each value is copied into the module's own tensor
+    (``copy_`` under ``no_grad``). So the module keeps its dtypes, devices and tensor identities,
+    and an optimizer or hook holding them stays valid. Tied weights stay tied. A parameter shared
+    by several names is one tensor, named once in ``params_and_buffers``'s dict and written once.
+    (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``.)
+
+    Params kept in a lower precision (``"bf16-true"``) are widened into float32 module tensors
+    exactly. To keep the module in bfloat16, call ``module.to(torch.bfloat16)`` first. Sharded
+    leaves (``funcamp.distributed.shard``) are gathered first, so every rank must call.
 
     Args:
         module: the module the params came from.
@@ -282,10 +283,9 @@ def load_into_module(
         ``module``.
 
     Raises:
-        ValueError: a name the module does not have, a parameter (or a given buffer dict's
-            buffer) of the module missing from ``state``, a value whose shape differs from
-            the module's tensor, or a state donated to a train step (or whose donated step
-            raised part-way) -- nothing is written then.
+        ValueError: a name the module does not have; a module parameter (or buffer of a given
+            dict) missing from ``state``; a shape that differs from the module's; or a donated
+            state (or one whose donated step raised part-way). Nothing is written then.
 
     Example:
         >>> import torch, funcamp
@@ -362,9 +362,11 @@ def load_into_module(
 def check_train_state(
     api: str, state: TrainState, optimizer: Optimizer, policy: Policy | None = None
 ) -> None:
-    """First-call check: ``opt_state`` must be what ``optimizer.init(params)`` builds (its
-    structure and shapes, computed on the meta device, so nothing is allocated); with
-    ``policy``, the state must be one built for it (:func:`check_fits_policy`)."""
+    """First-call check: ``opt_state`` must be what ``optimizer.init(params)`` builds.
+
+    The structure and shapes are computed on the meta device, so nothing is allocated. With
+    ``policy``, the state must be one built for it (:func:`check_fits_policy`).
+    """
     _check_params(api, state.params)
     if not isinstance(state.scaler, ScalerState):
         raise TypeError(
@@ -407,9 +409,12 @@ def check_train_state(
 
 
 def check_fits_policy(api: str, state: TrainState, policy: Policy) -> None:
-    """The state was built for ``policy``: its trained params are in ``policy.param_dtype``
-    (float64 and FP8 leaves aside, as :func:`funcamp.save` checks), and a policy that computes
-    or keeps params in float16 has a loss scaler (not ``noop``)."""
+    """Check that the state was built for ``policy``.
+
+    Its trained params must be in ``policy.param_dtype`` (float64 and FP8 leaves aside, as
+    :func:`funcamp.save` checks). A policy that computes or keeps params in float16 must have a
+    loss scaler (not ``noop``).
+    """
     fix = (
         f"build the state for this policy (TrainState.create(params, optimizer, {str(policy)!r})), "
         "or build the step with the state's policy"
@@ -433,8 +438,10 @@ def check_fits_policy(api: str, state: TrainState, policy: Policy) -> None:
 
 
 def check_donation(api: str, state: TrainState) -> None:
-    """With ``donate_state=True``: no two state tensors may share memory (one write would
-    clobber the other), and none may need grad."""
+    """With ``donate_state=True``, no two state tensors may share memory, and none may need grad.
+
+    Two that share memory would clobber each other's writes.
+    """
     trees = {
         "state.params": state.params,
         "state.buffers": state.buffers,
@@ -458,9 +465,12 @@ def check_donation(api: str, state: TrainState) -> None:
 
 
 def check_overlap(api: str, state: TrainState) -> None:
-    """With ``donate_state=True``, once per state: no state tensor may have elements that share
-    memory (an expanded tensor: stride 0), which torch refuses to write in place -- after the
-    step's first writes. Checked before any write, naming the leaf."""
+    """With ``donate_state=True``, no state tensor may have elements that share memory.
+
+    Such a tensor is an expanded one (stride 0). Torch refuses to write it in place, but only
+    after the step's first writes. So this is checked once per state, before any write, naming
+    the leaf.
+    """
     trees = {
         "state.params": state.params,
         "state.buffers": state.buffers,

@@ -3,13 +3,13 @@
 ``build_train_step`` makes ``step(state, batch) -> (state, metrics)``, the whole mixed-precision
 pipeline as one pure function, compiled whole with ``torch.compile(fullgraph=True)``:
 
-1. forward and backward of the scaled loss -- :func:`funcamp.amp` of the loss,
-   :func:`funcamp.scaled_grad_and_value` (the delayed-FP8 state differentiated too, its
-   "gradient" being the step's amaxes);
-2. the exchange between ranks of the parallel piece (none for one process,
-   :class:`~funcamp.train.parallel.SingleProcess`; an all-reduce for data parallel, gradients of
-   replicated leaves for sharded);
-3. :func:`funcamp.unscale_and_step` -- unscale, optimizer, skip on overflow -- then
+1. forward and backward of the scaled loss: :func:`funcamp.amp` of the loss, then
+   :func:`funcamp.scaled_grad_and_value`. The delayed-FP8 state is differentiated too; its
+   "gradient" is the step's amaxes.
+2. the exchange between ranks of the parallel piece. There is none for one process
+   (:class:`~funcamp.train.parallel.SingleProcess`). Data parallel all-reduces; sharded
+   exchanges the gradients of replicated leaves.
+3. :func:`funcamp.unscale_and_step` (unscale, optimizer, skip on overflow), then
    :func:`funcamp.update` of the scaler; the new buffers, and the metrics.
 
 The same algorithm runs for every parallelism, in the one wrapper of
@@ -107,8 +107,10 @@ def check_step_options(
     opts: StepOptions,
     compile_options: dict[str, Any],
 ) -> _Checked:
-    """Every argument check of a train step, and the one rule for what does not compose: an
-    option the parallel piece lists in ``refuses`` is refused here, with its reason."""
+    """Every argument check of a train step, and the one rule for what does not compose.
+
+    An option the parallel piece lists in ``refuses`` is refused here, with its reason.
+    """
     if not callable(loss_fn):
         raise TypeError(f"funcamp.{API}: `loss_fn` must be callable, got {describe(loss_fn)}")
     if not isinstance(optimizer, Optimizer):
@@ -290,9 +292,11 @@ def build_train_step(
     step_options: StepOptions | None = None,
     **compile_options: Any,
 ) -> StepFn:
-    """``step(state, batch) -> (state, metrics)``: :func:`funcamp.make_train_step`'s step,
-    spread over processes by ``parallel`` (default: one process). See ``make_train_step`` for
-    the options."""
+    """``step(state, batch) -> (state, metrics)``: :func:`funcamp.make_train_step`'s step.
+
+    ``parallel`` spreads it over processes (default: one process). See ``make_train_step`` for
+    the options.
+    """
     parallel = SingleProcess() if parallel is None else parallel
     opts = StepOptions() if step_options is None else step_options
     checked = check_step_options(loss_fn, optimizer, policy, parallel, opts, compile_options)

@@ -1,14 +1,19 @@
 """The one wrapper every train step runs in, and the checks of its options and calls.
 
-:func:`wrap_step` wraps the train step -- one process, data parallel or sharded alike: the
-first-call and per-call checks, the parallel piece's view of the state, the compile notice, the
-compiled (or eager) call through :func:`funcamp.train.compiling.run_compiled` and the on-disk
-step cache (``cache_dir``: :mod:`funcamp.stepcache`, imported only when a step is built with
-it: it imports dynamo's internals, which ``import funcamp`` does not). What becomes of a donated
-state is recorded here, in :mod:`funcamp._core.donation` -- marked before the step's first
-write, donated once it returned (:func:`check_not_donated` refuses it when it comes back) --
-as are the checks of ``specialize`` and ``cache_dir`` that ``make_train_step`` and
-``make_eval_step`` share.
+:func:`wrap_step` wraps the train step, for one process, data parallel or sharded alike. It
+holds:
+
+* the first-call and per-call checks;
+* the parallel piece's view of the state;
+* the compile notice;
+* the compiled (or eager) call through :func:`funcamp.train.compiling.run_compiled`;
+* the on-disk step cache (``cache_dir``: :mod:`funcamp.stepcache`). It is imported only when a
+  step is built with it, since it imports dynamo's internals and ``import funcamp`` does not.
+
+What becomes of a donated state is recorded here, in :mod:`funcamp._core.donation`. A state is
+marked before the step's first write, and donated once the step returned.
+:func:`check_not_donated` refuses it when it comes back. The checks of ``specialize`` and
+``cache_dir`` that ``make_train_step`` and ``make_eval_step`` share live here too.
 """
 
 from __future__ import annotations
@@ -62,8 +67,11 @@ def _stepcache(module: str) -> types.ModuleType:
 def check_cache_dir(
     api: str, cache_dir: Any, compile: bool, compile_options: dict[str, Any]
 ) -> str | None:
-    """``cache_dir`` as a path, or None when unset (or when this torch cannot save steps:
-    a warning says so and the step compiles as usual)."""
+    """``cache_dir`` as a path, or None when unset.
+
+    It is also None when this torch cannot save steps. A warning then says so, and the step
+    compiles as usual.
+    """
     if cache_dir is None:
         return None
     if not isinstance(cache_dir, (str, os.PathLike)):
@@ -92,8 +100,11 @@ def check_cache_dir(
 
 
 def check_not_donated(api: str, state: TrainState) -> None:
-    """Refuse a state an earlier call donated (``donate_state=True``, the default), or whose
-    donated step raised after its first write (:mod:`funcamp._core.donation`)."""
+    """Refuse a state an earlier call donated (``donate_state=True``, the default).
+
+    Also refuse one whose donated step raised after its first write
+    (:mod:`funcamp._core.donation`).
+    """
     refuse_consumed(api, state.scaler)
 
 
@@ -164,21 +175,23 @@ def wrap_step(
     eager_casts: bool = False,
     policy: Policy | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
-    """``step(state, batch)``: ``train_step`` compiled (or eager), as every funcamp train step
-    runs -- one process, data parallel or sharded alike.
+    """``step(state, batch)``: ``train_step`` compiled (or eager), as every funcamp train step runs.
 
-    On every call: ``state`` must be a :class:`TrainState`; the parallel piece gives the state
-    the compiled step works on (and takes the new one back); the batch keeps the first batch's
-    structure; a donated state shares no memory. On the first call the optimizer state is
-    checked against the params, and the state against ``policy`` (its param dtypes and scaler
-    kind: :func:`check_fits_policy`). ``specialize``: keep only the guards on the inputs
-    (:func:`input_guards_only`). ``cache``, ``(directory, loss_fn, settings)``, keeps the
-    compiled step on disk (:class:`funcamp.stepcache.cache.CachedStep`; ``settings``, what the
-    step was built with, enter its key). ``compiler_patches``:
-    ``make_train_step``'s choice of funcamp's compiler patches (:func:`patches_for`). ``eager_casts``:
-    the policy rounds to float16, bfloat16 or FP8 (:func:`funcamp.train.compiling.rounds_casts`);
-    a state with a loss scaler (not ``noop``) asks for the same inductor options
-    (:func:`step_options_for`): its found-inf must be eager code's."""
+    This holds for one process, data parallel or sharded alike. On every call, ``state`` must be
+    a :class:`TrainState`. The parallel piece gives the state the compiled step works on, and
+    takes the new one back. The batch keeps the first batch's structure. A donated state shares
+    no memory. On the first call the optimizer state is checked against the params. The state
+    is checked against ``policy``: its param dtypes and scaler kind (:func:`check_fits_policy`).
+
+    ``specialize`` keeps only the guards on the inputs (:func:`input_guards_only`). ``cache``,
+    ``(directory, loss_fn, settings)``, keeps the compiled step on disk
+    (:class:`funcamp.stepcache.cache.CachedStep`). ``settings``, what the step was built with,
+    enter its key. ``compiler_patches`` is ``make_train_step``'s choice of funcamp's compiler
+    patches (:func:`patches_for`). ``eager_casts`` says the policy rounds to float16, bfloat16
+    or FP8 (:func:`funcamp.train.compiling.rounds_casts`). A state with a loss scaler (not
+    ``noop``) asks for the same inductor options (:func:`step_options_for`), since its found-inf
+    must be eager code's.
+    """
     train_step.__code__ = fresh_code(train_step.__code__)
     patched: list[Patches] = []
 
