@@ -129,60 +129,47 @@ def adafactor(
 ) -> Optimizer:
     """Adafactor (Shazeer and Stern 2018) with torch.optim.Adafactor's semantics and defaults.
 
-    <<<<<<< HEAD
-        The second moment of a matrix (of each trailing matrix of a higher-dimensional param) is
-        kept factored, as its row and column means (``row_var``, ``col_var``: O(rows + cols)
-        memory); a vector keeps it whole (``variance``). Their decay is ``1 - t**beta2_decay``;
-        the update ``g / sqrt(v)`` is clipped to RMS ``d`` and scaled by
-        ``max(eps2, rms(p)) * min(lr, 1 / sqrt(t))`` (the relative step size); the weight decay is
-        decoupled, ``p *= 1 - lr * weight_decay``.
+    The second moment of a matrix (of each trailing matrix of a higher-dimensional param) is kept
+    factored. It is kept as its row and column means (``row_var``, ``col_var``), in O(rows + cols)
+    memory. A vector keeps it whole (``variance``). Their decay is ``1 - t**beta2_decay``. The
+    update ``g / sqrt(v)`` is clipped to RMS ``d``. It is then scaled by the relative step size,
+    ``max(eps2, rms(p)) * min(lr, 1 / sqrt(t))``. The weight decay is decoupled: ``p *= 1 - lr *
+    weight_decay``.
 
-        Sharded params: the column means of a row-sharded matrix (the row means of a
-        column-sharded one), the mean of ``row_var`` and the RMS norms of the param and of the
-        update are over whole params. Called on DTensor params, the update reduces them over the
-        ranks through DTensor's collectives (partial sums all-reduced; nothing else is gathered),
-        with its statistics DTensors sharded as the param along the dimensions they keep and
-        replicated along those they reduce: the unsharded numbers within float32 rounding. Under
-        ``make_train_step(..., parallel=Sharded(mesh))`` on more than one rank, where the update
-        runs on each rank's local shards, it raises instead of averaging each rank's own rows;
-        train with ``parallel=DataParallel(group)``.
-    =======
-        The second moment of a matrix (of each trailing matrix of a higher-dimensional param) is kept
-        factored. It is kept as its row and column means (``row_var``, ``col_var``), in O(rows + cols)
-        memory. A vector keeps it whole (``variance``). Their decay is ``1 - t**beta2_decay``. The
-        update ``g / sqrt(v)`` is clipped to RMS ``d``. It is then scaled by the relative step size,
-        ``max(eps2, rms(p)) * min(lr, 1 / sqrt(t))``. The weight decay is decoupled: ``p *= 1 - lr *
-        weight_decay``. A param sharded as a DTensor reduces its norms and means through DTensor's
-        collectives.
-    >>>>>>> prose
+    Sharded params: the column means of a row-sharded matrix, the mean of ``row_var`` and the RMS
+    norms are over whole params. On DTensor params the update all-reduces their partial sums
+    through DTensor's collectives and gathers nothing else. Its statistics are DTensors, sharded
+    like the param along the dimensions they keep. The result is the unsharded one within float32
+    rounding. Under ``parallel=Sharded(mesh)`` on more than one rank each rank holds only its own
+    rows, so the update raises. Train with ``parallel=DataParallel(group)`` instead.
 
-        Args:
-            learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
-            beta2_decay: the decay exponent of the second moment (<= 0).
-            eps: ``(eps1, eps2)``, the floors of the variance estimate and of the params' RMS.
-                ``eps1=None`` means the param dtype's machine epsilon.
-            d: the update's clipping threshold (>= 1).
-            weight_decay: decoupled weight decay (>= 0).
-            maximize: ascend the objective (the gradients are negated first).
-            master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
-            kahan: keep Kahan compensation buffers for half params.
-            stochastic_rounding: round half params stochastically.
-            seed: seed of the stochastic-rounding hash.
+    Args:
+        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
+        beta2_decay: the decay exponent of the second moment (<= 0).
+        eps: ``(eps1, eps2)``, the floors of the variance estimate and of the params' RMS.
+            ``eps1=None`` means the param dtype's machine epsilon.
+        d: the update's clipping threshold (>= 1).
+        weight_decay: decoupled weight decay (>= 0).
+        maximize: ascend the objective (the gradients are negated first).
+        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
+        kahan: keep Kahan compensation buffers for half params.
+        stochastic_rounding: round half params stochastically.
+        seed: seed of the stochastic-rounding hash.
 
-        Returns:
-            An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.AdafactorState`.
+    Returns:
+        An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.AdafactorState`.
 
-        Example:
-            >>> import torch, funcamp
-            >>> opt = funcamp.adafactor(0.01)
-            >>> params = {"w": torch.ones(2, 3), "b": torch.ones(3)}
-            >>> state = opt.init(params)
-            >>> state.row_var["w"].shape, state.col_var["w"].shape, state.variance["b"].shape
-            (torch.Size([2, 1]), torch.Size([1, 3]), torch.Size([3]))
-            >>> grads = {"w": torch.ones(2, 3), "b": torch.ones(3)}
-            >>> updates, state = opt.update(grads, state, params)
-            >>> funcamp.apply_updates(params, updates)["b"]
-            tensor([0.9900, 0.9900, 0.9900])
+    Example:
+        >>> import torch, funcamp
+        >>> opt = funcamp.adafactor(0.01)
+        >>> params = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+        >>> state = opt.init(params)
+        >>> state.row_var["w"].shape, state.col_var["w"].shape, state.variance["b"].shape
+        (torch.Size([2, 1]), torch.Size([1, 3]), torch.Size([3]))
+        >>> grads = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+        >>> updates, state = opt.update(grads, state, params)
+        >>> funcamp.apply_updates(params, updates)["b"]
+        tensor([0.9900, 0.9900, 0.9900])
     """
     api = "adafactor"
     check_flag(api, "maximize", maximize)

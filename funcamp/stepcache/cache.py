@@ -12,11 +12,9 @@ itself. A funcamp step, like ``jax.jit``, does not re-check those on every call,
 the loaded one. So each entry carries:
 
 - a *key*: funcamp, torch and Python versions, the machine, the compile options and the torch
-  compiler configs, the step's options, and the loss function's code. Also the inputs'
-  structure, shapes, strides, dtypes and devices. There is one file per key, so new input shapes
-  add an entry.
-- torch's record of every function the trace inlined, with a checksum of its source lines. It is
-  compared with the files as they are now.
+  compiler configs, the step's options, the loss function's code, and the inputs' structure,
+  shapes, strides, dtypes and devices (one file per key: new input shapes add an entry).
+- torch's record of every function the trace inlined, with a checksum of its source lines.
 - *specialisation checks*: every guard dynamo made on something other than the inputs' tensors.
   Each is re-read from the new process's objects and compared the way the guard compares it. A
   guard on an object known only by its type, or on unmodelled torch state, refuses the save.

@@ -110,7 +110,7 @@ def special_values(dtype: torch.dtype) -> list[float]:
     * the smallest and largest subnormals;
     * ``eps`` and ``1 + eps``.
 
-    Every value is exactly representable in ``dtype``.
+    Each is exactly representable in ``dtype``.
 
     Example:
         >>> import torch
@@ -283,11 +283,9 @@ def tensors(
 ) -> st.SearchStrategy[torch.Tensor]:
     """Floating tensors whose elements stress floating-point code.
 
-    Elements mix three kinds of values. First, the dtype's :func:`special_values` (``±0``,
-    ``±inf``, ``nan``, ``±max`` and its neighbour, the smallest normal and subnormal values,
-    ``eps``). Second, powers of two over the whole exponent range (subnormal to max). Third,
-    arbitrary finite values of the dtype. Every element is exactly representable in the dtype.
-    Examples shrink to small shapes of zeros.
+    Elements mix the dtype's :func:`special_values`, powers of two over the whole exponent range
+    (subnormal to max) and arbitrary finite values of the dtype. Each is exactly representable in
+    the dtype. Examples shrink to small shapes of zeros.
 
     Args:
         dtype: a floating dtype or a strategy of them (default :func:`float_dtypes`).
