@@ -26,11 +26,13 @@ inductor's one-time costs, its C++ header included). After the timed steps every
 taken the same steps from the same gradients, and its params are checked against torch's eager
 ones (``allclose``): a row never compares different work.
 
-    python benchmarks/optimizers.py                    # all 14, eager and compiled (~5 min, 2 cores)
+    python benchmarks/optimizers.py                    # all 14, eager and compiled
     python benchmarks/optimizers.py --quick            # d=128, fewer rounds, compiled: adamw
     python benchmarks/optimizers.py --only adamw muon --no-compiled
     python benchmarks/optimizers.py --require-quiet    # stop (exit 3) on a busy machine
 
+On a 2-core AMD EPYC shared with other jobs (load average 5-10) a full run took 35 minutes,
+12.5 of them in the 28 first calls (cold compiles), and ``--quick`` 3 (docs/benchmarks.md).
 Writes JSON to ``--out`` (default ``build/bench/optimizers.json``). bfloat16 is not used
 except inside Muon's Newton-Schulz iteration (``torch.optim.Muon`` runs it in bfloat16, and so
 does ``funcamp.muon``): on a CPU without AVX512-BF16 that part is emulated on both sides.
