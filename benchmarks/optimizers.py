@@ -40,33 +40,27 @@ does ``funcamp.muon``): on a CPU without AVX512-BF16 that part is emulated on bo
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import os
+import shutil
+import statistics
+import sys
 import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-# Before torch is imported: the first calls compile on an empty cache (removed at the end).
-_OWN_CACHE = None
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    _OWN_CACHE = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="funcamp-optim-")
+import torch
+import torch._logging
+from torch._dynamo.utils import counters
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-import torch._logging  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
-
-import funcamp  # noqa: E402
+import funcamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine  # noqa: E402
+import _machine
 
 #: name -> (torch class, its kwargs, the funcamp optimizer with the same hyper-parameters).
 CASES: dict[str, tuple[type, dict[str, Any], Callable[[], funcamp.Optimizer]]] = {
@@ -313,13 +307,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.only = args.only or list(CASES)
     if args.compiled is None:
         args.compiled = ["adamw"] if args.quick else list(args.only)
-    unknown = [n for n in args.only + args.compiled if n not in CASES]
+    unknown = sorted({n for n in args.only + args.compiled if n not in CASES})
     if unknown:
-        p.error(f"--only: unknown {unknown}; choose from {list(CASES)}")
+        p.error(f"--only/--compiled: unknown {unknown}; choose from {list(CASES)}")
     machine = _machine.check(args.require_quiet)
     # Dynamo's graph-break warnings (torch.optim.Adafactor's .item()): counted in the table.
     torch._logging.set_logs(dynamo=logging.ERROR)
     compiling = any(n in args.compiled for n in args.only)
+    # The first calls compile on an empty cache of their own (unless one is given).
+    own_cache = None
+    if compiling and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        own_cache = tempfile.mkdtemp(prefix="funcamp-optimizers-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = own_cache
+    try:
+        return _run(args, machine, compiling)
+    finally:
+        if own_cache is not None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            shutil.rmtree(own_cache, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, machine: dict[str, Any], compiling: bool) -> dict[str, Any]:
     header = _warm_compiler() if compiling else 0.0
     n = sum(int(torch.Size(s).numel()) for s in param_shapes(args.d).values())
     print(
@@ -339,15 +347,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(head + "|\n" + rule + "|", flush=True)
     results: dict[str, Any] = {"machine": machine, "args": vars(args) | {"out": str(args.out)}}
     results["optimizers"] = {}
-    try:
-        for name in args.only:
-            results["optimizers"][name] = res = bench_one(name, name in args.compiled, args)
-            print_row(name, res, compiling)
-            if res["recompiled"]:
-                print(f"  ({name}: {res['recompiled']} graphs compiled while timing)")
-    finally:
-        if _OWN_CACHE is not None:
-            shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    for name in args.only:
+        results["optimizers"][name] = res = bench_one(name, name in args.compiled, args)
+        print_row(name, res, compiling)
+        if res["recompiled"]:
+            print(f"  ({name}: {res['recompiled']} graphs compiled while timing)")
     print("every variant's params agree with torch.optim's eager ones (allclose)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, default=str))
