@@ -174,11 +174,17 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def funcamp_step(
-    model: nn.Module, batch: dict[str, Any], fused: bool = False, **options: Any
+    model: nn.Module,
+    batch: dict[str, Any],
+    fused: bool = False,
+    fc: Any = funcamp,
+    **options: Any,
 ) -> Callable[[], Any]:
     """``funcamp.make_train_step`` (compiled; default options unless ``options``, e.g.
-    ``cache_dir=`` or ``backend=``), with ``funcamp.adamw(..., fused=fused)``.
+    ``cache_dir=`` or ``backend=``), with ``funcamp.adamw(..., fused=fused)``; ``fc``: the
+    funcamp module to use (another revision's, ``train_step.py --against``).
     ``step.skipped()``: whether the last step was skipped."""
+    funcamp = fc
     policy = funcamp.get_policy("mixed_bfloat16")
     opt = funcamp.adamw(LR, weight_decay=WEIGHT_DECAY, fused=fused)
 

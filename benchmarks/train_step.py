@@ -61,6 +61,33 @@ funcamp / torch_model, cold and warm (funcamp_cache's warm start against the tor
 warm starts).
 ``--backend`` compiles every variant with another backend (``eager``: a quick check that the
 script runs, no compile times).
+
+``--optimizer adamw`` runs the step-time rows (mlp, gpt, gpt12) with AdamW on both sides
+(``torch.optim.AdamW``, ``funcamp.adamw``; lr 1e-4, weight decay 0.01) instead of Adam;
+``--compute float32`` runs them without bfloat16 (no autocast, funcamp's ``"float32"``
+policy, the loss scaler kept on both sides): on a CPU without AVX512-BF16 every bfloat16
+matmul is emulated and hides the rest of the step. The real models always use AdamW.
+
+"No regression" for AdamW against a revision ``REV`` (e.g. the previous main), each next to
+its A/A run (the working tree against its own ``HEAD``: the spread to read the A/B by; run it
+on a clean tree):
+
+    # steady step: funcamp's compiled steps, pure and donated, this tree and REV in the same
+    # interleaved rounds ("this tree / REV" lines; < 1 is faster)
+    python benchmarks/train_step.py --models mlp,gpt --optimizer adamw --compute float32 \
+        --only d --against REV --rounds 15 --require-quiet
+    python benchmarks/train_step.py --models mlp,gpt --optimizer adamw --compute float32 \
+        --only d --against HEAD --rounds 15 --require-quiet
+    # first call: cold compiles in fresh processes on empty caches, REV's step interleaved
+    # with this tree's ("cold funcamp / funcamp@REV", "warm funcamp / funcamp@REV")
+    python benchmarks/train_step.py --models gpt2,llama --variants funcamp --against REV \
+        --cold-rounds 3 --require-quiet
+    python benchmarks/train_step.py --models gpt2,llama --variants funcamp --against HEAD \
+        --cold-rounds 3 --require-quiet
+
+(The step-time rows' own "compile s" column is no A/B between revisions: the later of two
+compiles in one process can reuse the kernels the earlier one built.) Leave out
+``--compute float32`` on a CPU with AVX512-BF16 to time the mixed-precision recipe itself.
 """
 
 from __future__ import annotations
@@ -99,6 +126,10 @@ except ImportError:  # transformers is not installed: the real-model rows are no
     _real_models = None  # type: ignore[assignment]
 
 LOWP = torch.bfloat16
+#: --optimizer: torch.optim's class for the torch variants and the floor, funcamp's factory name.
+TORCH_OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+#: --compute: the autocast dtype of the torch variants and the floor, funcamp's policy.
+COMPUTE = {"bfloat16": (torch.bfloat16, "mixed_bfloat16"), "float32": (torch.float32, "float32")}
 
 
 # ---------------------------------------------------------------------------------- models
@@ -172,17 +203,28 @@ def _next_token(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def torch_variant(
-    model: nn.Module, batch: Any, criterion: Any, device: str, *, amp: bool, compiled: bool
+    model: nn.Module,
+    batch: Any,
+    criterion: Any,
+    device: str,
+    *,
+    amp: bool,
+    compiled: bool,
+    optimizer: str = "adam",
+    lowp: torch.dtype = LOWP,
+    backend: str = "inductor",
 ) -> Callable[[], Any]:
+    """``amp``: autocast to ``lowp`` (none for float32: the GradScaler stays) and foreach."""
     model = copy.deepcopy(model)
-    fwd = torch.compile(model) if compiled else model
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True if amp else None)
+    fwd = torch.compile(model, backend=backend) if compiled else model
+    opt = TORCH_OPTIMIZERS[optimizer](model.parameters(), lr=1e-4, foreach=True if amp else None)
     scaler = torch.amp.GradScaler(device, enabled=amp)
+    autocast = amp and lowp != torch.float32
     x, y = batch
 
     def step() -> Any:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=LOWP, enabled=amp):
+        with torch.autocast(device, dtype=lowp, enabled=autocast):
             loss = criterion(fwd(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -198,13 +240,17 @@ def funcamp_variant(
     criterion: Any,
     device: str,
     fc: Any = funcamp,
+    *,
+    optimizer: str = "adam",
+    policy: str = "mixed_bfloat16",
     **compile_kw: Any,
 ) -> Callable[[], Any]:
-    """funcamp's step; ``fc`` is the funcamp module to use (another revision with --against)."""
+    """funcamp's step; ``fc`` is the funcamp module to use (another revision with --against);
+    ``optimizer`` is ``fc.adam`` or ``fc.adamw`` (lr 1e-4, their defaults otherwise)."""
     funcamp = fc
     model = copy.deepcopy(model)
-    policy = funcamp.get_policy("mixed_bfloat16")
-    opt = funcamp.adam(1e-4)
+    policy = funcamp.get_policy(policy)
+    opt = getattr(funcamp, optimizer)(1e-4)
 
     def loss_fn(params: Any, buffers: Any, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -242,13 +288,20 @@ class _RecordMatmuls(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def floor_variant(model: nn.Module, batch: Any, criterion: Any, device: str) -> Callable[[], Any]:
+def floor_variant(
+    model: nn.Module,
+    batch: Any,
+    criterion: Any,
+    device: str,
+    optimizer: str = "adam",
+    lowp: torch.dtype = LOWP,
+) -> Callable[[], Any]:
     """The matmuls of one autocast forward/backward, replayed on fresh tensors of the same
-    shapes and dtypes, plus one fused (else foreach) Adam pass over float32 params."""
+    shapes and dtypes, plus one fused (else foreach) Adam (AdamW) pass over float32 params."""
     model = copy.deepcopy(model)
     x, y = batch
     rec = _RecordMatmuls()
-    with rec, torch.autocast(device, dtype=LOWP):
+    with rec, torch.autocast(device, dtype=lowp, enabled=lowp != torch.float32):
         loss = criterion(model(x), y)
     with rec:
         loss.backward()
@@ -264,11 +317,11 @@ def floor_variant(model: nn.Module, batch: Any, criterion: Any, device: str) -> 
     for p, q in zip(params, model.parameters()):
         p.grad = q.grad.detach().clone()
     try:
-        opt = torch.optim.Adam(params, lr=1e-4, fused=True)
+        opt = TORCH_OPTIMIZERS[optimizer](params, lr=1e-4, fused=True)
         opt.step()
         fused = True
     except (RuntimeError, TypeError):
-        opt = torch.optim.Adam(params, lr=1e-4, foreach=True)
+        opt = TORCH_OPTIMIZERS[optimizer](params, lr=1e-4, foreach=True)
         fused = False
     floor_variant.info = {"matmuls": len(calls), "fused_adam": fused}  # type: ignore[attr-defined]
 
@@ -346,45 +399,51 @@ def time_rounds(
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     device = args.device
     model, batch, criterion = build(name, device)
+    lowp, policy = COMPUTE[args.compute]
+    opt_kw = {"optimizer": args.optimizer}
+    torch_kw = {**opt_kw, "lowp": lowp}
+    fc_kw = {**opt_kw, "policy": policy}
+    # --backend: the compiled variants' (eager/aot_eager: a quick check that the script runs)
+    comp_kw = {} if args.backend == "inductor" else {"backend": args.backend}
     makers: dict[str, Callable[[], Callable[[], Any]]] = {
         "a_eager_fp32_adam": lambda: torch_variant(
-            model, batch, criterion, device, amp=False, compiled=False
+            model, batch, criterion, device, amp=False, compiled=False, **torch_kw
         ),
         "b_eager_autocast_gradscaler": lambda: torch_variant(
-            model, batch, criterion, device, amp=True, compiled=False
+            model, batch, criterion, device, amp=True, compiled=False, **torch_kw
         ),
         "c_compiled_model_autocast_gradscaler": lambda: torch_variant(
-            model, batch, criterion, device, amp=True, compiled=True
+            model, batch, criterion, device, amp=True, compiled=True, **torch_kw, **comp_kw
         ),
         "d_funcamp_compiled": lambda: funcamp_variant(
-            model, batch, criterion, device, donate_state=False
+            model, batch, criterion, device, donate_state=False, **fc_kw, **comp_kw
         ),
         "d_funcamp_compiled_donated": lambda: funcamp_variant(
-            model, batch, criterion, device, donate_state=True
+            model, batch, criterion, device, donate_state=True, **fc_kw, **comp_kw
         ),
         "d_funcamp_compiled_donated_specialize": lambda: funcamp_variant(
-            model, batch, criterion, device, donate_state=True, specialize=True
+            model, batch, criterion, device, donate_state=True, specialize=True, **fc_kw, **comp_kw
         ),
         "e_funcamp_eager": lambda: funcamp_variant(
-            model, batch, criterion, device, compile=False, donate_state=False
+            model, batch, criterion, device, compile=False, donate_state=False, **fc_kw
         ),
-        "floor": lambda: floor_variant(model, batch, criterion, device),
+        "floor": lambda: floor_variant(model, batch, criterion, device, **torch_kw),
     }
     if args.against:
         old = import_revision(args.against)
         tag = f"@{args.against}"
         makers[f"d_funcamp_compiled{tag}"] = lambda: funcamp_variant(
-            model, batch, criterion, device, old, donate_state=False
+            model, batch, criterion, device, old, donate_state=False, **fc_kw, **comp_kw
         )
         makers[f"d_funcamp_compiled_donated{tag}"] = lambda: funcamp_variant(
-            model, batch, criterion, device, old, donate_state=True
+            model, batch, criterion, device, old, donate_state=True, **fc_kw, **comp_kw
         )
         makers[f"e_funcamp_eager{tag}"] = lambda: funcamp_variant(
-            model, batch, criterion, device, old, compile=False, donate_state=False
+            model, batch, criterion, device, old, compile=False, donate_state=False, **fc_kw
         )
     if device == "cuda":
         makers["d_funcamp_compiled_reduce_overhead"] = lambda: funcamp_variant(
-            model, batch, criterion, device, mode="reduce-overhead"
+            model, batch, criterion, device, mode="reduce-overhead", **fc_kw
         )
     steps, info = {}, {}
     for key, make in makers.items():
@@ -480,7 +539,10 @@ def first_call_child(args: argparse.Namespace) -> dict[str, Any]:
         options["cache_dir"] = str(Path(args.dir) / "steps")
     if args.backend != "inductor":
         options["backend"] = args.backend
-    step = _real_models.VARIANTS[args.first_call_child](model, batch, **options)
+    variant, _, rev = args.first_call_child.partition("@")
+    if rev:  # funcamp@REV (--against REV): funcamp's default step as of git revision REV
+        options["fc"] = import_revision(rev)
+    step = _real_models.VARIANTS[variant](model, batch, **options)
     counters.clear()
     before = _phase_totals()
     t0 = time.perf_counter()
@@ -537,7 +599,14 @@ def first_call_summary(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> float:
         return med.get(a, math.nan) / med.get(b, math.nan)
 
-    return {
+    # --against REV: this tree's funcamp step against REV's, cold and warm (A/B; A/A: REV=HEAD)
+    against = {
+        f"{kind} funcamp / {v}": ratio(("funcamp", kind), (v, kind))
+        for v in runs
+        if v.startswith("funcamp@")
+        for kind in ("cold", "warm")
+    }
+    return against | {
         "cold funcamp / torch_model_opt": ratio(("funcamp", "cold"), ("torch_model_opt", "cold")),
         "cold funcamp / torch_model": ratio(("funcamp", "cold"), ("torch_model", "cold")),
         "warm funcamp / torch_model_opt": ratio(("funcamp", "warm"), ("torch_model_opt", "warm")),
@@ -617,7 +686,9 @@ def print_first_calls(name: str, result: dict[str, Any]) -> None:
     n = max(len(k) for r in runs.values() for k in r.values())
     print(f"\n{name}: first call in s, median of {n} processes (cold: an empty compile cache each)")
     for v in runs:
-        print(f"  {v}: {_real_models.DESCRIPTIONS[v]}")
+        base, _, rev = v.partition("@")
+        said = f"{_real_models.DESCRIPTIONS[base]}, as of git revision {rev}" if rev else ""
+        print(f"  {v}: {said or _real_models.DESCRIPTIONS[v]}")
     print("| variant | cold first call (each) | compile | step | dynamo | graphs | breaks | warm |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for v, r in runs.items():
@@ -660,7 +731,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--against",
         default="",
-        help="also time funcamp's (d) and (e) steps at this git revision, in the same process",
+        help="also time funcamp's (d) and (e) steps at this git revision, in the same process "
+        "(real models: a funcamp@REV first-call variant, in fresh processes like the others)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=sorted(TORCH_OPTIMIZERS),
+        help="mlp/gpt/gpt12: every variant's optimizer (real models always use AdamW)",
+    )
+    p.add_argument(
+        "--compute",
+        default="bfloat16",
+        choices=sorted(COMPUTE),
+        help="mlp/gpt/gpt12: autocast dtype and funcamp policy (float32: no autocast, policy "
+        "'float32', loss scaling kept; for CPUs that emulate bfloat16)",
     )
     p.add_argument(
         "--require-quiet",
@@ -682,7 +767,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="real models: no warm start after each cold process",
     )
     p.add_argument(
-        "--backend", default="inductor", help="real models: torch.compile backend of every variant"
+        "--backend",
+        default="inductor",
+        help="torch.compile backend of every compiled variant (eager: a quick check that it runs)",
     )
     p.add_argument("--out", type=Path, default=Path("build/bench/train_step.json"))
     p.add_argument("--first-call-child", help=argparse.SUPPRESS)
@@ -691,6 +778,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.first_call_child:
         return first_call_child(args)
+    if args.against:
+        known = subprocess.run(
+            ["git", "rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"],
+            cwd=Path(__file__).resolve().parent, capture_output=True,
+        )  # fmt: skip
+        if known.returncode != 0:
+            p.error(f"--against: {args.against!r} is not a git revision of this repository")
     real = [m for m in args.models.split(",") if m not in ("mlp", "gpt", "gpt12")]
     if real and _real_models is None:
         p.error(f"--models {','.join(real)}: needs transformers (pip install transformers)")
@@ -701,6 +795,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bad = [v for v in args.variants.split(",") if v and v not in _real_models.VARIANTS]
         if bad:
             p.error(f"--variants: unknown {bad}; choose from {sorted(_real_models.VARIANTS)}")
+        if args.against:
+            args.variants += f",funcamp@{args.against}"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available")
     results: dict[str, Any] = {

@@ -72,10 +72,36 @@ def test_first_call_rows_interleave_and_summarise(monkeypatch, tmp_path, capsys)
     assert math.isnan(summary["cold funcamp / torch_model_opt"])
 
 
+def test_against_adds_the_revision_as_a_first_call_variant(monkeypatch, tmp_path) -> None:
+    calls: list[tuple[str, str, Path]] = []
+    canned = _canned(calls)
+
+    def run(variant: str, model: str, directory: Path, args: Any) -> dict[str, Any]:
+        result = canned(variant.partition("@")[0], model, directory, args)
+        calls[-1] = (variant, model, directory)
+        if variant == "funcamp@HEAD":  # the old revision: 1.5x this tree's first calls
+            result["first_s"] *= 1.5
+        return result
+
+    monkeypatch.setattr(train_step, "run_first_call", run)
+    monkeypatch.setattr(train_step, "warm_shared_header", lambda args: None)
+    monkeypatch.setattr(train_step._machine, "check", lambda quiet: {"quiet": True})
+    out = tmp_path / "bench.json"
+    train_step.main(["--models", "gpt2", "--cold-rounds", "2", "--variants", "funcamp",
+                     "--against", "HEAD", "--out", str(out)])  # fmt: skip
+    order = [v for v, *_ in calls]
+    # cold then warm in fresh directories, interleaved with this tree's, reversed every round
+    assert order == ["funcamp"] * 2 + ["funcamp@HEAD"] * 4 + ["funcamp"] * 2
+    summary = json.loads(out.read_text())["models"]["gpt2"]["summary"]
+    assert summary["cold funcamp / funcamp@HEAD"] == pytest.approx(1 / 1.5)
+    assert summary["warm funcamp / funcamp@HEAD"] == pytest.approx(1 / 1.5)
+
+
 def test_bad_options_name_the_choices(capsys) -> None:
     for argv, said in (
         (["--models", "gpt3"], "real models are"),
         (["--models", "gpt2", "--variants", "funcamp,jax"], "choose from"),
+        (["--models", "gpt2", "--against", "no-such-revision"], "not a git revision"),
     ):
         with pytest.raises(SystemExit):
             train_step.main(argv)
