@@ -263,6 +263,33 @@ def test_whole_leaf_optimizers_refuse_shards_they_cannot_place(name):
         assert "parallel=funcamp.distributed.DataParallel(group)" in str(info.value)
 
 
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_adafactor_on_shards_of_every_dim_is_the_whole_computation(single_rank_group, dim):
+    """Adafactor's sharded path on one rank that the Across declares one of two: each "shard"
+    is the whole leaf and each all-reduce sums one rank's partial sums, so the path must give
+    the unsharded numbers -- for 3-D leaves cut along a leading dim (norms only), their rows or
+    their columns, and for a vector -- within float32 rounding (its sums grouped otherwise)."""
+    from funcamp._core.collectives import Across, summing_across
+
+    gen = torch.Generator().manual_seed(dim)
+    params = {"a": torch.randn(3, 5, 4, generator=gen), "v": torch.randn(6, generator=gen)}
+    layout = {"a": (dim, (3, 5, 4)), "v": (0 if dim == 0 else None, (6,))}
+    across = Across(single_rank_group, (True, dim == 0), layout, 0, 2)
+    steps = [{k: torch.randn(v.shape, generator=gen) for k, v in params.items()} for _ in "abc"]
+    runs = []
+    for on_shards in (None, across):
+        opt = funcamp.adafactor(1e-2, weight_decay=0.01)
+        ps, state = params, opt.init(params)
+        for grads in steps:
+            with summing_across(on_shards):
+                updates, state = opt.update(grads, state, ps)
+            ps = funcamp.apply_updates(ps, updates)
+        runs.append((ps, state))
+    from funcamp.testing import assert_trees_close
+
+    assert_trees_close(runs[1], runs[0], atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_muon_compiles_under_sharded_on_one_rank(single_rank_group):
     """Compiled (aot_eager), the check for shards is in the one graph: no break, no refusal."""

@@ -224,12 +224,13 @@ def adafactor(
     Sharded params: the column means of a row-sharded matrix (the row means of a
     column-sharded one), the mean of ``row_var`` and the RMS norms of the param and of the
     update are over whole params. Under ``make_train_step(..., parallel=Sharded(mesh))``, where
-    the update runs on each rank's shards, their partial sums are all-reduced in two
-    all-reduces a step, all leaves packed in float32, and nothing is gathered: the first
-    carries, per sharded leaf, its param's sum of squares and, for a matrix sharded along its
-    rows, its gradient's column sums of squares and its new ``row_var``'s sum (``cols + 2``
-    floats; along its columns: the row sums, ``rows + 1``); the second, its update's sum of
-    squares (1 float). That is the unsharded computation with the sums in another order.
+    the update runs on each rank's shards, their partial sums are all-reduced and nothing is
+    gathered: two all-reduces a step, all leaves packed in float32 (float64 for float64
+    params). The first carries, per sharded leaf, its param's sum of squares and, for a matrix
+    sharded along its rows, its gradient's column sums of squares and its new ``row_var``'s
+    sum (``cols + 2`` floats; along its columns: the row sums, ``rows + 1``); the second, its
+    update's sum of squares (1 float). That is the unsharded computation with the sums in
+    another order.
     Called on DTensor params, the update reduces the same sums through DTensor's collectives,
     with its statistics DTensors sharded as the param along the dimensions they keep and
     replicated along those they reduce: the unsharded numbers within float32 rounding too.
