@@ -255,6 +255,12 @@ class Across(NamedTuple):
     rank holds a different shard of it, so squared norms are summed over the ranks. ``False``
     means every rank holds the same values, counted once.
 
+    ``layout`` maps each leaf's dotted path (``layer.weight``, as :func:`funcamp.masked` and
+    :func:`funcamp.multi_transform` key their groups) to ``(dim, global shape)``: the dimension
+    it is sharded along (None: replicated) and its shape whole. Optimizers whose step needs
+    whole leaves (:func:`funcamp.muon`, :func:`funcamp.adafactor`) read it to gather or reduce
+    what they need; ``rank`` is this rank's index in ``group``, ``world`` its size.
+
     Example:
         >>> import funcamp.distributed as fd
         >>> fd.Across(group=None, sharded=(True, False)).sharded
@@ -263,6 +269,9 @@ class Across(NamedTuple):
 
     group: Any
     sharded: tuple[bool, ...]
+    layout: dict[str, tuple[int | None, tuple[int, ...]]] | None = None
+    rank: int = 0
+    world: int = 1
 
     def reduce(self, flag: torch.Tensor, sq: Sequence[torch.Tensor]) -> tuple[Any, Any]:
         """``(flag OR-ed over the ranks, the global sum of squares)`` of this rank's non-finite

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - another torch
     _DTensorSpec = _TensorMeta = None
 
 from funcamp._core.collectives import Across, all_reduce_step
-from funcamp._core.tree import NAMESPACE, describe, path_str, unflatten
+from funcamp._core.tree import NAMESPACE, describe, dotted_path, path_str, unflatten
 from funcamp.casting.fp8 import Fp8State, all_reduce_amax
 from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import TrainState
@@ -336,6 +336,7 @@ class Sharded(SingleProcess):
         self.margin = margin  # the delayed-FP8 recipe's margin
         self.name = f"mesh= ({self.world} ranks)"
         self.params_layout: tuple[Any, ...] | None = None  # fixed by the first state
+        self.whole: dict[str, Any] = {}  # dotted path -> (dim, global shape), for Across
         self.layouts: tuple[Any, ...] = ()  # of the state being stepped: to wrap the new one
         self.specs: dict[Any, Any] = {}  # DTensor specs of the new state's leaves, made once
 
@@ -353,6 +354,12 @@ class Sharded(SingleProcess):
                 )
         if self.params_layout is None:
             self.params_layout = p_lay
+            paths = optree.tree_flatten_with_path(state.params, namespace=NAMESPACE)[0]
+            self.whole = {
+                dotted_path(path): (lay.dim, lay.shape)
+                for path, lay in zip(paths, p_lay)
+                if lay is not None
+            }
         elif p_lay != self.params_layout:
             raise ValueError(
                 f"funcamp.{api}: `state.params` must keep the sharding of the first state the "
@@ -391,7 +398,7 @@ class Sharded(SingleProcess):
         return unflatten(spec, out), got.loss, got.buffers, got.nonfinite
 
     def across(self) -> Across:
-        return Across(self.group, tuple(self._sharded()))
+        return Across(self.group, tuple(self._sharded()), self.whole, self.rank, self.world)
 
     def fp8_reduce(self, state: Fp8State, grads: Fp8State) -> Fp8State:
         return all_reduce_amax(state, grads, self.margin, self.group)

@@ -35,12 +35,13 @@ from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._shared import _f64
 from funcamp.optim._states import AdafactorState
-from funcamp.optim._whole import check_whole_leaves
+from funcamp.optim._whole import Layout, shard_layouts, sum_across
 
 __all__ = ["adafactor"]
 
 PyTree = Any
 LearningRate = Any
+WHOLE = "its row and column means and its RMS norms are over whole params"
 
 
 def _shapes(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -92,10 +93,7 @@ def _leaf(
     # alpha = max(eps2, ||p|| / sqrt(numel)) * rho_t, from the param before the decay
     norm = torch.linalg.vector_norm(p).to(torch.float64) / math.sqrt(p.numel())
     alpha = torch.clamp(norm, min=eps2) * _like(rho, norm)
-    new_p = p
-    if weight_decay != 0:
-        decay = 1.0 - lr64 * weight_decay  # a Python float or a float64 tensor
-        new_p = p * (_like(decay.to(p.dtype), p) if isinstance(decay, torch.Tensor) else decay)
+    new_p = _decayed(p, lr64, weight_decay)
     if g.dim() > 1:
         row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / g.size(-1)
         row_var = torch.lerp(row_var, row_mean, weight)
@@ -112,6 +110,95 @@ def _leaf(
     step = (-alpha / denom).to(update.dtype)
     new_p = torch.addcmul(new_p, update, step)  # p.add_(update, alpha=step): one rounding
     return new_p - p, (row_var, col_var, variance)
+
+
+def _decayed(p: torch.Tensor, lr64: Any, weight_decay: float) -> torch.Tensor:
+    """``p * (1 - lr * weight_decay)`` (``p`` itself without weight decay)."""
+    if weight_decay == 0:
+        return p
+    decay = 1.0 - lr64 * weight_decay  # a Python float or a float64 tensor
+    return p * (_like(decay.to(p.dtype), p) if isinstance(decay, torch.Tensor) else decay)
+
+
+def _on_shards(
+    across: Any,
+    lays: list[Layout],
+    gs: list[torch.Tensor],
+    pm: list[torch.Tensor],
+    bufs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    lr64: Any,
+    weights: list[torch.Tensor],
+    rho: torch.Tensor,
+    cfg: tuple[float | None, float, float, float],
+) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """:func:`_leaf` for every leaf, on this rank's shards of a sharded step (``lays``): what
+    spans the cut dimension is summed over the ranks, in two all-reduces for all the leaves.
+    The first carries each sharded leaf's partial sum of squares of the param and, of a matrix
+    cut along its rows (columns), its partial column (row) sums of squares of the gradient and,
+    cut along its rows, its new ``row_var``'s partial sum over the rows (for the mean the
+    estimate is divided by); the second each one's partial sum of squares of the update.
+    A replicated leaf is whole on every rank: :func:`_leaf` as it is."""
+    eps1, eps2, d, weight_decay = cfg
+    out: list[Any] = [None] * len(gs)
+    cut = [i for i, lay in enumerate(lays) if lay.dim is not None]
+    for i, lay in enumerate(lays):
+        if lay.dim is None:
+            out[i] = _leaf(gs[i], pm[i], bufs[i], lr64, weights[i], rho, cfg)
+    # the first all-reduce
+    parts: list[torch.Tensor] = []
+    new_rows: dict[int, torch.Tensor] = {}
+    for i in cut:
+        g, p, (row_var, _, _), lay = gs[i], pm[i], bufs[i], lays[i]
+        n = len(lay.shape)
+        parts.append(p.square().sum())
+        if n > 1 and lay.dim == n - 2:  # rows cut: the column sums, then the rows' mean
+            parts.append(g.square().sum(dim=-2, keepdim=True))
+            row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / g.size(-1)
+            new_rows[i] = torch.lerp(row_var, row_mean, weights[i])
+            parts.append(new_rows[i].sum(dim=-2, keepdim=True))
+        elif n > 1 and lay.dim == n - 1:  # columns cut: the row sums
+            parts.append(g.square().sum(dim=-1, keepdim=True))
+    summed = iter(sum_across(across, parts))
+    updates: dict[int, torch.Tensor] = {}
+    norms: dict[int, torch.Tensor] = {}
+    for i in cut:
+        g, p, (row_var, col_var, variance), lay = gs[i], pm[i], bufs[i], lays[i]
+        e1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
+        n, w = len(lay.shape), weights[i]
+        norms[i] = next(summed)
+        if n > 1:
+            rows, cols = lay.shape[-2], lay.shape[-1]
+            if lay.dim == n - 2:
+                col_mean = next(summed) / rows
+                row_var = new_rows[i]
+                mean = next(summed) / rows
+            else:
+                if lay.dim == n - 1:
+                    row_mean = next(summed) / cols
+                else:
+                    row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / cols
+                col_mean = torch.linalg.vector_norm(g, dim=-2, keepdim=True).square() / rows
+                row_var = torch.lerp(row_var, row_mean, w)
+                mean = row_var.mean(dim=-2, keepdim=True)
+            col_var = torch.lerp(col_var, col_mean, w)
+            estimate = (row_var @ col_var) / mean.clamp(min=e1)
+        else:
+            variance = torch.lerp(variance, g * g, w)
+            estimate = variance
+        updates[i] = estimate.clamp(min=e1 * e1).rsqrt() * g
+        out[i] = (row_var, col_var, variance)
+    # the second all-reduce
+    usq = sum_across(across, [updates[i].square().sum() for i in cut])
+    for i, u2 in zip(cut, usq):
+        p, update, numel = pm[i], updates[i], math.prod(lays[i].shape)
+        norm = norms[i].sqrt().to(torch.float64) / math.sqrt(numel)
+        alpha = torch.clamp(norm, min=eps2) * rho
+        unorm = u2.sqrt().to(torch.float64)
+        denom = torch.clamp(unorm / (math.sqrt(numel) * d), min=1.0)
+        step = (-alpha / denom).to(update.dtype)
+        new_p = torch.addcmul(_decayed(p, lr64, weight_decay), update, step)
+        out[i] = (new_p - p, out[i])
+    return out
 
 
 def adafactor(
@@ -136,12 +223,14 @@ def adafactor(
     ``max(eps2, rms(p)) * min(lr, 1 / sqrt(t))``. The weight decay is decoupled: ``p *= 1 - lr *
     weight_decay``.
 
-    Sharded params: the column means of a row-sharded matrix, the mean of ``row_var`` and the RMS
-    norms are over whole params. On DTensor params the update all-reduces their partial sums
-    through DTensor's collectives and gathers nothing else. Its statistics are DTensors, sharded
-    like the param along the dimensions they keep. The result is the unsharded one within float32
-    rounding. Under ``parallel=Sharded(mesh)`` on more than one rank each rank holds only its own
-    rows, so the update raises. Train with ``parallel=DataParallel(group)`` instead.
+    Sharded params: the column means of a row-sharded matrix (the row means of a column-sharded
+    one), the mean of ``row_var`` and the RMS norms are over whole params. Under
+    ``parallel=Sharded(mesh)`` the update runs on each rank's shards and all-reduces their
+    partial sums; nothing is gathered. That is two all-reduces a step, all leaves packed in
+    float32 (float64 for float64 params). The first carries ``cols + 2`` floats per matrix
+    sharded along its rows (``rows + 1`` along its columns); the second, 1 float per leaf. The
+    result is the unsharded computation with the sums in another order. On DTensor params,
+    DTensor's collectives reduce the same sums, with the same result within float32 rounding.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
@@ -217,7 +306,7 @@ def adafactor(
         count = state.count
         if not gs:
             return unflatten(spec, []), state._replace(count=count + 1)
-        check_whole_leaves(api, "its row and column means and its RMS norms are over whole params")
+        on_shards = shard_layouts(api, WHOLE, grads)
         lr = lr_fn(count)[0]
         lr64 = _f64(lr)
         t = (count + 1).to(torch.float64)
@@ -228,14 +317,20 @@ def adafactor(
         else:
             rho = torch.clamp(inv_sqrt, max=lr64)
         pm = math_params(api, mode, state.low, ps, spec)
+        gs = [-g.to(p.dtype) if maximize else g.to(p.dtype) for g, p in zip(gs, pm)]
+        ws = [_like(weight.to(p.device, p.dtype), p) for p in pm]
+        leaf_bufs = [tuple(b[i] for b in bufs) for i in range(len(gs))]
+        if on_shards is None:
+            results = [
+                _leaf(g, p, b, lr64, w, rho, cfg) for g, p, b, w in zip(gs, pm, leaf_bufs, ws)
+            ]
+        else:
+            across, lays = on_shards
+            results = _on_shards(across, lays, gs, pm, leaf_bufs, lr64, ws, rho, cfg)
         deltas, new = [], ([], [], [])
-        for i, g, p in zip(range(len(gs)), gs, pm):
-            g = g.to(p.dtype)
-            g = -g if maximize else g
-            w = _like(weight.to(p.device, p.dtype), p)
-            delta, leaf_bufs = _leaf(g, p, tuple(b[i] for b in bufs), lr64, w, rho, cfg)
+        for delta, leaf_new in results:
             deltas.append(delta)
-            for out, x in zip(new, leaf_bufs):
+            for out, x in zip(new, leaf_new):
                 out.append(x)
         updates, low = to_updates(api, mode, state.low, count, deltas, ps, spec)
         trees = [unflatten(spec, xs) for xs in new]

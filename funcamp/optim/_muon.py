@@ -19,7 +19,7 @@ from funcamp.optim._base import Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import LearningRate, Tensors, _build, _f64, _kept
 from funcamp.optim._states import MuonState
-from funcamp.optim._whole import check_whole_leaves
+from funcamp.optim._whole import gather_whole, local_part, shard_layouts
 
 __all__ = ["muon", "newton_schulz"]
 
@@ -29,6 +29,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 EPS = 1e-7
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
+WHOLE = "Newton-Schulz orthogonalises whole matrices"
 
 
 def newton_schulz(
@@ -86,18 +87,29 @@ def _muon_step(
     weight_decay: float,
     ns: tuple[tuple[float, float, float], int, float],
     adjust_lr_fn: str | None,
+    shards: list[Any],
 ) -> Any:
     def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
         # torch.optim.Muon: buf.lerp_(grad, 1 - momentum); update = grad.lerp(buf, momentum)
         # (nesterov) or buf; update = NS(update) (bfloat16); adjusted_lr = lr * ratio(shape);
         # p.mul_(1 - lr * weight_decay); p.add_(update, alpha=-adjusted_lr).
-        check_whole_leaves("muon", "Newton-Schulz orthogonalises whole matrices")
         buf = ops.lerp(buffers["momentum_buffer"], g, 1.0 - momentum)
         update = ops.lerp(g, buf, momentum) if nesterov else buf
         dtypes = [x.dtype for x in g]
-        orth = [newton_schulz(x, *ns).to(d) for x, d in zip(update, dtypes)]
+        on_shards = shards[-1] if shards else None
+        if on_shards is None:
+            orth = [newton_schulz(x, *ns).to(d) for x, d in zip(update, dtypes)]
+            shapes = [x.shape for x in g]
+        else:  # each rank: the whole matrices gathered, orthogonalised, its own rows kept
+            across, lays = on_shards
+            whole = gather_whole(across, list(update), lays)
+            orth = [
+                local_part(across, newton_schulz(x, *ns), lay).to(d)
+                for x, lay, d in zip(whole, lays, dtypes)
+            ]
+            shapes = [lay.shape for lay in lays]
         lr64 = _f64(lr)
-        neg = [ops.scalar(-(lr64 * _ratio(adjust_lr_fn, x.shape))) for x in g]
+        neg = [ops.scalar(-(lr64 * _ratio(adjust_lr_fn, shape))) for shape in shapes]
         new = _kept(ops, buffers, momentum_buffer=buf)
         if p is None:
             return ops.mul(orth, neg), new
@@ -135,11 +147,13 @@ def muon(
     :func:`funcamp.multi_transform` (docs/guides/writing-an-optimizer.md shows the usual Muon +
     AdamW split).
 
-    Newton-Schulz needs each matrix whole. On DTensor params, DTensor's collectives gather what
-    it needs (the norm is all-reduced; each ``X @ X.T`` redistributes its operands), which gives
-    the unsharded result within bfloat16 rounding. Under ``parallel=Sharded(mesh)`` on more than
-    one rank each rank holds a block of rows, so the update raises. Train with
-    ``parallel=DataParallel(group)`` instead (the matrices whole on every rank).
+    Newton-Schulz needs each matrix whole. Under ``parallel=Sharded(mesh)`` the momentum-updated
+    direction of every sharded matrix is all-gathered along its shard dimension once a step (one
+    all-gather per dtype: ``rows * cols`` floats per matrix on each rank). Each rank then
+    orthogonalises the whole matrices and keeps its own rows (or columns) of the result. The
+    momentum, the decay and the step stay on the shards; ``adjusted_lr`` uses the whole shape.
+    The result is one process's within the bfloat16 rounding of Newton-Schulz's input. On
+    DTensor params, DTensor's collectives gather what it needs instead, with the same result.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
@@ -195,9 +209,26 @@ def muon(
             "'spectral_unclamped', "
             f"got {adjust_lr_fn!r}"
         )
-    step = _muon_step(momentum, nesterov, weight_decay, (coefficients, ns_steps, eps), adjust_lr_fn)
+    # (across, layouts) of the update running on a sharded step's shards, for `step` to read
+    shards: list[Any] = []
+    ns = (coefficients, ns_steps, eps)
+    step = _muon_step(momentum, nesterov, weight_decay, ns, adjust_lr_fn, shards)
     modes = (master_weights, kahan, stochastic_rounding, seed)
     opt = _build(api, MuonState, step, learning_rate, modes, needs_params=weight_decay > 0)
+
+    def on_shards(grads: PyTree, run: Any, *args: Any) -> Any:
+        shards.append(shard_layouts(api, WHOLE, grads))
+        try:
+            return run(grads, *args)
+        finally:
+            shards.pop()
+
+    def update(grads: PyTree, state: MuonState, params: PyTree = None) -> Any:
+        return on_shards(grads, opt.update, state, params)
+
+    def prepare(grads: PyTree, state: MuonState, params: PyTree = None) -> Any:
+        prepared = opt.prepare(grads, state, params)
+        return prepared._replace(run=lambda g, writes: on_shards(g, prepared.run, writes))
 
     def init(params: PyTree) -> MuonState:
         leaves = optree.tree_flatten_with_path(params, namespace=NAMESPACE)
@@ -211,4 +242,4 @@ def muon(
                 )
         return opt.init(params)
 
-    return opt._replace(init=init)
+    return opt._replace(init=init, update=update, prepare=prepare)
