@@ -134,17 +134,23 @@ def shard(tree: PyTree, mesh: Any, *, dim: int = 0) -> PyTree:
     return _shard_tree(api, tree, mesh, dim, "tree")
 
 
+def _check_on_mesh(api: str, name: str, path: Any, x: DTensor, mesh: Any, fix: str) -> None:
+    if x.device_mesh != mesh:
+        raise ValueError(
+            f"funcamp.{api}: `{name}` leaf {path_str(path)} is a DTensor on another mesh than "
+            f"`mesh`; {fix}"
+        )
+
+
 def _shard_tree(api: str, tree: PyTree, mesh: Any, dim: int, name: str) -> PyTree:
     world = mesh.size()
     paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     out = []
     for path, x in zip(paths, leaves):
         if isinstance(x, DTensor):
-            if x.device_mesh != mesh:
-                raise ValueError(
-                    f"funcamp.{api}: `{name}` leaf {path_str(path)} is already a DTensor on "
-                    "another mesh; shard from plain tensors (DTensor.full_tensor() first)"
-                )
+            _check_on_mesh(
+                api, name, path, x, mesh, "shard from plain tensors (DTensor.full_tensor() first)"
+            )
             out.append(x)
         elif isinstance(x, torch.Tensor):
             out.append(distribute_tensor(x.detach(), mesh, _placements(_rule(x, dim, world))))
@@ -171,11 +177,7 @@ def _unwrap(api: str, tree: PyTree, mesh: Any, name: str, required: bool) -> tup
     local, layouts = [], []
     for path, x in zip(paths, leaves):
         if isinstance(x, DTensor):
-            if x.device_mesh != mesh:
-                raise ValueError(
-                    f"funcamp.{api}: `{name}` leaf {path_str(path)} is a DTensor on another "
-                    "mesh than the step's `mesh`; shard the state on the step's mesh"
-                )
+            _check_on_mesh(api, name, path, x, mesh, "shard the state on the step's mesh")
             (p,) = x.placements
             if isinstance(p, Shard):
                 d = p.dim
