@@ -18,6 +18,7 @@ kernel path only (plain SGD's donated step).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -69,34 +70,22 @@ def _adam_kernel(
     )
 
 
-def _adam_copies(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    step: torch.Tensor,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    decoupled: bool,
-    amsgrad: bool,
-    maximize: bool,
-    found_inf: torch.Tensor,
-) -> list[torch.Tensor]:
+def _adam_copies(params: Tensors, grads: Tensors, *args: Any) -> Tensors:
     """The kernel on fresh copies: the new params, exp_avgs, exp_avg_sqs and max_exp_avg_sqs
-    (none without ``amsgrad``), in one list."""
+    (none without ``amsgrad``), in one list. ``args``: :func:`_adam_kernel`'s others."""
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs, *rest = args
     ps, ms, vs, xs = (
         [x.clone() for x in leaves] for leaves in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
     )
-    _adam_kernel(
-        ps, grads, ms, vs, xs, step, lr, lr_tensor, beta1, beta2, weight_decay, eps, decoupled,
-        amsgrad, maximize, found_inf,
-    )  # fmt: skip
+    _adam_kernel(ps, grads, ms, vs, xs, *rest)
     return ps + ms + vs + xs
+
+
+# torch.library.custom_op infers the op's schema from this signature: _adam_kernel's
+# arguments, returning the new tensors.
+_adam_copies.__signature__ = inspect.signature(_adam_kernel).replace(  # type: ignore[attr-defined]
+    return_annotation="list[torch.Tensor]"
+)
 
 
 def _sgd_kernel(
