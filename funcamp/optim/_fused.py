@@ -19,14 +19,14 @@ kernel path only (plain SGD's donated step).
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from funcamp._core.context import compiling
 from funcamp._core.tree import flatten, unflatten
 
-__all__ = ["FUSED_ADAM", "FUSED_ADAM_COPIES", "FUSED_SGD", "fused_adam", "fused_sgd"]
+__all__ = ["AdamHyper", "FUSED_ADAM", "FUSED_ADAM_COPIES", "FUSED_SGD", "fused_adam", "fused_sgd"]
 
 Tensors = list[torch.Tensor]
 
@@ -205,15 +205,20 @@ def fused_sgd(weight_decay: float, maximize: bool = False) -> Any:
     return kernel
 
 
-def fused_adam(
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    amsgrad: bool = False,
-    maximize: bool = False,
-) -> tuple[Any, Any]:
+class AdamHyper(NamedTuple):
+    """Adam's hyperparameters besides the learning rate: what both Adam's step
+    (``_optimizers._adam_step``) and :func:`fused_adam` read."""
+
+    b1: float | torch.Tensor
+    b2: float | torch.Tensor
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    amsgrad: bool = False
+    maximize: bool = False
+
+
+def fused_adam(hyper: AdamHyper) -> tuple[Any, Any]:
     """torch's fused Adam/AdamW kernel as ``(in place on a donated state, on copies)``.
 
     It updates params and moments in one pass a leaf (with ``amsgrad``, also the running maxima
@@ -221,6 +226,7 @@ def fused_adam(
     ``amsgrad`` and ``maximize`` included. A weight-decay mask splits the leaves into two calls,
     as two param groups would.
     """
+    b1, b2, eps, weight_decay, decoupled, amsgrad, maximize = hyper
 
     def groups(n: int, mask: Any) -> list[tuple[list[int], float]]:
         if mask is None or weight_decay == 0:
