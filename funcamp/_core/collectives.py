@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from funcamp._core.stack import Pushing
 from funcamp._core.tree import NAMESPACE, describe, insertion_order, unflatten
 
 __all__ = [
@@ -296,7 +297,7 @@ class Across(NamedTuple):
 _ACROSS: list[Across] = []
 
 
-class summing_across:
+class summing_across(Pushing):
     """Make :func:`active_across` return ``across`` while this is active.
 
     Use it as ``with summing_across(across): ...``; ``None`` changes nothing.
@@ -305,15 +306,7 @@ class summing_across:
     """
 
     def __init__(self, across: Across | None) -> None:
-        self.across = across
-
-    def __enter__(self) -> None:
-        if self.across is not None:
-            _ACROSS.append(self.across)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.across is not None:
-            _ACROSS.pop()
+        super().__init__(_ACROSS, across)
 
 
 def active_across() -> Across | None:

@@ -30,22 +30,15 @@ def _equivalent(optimizer: torch.optim.Optimizer) -> tuple[str, list[str]]:
             "first's; give each group its own optimizer with funcamp.multi_transform({label: "
             "optimizer}, labels)"
         )
-    if isinstance(optimizer, torch.optim.AdamW) or (
-        isinstance(optimizer, torch.optim.Adam) and g.get("decoupled_weight_decay")
-    ):
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or g.get("decoupled_weight_decay")
+        fn = "adamw" if decoupled else "adam"
         b1, b2 = g["betas"]
         call = (
-            f"funcamp.adamw({_num(g['lr'])}, b1={_num(b1)}, b2={_num(b2)}, eps={_num(g['eps'])}, "
+            f"funcamp.{fn}({_num(g['lr'])}, b1={_num(b1)}, b2={_num(b2)}, eps={_num(g['eps'])}, "
             f"weight_decay={_num(g['weight_decay'])})"
         )
-        sig = "funcamp.adamw(lr, b1, b2, eps, weight_decay)"
-    elif isinstance(optimizer, torch.optim.Adam):
-        b1, b2 = g["betas"]
-        call = (
-            f"funcamp.adam({_num(g['lr'])}, b1={_num(b1)}, b2={_num(b2)}, eps={_num(g['eps'])}, "
-            f"weight_decay={_num(g['weight_decay'])})"
-        )
-        sig = "funcamp.adam(lr, b1, b2, eps, weight_decay)"
+        sig = f"funcamp.{fn}(lr, b1, b2, eps, weight_decay)"
     elif isinstance(optimizer, torch.optim.SGD):
         call = (
             f"funcamp.sgd({_num(g['lr'])}, momentum={_num(g['momentum'])}, "

@@ -25,7 +25,6 @@ Inside the step (compiled as one graph when ``compile=True``):
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, NamedTuple
 
 import optree
@@ -44,6 +43,7 @@ except ImportError:  # pragma: no cover - another torch
 from funcamp._core.collectives import Across, all_reduce_step
 from funcamp._core.tree import NAMESPACE, describe, dotted_path, path_str, unflatten
 from funcamp.casting.fp8 import Fp8State, all_reduce_amax
+from funcamp.optim._whole import gather_packed
 from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import TrainState
 
@@ -134,17 +134,23 @@ def shard(tree: PyTree, mesh: Any, *, dim: int = 0) -> PyTree:
     return _shard_tree(api, tree, mesh, dim, "tree")
 
 
+def _check_on_mesh(api: str, name: str, path: Any, x: DTensor, mesh: Any, fix: str) -> None:
+    if x.device_mesh != mesh:
+        raise ValueError(
+            f"funcamp.{api}: `{name}` leaf {path_str(path)} is a DTensor on another mesh than "
+            f"`mesh`; {fix}"
+        )
+
+
 def _shard_tree(api: str, tree: PyTree, mesh: Any, dim: int, name: str) -> PyTree:
     world = mesh.size()
     paths, leaves, spec = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     out = []
     for path, x in zip(paths, leaves):
         if isinstance(x, DTensor):
-            if x.device_mesh != mesh:
-                raise ValueError(
-                    f"funcamp.{api}: `{name}` leaf {path_str(path)} is already a DTensor on "
-                    "another mesh; shard from plain tensors (DTensor.full_tensor() first)"
-                )
+            _check_on_mesh(
+                api, name, path, x, mesh, "shard from plain tensors (DTensor.full_tensor() first)"
+            )
             out.append(x)
         elif isinstance(x, torch.Tensor):
             out.append(distribute_tensor(x.detach(), mesh, _placements(_rule(x, dim, world))))
@@ -171,11 +177,7 @@ def _unwrap(api: str, tree: PyTree, mesh: Any, name: str, required: bool) -> tup
     local, layouts = [], []
     for path, x in zip(paths, leaves):
         if isinstance(x, DTensor):
-            if x.device_mesh != mesh:
-                raise ValueError(
-                    f"funcamp.{api}: `{name}` leaf {path_str(path)} is a DTensor on another "
-                    "mesh than the step's `mesh`; shard the state on the step's mesh"
-                )
+            _check_on_mesh(api, name, path, x, mesh, "shard the state on the step's mesh")
             (p,) = x.placements
             if isinstance(p, Shard):
                 d = p.dim
@@ -264,33 +266,10 @@ class _AllGather(torch.autograd.Function):
 
 
 def _gather(leaves: list[torch.Tensor], layouts: tuple[Any, ...], group: Any, world: int) -> list:
-    """The full params: the sharded leaves packed in one flat buffer per dtype, all-gathered,
-    and cut back into tensors of their global shapes; replicated leaves as they are."""
-    out = list(leaves)
-    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (x, lay) in enumerate(zip(leaves, layouts)):
-        if lay.dim is not None:
-            buckets.setdefault((x.device, x.dtype), []).append(i)
-    for idx in buckets.values():
-        pieces, blocks = [], []
-        for i in idx:
-            d, shape = layouts[i].dim, layouts[i].shape
-            chunk = -(-shape[d] // world)
-            x = leaves[i].movedim(d, 0)
-            if x.shape[0] < chunk:  # an uneven split: pad to the chunk size
-                x = torch.cat([x, x.new_zeros((chunk - x.shape[0], *x.shape[1:]))])
-            pieces.append(x.reshape(-1))
-            blocks.append((chunk, x.shape[1:]))
-        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        full = _AllGather.apply(flat, group).view(world, -1)
-        offset = 0
-        for i, (chunk, rest) in zip(idx, blocks):
-            d, shape = layouts[i].dim, layouts[i].shape
-            size = chunk * math.prod(rest)
-            block = full[:, offset : offset + size].reshape(world * chunk, *rest)
-            out[i] = block[: shape[d]].movedim(0, d)
-            offset += size
-    return out
+    """The full params: the sharded leaves packed in one flat buffer per dtype, all-gathered
+    (the backward a reduce-scatter), and cut back into tensors of their global shapes;
+    replicated leaves as they are."""
+    return gather_packed(leaves, layouts, world, lambda flat: _AllGather.apply(flat, group))
 
 
 # ------------------------------------------------------------------------------ the piece

@@ -22,6 +22,7 @@ from funcamp._core.checks import (
     state_leaves,
 )
 from funcamp._core.numerics import math_dtype
+from funcamp._core.stack import Pushing
 from funcamp._core.tree import NAMESPACE, tree_select, unflatten
 from funcamp.optim._base import (
     ACCUMULATES,
@@ -272,7 +273,7 @@ def accumulate_applies(opt_state: PyTree) -> torch.Tensor:
 _REPORTS: list[Callable[[Tensors], None]] = []
 
 
-class reporting_accumulated:
+class reporting_accumulated(Pushing):
     """Make :func:`accumulate` updates report their averaged grads while this is active.
 
     Inside ``with reporting_accumulated(report): ...``, an update calls
@@ -282,15 +283,7 @@ class reporting_accumulated:
     """
 
     def __init__(self, report: Callable[[Tensors], None] | None) -> None:
-        self.report = report
-
-    def __enter__(self) -> None:
-        if self.report is not None:
-            _REPORTS.append(self.report)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.report is not None:
-            _REPORTS.pop()
+        super().__init__(_REPORTS, report)
 
 
 def _accumulate_states(opt_state: PyTree) -> list[AccumulateState]:

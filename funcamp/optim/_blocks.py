@@ -16,6 +16,7 @@ import torch
 from funcamp._core.checks import check_number
 from funcamp.optim._base import Optimizer
 from funcamp.optim._elementwise import build
+from funcamp.optim._fused import AdamHyper
 from funcamp.optim._optimizers import _adam_step
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import _stateless
@@ -57,7 +58,7 @@ def negate_gradients() -> Optimizer:
 
 
 def _amsgrad_direction(b1: float, b2: float, eps: float) -> Any:
-    adam = _adam_step(b1, b2, eps, 0.0, False, amsgrad=True)
+    adam = _adam_step(AdamHyper(b1, b2, eps, 0.0, False, amsgrad=True))
 
     def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
         # Adam's step at lr = 1 is -m_hat / denom; the direction is its negation (exact).

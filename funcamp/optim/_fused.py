@@ -18,14 +18,15 @@ kernel path only (plain SGD's donated step).
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, NamedTuple
 
 import torch
 
 from funcamp._core.context import compiling
 from funcamp._core.tree import flatten, unflatten
 
-__all__ = ["FUSED_ADAM", "FUSED_ADAM_COPIES", "FUSED_SGD", "fused_adam", "fused_sgd"]
+__all__ = ["AdamHyper", "FUSED_ADAM", "FUSED_ADAM_COPIES", "FUSED_SGD", "fused_adam", "fused_sgd"]
 
 Tensors = list[torch.Tensor]
 
@@ -69,34 +70,22 @@ def _adam_kernel(
     )
 
 
-def _adam_copies(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    max_exp_avg_sqs: list[torch.Tensor],
-    step: torch.Tensor,
-    lr: float,
-    lr_tensor: torch.Tensor | None,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
-    decoupled: bool,
-    amsgrad: bool,
-    maximize: bool,
-    found_inf: torch.Tensor,
-) -> list[torch.Tensor]:
+def _adam_copies(params: Tensors, grads: Tensors, *args: Any) -> Tensors:
     """The kernel on fresh copies: the new params, exp_avgs, exp_avg_sqs and max_exp_avg_sqs
-    (none without ``amsgrad``), in one list."""
+    (none without ``amsgrad``), in one list. ``args``: :func:`_adam_kernel`'s others."""
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs, *rest = args
     ps, ms, vs, xs = (
         [x.clone() for x in leaves] for leaves in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
     )
-    _adam_kernel(
-        ps, grads, ms, vs, xs, step, lr, lr_tensor, beta1, beta2, weight_decay, eps, decoupled,
-        amsgrad, maximize, found_inf,
-    )  # fmt: skip
+    _adam_kernel(ps, grads, ms, vs, xs, *rest)
     return ps + ms + vs + xs
+
+
+# torch.library.custom_op infers the op's schema from this signature: _adam_kernel's
+# arguments, returning the new tensors.
+_adam_copies.__signature__ = inspect.signature(_adam_kernel).replace(  # type: ignore[attr-defined]
+    return_annotation="list[torch.Tensor]"
+)
 
 
 def _sgd_kernel(
@@ -216,15 +205,20 @@ def fused_sgd(weight_decay: float, maximize: bool = False) -> Any:
     return kernel
 
 
-def fused_adam(
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    amsgrad: bool = False,
-    maximize: bool = False,
-) -> tuple[Any, Any]:
+class AdamHyper(NamedTuple):
+    """Adam's hyperparameters besides the learning rate: what both Adam's step
+    (``_optimizers._adam_step``) and :func:`fused_adam` read."""
+
+    b1: float | torch.Tensor
+    b2: float | torch.Tensor
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    amsgrad: bool = False
+    maximize: bool = False
+
+
+def fused_adam(hyper: AdamHyper) -> tuple[Any, Any]:
     """torch's fused Adam/AdamW kernel as ``(in place on a donated state, on copies)``.
 
     It updates params and moments in one pass a leaf (with ``amsgrad``, also the running maxima
@@ -232,6 +226,7 @@ def fused_adam(
     ``amsgrad`` and ``maximize`` included. A weight-decay mask splits the leaves into two calls,
     as two param groups would.
     """
+    b1, b2, eps, weight_decay, decoupled, amsgrad, maximize = hyper
 
     def groups(n: int, mask: Any) -> list[tuple[list[int], float]]:
         if mask is None or weight_decay == 0:

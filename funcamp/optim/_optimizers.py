@@ -17,7 +17,7 @@ import torch
 
 from funcamp._core.checks import check_flag, check_number
 from funcamp.optim._base import Optimizer
-from funcamp.optim._fused import FUSED_ADAM, fused_adam, fused_sgd
+from funcamp.optim._fused import FUSED_ADAM, AdamHyper, fused_adam, fused_sgd
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import _beta, _build, _f64, _lerp_tensor
 from funcamp.optim._states import AdamState, LionState, SgdState
@@ -171,15 +171,9 @@ def sgd(
 # adam / adamw
 
 
-def _adam_step(
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    amsgrad: bool = False,
-    maximize: bool = False,
-) -> Any:
+def _adam_step(hyper: AdamHyper) -> Any:
+    b1, b2, eps, weight_decay, decoupled, amsgrad, maximize = hyper
+
     def step(
         ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, mask: Any = None
     ) -> Any:
@@ -271,6 +265,7 @@ def _adam(
     eps = check_number(api, "eps", eps)
     weight_decay = check_number(api, "weight_decay", weight_decay)
     check_flag(api, "fused", fused)
+    hyper = AdamHyper(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize)
     kernels: tuple[Any, Any] = (None, None)
     if fused:
         on = [
@@ -288,9 +283,9 @@ def _adam(
             )
         if FUSED_ADAM is None:  # pragma: no cover - older torch
             raise ValueError(f"funcamp.{api}: `fused=True` needs torch._fused_adamw_ (torch>=2.4)")
-        kernels = fused_adam(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize)
+        kernels = fused_adam(hyper)
     return _build(
-        api, AdamState, _adam_step(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize),
+        api, AdamState, _adam_step(hyper),
         learning_rate, modes,
         buffers=(*_ADAM_BUFFERS, "max_exp_avg_sq") if amsgrad else _ADAM_BUFFERS,
         needs_params=weight_decay > 0 or fused, mask=mask, fused_kernel=kernels[0],

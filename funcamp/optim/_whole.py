@@ -14,6 +14,7 @@ whole tensors (Muon), :func:`sum_across` all-reduces partial sums (Adafactor). B
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -23,7 +24,7 @@ import torch.distributed._functional_collectives as funcol
 from funcamp._core.collectives import Across, active_across
 from funcamp._core.tree import NAMESPACE, dotted_path
 
-__all__ = ["Layout", "gather_whole", "local_part", "shard_layouts", "sum_across"]
+__all__ = ["Layout", "gather_packed", "gather_whole", "local_part", "shard_layouts", "sum_across"]
 
 
 class Layout(NamedTuple):
@@ -88,7 +89,22 @@ def gather_whole(
     """The whole tensors of the shards ``xs``: the sharded ones packed (padded to the chunk
     ``torch.chunk`` cuts, as DTensor does) into one flat buffer per dtype and all-gathered;
     replicated ones as they are."""
-    world = across.world
+
+    def all_gather(flat: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_gather_single(flat, 0, across.group))
+
+    return gather_packed(xs, layouts, across.world, all_gather)
+
+
+def gather_packed(
+    xs: list[torch.Tensor],
+    layouts: Sequence[Layout],
+    world: int,
+    all_gather: Callable[[torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor]:
+    """:func:`gather_whole` with the collective given: ``all_gather`` takes one flat buffer and
+    returns the ``world`` ranks' buffers one after the other (the sharded step passes one whose
+    backward is a reduce-scatter)."""
     out = list(xs)
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (x, lay) in enumerate(zip(xs, layouts)):
@@ -105,8 +121,7 @@ def gather_whole(
             pieces.append(x.reshape(-1))
             blocks.append((chunk, x.shape[1:]))
         flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        full = funcol.wait_tensor(funcol.all_gather_single(flat, 0, across.group))
-        full = full.view(world, -1)
+        full = all_gather(flat).view(world, -1)
         offset = 0
         for i, (chunk, rest) in zip(idx, blocks):
             d, shape = layouts[i].dim, layouts[i].shape
