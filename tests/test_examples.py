@@ -188,15 +188,16 @@ def test_public_names_exported():
 
 @pytest.mark.slow
 def test_train_gpt2_chars_learns(tmp_path: Path, capsys):
-    """The transformers example, shortened (eager, 30 steps, a small batch): it learns."""
+    """The transformers example, shortened (eager, 15 steps, a small batch): it learns (4.457
+    -> 3.476 measured; 30 steps: 3.290)."""
     pytest.importorskip("transformers")
     example = _load("train_gpt2_chars")
-    argv = ["--quiet", "--no-compile", "--steps", "30", "--batch", "8", "--chars", "50000"]
+    argv = ["--quiet", "--no-compile", "--steps", "15", "--batch", "8", "--chars", "50000"]
     result = example.main([*argv, "--out", str(tmp_path)])
     assert result["last"] < result["first"] - 0.5, result
     assert (tmp_path / "mixed_bfloat16.png").stat().st_size > 0  # the canonical name
     out = capsys.readouterr().out  # --quiet hides the progress bar, not the results
-    assert "| 30 steps in " in out and "sample: " in out and "plot: " in out
+    assert "| 15 steps in " in out and "sample: " in out and "plot: " in out
 
 
 @pytest.mark.slow
