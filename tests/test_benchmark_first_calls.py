@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,18 @@ def test_first_call_rows_interleave_and_summarise(monkeypatch, tmp_path, capsys)
     calls: list[tuple[str, str, Path]] = []
     monkeypatch.setattr(train_step, "run_first_call", _canned(calls))
     monkeypatch.setattr(train_step._machine, "check", lambda quiet: {"quiet": True})
+    # the header warm-up: one child before any first call (recorded, not run: ~15 s of compile)
+    headers: list[tuple[list[str], int]] = []
+
+    def child(cmd: list[str], **kw: Any) -> None:
+        assert kw["env"]["TORCHINDUCTOR_CACHE_DIR"] != os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        headers.append((cmd, len(calls)))
+
+    monkeypatch.setattr(train_step, "_HEADER_WARMED", [])
+    monkeypatch.setattr(train_step.subprocess, "run", child)
     out = tmp_path / "bench.json"
     train_step.main(["--models", "gpt2,mixtral", "--cold-rounds", "2", "--out", str(out)])
+    assert headers == [([sys.executable, "-c", train_step._WARM_HEADER], 0)]
 
     variants = list(FIRST)
     order = [v for v, m, _ in calls if m == "gpt2"]

@@ -149,22 +149,25 @@ def test_train_digits_bf16_params_match_float32(tmp_path: Path):
 @pytest.mark.slow
 def test_train_digits_fp8_tracks_bf16(tmp_path: Path):
     """FP8 linears with delayed scaling, compiled (dynamo + AOT autograd, the aot_eager backend
-    to keep the suite fast): >= 0.94 test accuracy in 10 epochs, and the per-epoch mean loss
-    within 10 % of bf16's. (Full 20-epoch runs compiled with inductor, seed 0: bf16 0.9723,
-    FP8 current 0.9698, FP8 delayed 0.9698; per-epoch mean loss within 3.6 % / 4.1 % of bf16.)"""
+    to keep the suite fast): >= 0.90 test accuracy in 5 epochs, and the per-epoch mean loss
+    within 10 % of bf16's (measured: bf16 0.9194, FP8 0.9169, losses within 1.9 %). (Full
+    20-epoch runs compiled with inductor, seed 0: bf16 0.9723, FP8 current 0.9698, FP8 delayed
+    0.9698; per-epoch mean loss within 3.6 % / 4.1 % of bf16.)"""
     digits = _load("train_digits")
-    common = ["--quiet", "--policy", "bf16-mixed", "--backend", "aot_eager", "--epochs", "10"]
+    epochs = 5
+    common = ["--quiet", "--policy", "bf16-mixed", "--backend", "aot_eager"]
+    common += ["--epochs", str(epochs)]
     reference = digits.main([*common, "--out", str(tmp_path / "bf16")])
     acc = digits.main([*common, "--fp8", "delayed", "--out", str(tmp_path / "fp8")])
-    assert acc >= 0.94, (acc, reference)
+    assert acc >= 0.90, (acc, reference)
     [fp8_path] = (tmp_path / "fp8").glob("*.pt")
     [bf16_path] = (tmp_path / "bf16").glob("*.pt")
     ckpt = torch.load(fp8_path, weights_only=True)
     assert sorted(ckpt["state"]["fp8"]["scale"]) == ["0", "2"]  # both linears, state saved
     fp8 = funcamp.checkpoint_info(fp8_path).metadata["history"]["loss"]
-    fp8 = torch.tensor(fp8).view(10, -1).mean(1)
+    fp8 = torch.tensor(fp8).view(epochs, -1).mean(1)
     bf16 = funcamp.checkpoint_info(bf16_path).metadata["history"]["loss"]
-    bf16 = torch.tensor(bf16).view(10, -1).mean(1)
+    bf16 = torch.tensor(bf16).view(epochs, -1).mean(1)
     assert not torch.equal(fp8, bf16)  # it did run in FP8
     assert ((fp8 - bf16).abs() / bf16).max() <= 0.10, (fp8, bf16)
 
@@ -185,15 +188,16 @@ def test_public_names_exported():
 
 @pytest.mark.slow
 def test_train_gpt2_chars_learns(tmp_path: Path, capsys):
-    """The transformers example, shortened (eager, 30 steps, a small batch): it learns."""
+    """The transformers example, shortened (eager, 15 steps, a small batch): it learns (4.457
+    -> 3.476 measured; 30 steps: 3.290)."""
     pytest.importorskip("transformers")
     example = _load("train_gpt2_chars")
-    argv = ["--quiet", "--no-compile", "--steps", "30", "--batch", "8", "--chars", "50000"]
+    argv = ["--quiet", "--no-compile", "--steps", "15", "--batch", "8", "--chars", "50000"]
     result = example.main([*argv, "--out", str(tmp_path)])
     assert result["last"] < result["first"] - 0.5, result
     assert (tmp_path / "mixed_bfloat16.png").stat().st_size > 0  # the canonical name
     out = capsys.readouterr().out  # --quiet hides the progress bar, not the results
-    assert "| 30 steps in " in out and "sample: " in out and "plot: " in out
+    assert "| 15 steps in " in out and "sample: " in out and "plot: " in out
 
 
 @pytest.mark.slow

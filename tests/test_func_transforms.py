@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from exhaustive import exhaustive
 from torch import nn
 from torch.func import (
     functional_call,
@@ -362,15 +363,39 @@ COMPILE_FAILS = {("layernorm", "jvp")}
 COMPILED_QUICK = {("linear", "grad", "outside"), ("linear", "vmap", "inside")}
 
 
+_COMPILED_MODELS = ("layernorm", "linear", "cnn")
+_COMPILED_TRANSFORMS = ("grad", "vjp", "vmap", "vmap_grad", "jacrev", "jvp")
+
+
+def _compiles(m: str, t: str, o: str) -> bool:
+    return KNOWN.get((m, t, o)) is None and (m, t) not in COMPILE_FAILS
+
+
+def _suite_cells() -> set[tuple[str, str, str]]:
+    """The whole suite's cells: every transform in both orders once, the models taking turns
+    (each (transform, order) on the next model that compiles it); the rest of the grid is an
+    exhaustive sweep."""
+    cells = set(COMPILED_QUICK)
+    for i, (t, o) in enumerate((t, o) for t in _COMPILED_TRANSFORMS for o in ORDERS):
+        turns = [_COMPILED_MODELS[(i + k) % 3] for k in range(3)]
+        m = next((m for m in turns if _compiles(m, t, o)), None)
+        if m is not None and not any((m2, t, o) in cells for m2 in _COMPILED_MODELS):
+            cells.add((m, t, o))
+    return cells
+
+
 def _compiled_cells() -> list[Any]:
+    suite = _suite_cells()
     cells = []
-    for m in ("layernorm", "linear", "cnn"):
-        for t in ("grad", "vjp", "vmap", "vmap_grad", "jacrev", "jvp"):
+    for m in _COMPILED_MODELS:
+        for t in _COMPILED_TRANSFORMS:
             for o in ORDERS:
-                if KNOWN.get((m, t, o)) is not None or (m, t) in COMPILE_FAILS:
+                if not _compiles(m, t, o):
                     continue
-                slow = (m, t, o) not in COMPILED_QUICK
-                marks = [pytest.mark.slow] if slow else []
+                if (m, t, o) in COMPILED_QUICK:
+                    marks = []
+                else:
+                    marks = [pytest.mark.slow] + ([] if (m, t, o) in suite else [exhaustive])
                 cells.append(pytest.param(m, t, o, marks=marks, id=f"{m}-{t}-{o}"))
     return cells
 

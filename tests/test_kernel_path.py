@@ -41,8 +41,12 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("donate_state", [True, False])
+# Donation changes how the step writes its outputs, not the update each optimizer traces: every
+# optimizer donated (the default), and two of them (one with a clip in its chain) not donated.
+KERNEL_CASES = [(name, True) for name in OPTIMIZERS] + [("adamw", False), ("clip_adam", False)]
+
+
+@pytest.mark.parametrize(("name", "donate_state"), KERNEL_CASES)
 def test_compiled_step_calls_the_kernels_and_matches_eager(name, donate_state):
     seen: list[str] = []
     compiled, state = model_step(

@@ -333,12 +333,17 @@ def _compile_outcome(op: Any, sample: Any, how: Any) -> str | None:
     return None
 
 
+#: autocast's outcome per (op, dtype): mixed_bfloat16 and cpu_table compile the same autocast
+_AUTOCAST_OUTCOMES: dict[tuple[str, Any], str | None] = {}
+
+
 def _compiled(op: Any, preset: str) -> tuple[str | None, str | None]:
     """(autocast's compile error, amp's compile error) on the op's first sample."""
     sample = _all_samples(op)[0]
-    return _compile_outcome(op, sample, PRESETS[preset]), _compile_outcome(
-        op, sample, _POLICIES[preset]
-    )
+    key = (_name(op), PRESETS[preset])
+    if key not in _AUTOCAST_OUTCOMES:
+        _AUTOCAST_OUTCOMES[key] = _compile_outcome(op, sample, PRESETS[preset])
+    return _AUTOCAST_OUTCOMES[key], _compile_outcome(op, sample, _POLICIES[preset])
 
 
 _COMPILED_OPS = sorted(BY_NAME) if FULL else list(CI_COMPILED)

@@ -183,6 +183,19 @@ def test_adam_is_torch_bit_for_bit_but_for_the_square_root(
 _F32 = st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=True)
 
 
+def _same_lerp_bits(got: torch.Tensor, want: torch.Tensor, weight: float) -> bool:
+    """``same_bits``, except for the sign of a zero at ``weight == 1`` (float32). There torch's
+    CPU kernel is not one formula: its vector body computes ``y + (w - 1)(y - x)`` (as the
+    decomposition, ``torch._refs.lerp`` and inductor do), its scalar tail ``y - (1 - w)(y - x)``,
+    and ``w - 1 = 1 - w = +0`` makes ``lerp(0., -0., 1.)`` ``-0.`` in the body but ``0.`` in the
+    tail (the last ``numel % 16`` elements with AVX2): no decomposition matches both."""
+    if got.dtype != torch.float32 or weight != 1.0:
+        return same_bits(got, want)
+    zero = want == 0
+    zeros_agree = bool((got[zero] == 0).all())
+    return zeros_agree and same_bits(got.masked_fill(zero, 0), want.masked_fill(zero, 0))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     xs=st.lists(_F32, min_size=1, max_size=40),
@@ -191,6 +204,7 @@ _F32 = st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=True)
     weight=st.floats(-1.5, 1.5, width=32) | st.sampled_from([0.1, 0.5, -0.5, -0.7, 0.9, 0.999]),
     dtype=st.sampled_from([torch.float32, torch.float64]),
 )
+@example(xs=[0.0], ys=[-0.0], zs=[0.0], weight=1.0, dtype=torch.float32)
 def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight, dtype):
     """Ops.lerp and Ops.addcmul run torch's one-pass kernels on the eager path and the
     difference + fused multiply-add (the product, then one multiply-add) on the traced path
@@ -209,7 +223,7 @@ def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight
         ops = EagerOps(torch.device("cpu"), [xo, yo, zo, other])
         target = {"fresh": None, "xs": [xo], "ys": [yo], "other": [other]}[into]
         got = ops.lerp([xo], [yo], weight, into=target)[0]
-        assert same_bits(got, want_lerp), into
+        assert _same_lerp_bits(got, want_lerp, weight), into
         if into != "fresh" and dtype == torch.float32:  # torch's kernel, into the target
             assert got is target[0]
         # (float64 runs the decomposition: torch's kernel keeps w - 1 in float64)
@@ -223,7 +237,7 @@ def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight
     # not owned: never written
     xo = x.clone()
     got = EagerOps(torch.device("cpu")).lerp([xo], [y], weight, into=[xo])[0]
-    assert got is not xo and same_bits(xo, x) and same_bits(got, want_lerp)
+    assert got is not xo and same_bits(xo, x) and _same_lerp_bits(got, want_lerp, weight)
 
 
 def test_eager_ops_write_into_a_list_only_what_fits_it():

@@ -15,7 +15,7 @@ it and must not change the numerics:
 
 Every eager configuration runs; compiled (``torch.compile(fullgraph=True)``) with aot_eager,
 every configuration without the ``differentiable`` flag (one graph, no recompile over the
-steps), and a few with inductor. A step with an all-zero gradient leaf is in every run; a
+steps; most with ``FUNCAMP_TEST_EXHAUSTIVE=1`` only, see ``COMPILED``), and a few with inductor. A step with an all-zero gradient leaf is in every run; a
 ``None`` gradient (torch skips the param) is compared where funcamp has an equivalent.
 """
 
@@ -28,6 +28,7 @@ import optree
 import pytest
 import torch
 import torch._dynamo.testing
+from exhaustive import exhaustive
 from torch.testing._internal import common_optimizers
 
 import funcamp
@@ -317,10 +318,13 @@ def _float64_run(name: str, kwargs: dict):
 
 
 # foreach=True is the unflagged path in funcamp: compiled once, as the configuration without it.
-# CI compiles every unflagged configuration and the fused ones of the defaults, maximize and
-# amsgrad; the other fused ones (the same kernels with other hyperparameters) are marked slow.
-# The other optimizers: one configuration each in CI (the one with the most options), the rest
-# slow.
+# The suite compiles every unflagged configuration and the fused ones of the defaults, maximize
+# and amsgrad; the other fused ones (the same kernels with other hyperparameters) are an
+# exhaustive sweep (FUNCAMP_TEST_EXHAUSTIVE=1). The other optimizers: one configuration each in
+# the suite (the one with the most options), the rest slow; exhaustive where torch's database
+# also has the configuration with the differentiable flag (which runs funcamp's traced path
+# eagerly, so what compiling adds is one graph): all but Muon and Adafactor.
+_NO_DIFFERENTIABLE = ("Muon", "Adafactor")
 COMPILED_FUSED = ("default & fused", "maximize & fused", "amsgrad & fused")
 COMPILED_OTHERS = (
     "RMSprop-maximize, centered, weight_decay, w/ momentum",
@@ -342,8 +346,14 @@ def _compiled_in_ci(name: str, desc: str, kwargs: dict) -> bool:
     return _impl(kwargs) == "plain" or desc in COMPILED_FUSED
 
 
+def _compiled_marks(name: str, desc: str, kwargs: dict) -> tuple:
+    if _compiled_in_ci(name, desc, kwargs):
+        return ()
+    return (pytest.mark.slow,) if name in _NO_DIFFERENTIABLE else (pytest.mark.slow, exhaustive)
+
+
 COMPILED = [
-    pytest.param(*c, id=i, marks=() if _compiled_in_ci(*c) else pytest.mark.slow)
+    pytest.param(*c, id=i, marks=_compiled_marks(*c))
     for c, i in zip(CONFIGS, IDS)
     if _impl(c[2]) in ("plain", "fused") and not c[2].get("foreach")
 ]
