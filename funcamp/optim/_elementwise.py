@@ -28,7 +28,7 @@ from funcamp._core.checks import (
     learning_rate_fn,
     state_leaves,
 )
-from funcamp._core.context import compiling, in_transform
+from funcamp._core.context import compiling, in_transform, plain_tensors
 from funcamp._core.donation import not_written, writing
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import (
@@ -389,9 +389,10 @@ def _fused(
     compiled, on the traced metadata, where ``prepare`` does not check the state's
     shapes: a kernel reading flat arrays must never see a short buffer); None elsewhere. The
     grads are inputs only: a non-contiguous one (``torch.func.grad`` of ``x @ w.t()``) is read
-    through a contiguous copy."""
+    through a contiguous copy. Compiled, the params must be plain tensors too (no torch.func
+    wrappers), as the eager caller's are."""
     ps, grads = flatten(params)[0], flatten(grads)[0]
-    if not ps or len(grads) != len(ps):
+    if not ps or len(grads) != len(ps) or (compiling() and not plain_tensors(ps)):
         return None
     for x in ps:  # a float32 tensor is a floating one
         if type(x) is not torch.Tensor or x.dtype != torch.float32 or not x.is_contiguous():

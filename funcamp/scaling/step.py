@@ -17,7 +17,6 @@ from funcamp._core.context import compiling, plain_eager_tensors
 from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype
 from funcamp._core.tree import (
-    flatten,
     insertion_order,
     plan_write,
     sharing_memory,
@@ -255,7 +254,7 @@ def unscale_and_step(
 
     params_out, opt_state_out = _step(
         prepared, unscaled, opt_state, params, Skip(skip), out, taken,
-        kernels=kernels, traced=traced, eager=eager, donate_state=donate_state, across=across,
+        kernels=kernels, eager=eager, donate_state=donate_state, across=across,
         report=report,
     )  # fmt: skip
     if window is not None:
@@ -289,7 +288,6 @@ def _step(
     taken: set[int | None],
     *,
     kernels: bool,
-    traced: bool,
     eager: bool,
     donate_state: bool,
     across: Across | None,
@@ -302,11 +300,8 @@ def _step(
     ``donate_state`` the update may write its new buffers into the old ones (and torch's fused
     kernels the params too, on plain tensors); the rest is selected and written here, both
     trees matched before either is written: all or nothing."""
-    writes = Writes(
-        out if eager else (),
-        skip if donate_state else None,
-        kernels and donate_state and (not traced or fused_unscale(flatten(params)[0])),
-    )
+    # the optimizer's fused kernel checks its own params (only an optimizer with one pays)
+    writes = Writes(out if eager else (), skip if donate_state else None, kernels and donate_state)
     with summing_across(across), reporting_accumulated(report):
         updates, new_opt_state = prepared.run(unscaled, writes)
     if updates is None:  # a fused kernel updated the donated params and state in place
