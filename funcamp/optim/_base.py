@@ -34,6 +34,7 @@ __all__ = [
     "chain",
     "exclusive",
     "learning_rate",
+    "prepare_around",
     "prepare_update",
     "update_tensors",
 ]
@@ -132,6 +133,24 @@ def prepare_update(optimizer: Optimizer, grads: PyTree, state: PyTree, params: P
         return optimizer.update(grads, state, params)
 
     return Prepared(None, run, fresh=False)
+
+
+def prepare_around(
+    optimizer: Optimizer,
+    update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]],
+    inner_state: Callable[[PyTree], PyTree],
+) -> Prepare:
+    """The ``prepare`` hook of a wrapper whose ``update`` calls ``optimizer.update`` inside.
+
+    It prepares ``optimizer`` on ``inner_state(state)`` (its checks, its learning-rate flag) and
+    runs the wrapper's plain ``update``, whose results are as fresh as the inner optimizer's.
+    """
+
+    def prepare(grads: PyTree, state: PyTree, params: PyTree = None) -> Prepared:
+        inner = prepare_update(optimizer, grads, inner_state(state), params)
+        return Prepared(inner.unusable_lr, lambda g, writes: update(g, state, params), inner.fresh)
+
+    return prepare
 
 
 def learning_rate(optimizer: Optimizer, opt_state: PyTree) -> Any:

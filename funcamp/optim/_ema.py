@@ -21,10 +21,9 @@ from funcamp._core.rounding import round_nearest
 from funcamp._core.tree import NAMESPACE, describe, unflatten
 from funcamp.optim._base import (
     Optimizer,
-    Prepared,
     apply_updates,
     check_optimizer,
-    prepare_update,
+    prepare_around,
 )
 from funcamp.optim._paths import choose_ops
 
@@ -169,13 +168,8 @@ def with_ema(
         averaged = state.averaged + applies.to(torch.int32)
         return updates, EmaState(inner, state.count + 1, averaged, unflatten(spec, new))
 
-    def prepare(grads: PyTree, state: Any, params: PyTree = None) -> Prepared:
-        inner = prepare_update(optimizer, grads, _check(state).inner, params)
-        # the average is taken of new params: the plain update, whose results are as fresh
-        # as the inner optimizer's
-        return Prepared(
-            inner.unusable_lr, lambda grads, writes: update(grads, state, params), inner.fresh
-        )
+    # the average is taken of new params: the plain update runs
+    prepare = prepare_around(optimizer, update, lambda state: _check(state).inner)
 
     def rate(state: Any) -> Any:
         return optimizer.learning_rate(_check(state).inner)  # type: ignore[misc]

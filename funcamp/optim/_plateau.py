@@ -16,10 +16,9 @@ from funcamp._core.checks import check_int, check_real
 from funcamp._core.tree import NAMESPACE, describe
 from funcamp.optim._base import (
     Optimizer,
-    Prepared,
     SetParam,
     check_optimizer,
-    prepare_update,
+    prepare_around,
 )
 
 __all__ = ["PlateauState", "plateau_step", "reduce_on_plateau"]
@@ -180,11 +179,7 @@ def reduce_on_plateau(
         )
         return updates, state._replace(inner=inner, lr=inner_lr(inner))
 
-    def prepare(grads: PyTree, state: Any, params: PyTree = None) -> Prepared:
-        inner = prepare_update(optimizer, grads, check(state).inner, params)
-        return Prepared(
-            inner.unusable_lr, lambda grads, writes: update(grads, state, params), inner.fresh
-        )
+    prepare = prepare_around(optimizer, update, lambda state: check(state).inner)
 
     def learning_rate(state: Any) -> torch.Tensor:
         state = check(state)
