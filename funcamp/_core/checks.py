@@ -32,9 +32,7 @@ import optree
 import torch
 
 from funcamp._core.context import compiling
-from funcamp._core.tree import NAMESPACE, describe, flatten, leaf_path, path_str, spec_text
-
-PyTree = Any
+from funcamp._core.tree import NAMESPACE, PyTree, describe, flatten, leaf_path, path_str, spec_text
 
 #: ``count -> (lr, bad)``: ``lr`` a float or a 0-d tensor (0 where the value is not usable),
 #: ``bad`` None for a Python float, else a 0-d bool tensor (True when the value was NaN, infinite

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from funcamp._core.stack import Pushing
-from funcamp._core.tree import NAMESPACE, describe, insertion_order, unflatten
+from funcamp._core.tree import NAMESPACE, PyTree, describe, insertion_order, unflatten
 
 __all__ = [
     "Across",
@@ -35,8 +35,6 @@ __all__ = [
     "in_params_order",
     "summing_across",
 ]
-
-PyTree = Any
 
 
 def _group(api: str, group: Any) -> Any:

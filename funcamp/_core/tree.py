@@ -18,6 +18,7 @@ from funcamp._core.specs import (  # noqa: F401 (re-exported: the pytree helpers
     NAMESPACE,
     DictSpec,
     NestedSpec,
+    PyTree,
     flatten,
     spec_text,
     unflatten,
@@ -35,8 +36,6 @@ __all__ = [
     "tree_cast",
     "tree_select",
 ]
-
-PyTree = Any
 
 
 def _write_into(new: PyTree, old: PyTree) -> PyTree:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from funcamp._core.atomic import atomic_write
-from funcamp._core.tree import describe
+from funcamp._core.tree import PyTree, describe
 from funcamp.checkpoints.format import (
     DATA_PREFIX,
     FORMAT,
@@ -38,8 +38,6 @@ from funcamp.checkpoints.state_dict import state_dict
 from funcamp.policy.policy import Policy
 
 __all__ = []
-
-PyTree = Any
 
 
 def _split_tensors(sd: Any, path: tuple[str, ...], tensors: dict[str, Any]) -> Any:

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from funcamp._core.tree import PyTree
 from funcamp._core.version import __version__
 from funcamp.checkpoints.state_dict import load_state_dict, state_dict
 from funcamp.policy.describe import describe_policy, policy_difference
@@ -22,8 +23,6 @@ from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.state import CONFIG, LEAVES
 
 __all__ = ["CheckpointInfo"]
-
-PyTree = Any
 
 
 FORMAT = "funcamp.checkpoint"

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from funcamp._core.atomic import atomic_write
-from funcamp._core.tree import describe
+from funcamp._core.tree import PyTree, describe
 from funcamp.checkpoints.dcp import load_distributed, save_distributed
 from funcamp.checkpoints.format import (
     FILE_KEYS,
@@ -55,8 +55,6 @@ from funcamp.checkpoints.state_dict import encode
 from funcamp.policy.policy import Policy, as_policy, off_policy_param
 
 __all__ = ["checkpoint_info", "load", "save"]
-
-PyTree = Any
 
 
 PathLike = str | os.PathLike

@@ -18,12 +18,10 @@ import optree
 import torch
 
 from funcamp._core.donation import refuse_consumed
-from funcamp._core.tree import NAMESPACE, describe
+from funcamp._core.tree import NAMESPACE, PyTree, describe
 from funcamp.scaling.state import CONFIG, LEAVES, ScalerState, check_scaler_values
 
 __all__ = ["encode", "load_state_dict", "state_dict"]
-
-PyTree = Any
 
 _SCALARS = (bool, int, float, str, type(None))
 _ROOT_LEAF_KEY = "value"

@@ -12,13 +12,11 @@ import torch
 import torch.distributed as dist
 
 from funcamp._core.collectives import all_reduce_step
-from funcamp._core.tree import describe
+from funcamp._core.tree import PyTree, describe
 from funcamp.casting.fp8 import Fp8State, all_reduce_amax
 from funcamp.train.parallel import SingleProcess
 
 __all__ = ["DataParallel", "check_group"]
-
-PyTree = Any
 
 
 def check_group(api: str, group: Any) -> tuple[Any, int, int]:

@@ -41,13 +41,11 @@ except ImportError:  # pragma: no cover - another torch
     _DTensorSpec = _TensorMeta = None
 
 from funcamp._core.collectives import Across, all_reduce_step
-from funcamp._core.tree import NAMESPACE, describe, dotted_path, path_str, unflatten
+from funcamp._core.tree import NAMESPACE, PyTree, describe, dotted_path, path_str, unflatten
 from funcamp.casting.fp8 import Fp8State, all_reduce_amax
 from funcamp.optim._whole import gather_packed
 from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import TrainState
-
-PyTree = Any
 
 __all__ = ["Sharded", "shard"]
 

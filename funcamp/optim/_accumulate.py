@@ -23,7 +23,7 @@ from funcamp._core.checks import (
 )
 from funcamp._core.numerics import math_dtype
 from funcamp._core.stack import Pushing
-from funcamp._core.tree import NAMESPACE, tree_select, unflatten
+from funcamp._core.tree import NAMESPACE, PyTree, tree_select, unflatten
 from funcamp.optim._base import (
     ACCUMULATES,
     Optimizer,
@@ -46,8 +46,6 @@ __all__ = [
     "close_window",
     "reporting_accumulated",
 ]
-
-PyTree = Any
 Tensors = list[torch.Tensor]
 
 

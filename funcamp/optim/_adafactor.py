@@ -30,7 +30,7 @@ from funcamp._core.checks import (
     state_leaves,
 )
 from funcamp._core.numerics import math_dtype
-from funcamp._core.tree import describe, leaf_path, unflatten
+from funcamp._core.tree import PyTree, describe, leaf_path, unflatten
 from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
 from funcamp.optim._shared import _f64
@@ -38,8 +38,6 @@ from funcamp.optim._states import AdafactorState
 from funcamp.optim._whole import Layout, shard_layouts, sum_across
 
 __all__ = ["adafactor"]
-
-PyTree = Any
 LearningRate = Any
 WHOLE = "its row and column means and its RMS norms are over whole params"
 

@@ -14,6 +14,7 @@ from funcamp._core.numerics import as_dtype, is_half
 from funcamp._core.rounding import round_nearest
 from funcamp._core.tree import (
     NAMESPACE,
+    PyTree,
     describe,
     flatten,
     leaf_path,
@@ -38,8 +39,6 @@ __all__ = [
     "prepare_update",
     "update_tensors",
 ]
-
-PyTree = Any
 
 
 #: The ``update`` functions of :func:`funcamp.clip_by_global_norm` (and of chains holding one)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_number
+from funcamp._core.tree import PyTree
 from funcamp.optim._base import Optimizer
 from funcamp.optim._elementwise import build
 from funcamp.optim._fused import AdamHyper
@@ -23,8 +24,6 @@ from funcamp.optim._shared import _stateless
 from funcamp.optim._states import AdamState
 
 __all__ = ["negate_gradients", "scale_by_amsgrad"]
-
-PyTree = Any
 Tensors = list[torch.Tensor]
 
 

@@ -32,6 +32,7 @@ from funcamp._core.context import compiling, in_transform, plain_tensors
 from funcamp._core.donation import not_written, writing
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import (
+    PyTree,
     describe,
     flatten,
     leaf_path,
@@ -44,8 +45,6 @@ from funcamp.optim._modes import check_mode_state, init_mode, math_params, selec
 from funcamp.optim._paths import Ops, choose_ops
 
 __all__ = ["FusedUpdate", "Step", "elementwise", "mask_flags"]
-
-PyTree = Any
 Tensors = list[torch.Tensor]
 #: ``step(ops, grads, params, buffers, lr, count) -> (deltas, new_buffers)``.
 Step = Callable[..., tuple[Tensors, dict[str, Tensors]]]

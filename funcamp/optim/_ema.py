@@ -18,18 +18,11 @@ import torch
 
 from funcamp._core.checks import check_flag, check_int, check_real, flatten_grads
 from funcamp._core.rounding import round_nearest
-from funcamp._core.tree import NAMESPACE, describe, unflatten
-from funcamp.optim._base import (
-    Optimizer,
-    apply_updates,
-    check_optimizer,
-    prepare_around,
-)
+from funcamp._core.tree import NAMESPACE, PyTree, describe, unflatten
+from funcamp.optim._base import Optimizer, apply_updates, check_optimizer, prepare_around
 from funcamp.optim._paths import choose_ops
 
 __all__ = ["EmaState", "ema_params", "with_ema"]
-
-PyTree = Any
 
 
 class EmaState(NamedTuple):

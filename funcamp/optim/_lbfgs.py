@@ -25,13 +25,11 @@ from funcamp._core.checks import (
     flatten_params,
     learning_rate_fn,
 )
-from funcamp._core.tree import describe, unflatten
+from funcamp._core.tree import PyTree, describe, unflatten
 from funcamp.optim._base import Optimizer, SetParam
 from funcamp.optim._states import LbfgsState
 
 __all__ = ["lbfgs"]
-
-PyTree = Any
 LearningRate = Any
 
 

@@ -18,11 +18,9 @@ from typing import Any
 
 import optree
 
-from funcamp._core.tree import NAMESPACE, describe, dotted_path, flatten, path_str
+from funcamp._core.tree import NAMESPACE, PyTree, describe, dotted_path, flatten, path_str
 
 __all__ = ["check_selects", "leaf_values", "name_of"]
-
-PyTree = Any
 
 _PLURAL = {bool: "bools", str: "strings"}
 

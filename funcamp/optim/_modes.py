@@ -33,7 +33,7 @@ from funcamp._core.rounding import (
     round_nearest,
     round_stochastic,
 )
-from funcamp._core.tree import NAMESPACE, describe, unflatten
+from funcamp._core.tree import NAMESPACE, PyTree, describe, unflatten
 from funcamp.optim._base import Optimizer, SetParam
 
 __all__ = [
@@ -47,8 +47,6 @@ __all__ = [
     "select_mode",
     "to_updates",
 ]
-
-PyTree = Any
 MODES = ("master_weights", "kahan", "stochastic_rounding")
 
 

@@ -14,7 +14,7 @@ import optree
 import torch
 
 from funcamp._core.checks import check_flag, check_int, check_number
-from funcamp._core.tree import NAMESPACE, describe, path_str
+from funcamp._core.tree import NAMESPACE, PyTree, describe, path_str
 from funcamp.optim._base import Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import LearningRate, Tensors, _build, _f64, _kept
@@ -22,8 +22,6 @@ from funcamp.optim._states import MuonState
 from funcamp.optim._whole import gather_whole, local_part, shard_layouts
 
 __all__ = ["muon", "newton_schulz"]
-
-PyTree = Any
 #: torch.optim.Muon's defaults: the quintic's coefficients, its steps and the norm's floor.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5

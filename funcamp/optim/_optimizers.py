@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_flag, check_number
+from funcamp._core.tree import PyTree
 from funcamp.optim._base import Optimizer
 from funcamp.optim._fused import FUSED_ADAM, AdamHyper, fused_adam, fused_sgd
 from funcamp.optim._paths import Ops
@@ -23,8 +24,6 @@ from funcamp.optim._shared import _beta, _build, _f64, _lerp_tensor
 from funcamp.optim._states import AdamState, LionState, SgdState
 
 __all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]
-
-PyTree = Any
 Tensors = list[torch.Tensor]
 #: A learning rate: a Python float (fixed), a 0-d tensor, or a schedule of the step count.
 LearningRate = Any

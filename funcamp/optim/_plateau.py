@@ -13,17 +13,10 @@ import optree
 import torch
 
 from funcamp._core.checks import check_int, check_real
-from funcamp._core.tree import NAMESPACE, describe
-from funcamp.optim._base import (
-    Optimizer,
-    SetParam,
-    check_optimizer,
-    prepare_around,
-)
+from funcamp._core.tree import NAMESPACE, PyTree, describe
+from funcamp.optim._base import Optimizer, SetParam, check_optimizer, prepare_around
 
 __all__ = ["PlateauState", "plateau_step", "reduce_on_plateau"]
-
-PyTree = Any
 
 
 class PlateauState(NamedTuple):

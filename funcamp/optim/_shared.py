@@ -16,14 +16,12 @@ from typing import Any
 import torch
 
 from funcamp._core.checks import check_flag, check_number, flatten_grads
-from funcamp._core.tree import describe, unflatten
+from funcamp._core.tree import PyTree, describe, unflatten
 from funcamp.optim._base import Optimizer, Prepared
 from funcamp.optim._elementwise import build
 from funcamp.optim._paths import Ops, choose_ops
 
 __all__: list[str] = []
-
-PyTree = Any
 Tensors = list[torch.Tensor]
 LearningRate = Any
 

@@ -2,28 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-__all__ = [
-    "AdadeltaState",
-    "AdafactorState",
-    "AdagradState",
-    "AdamState",
-    "AdamaxState",
-    "AsgdState",
-    "LbfgsState",
-    "LionState",
-    "MuonState",
-    "NadamState",
-    "RadamState",
-    "RmspropState",
-    "RpropState",
-    "SgdState",
-]
-
-PyTree = Any
+from funcamp._core.tree import PyTree
 
 
 class SgdState(NamedTuple):

@@ -20,7 +20,7 @@ from funcamp._core.checks import (
 )
 from funcamp._core.collectives import global_norm
 from funcamp._core.numerics import hoist_scalar, math_dtype
-from funcamp._core.tree import NAMESPACE, describe, dotted_path, unflatten
+from funcamp._core.tree import NAMESPACE, PyTree, describe, dotted_path, unflatten
 from funcamp.optim._accumulate import AccumulateState, accumulate, accumulate_applies
 from funcamp.optim._base import (
     ACCUMULATES,
@@ -46,8 +46,6 @@ __all__ = [
     "masked",
     "multi_transform",
 ]
-
-PyTree = Any
 Tensors = list[torch.Tensor]
 
 

@@ -18,6 +18,7 @@ from funcamp._core.context import compiling, plain_eager_tensors, plain_tensors
 from funcamp._core.numerics import hoist_scalar, math_dtype, spread
 from funcamp._core.tree import (
     NAMESPACE,
+    PyTree,
     flatten,
     self_overlapping,
     storage_key,
@@ -26,8 +27,6 @@ from funcamp._core.tree import (
 from funcamp.scaling.state import ScalerState, check_found_inf, check_scaler
 
 __all__ = ["scale", "unscale", "update"]
-
-PyTree = Any
 
 
 def scale(state: ScalerState, tree: PyTree) -> PyTree:

@@ -19,12 +19,10 @@ from typing import Any
 
 import torch
 
-from funcamp._core.tree import BITS, plan_select_write, select_into, where_into
+from funcamp._core.tree import BITS, PyTree, plan_select_write, select_into, where_into
 from funcamp.scaling.state import check_found_inf
 
 __all__ = ["Skip"]
-
-PyTree = Any
 
 _TINY = float.fromhex("0x1p-1074")  # the smallest float64 subnormal
 _NEGATIVE_ZERO = -0.0

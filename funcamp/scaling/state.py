@@ -106,16 +106,7 @@ class ScalerState:
     def __post_init__(self) -> None:
         # Only the static configuration is checked here: leaves may be anything while a
         # transform (optree, torch pytree, vmap, dynamo) rebuilds the node.
-        _validate_config(
-            "ScalerState",
-            kind=self.kind,
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            growth_interval=self.growth_interval,
-            min_scale=self.min_scale,
-            max_scale=self.max_scale,
-            hysteresis=self.hysteresis,
-        )
+        _validate_config("ScalerState", **dict(zip(CONFIG, self._config())))
 
     # ------------------------------------------------------------------ constructors
 
@@ -152,16 +143,9 @@ class ScalerState:
             (1024.0, 2, 1.0)
         """
         api = "ScalerState.dynamic"
-        _validate_config(
-            api,
-            kind="dynamic",
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            hysteresis=hysteresis,
-        )
+        given = ("dynamic", growth_factor, backoff_factor, growth_interval)
+        config = dict(zip(CONFIG, (*given, min_scale, max_scale, hysteresis)))
+        _validate_config(api, **config)
         _validate_init_scale(api, init_scale)
         if min_scale is not None and init_scale < min_scale:
             raise ValueError(
@@ -173,17 +157,7 @@ class ScalerState:
                 f"funcamp.{api}: `init_scale` must be <= `max_scale` ({max_scale!r}), "
                 f"got {init_scale!r}"
             )
-        return cls._build(
-            init_scale,
-            device,
-            kind="dynamic",
-            growth_factor=float(growth_factor),
-            backoff_factor=float(backoff_factor),
-            growth_interval=int(growth_interval),
-            min_scale=None if min_scale is None else float(min_scale),
-            max_scale=None if max_scale is None else float(max_scale),
-            hysteresis=int(hysteresis),
-        )
+        return cls._build(init_scale, device, **_stored(config))
 
     @classmethod
     def static(cls, scale: float, device: torch.device | str | None = None) -> ScalerState:
@@ -315,24 +289,13 @@ class ScalerState:
                 )
             tracker = tracker.item()
         check_int(api, "_growth_tracker", tracker, minimum=0)
-        _validate_config(
-            api,
-            kind="dynamic",
-            growth_factor=sd["growth_factor"],
-            backoff_factor=sd["backoff_factor"],
-            growth_interval=sd["growth_interval"],
-            min_scale=None,
-            max_scale=None,
-            hysteresis=1,
+        given = (
+            "dynamic",
+            *(sd[k] for k in ("growth_factor", "backoff_factor", "growth_interval")),
         )
-        state = cls._build(
-            float(raw_scale),
-            device,
-            kind="dynamic",
-            growth_factor=float(sd["growth_factor"]),
-            backoff_factor=float(sd["backoff_factor"]),
-            growth_interval=int(sd["growth_interval"]),
-        )
+        config = dict(zip(CONFIG, (*given, None, None, 1)))
+        _validate_config(api, **config)
+        state = cls._build(float(raw_scale), device, **_stored(config))
         if tracker >= state.growth_interval:
             raise ValueError(
                 f"funcamp.{api}: `_growth_tracker` must be < `growth_interval` "
@@ -448,6 +411,15 @@ torch_pytree.register_pytree_node(
 
 def _validate_init_scale(api: str, value: Any, arg: str = "init_scale") -> None:
     check_real(api, arg, value, low=0.0, low_open=True, high=_F32.max)
+
+
+def _stored(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` as the state stores it: ints and floats (a ``None`` bound stays ``None``)."""
+    ints = ("growth_interval", "hysteresis")
+    return {
+        k: v if v is None or k == "kind" else (int(v) if k in ints else float(v))
+        for k, v in config.items()
+    }
 
 
 def _validate_config(

@@ -17,6 +17,7 @@ from funcamp._core.context import compiling, plain_eager_tensors
 from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype
 from funcamp._core.tree import (
+    PyTree,
     insertion_order,
     plan_write,
     sharing_memory,
@@ -46,8 +47,6 @@ from funcamp.scaling.skip import Skip
 from funcamp.scaling.state import ScalerState, check_scaler
 
 __all__ = ["StepInfo", "unscale_and_step"]
-
-PyTree = Any
 
 
 class StepInfo(NamedTuple):

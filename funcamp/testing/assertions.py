@@ -11,11 +11,9 @@ from typing import Any
 import optree
 import torch
 
-from funcamp._core.tree import NAMESPACE, path_str
+from funcamp._core.tree import NAMESPACE, PyTree, path_str
 
 __all__ = ["assert_trees_close", "assert_trees_equal"]
-
-PyTree = Any
 
 
 def _flatten(tree: PyTree) -> tuple[list[str], list[Any], Any]:

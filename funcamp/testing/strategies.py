@@ -20,6 +20,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 import torch
 
+from funcamp._core.tree import PyTree
 from funcamp.policy.ops import OpPolicy, OpRule
 from funcamp.policy.policy import Policy
 from funcamp.scaling.state import ScalerState
@@ -35,10 +36,6 @@ __all__ = [
     "tensors",
 ]
 
-PyTree = Any
-
-
-PyTree = Any
 
 DtypeArg = torch.dtype | st.SearchStrategy[torch.dtype] | None
 

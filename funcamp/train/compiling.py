@@ -29,7 +29,7 @@ import optree
 import torch
 
 from funcamp._core.guard_sources import GLOBAL_STATE_SOURCES, STEP_INPUTS, is_mode_flag, source_root
-from funcamp._core.tree import NAMESPACE
+from funcamp._core.tree import NAMESPACE, PyTree
 from funcamp.compiler import hooks as compiler_hooks
 from funcamp.compiler.gate import Choice, patches_on
 from funcamp.policy.policy import Policy
@@ -50,8 +50,6 @@ __all__ = [
     "state_device_type",
     "step_options_for",
 ]
-
-PyTree = Any
 
 
 def input_guards_only(entries: list[Any]) -> list[bool]:

@@ -11,7 +11,7 @@ import torch
 from funcamp._core.checks import flatten_params
 from funcamp._core.donation import refuse_consumed
 from funcamp._core.progress import announce_first_call
-from funcamp._core.tree import describe
+from funcamp._core.tree import PyTree, describe
 from funcamp.casting.amp import amp
 from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
 from funcamp.policy.policy import Policy, as_policy
@@ -30,8 +30,6 @@ from funcamp.train.loss import clone_buffers
 from funcamp.train.state import TrainState
 
 __all__ = ["make_eval_step"]
-
-PyTree = Any
 Batch = Any
 
 

@@ -35,11 +35,9 @@ from typing import Any
 import optree
 import torch
 
-from funcamp._core.tree import NAMESPACE, describe, dotted_path
+from funcamp._core.tree import NAMESPACE, PyTree, describe, dotted_path
 
 __all__ = ["combine", "is_frozen_parameter", "split_trainable", "trainable_flags"]
-
-PyTree = Any
 Trainable = None | bool | str | Sequence[str] | Callable[[str], bool]
 
 

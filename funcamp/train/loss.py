@@ -25,7 +25,7 @@ import torch
 from funcamp._core.context import plain_eager
 from funcamp._core.numerics import as_dtype
 from funcamp._core.progress import logger
-from funcamp._core.tree import NAMESPACE, describe, flatten, leaf_path, spec_text, unflatten
+from funcamp._core.tree import NAMESPACE, PyTree, describe, flatten, leaf_path, spec_text, unflatten
 from funcamp.casting.fp8 import Fp8State, fp8_update
 from funcamp.scaling.ops import scale
 from funcamp.scaling.state import ScalerState
@@ -40,8 +40,6 @@ __all__ = [
     "restore_buffers",
     "scaled_grad_and_value",
 ]
-
-PyTree = Any
 GradAndValue = Callable[..., Callable[..., Any]]
 
 

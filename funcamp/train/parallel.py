@@ -16,11 +16,10 @@ from typing import Any, ClassVar
 import torch
 
 from funcamp._core.collectives import Across
+from funcamp._core.tree import PyTree
 from funcamp.casting.fp8 import Fp8State
 
 __all__ = ["SingleProcess"]
-
-PyTree = Any
 
 
 class SingleProcess:

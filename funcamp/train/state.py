@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import optree
 import torch
@@ -15,7 +15,7 @@ import torch
 from funcamp._core.checks import flatten_params
 from funcamp._core.donation import refuse_consumed
 from funcamp._core.hints import optimizer_type_error
-from funcamp._core.tree import NAMESPACE, describe, first_leaf, path_str, sharing_memory
+from funcamp._core.tree import NAMESPACE, PyTree, describe, first_leaf, path_str, sharing_memory
 from funcamp.casting.fp8 import Fp8State, needs_state
 from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import init_from_exact
@@ -37,8 +37,6 @@ __all__ = [
     "load_into_module",
     "params_and_buffers",
 ]
-
-PyTree = Any
 
 
 class TrainState(NamedTuple):

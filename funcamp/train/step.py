@@ -29,6 +29,7 @@ from funcamp._core.checks import check_flag
 from funcamp._core.context import compiling
 from funcamp._core.hints import optimizer_type_error
 from funcamp._core.tree import (
+    PyTree,
     describe,
     flatten,
     plan_write,
@@ -55,8 +56,6 @@ from funcamp.train.state import TrainState
 from funcamp.train.wrapper import check_cache_dir, wrap_step
 
 __all__ = ["StepOptions", "build_train_step", "check_step_options"]
-
-PyTree = Any
 Metrics = dict[str, Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]
 
