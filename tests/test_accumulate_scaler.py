@@ -130,7 +130,8 @@ def steps():
                                                         compile=False)  # fmt: skip
             else:
                 made[backend] = funcamp.make_train_step(loss_fn, optimizer(), "mixed_float16",
-                                                        backend=backend)  # fmt: skip
+                                                        compile=funcamp.Compile(backend=backend),
+                                                        )  # fmt: skip
         return made[backend]
 
     return get

@@ -256,8 +256,8 @@ def test_expanded_param_refused_before_any_write():
     for compile in (False, True):
         state = funcamp.TrainState.create(params, opt, "float32")
         snap = _snapshot(state)
-        kw = {"backend": "eager"} if compile else {}
-        step = funcamp.make_train_step(_loss, opt, "float32", compile=compile, **kw)
+        how = funcamp.Compile(backend="eager") if compile else False
+        step = funcamp.make_train_step(_loss, opt, "float32", compile=how)
         with pytest.raises(ValueError, match=r"state\.params\['b1'\] share memory"):
             step(state, _BATCH)
         assert _bits_equal(state, snap)
@@ -290,7 +290,7 @@ def test_aux_never_aliases_the_state(backend):
     """An aux that is a param (or a view of one) is the value of that step, not the memory the
     next steps write into."""
     opt = funcamp.sgd(0.1)
-    kw = {"compile": False} if backend is None else {"backend": backend}
+    kw = {"compile": False} if backend is None else {"compile": funcamp.Compile(backend=backend)}
     step = funcamp.make_train_step(_aux_loss, opt, "float32", has_aux=True, **kw)
     state = funcamp.TrainState.create({"w": torch.zeros(1)}, opt, "float32")
     logged = []
@@ -348,7 +348,7 @@ class _LineFault:
 
 def _compiled_fault_at_every_line(backend: str, name: str) -> None:
     opt = _OPTIMIZERS[name]()
-    step = funcamp.make_train_step(_loss, opt, "float32", backend=backend)
+    step = funcamp.make_train_step(_loss, opt, "float32", compile=funcamp.Compile(backend=backend))
     pure = funcamp.make_train_step(_loss, opt, "float32", compile=False, donate_state=False)
     template = _fresh(opt, torch.float32)
     reference, _ = pure(_copy(template), _BATCH)
@@ -395,7 +395,9 @@ def test_compiled_trace_failure_leaves_the_state_usable():
         return _loss(params, buffers, batch)
 
     opt = funcamp.sgd(0.1)
-    step = funcamp.make_train_step(loss_fn, opt, "float32", backend="eager")
+    step = funcamp.make_train_step(
+        loss_fn, opt, "float32", compile=funcamp.Compile(backend="eager")
+    )
     state = _fresh(opt, torch.float32)
     snap = _snapshot(state)
     with pytest.raises(RuntimeError, match="cannot be compiled"):

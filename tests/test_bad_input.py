@@ -944,7 +944,11 @@ def test_donated_compiled_step_with_bad_buffers_leaves_state(change):
     # Compiled (eager backend: tracing only): the error comes from the trace or from the eager
     # re-run that reports it, and neither writes into the donated state.
     step = funcamp.make_train_step(
-        _buffer_loss(change), funcamp.adam(0.1), "float32", donate_state=True, backend="eager"
+        _buffer_loss(change),
+        funcamp.adam(0.1),
+        "float32",
+        donate_state=True,
+        compile=funcamp.Compile(backend="eager"),
     )
     state = _train_state(buffers={"count": torch.zeros(2)})
     snap = Snapshot(state)

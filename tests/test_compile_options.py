@@ -49,7 +49,9 @@ def _run_step(**compile_options: Any) -> None:
         return functional_call(model, (p, b), (x,)).float().square().mean()
 
     state = funcamp.TrainState.create(params, opt, "float32", buffers=buffers)
-    step = funcamp.make_train_step(loss_fn, opt, "float32", **compile_options)
+    step = funcamp.make_train_step(
+        loss_fn, opt, "float32", compile=funcamp.Compile(**compile_options)
+    )
     state, metrics = step(state, torch.randn(3, 4))
     assert torch.isfinite(metrics["loss"])
 
@@ -109,10 +111,11 @@ def test_a_low_precision_step_rounds_every_cast_on_every_device(monkeypatch):
     calls = _spy(monkeypatch)
     fp8 = funcamp.get_policy("mixed_bfloat16").with_fp8(funcamp.Fp8Recipe.current())
     dynamic = funcamp.ScalerState.dynamic
+    exact = funcamp.Compile(options={"emulate_precision_casts": False})
     for policy, options, scaler in [(fp8, {}, None), ("mixed_bfloat16", {}, None),
                                     ("16-true", {}, None), ("float32", {}, None),
                                     ("float32", {}, dynamic()),
-                                    (fp8, {"options": {"emulate_precision_casts": False}}, None)]:  # fmt: skip
+                                    (fp8, {"compile": exact}, None)]:  # fmt: skip
         state = funcamp.TrainState.create(
             {"w": torch.ones(2)}, funcamp.sgd(0.1), policy, scaler=scaler
         )

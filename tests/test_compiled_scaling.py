@@ -146,7 +146,9 @@ def steps():
             if backend == "eager":
                 made[policy, backend] = funcamp.make_train_step(fn, opt, policy, compile=False)
             else:
-                made[policy, backend] = funcamp.make_train_step(fn, opt, policy, backend=backend)
+                made[policy, backend] = funcamp.make_train_step(
+                    fn, opt, policy, compile=funcamp.Compile(backend=backend)
+                )
         return made[policy, backend]
 
     return get
@@ -209,7 +211,9 @@ def test_the_callers_setting_wins():
         state = funcamp.TrainState.create(
             w, funcamp.sgd(0.1), "mixed_float16", scaler=funcamp.ScalerState.dynamic(4096.0)
         )
-        step = funcamp.make_train_step(overflow, funcamp.sgd(0.1), "mixed_float16", options=options)
+        step = funcamp.make_train_step(
+            overflow, funcamp.sgd(0.1), "mixed_float16", compile=funcamp.Compile(options=options)
+        )
         state, metrics = step(state, g)
         found[name] = (bool(metrics["found_inf"]), float(state.scaler.scale))
     assert found == {"default": (True, 2048.0), "off": (False, 4096.0)}

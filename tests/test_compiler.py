@@ -156,9 +156,11 @@ def test_auto_is_on_only_on_the_allowlist_and_says_once_elsewhere(monkeypatch, c
 def test_the_choice_is_checked():
     with pytest.raises(TypeError, match="compiler_patches"):
         funcamp.make_train_step(lambda p, b, x: x.sum(), funcamp.sgd(0.1), "float32",
-                                compiler_patches="yes")  # fmt: skip
+                                compile=funcamp.Compile(compiler_patches="yes"))  # fmt: skip
     with pytest.raises(TypeError, match="compiler_patches"):
-        funcamp.make_eval_step(lambda p, b, x: x.sum(), "float32", compiler_patches=1)
+        funcamp.make_eval_step(
+            lambda p, b, x: x.sum(), "float32", compile=funcamp.Compile(compiler_patches=1)
+        )
 
 
 def test_the_old_names_warn_with_the_new_ones_and_do_the_same():
@@ -181,7 +183,7 @@ def test_a_step_off_the_allowlist_gets_none_of_the_inductor_options(monkeypatch)
         state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), "float32")
         step = funcamp.make_train_step(
             lambda p, b, x: (x @ p["w"]).sum(), funcamp.sgd(0.1), "float32",
-            compiler_patches=choice,
+            compile=funcamp.Compile(compiler_patches=choice),
         )  # fmt: skip
         step(state, torch.ones(3, 2))
     keyed = ["post_grad_custom_pre_pass" in (kw["options"] or {}) for kw in calls]

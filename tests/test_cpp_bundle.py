@@ -186,7 +186,11 @@ def test_a_compiled_train_step_builds_its_kernels_together_with_the_same_bits():
 
             state = funcamp.TrainState.create(params, opt, policy)
             step = funcamp.make_train_step(
-                loss_fn, opt, policy, donate_state=False, compiler_patches=True
+                loss_fn,
+                opt,
+                policy,
+                donate_state=False,
+                compile=funcamp.Compile(compiler_patches=True),
             )
             x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
             torch._dynamo.reset()

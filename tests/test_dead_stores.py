@@ -121,7 +121,7 @@ def test_train_step_builds_no_dead_nodes_and_keeps_its_bits(node_counts, monkeyp
         torch._dynamo.reset()
         node_counts.clear()
         step, state = model_step(
-            funcamp.adamw(1e-2, weight_decay=0.1), compile=True, compiler_patches=True
+            funcamp.adamw(1e-2, weight_decay=0.1), compile=funcamp.Compile(compiler_patches=True)
         )
         metrics = []
         data = batches()

@@ -70,7 +70,7 @@ def _on(tree: Any, device: torch.device) -> Any:
 
 def _compile_options(device: torch.device) -> dict[str, Any]:
     """The default compiled step (inductor) on CUDA; aot_eager on the CPU (see the docstring)."""
-    return {} if device.type == "cuda" else {"backend": "aot_eager"}
+    return {} if device.type == "cuda" else {"compile": funcamp.Compile(backend="aot_eager")}
 
 
 # ------------------------------------------------------------------ amp vs torch.autocast

@@ -1,4 +1,5 @@
-"""make_train_step(..., group=pg, donate_state=False): data-parallel training on gloo processes (CPU).
+"""make_train_step(..., parallel=DataParallel(pg), donate_state=False): data-parallel training
+on gloo processes (CPU).
 
 Process start-up (importing torch) costs seconds, so each world size is *one* spawned run whose
 workers go through every scenario and save what they saw; the tests below read those results
@@ -116,10 +117,19 @@ def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
 
     def make(opt, policy=POLICY, name=None, **kw):
         if name is not None:  # compiled: aot_eager, counting the graphs and their all-reduces
-            kw["backend"] = ranks.counting_backend(
-                _all_reduces, res["all_reduces"].setdefault(name, [])
+            kw["compile"] = funcamp.Compile(
+                backend=ranks.counting_backend(
+                    _all_reduces, res["all_reduces"].setdefault(name, [])
+                )
             )
-        return funcamp.make_train_step(_loss_fn, opt, policy, group=pg, donate_state=False, **kw)
+        return funcamp.make_train_step(
+            _loss_fn,
+            opt,
+            policy,
+            parallel=funcamp.distributed.DataParallel(pg),
+            donate_state=False,
+            **kw,
+        )
 
     # Eager and compiled (aot_eager) runs with an overflow on the last rank.
     state, res["eager_metrics"] = _train(
@@ -179,7 +189,12 @@ def _fp8_problem():
 def _fp8_runs(pg, batches, rank: int, world: int) -> dict:
     policy, loss_fn, state = _fp8_problem()
     dp = funcamp.make_train_step(
-        loss_fn, _adam(), policy, group=pg, compile=False, donate_state=False
+        loss_fn,
+        _adam(),
+        policy,
+        parallel=funcamp.distributed.DataParallel(pg),
+        compile=False,
+        donate_state=False,
     )
     alone = funcamp.make_train_step(loss_fn, _adam(), policy, compile=False, donate_state=False)
     first = _shard(batches[0], rank, world)
@@ -203,7 +218,12 @@ def _hang(rank: int, group, out_dir: str) -> dict:
         return _loss_fn(params, buffers, batch)
 
     step = funcamp.make_train_step(
-        loss_fn, _adam(), POLICY, group=group, compile=False, donate_state=False
+        loss_fn,
+        _adam(),
+        POLICY,
+        parallel=funcamp.distributed.DataParallel(group),
+        compile=False,
+        donate_state=False,
     )
     start = time.monotonic()
     try:
@@ -384,7 +404,12 @@ def test_one_rank_group_is_bit_identical_to_no_group(single_rank_group):
     batches = _batches()
     plain = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False, donate_state=False)
     dp = funcamp.make_train_step(
-        _loss_fn, _adam(), POLICY, compile=False, group=single_rank_group, donate_state=False
+        _loss_fn,
+        _adam(),
+        POLICY,
+        compile=False,
+        parallel=funcamp.distributed.DataParallel(single_rank_group),
+        donate_state=False,
     )
     a, ma = _train(plain, _init(_adam()), batches)
     b, mb = _train(dp, _init(_adam()), batches)
@@ -400,7 +425,12 @@ def test_donated_data_parallel_step(single_rank_group, make_opt):
     batches = _batches()
     alone = funcamp.make_train_step(_loss_fn, make_opt(), POLICY, compile=False, donate_state=True)
     dp = funcamp.make_train_step(
-        _loss_fn, make_opt(), POLICY, compile=False, group=single_rank_group, donate_state=True
+        _loss_fn,
+        make_opt(),
+        POLICY,
+        compile=False,
+        parallel=funcamp.distributed.DataParallel(single_rank_group),
+        donate_state=True,
     )
     start = _init(make_opt())
     w1 = start.params["w1"]
@@ -413,14 +443,26 @@ def test_donated_data_parallel_step(single_rank_group, make_opt):
 
 def test_group_is_checked_when_the_step_is_built(single_rank_group):
     with pytest.raises(TypeError, match=r"`group` must be a torch\.distributed\.ProcessGroup"):
-        funcamp.make_train_step(_loss_fn, _adam(), POLICY, group="world", donate_state=False)
+        funcamp.make_train_step(
+            _loss_fn,
+            _adam(),
+            POLICY,
+            parallel=funcamp.distributed.DataParallel("world"),
+            donate_state=False,
+        )
 
 
 def test_group_needs_an_initialized_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialized"):
-        funcamp.make_train_step(_loss_fn, _adam(), POLICY, group=object(), donate_state=False)
+        funcamp.make_train_step(
+            _loss_fn,
+            _adam(),
+            POLICY,
+            parallel=funcamp.distributed.DataParallel(object()),
+            donate_state=False,
+        )
 
 
 def test_train_ddp_example_runs_in_one_process(tmp_path):

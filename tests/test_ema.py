@@ -160,9 +160,9 @@ def test_train_step_skips_keep_the_average_compiled_matches_eager_and_eval_reads
     batches = _batches(7, bad=(2,))
     states = []
     for compile in (False, True):
-        kw = {"backend": "aot_eager"} if compile else {}
+        how = funcamp.Compile(backend="aot_eager") if compile else False
         step = funcamp.make_train_step(
-            _loss_fn(model), opt, "mixed_float16", compile=compile, donate_state=False, **kw
+            _loss_fn(model), opt, "mixed_float16", compile=how, donate_state=False
         )
         state = funcamp.TrainState.create(params, opt, "mixed_float16", buffers=buffers)
         for i, b in enumerate(batches):

@@ -436,7 +436,7 @@ def test_compiled_step_is_one_graph_no_recompile_and_matches_eager(recipe: str) 
     torch._dynamo.reset()
     step, graphs = counting_compile(
         lambda backend: funcamp.make_train_step(
-            loss_fn, opt, policy, backend=backend, donate_state=False
+            loss_fn, opt, policy, compile=funcamp.Compile(backend=backend), donate_state=False
         )
     )
     eager = funcamp.make_train_step(loss_fn, opt, policy, compile=False, donate_state=False)
@@ -487,7 +487,12 @@ def test_delayed_fp8_with_a_one_rank_group_equals_no_group(single_rank_group) ->
     _, policy, loss_fn, opt, state, batches = make_problem()
     alone = funcamp.make_train_step(loss_fn, opt, policy, compile=False, donate_state=False)
     grouped = funcamp.make_train_step(
-        loss_fn, opt, policy, compile=False, group=single_rank_group, donate_state=False
+        loss_fn,
+        opt,
+        policy,
+        compile=False,
+        parallel=funcamp.distributed.DataParallel(single_rank_group),
+        donate_state=False,
     )
     a = b = state
     for i in range(3):

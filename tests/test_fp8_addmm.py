@@ -393,7 +393,9 @@ def gpt2_compiled() -> dict[str, Any]:
             graphs.append(gm)
             return aot_eager(gm, example_inputs)
 
-        step = funcamp.make_train_step(loss_fn, opt, policy, backend=backend, donate_state=False)
+        step = funcamp.make_train_step(
+            loss_fn, opt, policy, compile=funcamp.Compile(backend=backend), donate_state=False
+        )
         final, losses, seconds = train(step, state, batches)
         return {"final": final, "losses": losses, "seconds": seconds, "graphs": graphs}
     finally:

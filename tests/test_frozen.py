@@ -88,10 +88,8 @@ def test_frozen_params_stay_put_and_the_rest_trains_as_torch_optim(compile, dona
     params, buffers = funcamp.params_and_buffers(model)
     opt = funcamp.adamw(LR, weight_decay=WD)
     state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers)
-    kw = {"backend": "aot_eager"} if compile else {}
-    step = funcamp.make_train_step(
-        _loss_for(model), opt, POLICY, compile=compile, donate_state=donate, **kw
-    )
+    how = funcamp.Compile(backend="aot_eager") if compile else False
+    step = funcamp.make_train_step(_loss_for(model), opt, POLICY, compile=how, donate_state=donate)
     batches = _batches()
     for batch in batches:
         state, _ = step(state, batch)
@@ -196,22 +194,22 @@ def test_data_parallel_and_sharded_one_rank_match_the_plain_step(single_rank_gro
     batches = _batches()
     opt = funcamp.adamw(LR, weight_decay=WD)
 
-    def run(**kw):
+    def run(parallel=None):
         model = _model()
         params, buffers = funcamp.params_and_buffers(model)
         state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers)
-        if "mesh" in kw:
+        if isinstance(parallel, fd.Sharded):
             state = fd.shard(state, mesh)
         step = funcamp.make_train_step(
-            _loss_for(model), opt, POLICY, compile=False, donate_state=False, **kw
+            _loss_for(model), opt, POLICY, parallel=parallel, compile=False, donate_state=False
         )
         for batch in batches:
             state, _ = step(state, batch)
         return state
 
     plain = run()
-    dp = run(group=single_rank_group)
-    sharded = run(mesh=mesh)
+    dp = run(fd.DataParallel(single_rank_group))
+    sharded = run(fd.Sharded(mesh))
     assert_trees_equal(funcamp.state_dict(plain), funcamp.state_dict(dp))
     assert sorted(sharded.frozen) == FROZEN
     assert not any(hasattr(x, "full_tensor") for x in sharded.frozen.values())  # kept whole
@@ -340,8 +338,8 @@ def test_donated_state_refused_after_40_steps_eager_and_compiled():
         params, buffers = funcamp.params_and_buffers(model)
         opt = funcamp.sgd(1e-3)
         start = funcamp.TrainState.create(params, opt, "float32", buffers=buffers)
-        kw = {"backend": "eager"} if compile else {}
-        step = funcamp.make_train_step(_loss_for(model), opt, "float32", compile=compile, **kw)
+        how = funcamp.Compile(backend="eager") if compile else False
+        step = funcamp.make_train_step(_loss_for(model), opt, "float32", compile=how)
         batch = _batches(1)[0]
         state = start
         seen = [start]
@@ -410,7 +408,9 @@ def test_roformer_keeps_its_frozen_sinusoidal_table():
     def loss_fn(p, b, batch):
         return torch.func.functional_call(model, (p, b), (), batch).loss
 
-    step = funcamp.make_train_step(loss_fn, opt, "mixed_bfloat16", backend="aot_eager")
+    step = funcamp.make_train_step(
+        loss_fn, opt, "mixed_bfloat16", compile=funcamp.Compile(backend="aot_eager")
+    )
     ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         state, _ = step(state, {"input_ids": ids, "labels": ids})

@@ -138,7 +138,7 @@ def test_compiled_step_calls_the_kernel_and_matches_eager(donate_state):
 
     seen: list[str] = []
     compiled, state = model_step(
-        opt(), True, donate_state=donate_state, backend=recording_backend(seen)
+        opt(), funcamp.Compile(backend=recording_backend(seen)), donate_state=donate_state
     )
     eager, state2 = model_step(opt(), False, donate_state=donate_state)
     for batch in batches():

@@ -242,7 +242,12 @@ def test_train_step_compiled_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> No
     loss_fn, opt, scaler, params = _step_setup()
     state = funcamp.TrainState.create(params, opt, "mixed_float16", scaler=scaler)
     step = funcamp.make_train_step(
-        loss_fn, opt, "mixed_float16", headroom=True, backend="aot_eager", donate_state=False
+        loss_fn,
+        opt,
+        "mixed_float16",
+        headroom=True,
+        compile=funcamp.Compile(backend="aot_eager"),
+        donate_state=False,
     )
     batch = _batch()
     state, _ = step(state, batch)  # traced, compiled and validated before the patch

@@ -89,7 +89,11 @@ def test_param_groups_and_unsupported_optimizers():
 
 def test_first_compiled_call_says_it_compiles(caplog):
     step = funcamp.make_train_step(
-        _loss, funcamp.sgd(0.1), "float32", backend="eager", donate_state=False
+        _loss,
+        funcamp.sgd(0.1),
+        "float32",
+        compile=funcamp.Compile(backend="eager"),
+        donate_state=False,
     )
     state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), "float32")
     with caplog.at_level(logging.INFO, logger="funcamp"):

@@ -96,7 +96,9 @@ def test_compiled_step_reads_nothing_back() -> None:
     params, batch, loss_fn, opt = _problem("adamw")
     policy = "mixed_bfloat16"
     state = funcamp.TrainState.create(params, opt, policy, scaler=funcamp.ScalerState.dynamic())
-    step = funcamp.make_train_step(loss_fn, opt, policy, backend="aot_eager", donate_state=False)
+    step = funcamp.make_train_step(
+        loss_fn, opt, policy, compile=funcamp.Compile(backend="aot_eager"), donate_state=False
+    )
     state, _ = step(state, batch)  # compiles (dynamo may read constants while tracing)
     with no_host_reads() as seen:
         for _ in range(2):

@@ -50,7 +50,9 @@ KERNEL_CASES = [(name, True) for name in OPTIMIZERS] + [("adamw", False), ("clip
 def test_compiled_step_calls_the_kernels_and_matches_eager(name, donate_state):
     seen: list[str] = []
     compiled, state = model_step(
-        OPTIMIZERS[name](), True, donate_state=donate_state, backend=recording_backend(seen)
+        OPTIMIZERS[name](),
+        funcamp.Compile(backend=recording_backend(seen)),
+        donate_state=donate_state,
     )
     got, got_metrics = _run(compiled, state)
     eager, state = model_step(OPTIMIZERS[name](), False, donate_state=donate_state)

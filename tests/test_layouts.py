@@ -13,6 +13,7 @@ import torch
 from tiny_step import cnn_step
 from torch import nn
 
+import funcamp
 from funcamp.compiler.layouts import ChannelsLastConvBackward, channels_last_strides
 from funcamp.testing import assert_trees_equal
 
@@ -121,8 +122,10 @@ def test_a_cnn_step_keeps_its_bits():
     compiler patches off: the same params, state and metrics bit for bit, and the pass did move
     activations (which is what makes the generated code transpose less: docs/benchmarks.md)."""
     recording = Recording()
-    with_pass, metrics = _cnn_step(options={"post_grad_custom_post_pass": recording})
-    without, metrics_without = _cnn_step(compiler_patches=False)
+    with_pass, metrics = _cnn_step(
+        compile=funcamp.Compile(options={"post_grad_custom_post_pass": recording})
+    )
+    without, metrics_without = _cnn_step(compile=funcamp.Compile(compiler_patches=False))
     assert_trees_equal(with_pass.params, without.params)
     assert_trees_equal(with_pass.opt_state, without.opt_state)
     assert_trees_equal(metrics, metrics_without)

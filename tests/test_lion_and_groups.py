@@ -169,8 +169,8 @@ def trained():
     for name, (opt, policy) in OPTIMIZERS.items():
         states = []
         for compile in (False, True) if name == "groups" else (False,):
-            kw = {"backend": "eager"} if compile else {}
-            step = funcamp.make_train_step(loss_fn, opt, policy, compile=compile, **kw)
+            how = funcamp.Compile(backend="eager") if compile else False
+            step = funcamp.make_train_step(loss_fn, opt, policy, compile=how)
             state = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
             for batch in _batches(4):
                 state, _ = step(state, batch)

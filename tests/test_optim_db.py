@@ -548,7 +548,12 @@ def test_amsgrad_state_is_sharded_like_the_moments(single_rank_group):
     assert {k: v.placements for k, v in ms.items()} == {k: v.placements for k, v in m.items()}
     plain = funcamp.make_train_step(loss_fn, opt, "float32", compile=False, donate_state=False)
     on_mesh = funcamp.make_train_step(
-        loss_fn, opt, "float32", compile=False, mesh=mesh, donate_state=False
+        loss_fn,
+        opt,
+        "float32",
+        compile=False,
+        parallel=funcamp.distributed.Sharded(mesh),
+        donate_state=False,
     )
     for batch in batches():
         state, ma = plain(state, batch)

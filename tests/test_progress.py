@@ -98,7 +98,9 @@ def test_a_script_that_configures_nothing_sees_the_line_once(tmp_path):
         def loss_fn(params, buffers, batch):
             return ((params["w"] * batch) ** 2).sum()
         opt = funcamp.sgd(0.1)
-        step = funcamp.make_train_step(loss_fn, opt, "float32", backend="eager", donate_state=False)
+        step = funcamp.make_train_step(
+            loss_fn, opt, "float32", compile=funcamp.Compile(backend="eager"), donate_state=False
+        )
         state = funcamp.TrainState.create({"w": torch.ones(2)}, opt, "float32")
         for _ in range(3):
             state, _ = step(state, torch.ones(2))

@@ -246,13 +246,13 @@ def test_eager_step_bit_identical_without_checkpointing(way):
 
 @pytest.fixture(scope="module")
 def compiled_plain():
-    return _run_step("plain", backend="aot_eager")
+    return _run_step("plain", compile=funcamp.Compile(backend="aot_eager"))
 
 
 @pytest.mark.parametrize("way", ["checkpoint", "remat_matmuls"])
 def test_compiled_step_with_checkpointing_tracks_the_eager_step(way, compiled_plain):
     eager_losses, eager_state = _run_step(way, compile=False)
-    losses, state = _run_step(way, backend="aot_eager")
+    losses, state = _run_step(way, compile=funcamp.Compile(backend="aot_eager"))
     torch.testing.assert_close(losses, eager_losses, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(losses, compiled_plain[0], rtol=1e-4, atol=1e-6)
     for a, b in zip(_leaves(state.params), _leaves(eager_state.params)):
@@ -307,7 +307,7 @@ def test_gradient_checkpointing_enable_eager_step_bit_identical(trainable):
 
 def test_gradient_checkpointing_enable_compiled_step_tracks_eager():
     eager, _ = _hf_run(True, compile=False)
-    compiled, _ = _hf_run(True, backend="aot_eager")
+    compiled, _ = _hf_run(True, compile=funcamp.Compile(backend="aot_eager"))
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
 
 
@@ -323,7 +323,7 @@ def test_reentrant_checkpointing_in_a_compiled_step_is_refused_or_right():
     2.14 does for this model): then the step must train as the non-reentrant one does; where it
     cannot (torch 2.13), the same clear error as eager."""
     try:
-        losses, _ = _hf_run("reentrant", steps=2, backend="aot_eager")
+        losses, _ = _hf_run("reentrant", steps=2, compile=funcamp.Compile(backend="aot_eager"))
     except ValueError as e:
         assert "use_reentrant=False" in str(e)
         return

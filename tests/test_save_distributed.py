@@ -67,7 +67,12 @@ def _worker(rank: int, ckpt: str, out_dir: str, phase: str) -> None:
     ranks.init_rank(rank, WORLD, out_dir, TIMEOUT_S, tag=phase)
     pg = dist.group.WORLD
     step = funcamp.make_train_step(
-        _loss_fn, _opt(), POLICY, group=pg, compile=False, donate_state=False
+        _loss_fn,
+        _opt(),
+        POLICY,
+        parallel=funcamp.distributed.DataParallel(pg),
+        compile=False,
+        donate_state=False,
     )
     res: dict = {}
     if phase == "train":

@@ -1,4 +1,5 @@
-"""make_train_step(..., mesh=, donate_state=False): sharded params and optimizer state on gloo processes (CPU).
+"""make_train_step(..., parallel=Sharded(mesh), donate_state=False): sharded params and
+optimizer state on gloo processes (CPU).
 
 One spawned run per world size (2, then 4: the 4-rank run loads the 2-rank run's checkpoint);
 the workers go through every scenario and save what they saw, and the tests compare it with a
@@ -141,7 +142,14 @@ def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
         clock[0] = now
 
     def sharded(opt, **kw):
-        return funcamp.make_train_step(_loss_fn, opt, POLICY, mesh=mesh, donate_state=False, **kw)
+        return funcamp.make_train_step(
+            _loss_fn,
+            opt,
+            POLICY,
+            parallel=funcamp.distributed.Sharded(mesh),
+            donate_state=False,
+            **kw,
+        )
 
     state = fd.shard(_init(_adamw()), mesh)
     res["placements"] = {k: str(v.placements) for k, v in state.params.items()}
@@ -170,7 +178,9 @@ def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
     if world == 2:  # compiled (aot_eager, counting graphs and collectives); 2 ranks only
         counts: list[dict] = []
         res["graphs"] = counts
-        step = sharded(_adamw(), backend=ranks.counting_backend(_collectives, counts))
+        step = sharded(
+            _adamw(), compile=funcamp.Compile(backend=ranks.counting_backend(_collectives, counts))
+        )
         kstate, res["compiled_metrics"] = _train(
             step, fd.shard(_init(_adamw()), mesh), batches[:COMPILED_STEPS], rank, world
         )
@@ -179,7 +189,12 @@ def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
     if world == 2:
         # The same ranks, data parallel (group=): the same reductions, so the same bits.
         dp = funcamp.make_train_step(
-            _loss_fn, _adamw(), POLICY, group=dist.group.WORLD, compile=False, donate_state=False
+            _loss_fn,
+            _adamw(),
+            POLICY,
+            parallel=funcamp.distributed.DataParallel(dist.group.WORLD),
+            compile=False,
+            donate_state=False,
         )
         dstate, _ = _train(dp, _init(_adamw()), batches, rank, world)
         res["dp"] = funcamp.state_dict(dstate)
@@ -379,7 +394,12 @@ def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh, make, policy):
 
     plain = funcamp.make_train_step(_loss_fn, make(), policy, compile=False, donate_state=False)
     sharded = funcamp.make_train_step(
-        _loss_fn, make(), policy, compile=False, mesh=mesh, donate_state=False
+        _loss_fn,
+        make(),
+        policy,
+        compile=False,
+        parallel=funcamp.distributed.Sharded(mesh),
+        donate_state=False,
     )
     a, _ = _train(plain, init(), _batches(8))
     b, mb = _train(sharded, fd.shard(init(), mesh), _batches(8))
@@ -391,7 +411,13 @@ def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh, make, policy):
     if policy == POLICY:
         assert [bool(m["found_inf"]) for m in mb] == [i == BAD_STEP for i in range(8)]
     quiet = funcamp.make_train_step(
-        _loss_fn, make(), policy, compile=False, mesh=mesh, grad_norm=False, donate_state=False
+        _loss_fn,
+        make(),
+        policy,
+        compile=False,
+        parallel=funcamp.distributed.Sharded(mesh),
+        grad_norm=False,
+        donate_state=False,
     )
     _, mq = quiet(fd.shard(init(), mesh), _batches(1)[0])
     assert "grad_norm" not in mq and torch.equal(mq["loss"], mb[0]["loss"])
@@ -418,25 +444,45 @@ def test_shard_checks_its_arguments(mesh):
 def test_sharded_step_checks_its_arguments(mesh):
     from torch.distributed.device_mesh import init_device_mesh
 
+    # the old spelling's two keywords (refused before it would warn)
     with pytest.raises(ValueError, match=r"give one of `group` and `mesh`"):
         funcamp.make_train_step(
             _loss_fn, _adamw(), POLICY, mesh=mesh, group=dist.group.WORLD, donate_state=False
         )
     with pytest.raises(ValueError, match=r"make_train_step: `mesh` must be a 1-D DeviceMesh"):
         funcamp.make_train_step(
-            _loss_fn, _adamw(), POLICY, mesh=init_device_mesh("cpu", (1, 1)), donate_state=False
+            _loss_fn,
+            _adamw(),
+            POLICY,
+            parallel=funcamp.distributed.Sharded(init_device_mesh("cpu", (1, 1))),
+            donate_state=False,
         )
     # what does not compose is refused in one place, with the reason
     with pytest.raises(ValueError, match=r"headroom does not compose with mesh= .*its shards"):
         funcamp.make_train_step(
-            _loss_fn, _adamw(), POLICY, mesh=mesh, headroom=True, donate_state=False
+            _loss_fn,
+            _adamw(),
+            POLICY,
+            parallel=funcamp.distributed.Sharded(mesh),
+            headroom=True,
+            donate_state=False,
         )
     with pytest.raises(ValueError, match=r"cache_dir does not compose with mesh= .*collectives"):
         funcamp.make_train_step(
-            _loss_fn, _adamw(), POLICY, mesh=mesh, cache_dir="c", donate_state=False
+            _loss_fn,
+            _adamw(),
+            POLICY,
+            parallel=funcamp.distributed.Sharded(mesh),
+            compile=funcamp.Compile(cache_dir="c"),
+            donate_state=False,
         )
     step = funcamp.make_train_step(
-        _loss_fn, _adamw(), POLICY, mesh=mesh, compile=False, donate_state=False
+        _loss_fn,
+        _adamw(),
+        POLICY,
+        parallel=funcamp.distributed.Sharded(mesh),
+        compile=False,
+        donate_state=False,
     )
     with pytest.raises(TypeError, match=r"`state.params` leaf \['b1'\] must be a DTensor"):
         step(_init(_adamw()), _batches(1)[0])
@@ -458,10 +504,22 @@ def test_sharded_step_checks_its_arguments(mesh):
 def test_donated_sharded_step_writes_the_shards_in_place(mesh, backend):
     """donate_state with `mesh`: the same bits as the pure sharded step, the new params and
     optimizer state in the input state's own local shards (as the plain donated step)."""
-    kw = {"compile": False} if backend is None else {"backend": backend}
-    pure = funcamp.make_train_step(_loss_fn, _adamw(), POLICY, mesh=mesh, donate_state=False, **kw)
+    kw = {"compile": False} if backend is None else {"compile": funcamp.Compile(backend=backend)}
+    pure = funcamp.make_train_step(
+        _loss_fn,
+        _adamw(),
+        POLICY,
+        parallel=funcamp.distributed.Sharded(mesh),
+        donate_state=False,
+        **kw,
+    )
     donated = funcamp.make_train_step(
-        _loss_fn, _adamw(), POLICY, mesh=mesh, donate_state=True, **kw
+        _loss_fn,
+        _adamw(),
+        POLICY,
+        parallel=funcamp.distributed.Sharded(mesh),
+        donate_state=True,
+        **kw,
     )
     a, b = fd.shard(_init(_adamw()), mesh), fd.shard(_init(_adamw()), mesh)
     for batch in _batches(6):
@@ -501,7 +559,12 @@ def test_delayed_fp8_sharded_step_is_the_plain_step_on_one_rank(mesh):
     ]
     plain = funcamp.make_train_step(loss, _adamw(), policy, compile=False, donate_state=False)
     sharded = funcamp.make_train_step(
-        loss, _adamw(), policy, compile=False, mesh=mesh, donate_state=False
+        loss,
+        _adamw(),
+        policy,
+        compile=False,
+        parallel=funcamp.distributed.Sharded(mesh),
+        donate_state=False,
     )
     a, b = init(), fd.shard(init(), mesh)
     for batch in batches:

@@ -40,7 +40,10 @@ def _index_quick_start() -> str:
 # so a graph break still fails) with the "eager" backend, skipping inductor's code generation
 # (most of a compile's time) to keep the suite fast.
 _FAST_COMPILE = {
-    "make_train_step(loss_fn, opt, policy, donate_state=False)": 'make_train_step(loss_fn, opt, policy, backend="eager", donate_state=False)'
+    "make_train_step(loss_fn, opt, policy, donate_state=False)": (
+        'make_train_step(loss_fn, opt, policy, compile=funcamp.Compile(backend="eager"), '
+        "donate_state=False)"
+    )
 }
 
 

@@ -68,10 +68,14 @@ def _set_weight(v):
 CHANGES = [lambda: None, _set_scale(10.0), _set_weight(3.0)]
 
 
-def _make(**kw):
+def _make(**compile_options):
     opt = funcamp.sgd(0.0)  # lr 0: the params never move, so only the factors change the loss
     return funcamp.make_train_step(
-        _loss_fn, opt, "float32", donate_state=False, backend="aot_eager", **kw
+        _loss_fn,
+        opt,
+        "float32",
+        donate_state=False,
+        compile=funcamp.Compile(backend="aot_eager", **compile_options),
     )
 
 
@@ -100,7 +104,11 @@ def test_a_changed_closure_cell_recompiles():
 
     loss = make_loss(weight)
     step = funcamp.make_train_step(
-        loss, funcamp.sgd(0.0), "float32", donate_state=False, backend="aot_eager"
+        loss,
+        funcamp.sgd(0.0),
+        "float32",
+        donate_state=False,
+        compile=funcamp.Compile(backend="aot_eager"),
     )
     params, buffers = funcamp.params_and_buffers(MODEL)
     state = funcamp.TrainState.create(params, funcamp.sgd(0.0), "float32", buffers=buffers)
@@ -116,8 +124,10 @@ def test_the_eval_step_too(restore):
 
     params, buffers = funcamp.params_and_buffers(MODEL)
     state = funcamp.TrainState.create(params, funcamp.sgd(0.0), "float32", buffers=buffers)
-    follows = funcamp.make_eval_step(fn, "float32", backend="aot_eager")
-    fixed = funcamp.make_eval_step(fn, "float32", backend="aot_eager", specialize=True)
+    follows = funcamp.make_eval_step(fn, "float32", compile=funcamp.Compile(backend="aot_eager"))
+    fixed = funcamp.make_eval_step(
+        fn, "float32", compile=funcamp.Compile(backend="aot_eager", specialize=True)
+    )
     a, fa = float(follows(state, BATCH)), float(fixed(state, BATCH))
     _set_scale(4.0)()
     assert float(follows(state, BATCH)) == pytest.approx(4 * a, rel=1e-6)
@@ -126,14 +136,21 @@ def test_the_eval_step_too(restore):
 
 def test_specialize_is_checked():
     opt = funcamp.sgd(0.1)
-    with pytest.raises(ValueError, match=r"specialize=True .* compile=False builds an eager step"):
+    # only the old spelling can ask for both (its translation refuses them)
+    with (
+        pytest.raises(ValueError, match=r"specialize=True .* compile=False builds an eager step"),
+        pytest.warns(FutureWarning),
+    ):
         funcamp.make_train_step(_loss_fn, opt, "float32", compile=False, specialize=True)
     with pytest.raises(ValueError, match=r"give `specialize=True` or a `guard_filter_fn`"):
         funcamp.make_train_step(
-            _loss_fn, opt, "float32", specialize=True, guard_filter_fn=lambda g: g
+            _loss_fn,
+            opt,
+            "float32",
+            compile=funcamp.Compile(specialize=True, guard_filter_fn=lambda g: g),
         )
     with pytest.raises(TypeError, match=r"`specialize` must be a bool"):
-        funcamp.make_train_step(_loss_fn, opt, "float32", specialize="yes")
+        funcamp.make_train_step(_loss_fn, opt, "float32", compile=funcamp.Compile(specialize="yes"))
 
 
 @pytest.mark.skipif(cache_support() is not None, reason=f"no AOT precompile: {cache_support()}")

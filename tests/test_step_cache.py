@@ -1,5 +1,6 @@
-"""make_train_step(..., cache_dir=..., donate_state=False): a compiled step saved to disk and loaded by a later
-process without dynamo's trace -- and never loaded where it no longer fits."""
+"""make_train_step(..., compile=Compile(cache_dir=...), donate_state=False): a compiled step saved
+to disk and loaded by a later process without dynamo's trace -- and never loaded where it no
+longer fits."""
 
 import importlib
 import logging
@@ -37,14 +38,13 @@ def _train(step, model, batch=None, n=3, opt=None):
     return state, metrics
 
 
-def _step(model, cache_dir, loss_fn=None, **kw):
-    kw.setdefault("backend", "aot_eager")
+def _step(model, cache_dir, loss_fn=None, backend="aot_eager", **kw):
     opt = kw.pop("optimizer", None) or funcamp.adam(1e-3)
     return funcamp.make_train_step(
         loss_fn or cm.make_loss(model),
         opt,
         POLICY,
-        cache_dir=cache_dir,
+        compile=funcamp.Compile(cache_dir=cache_dir, backend=backend),
         **{"donate_state": False, **kw},
     )
 
@@ -274,37 +274,58 @@ def test_bad_cache_dir(tmp_path, single_rank_group):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(ValueError, match="`cache_dir` must be a directory"):
-        funcamp.make_train_step(loss, opt, POLICY, cache_dir=str(a_file), donate_state=False)
+        funcamp.make_train_step(
+            loss, opt, POLICY, compile=funcamp.Compile(cache_dir=str(a_file)), donate_state=False
+        )
     with pytest.raises(TypeError, match="`cache_dir` must be a directory path"):
-        funcamp.make_train_step(loss, opt, POLICY, cache_dir=3, donate_state=False)
-    with pytest.raises(ValueError, match="compile=False"):
+        funcamp.make_train_step(
+            loss, opt, POLICY, compile=funcamp.Compile(cache_dir=3), donate_state=False
+        )
+    # only the old spelling can ask for both (its translation refuses them)
+    with pytest.raises(ValueError, match="compile=False"), pytest.warns(FutureWarning):
         funcamp.make_train_step(
             loss, opt, POLICY, cache_dir=tmp_path, compile=False, donate_state=False
         )
     with pytest.raises(ValueError, match="fullgraph=False"):
         funcamp.make_train_step(
-            loss, opt, POLICY, cache_dir=tmp_path, fullgraph=False, donate_state=False
-        )
-    with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
-        funcamp.make_train_step(
-            loss, opt, POLICY, cache_dir=tmp_path, guard_filter_fn=lambda e: e, donate_state=False
+            loss,
+            opt,
+            POLICY,
+            compile=funcamp.Compile(cache_dir=tmp_path, fullgraph=False),
+            donate_state=False,
         )
     with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
         funcamp.make_train_step(
             loss,
             opt,
             POLICY,
-            cache_dir=tmp_path,
-            options={"guard_filter_fn": lambda e: e},
+            compile=funcamp.Compile(cache_dir=tmp_path, guard_filter_fn=lambda e: e),
+            donate_state=False,
+        )
+    with pytest.raises(ValueError, match="`cache_dir` and `guard_filter_fn`"):
+        funcamp.make_train_step(
+            loss,
+            opt,
+            POLICY,
+            compile=funcamp.Compile(cache_dir=tmp_path, options={"guard_filter_fn": lambda e: e}),
             donate_state=False,
         )
     with pytest.raises(ValueError, match="backend by name"):
         funcamp.make_train_step(
-            loss, opt, POLICY, cache_dir=tmp_path, backend=lambda gm, x: gm, donate_state=False
+            loss,
+            opt,
+            POLICY,
+            compile=funcamp.Compile(cache_dir=tmp_path, backend=lambda gm, x: gm),
+            donate_state=False,
         )
     with pytest.raises(ValueError, match=r"cache_dir does not compose with group= .*collectives"):
         funcamp.make_train_step(
-            loss, opt, POLICY, cache_dir=tmp_path, group=single_rank_group, donate_state=False
+            loss,
+            opt,
+            POLICY,
+            parallel=funcamp.distributed.DataParallel(single_rank_group),
+            compile=funcamp.Compile(cache_dir=tmp_path),
+            donate_state=False,
         )
 
 
@@ -402,7 +423,11 @@ def test_tensors_passed_twice_are_part_of_the_key(tmp_path):
 
     opt = funcamp.adam(1e-2)
     step = funcamp.make_train_step(
-        loss_fn, opt, POLICY, cache_dir=cache, backend="aot_eager", donate_state=False
+        loss_fn,
+        opt,
+        POLICY,
+        compile=funcamp.Compile(cache_dir=cache, backend="aot_eager"),
+        donate_state=False,
     )
     eager = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False, donate_state=False)
     for params in ({"a": w, "b": w}, {"a": w.clone(), "b": w.clone()}):
@@ -426,7 +451,11 @@ def test_object_leaves_run_uncached(tmp_path, caplog):
 
     opt = funcamp.sgd(0.1)
     step = funcamp.make_train_step(
-        loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
+        loss_fn,
+        opt,
+        POLICY,
+        compile=funcamp.Compile(cache_dir=tmp_path, backend="aot_eager"),
+        donate_state=False,
     )
     eager = funcamp.make_train_step(loss_fn, opt, POLICY, compile=False, donate_state=False)
     s1 = s2 = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
@@ -453,8 +482,7 @@ def test_code_without_a_source_file_is_not_saved(tmp_path, caplog):
         namespace["loss_fn"],
         opt,
         POLICY,
-        cache_dir=tmp_path,
-        backend="aot_eager",
+        compile=funcamp.Compile(cache_dir=tmp_path, backend="aot_eager"),
         donate_state=False,
     )
     state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
@@ -497,7 +525,11 @@ def test_a_hugging_face_model_is_saved_and_loaded(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="funcamp"):
         for _ in range(2):  # a new step: the first saves, the second loads
             step = funcamp.make_train_step(
-                loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
+                loss_fn,
+                opt,
+                POLICY,
+                compile=funcamp.Compile(cache_dir=tmp_path, backend="aot_eager"),
+                donate_state=False,
             )
             state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers)
             for _ in range(2):
@@ -525,7 +557,11 @@ def test_a_value_assumed_constant_is_not_saved(tmp_path, caplog):
     opt = funcamp.sgd(0.1)
     cache = tmp_path / "steps"  # not there yet: the note makes it
     step = funcamp.make_train_step(
-        loss_fn, opt, POLICY, cache_dir=cache, backend="aot_eager", donate_state=False
+        loss_fn,
+        opt,
+        POLICY,
+        compile=funcamp.Compile(cache_dir=cache, backend="aot_eager"),
+        donate_state=False,
     )
     state = funcamp.TrainState.create({"w": torch.zeros(16, 4)}, opt, POLICY)
     with caplog.at_level(logging.INFO, logger="funcamp"):
@@ -538,7 +574,11 @@ def test_a_value_assumed_constant_is_not_saved(tmp_path, caplog):
     # precompile (which misses torch's compile caches) only to fail to save again.
     caplog.clear()
     again = funcamp.make_train_step(
-        loss_fn, opt, POLICY, cache_dir=cache, backend="aot_eager", donate_state=False
+        loss_fn,
+        opt,
+        POLICY,
+        compile=funcamp.Compile(cache_dir=cache, backend="aot_eager"),
+        donate_state=False,
     )
     with caplog.at_level(logging.INFO, logger="funcamp"):
         second, _ = again(state, cm.make_batch())
@@ -558,7 +598,11 @@ def test_a_note_that_a_step_cannot_be_saved_is_respected_until_deleted(tmp_path,
 
     def run():
         step = funcamp.make_train_step(
-            loss_fn, opt, POLICY, cache_dir=tmp_path, backend="aot_eager", donate_state=False
+            loss_fn,
+            opt,
+            POLICY,
+            compile=funcamp.Compile(cache_dir=tmp_path, backend="aot_eager"),
+            donate_state=False,
         )
         return step(state, cm.make_batch())
 

@@ -81,7 +81,9 @@ def _assert_equal(a, b):
 @pytest.fixture(scope="module")
 def compiled_step():
     """A step compiled with aot_eager (tracing is what these tests check), shared."""
-    return funcamp.make_train_step(loss_fn, OPT, POLICY, backend="aot_eager", donate_state=False)
+    return funcamp.make_train_step(
+        loss_fn, OPT, POLICY, compile=funcamp.Compile(backend="aot_eager"), donate_state=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +184,7 @@ def test_steps_do_not_share_graphs(compiled_step):
         lambda p, b, batch: 2.0 * loss_fn(p, b, batch),
         OPT,
         POLICY,
-        backend="aot_eager",
+        compile=funcamp.Compile(backend="aot_eager"),
         donate_state=False,
     )
     batch = _batches(1)[0]
@@ -305,7 +307,7 @@ def test_batchnorm_buffers_match_torch(returns_buffers):
         torch_opt.zero_grad()
         nn.functional.mse_loss(ref(x), y).backward()
         torch_opt.step()
-    for kw in ({"compile": False}, {"backend": "aot_eager"}):
+    for kw in ({"compile": False}, {"compile": funcamp.Compile(backend="aot_eager")}):
         step = funcamp.make_train_step(
             bn_loss, opt, "float32", returns_buffers=returns_buffers, donate_state=False, **kw
         )
@@ -340,7 +342,9 @@ def test_has_aux():
 def _eager_and_compiled(fn, **kw):
     return [
         funcamp.make_train_step(fn, OPT, POLICY, compile=False, donate_state=False, **kw),
-        funcamp.make_train_step(fn, OPT, POLICY, backend="aot_eager", donate_state=False, **kw),
+        funcamp.make_train_step(
+            fn, OPT, POLICY, compile=funcamp.Compile(backend="aot_eager"), donate_state=False, **kw
+        ),
     ]
 
 
@@ -398,13 +402,20 @@ def test_argument_errors():
         funcamp.make_train_step(loss_fn, torch.optim.SGD, POLICY, donate_state=False)
     with pytest.raises(TypeError, match="`has_aux` must be a bool"):
         funcamp.make_train_step(loss_fn, OPT, POLICY, has_aux=1, donate_state=False)
-    with pytest.raises(TypeError, match="compile options"):
+    # only the old spelling can ask for both (its translation refuses them)
+    with pytest.raises(TypeError, match="compile options"), pytest.warns(FutureWarning):
         funcamp.make_train_step(
             loss_fn, OPT, POLICY, compile=False, mode="max-autotune", donate_state=False
         )
     if not torch.distributed.is_initialized():  # group= is tested in test_distributed.py
         with pytest.raises(RuntimeError, match=r"`group` needs torch\.distributed initialized"):
-            funcamp.make_train_step(loss_fn, OPT, POLICY, group=object(), donate_state=False)
+            funcamp.make_train_step(
+                loss_fn,
+                OPT,
+                POLICY,
+                parallel=funcamp.distributed.DataParallel(object()),
+                donate_state=False,
+            )
     step = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, donate_state=False)
     with pytest.raises(TypeError, match=r"`state` must be a funcamp.TrainState"):
         step(tuple(_state()), _batches(1)[0])
@@ -423,7 +434,7 @@ def _own(state: funcamp.TrainState) -> funcamp.TrainState:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
 def test_donated_step_matches_and_reuses_the_input_tensors(backend, inductor_step):
-    kw = {"compile": False} if backend is None else {"backend": backend}
+    kw = {"compile": False} if backend is None else {"compile": funcamp.Compile(backend=backend)}
     policy = POLICY
     if backend == "inductor":  # against the module's float32 inductor step: one compile less
         policy, plain = "float32", inductor_step
@@ -460,10 +471,10 @@ def test_donated_step_writes_batchnorm_buffers_in_place():
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(16, 5, generator=g), torch.randn(16, 2, generator=g)) for _ in range(4)]
     plain = funcamp.make_train_step(
-        bn_loss, opt, "float32", backend="aot_eager", donate_state=False
+        bn_loss, opt, "float32", compile=funcamp.Compile(backend="aot_eager"), donate_state=False
     )
     donated = funcamp.make_train_step(
-        bn_loss, opt, "float32", backend="aot_eager", donate_state=True
+        bn_loss, opt, "float32", compile=funcamp.Compile(backend="aot_eager"), donate_state=True
     )
     s_p = funcamp.TrainState.create(params, opt, "float32", buffers=buffers)
     s_d = _own(s_p)
@@ -506,7 +517,9 @@ def test_a_failed_trace_leaves_a_donated_state_as_it_was():
     state = funcamp.TrainState.create({"w": torch.randn(3, 2)}, opt, "float32")
     before = [x.clone() for x in _leaves(state)]
     w = state.params["w"].clone()
-    step = funcamp.make_train_step(_graph_breaking_loss, opt, "float32", backend="eager")
+    step = funcamp.make_train_step(
+        _graph_breaking_loss, opt, "float32", compile=funcamp.Compile(backend="eager")
+    )
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError, match="cannot be compiled as one graph"):
         step(state, batch)
@@ -526,7 +539,11 @@ def test_graph_break_in_loss_fn_is_one_paragraph_naming_the_call_and_the_ways_ou
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create({"w": torch.randn(3, 2)}, opt, "float32")
     step = funcamp.make_train_step(
-        _graph_breaking_loss, opt, "float32", backend="eager", donate_state=False
+        _graph_breaking_loss,
+        opt,
+        "float32",
+        compile=funcamp.Compile(backend="eager"),
+        donate_state=False,
     )
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError) as info:
@@ -604,7 +621,9 @@ def test_every_compile_failure_is_one_paragraph(loss, backend, cause, what, wher
     params = params or {"w": torch.randn(3, 2)}
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create(params, opt, "float32")
-    step = funcamp.make_train_step(loss, opt, "float32", backend=backend, donate_state=False)
+    step = funcamp.make_train_step(
+        loss, opt, "float32", compile=funcamp.Compile(backend=backend), donate_state=False
+    )
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError) as info:
         step(state, batch)
@@ -682,7 +701,11 @@ def test_a_model_torch_func_refuses_trains_compiled_in_one_graph(loss, caplog):
     eager = funcamp.make_train_step(loss, opt, "mixed_bfloat16", compile=False, donate_state=False)
     counters.clear()
     compiled = funcamp.make_train_step(
-        loss, opt, "mixed_bfloat16", backend="aot_eager", donate_state=False
+        loss,
+        opt,
+        "mixed_bfloat16",
+        compile=funcamp.Compile(backend="aot_eager"),
+        donate_state=False,
     )
     a = b = funcamp.TrainState.create(params, opt, "mixed_bfloat16")
     with caplog.at_level("INFO", logger="funcamp"):
@@ -725,8 +748,7 @@ def test_fullgraph_false_compiles_a_breaking_loss_fn_in_pieces_equal_to_eager():
         _mlp_loss_with_break,
         opt,
         "mixed_bfloat16",
-        fullgraph=False,
-        backend="aot_eager",
+        compile=funcamp.Compile(fullgraph=False, backend="aot_eager"),
         donate_state=False,
     )
     counters.clear()
@@ -744,7 +766,11 @@ def test_shape_error_in_compiled_step_is_the_plain_torch_error(capfd):
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create({"w": torch.randn(3, 2)}, opt, "float32")
     step = funcamp.make_train_step(
-        _shape_bug_loss, opt, "float32", backend="eager", donate_state=False
+        _shape_bug_loss,
+        opt,
+        "float32",
+        compile=funcamp.Compile(backend="eager"),
+        donate_state=False,
     )
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError, match=r"^mat1 and mat2 shapes cannot be multiplied"):
@@ -764,7 +790,7 @@ def test_grad_norm_false_leaves_the_metric_out_and_changes_nothing_else(compile:
         return torch.nn.functional.mse_loss(b[0] @ p["w"] + p["b"], b[1])
 
     opt = funcamp.chain(funcamp.clip_by_global_norm(0.5), funcamp.adamw(1e-2))
-    kw = {"backend": "aot_eager"} if compile else {"compile": False}
+    kw = {"compile": funcamp.Compile(backend="aot_eager")} if compile else {"compile": False}
     state = funcamp.TrainState.create(params, opt, "mixed_bfloat16")
     with_norm = funcamp.make_train_step(loss_fn, opt, "mixed_bfloat16", donate_state=False, **kw)
     without = funcamp.make_train_step(
@@ -892,7 +918,7 @@ def test_metrics_report_the_learning_rate_each_step_applied(compile):
     opt = funcamp.chain(funcamp.clip_by_global_norm(5.0), funcamp.adam(schedule))
     params, buffers = funcamp.params_and_buffers(MODEL)
     state = funcamp.TrainState.create(params, opt, POLICY, buffers=buffers)
-    kw = {"backend": "aot_eager"} if compile else {"compile": False}
+    kw = {"compile": funcamp.Compile(backend="aot_eager")} if compile else {"compile": False}
     step = funcamp.make_train_step(loss_fn, opt, POLICY, donate_state=False, **kw)
     lrs, applied = [], 0
     for batch in _batches(6, bad_every=3):
@@ -974,7 +1000,9 @@ def test_a_model_that_sets_itself_up_on_its_first_call_compiles_after_it():
     state = funcamp.TrainState.create(params, opt, "float32")
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     counters.clear()
-    step = funcamp.make_train_step(loss, opt, "float32", backend="aot_eager")
+    step = funcamp.make_train_step(
+        loss, opt, "float32", compile=funcamp.Compile(backend="aot_eager")
+    )
     new, metrics = step(state, batch)  # traced again after the eager run set the model up
     assert model.ready and counters["stats"]["unique_graphs"] == 1
     assert torch.isfinite(metrics["loss"])

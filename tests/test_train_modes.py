@@ -87,7 +87,7 @@ def test_compiled_step_follows_the_mode_bit_for_bit(modes):
     loss_fn = _loss(model)
     eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
     compiled = funcamp.make_train_step(
-        loss_fn, OPT, "float32", backend="aot_eager", donate_state=False
+        loss_fn, OPT, "float32", compile=funcamp.Compile(backend="aot_eager"), donate_state=False
     )
     want_states, want = _run(model, eager, _state(model), modes)
     counters.clear()
@@ -139,7 +139,11 @@ def test_step_on_disk_follows_the_mode(tmp_path, caplog):
 
     def cached():
         return funcamp.make_train_step(
-            loss_fn, OPT, "float32", backend="aot_eager", cache_dir=tmp_path, donate_state=False
+            loss_fn,
+            OPT,
+            "float32",
+            compile=funcamp.Compile(backend="aot_eager", cache_dir=tmp_path),
+            donate_state=False,
         )
 
     got_states, got = _run(model, cached(), _state(model), TRAIN_EVAL)
@@ -162,7 +166,12 @@ def test_data_parallel_step_follows_the_mode(single_rank_group):
     loss_fn = _loss(model)
     eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
     step = funcamp.make_train_step(
-        loss_fn, OPT, "float32", group=single_rank_group, backend="aot_eager", donate_state=False
+        loss_fn,
+        OPT,
+        "float32",
+        parallel=funcamp.distributed.DataParallel(single_rank_group),
+        compile=funcamp.Compile(backend="aot_eager"),
+        donate_state=False,
     )
     want_states, want = _run(model, eager, _state(model), EVAL_TRAIN)
     got_states, got = _run(model, step, _state(model), EVAL_TRAIN)
@@ -179,7 +188,12 @@ def test_sharded_step_follows_the_mode(single_rank_group):
     loss_fn = _loss(model)
     eager = funcamp.make_train_step(loss_fn, OPT, "float32", compile=False, donate_state=False)
     step = funcamp.make_train_step(
-        loss_fn, OPT, "float32", mesh=mesh, backend="aot_eager", donate_state=False
+        loss_fn,
+        OPT,
+        "float32",
+        parallel=funcamp.distributed.Sharded(mesh),
+        compile=funcamp.Compile(backend="aot_eager"),
+        donate_state=False,
     )
     _, want = _run(model, eager, _state(model), TRAIN_EVAL)
     _, got = _run(model, step, fd.shard(_state(model), mesh), TRAIN_EVAL)
@@ -200,7 +214,9 @@ def test_eval_step_follows_the_mode_and_changes_nothing(backend):
     def logits(params, buffers, batch):
         return functional_call(model, (params, buffers), (batch[0],))
 
-    compiled = funcamp.make_eval_step(logits, "mixed_bfloat16", backend=backend)
+    compiled = funcamp.make_eval_step(
+        logits, "mixed_bfloat16", compile=funcamp.Compile(backend=backend)
+    )
     eager = funcamp.make_eval_step(logits, "mixed_bfloat16", compile=False)
     x = _batch(0)
     before = {k: v.clone() for k, v in state.buffers.items()}

@@ -292,7 +292,9 @@ def test_a_fresh_mixtral_trains_compiled_from_its_first_call() -> None:
     state = funcamp.TrainState.create(params, opt, "mixed_bfloat16", buffers=buffers)
     torch._dynamo.reset()
     counters.clear()
-    step = funcamp.make_train_step(_loss_fn(model), opt, "mixed_bfloat16", backend="aot_eager")
+    step = funcamp.make_train_step(
+        _loss_fn(model), opt, "mixed_bfloat16", compile=funcamp.Compile(backend="aot_eager")
+    )
     for _ in range(2):
         state, metrics = step(state, batch)
         assert torch.isfinite(metrics["loss"])
@@ -363,7 +365,9 @@ def test_aot_eager_train_step_equals_eager_step(name: str) -> None:
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        losses, state = _funcamp_losses(model, batch, 3, backend="aot_eager")
+        losses, state = _funcamp_losses(
+            model, batch, 3, compile=funcamp.Compile(backend="aot_eager")
+        )
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
     assert int(state.scaler.skipped) == 0
@@ -446,7 +450,9 @@ def test_eval_step_on_a_hugging_face_model() -> None:
     def forward(params: Any, buffers: Any, batch: dict[str, Any]) -> Any:
         return functional_call(model, (params, buffers), args=(), kwargs=batch)
 
-    out = funcamp.make_eval_step(forward, "mixed_bfloat16", backend="aot_eager")(state, batch)
+    out = funcamp.make_eval_step(
+        forward, "mixed_bfloat16", compile=funcamp.Compile(backend="aot_eager")
+    )(state, batch)
     with torch.no_grad():
         want = funcamp.amp(forward, "mixed_bfloat16")(params, buffers, batch)
     assert isinstance(out, transformers.utils.ModelOutput)
