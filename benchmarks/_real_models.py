@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
+from _revision import step_options
 from torch import nn
 from torch.func import functional_call
 
@@ -194,7 +195,7 @@ def funcamp_step(
     params, buffers = funcamp.params_and_buffers(model)
     scaler = funcamp.ScalerState.dynamic()  # the same work as GradScaler
     box = [funcamp.TrainState.create(params, opt, policy, buffers=buffers, scaler=scaler)]
-    step_fn = funcamp.make_train_step(loss_fn, opt, policy, **options)
+    step_fn = funcamp.make_train_step(loss_fn, opt, policy, **step_options(fc, options))
     last: dict[str, Any] = {}
 
     def step() -> Any:

@@ -17,9 +17,25 @@ import sys
 import tarfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
+_COMPILE_FIELDS = (
+    "backend", "mode", "fullgraph", "dynamic", "options", "guard_filter_fn", "cache_dir",
+    "specialize", "compiler_patches",
+)  # fmt: skip
 _IMPORT = re.compile(r"\b(from|import)(\s+)funcamp\b")
+
+
+def step_options(fc: ModuleType, options: dict[str, Any]) -> dict[str, Any]:
+    """``make_train_step``'s keywords for the funcamp module ``fc``: the compile options
+    (``backend=``, ``cache_dir=``, ...) as ``compile=fc.Compile(...)``; kept as keywords for a
+    revision from before ``funcamp.Compile``."""
+    fields = {k: v for k, v in options.items() if k in _COMPILE_FIELDS}
+    rest = {k: v for k, v in options.items() if k not in _COMPILE_FIELDS}
+    if not fields or not hasattr(fc, "Compile"):
+        return {**rest, **fields}
+    return {**rest, "compile": fc.Compile(**fields)}
 
 
 def import_revision(rev: str) -> ModuleType:

@@ -45,7 +45,9 @@ def main() -> None:
         state = funcamp.TrainState.create(
             {"w": torch.randn(args.n, generator=gen)}, opt, "mixed_float16"
         )
-        step = funcamp.make_train_step(_loss, opt, "mixed_float16", options=options)
+        step = funcamp.make_train_step(
+            _loss, opt, "mixed_float16", compile=funcamp.Compile(options=options)
+        )
         start = time.perf_counter()
         state, _ = step(state, batch)
         print(f"{name}: first call {time.perf_counter() - start:.1f} s")

@@ -118,7 +118,7 @@ import funcamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _machine
-from _revision import import_revision
+from _revision import import_revision, step_options
 
 try:
     import _real_models
@@ -259,7 +259,7 @@ def funcamp_variant(
     params, buffers = funcamp.params_and_buffers(model)
     scaler = funcamp.ScalerState.dynamic(device=device)  # the same work as GradScaler
     box = [funcamp.TrainState.create(params, opt, policy, buffers=buffers, scaler=scaler)]
-    step_fn = funcamp.make_train_step(loss_fn, opt, policy, **compile_kw)
+    step_fn = funcamp.make_train_step(loss_fn, opt, policy, **step_options(fc, compile_kw))
 
     def step() -> Any:
         box[0], metrics = step_fn(box[0], batch)

@@ -111,9 +111,12 @@ def train(
     params, buffers = funcamp.params_and_buffers(model)
     params = {k: v.clone() for k, v in params.items()}
     state = funcamp.TrainState.create(params, optimizer, policy, buffers=buffers, scaler=scaler)
-    compile_kw = {} if args.no_compile else {"backend": args.backend}
     step = funcamp.make_train_step(
-        loss_fn, optimizer, policy, compile=not args.no_compile, headroom=headroom, **compile_kw
+        loss_fn,
+        optimizer,
+        policy,
+        compile=False if args.no_compile else funcamp.Compile(backend=args.backend),
+        headroom=headroom,
     )
     n_batches = len(x_tr) // args.batch_size
     metrics_per_step = []

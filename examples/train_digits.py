@@ -198,9 +198,11 @@ def _main(argv: list[str] | None) -> float:
                 "train 10 more. Evaluating the checkpoint as it is."
             )
 
-    compile_kw = {} if args.no_compile else {"backend": args.backend}
     step = funcamp.make_train_step(
-        loss_fn, optimizer, policy, compile=not args.no_compile, **compile_kw
+        loss_fn,
+        optimizer,
+        policy,
+        compile=False if args.no_compile else funcamp.Compile(backend=args.backend),
     )
     # with_fp8_state: delayed FP8 scaling reads its scales from state.fp8 (a no-op otherwise).
     predict = funcamp.with_fp8_state(
