@@ -186,3 +186,14 @@ def test_parallel_as_an_object_equals_group(world):
     cache = funcamp.Compile(cache_dir="x")
     with pytest.raises(ValueError, match="cache_dir does not compose with group="):
         funcamp.make_train_step(_loss_fn, opt, "float32", parallel=piece, compile=cache)
+
+
+def test_the_suite_fails_on_the_old_spelling():
+    """pyproject's ``filterwarnings`` makes the old spelling's warning an error, so a test that
+    uses it outside ``pytest.warns`` fails; the old names of ``funcamp.compiler`` too."""
+    with pytest.raises(FutureWarning, match=r"^funcamp\.make_train_step: backend= is the old"):
+        funcamp.make_train_step(_loss_fn, funcamp.sgd(0.1), "float32", backend="eager")
+    with pytest.raises(FutureWarning, match=r"^funcamp\.make_eval_step: backend= is the old"):
+        funcamp.make_eval_step(_loss_fn, "float32", backend="eager")
+    with pytest.raises(FutureWarning, match=r"^funcamp\.compiler\.release\(\) is renamed"):
+        funcamp.compiler.release()

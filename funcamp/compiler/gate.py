@@ -113,8 +113,8 @@ def compiler_patches(enabled: Choice = True) -> Iterator[None]:
 
     Example:
         >>> import torch, funcamp
-        >>> step = funcamp.make_train_step(
-        ...     lambda p, b, x: (x @ p["w"]).sum(), funcamp.sgd(0.1), "float32", backend="eager")
+        >>> step = funcamp.make_train_step(lambda p, b, x: (x @ p["w"]).sum(), funcamp.sgd(0.1),
+        ...     "float32", compile=funcamp.Compile(backend="eager"))
         >>> state = funcamp.TrainState.create({"w": torch.ones(2)}, funcamp.sgd(0.1), "float32")
         >>> with funcamp.compiler.compiler_patches(False):  # torch's compiler, untouched
         ...     state, metrics = step(state, torch.ones(3, 2))
