@@ -318,7 +318,10 @@ def test_bad_cache_dir(tmp_path, single_rank_group):
             compile=funcamp.Compile(cache_dir=tmp_path, backend=lambda gm, x: gm),
             donate_state=False,
         )
-    with pytest.raises(ValueError, match=r"cache_dir does not compose with group= .*collectives"):
+    with pytest.raises(
+        ValueError,
+        match=r"cache_dir does not compose with parallel=DataParallel\(group\) .*collectives",
+    ):
         funcamp.make_train_step(
             loss,
             opt,

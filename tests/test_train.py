@@ -609,7 +609,7 @@ def _failing_backend(gm, example_inputs):
             torch._dynamo.exc.BackendCompilerFailed,
             "the compiler backend failed",
             None,
-            "backend='aot_eager'",
+            "compile=funcamp.Compile(backend='aot_eager')",
         ),
     ],
     ids=["data-dependent-branch", "backend-failure"],

@@ -55,7 +55,7 @@ class DataParallel(SingleProcess):
         >>> import funcamp.distributed as fd
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> fd.DataParallel(dist.group.WORLD).name
-        'group= (1 ranks)'
+        'parallel=DataParallel(group) (1 ranks)'
         >>> dist.destroy_process_group()
     """
 
@@ -67,7 +67,7 @@ class DataParallel(SingleProcess):
     def __init__(self, group: Any, *, margin: int = 0, api: str = "make_train_step") -> None:
         self.group, self.world, self.rank = check_group(api, group)
         self.margin = margin  # the delayed-FP8 recipe's margin
-        self.name = f"group= ({self.world} ranks)"
+        self.name = f"parallel=DataParallel(group) ({self.world} ranks)"
 
     def exchange(
         self, grads: PyTree, loss: torch.Tensor, buffers: PyTree

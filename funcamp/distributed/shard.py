@@ -1,4 +1,4 @@
-"""Sharded training on a 1-D device mesh: :func:`shard` and ``make_train_step(..., mesh=)``.
+"""Sharded training on a 1-D device mesh: :func:`shard` and ``make_train_step(..., parallel=Sharded(mesh))``.
 
 Params and optimizer state live as ``DTensor`` s sharded along one dimension of every large leaf
 (ZeRO-3 / FSDP's layout): each rank holds about ``1/N`` of them. The step itself works on the
@@ -293,7 +293,7 @@ class Sharded(SingleProcess):
         >>> import funcamp.distributed as fd
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> fd.Sharded(init_device_mesh("cpu", (1,))).name
-        'mesh= (1 ranks)'
+        'parallel=Sharded(mesh) (1 ranks)'
         >>> dist.destroy_process_group()
     """
 
@@ -311,7 +311,7 @@ class Sharded(SingleProcess):
         self.world = mesh.size()
         self.rank = mesh.get_local_rank()
         self.margin = margin  # the delayed-FP8 recipe's margin
-        self.name = f"mesh= ({self.world} ranks)"
+        self.name = f"parallel=Sharded(mesh) ({self.world} ranks)"
         self.params_layout: tuple[Any, ...] | None = None  # fixed by the first state
         self.whole: dict[str, Any] = {}  # dotted path -> (dim, global shape), for Across
         self.layouts: tuple[Any, ...] = ()  # of the state being stepped: to wrap the new one

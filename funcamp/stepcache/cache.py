@@ -1,4 +1,4 @@
-"""A compiled train step kept on disk: ``make_train_step(..., cache_dir=...)``.
+"""A compiled train step kept on disk: ``funcamp.Compile(cache_dir=...)``.
 
 torch's compile caches (inductor's FX graph cache, AOTAutograd's cache) make a second process
 skip code generation. But dynamo still traces the whole step again in every new process, and

@@ -115,8 +115,8 @@ def _reason(error: BaseException) -> str:
 
 
 _PIECES = (
-    "build the step with `fullgraph=False` (compiled in pieces around it, gradients by "
-    "torch.autograd) or `compile=False` (eager)"
+    "build the step with `compile=funcamp.Compile(fullgraph=False)` (compiled in pieces "
+    "around it, gradients by torch.autograd) or `compile=False` (eager)"
 )
 
 
@@ -141,7 +141,7 @@ def _kind(error: BaseException) -> tuple[str, str]:
     if isinstance(error, exc.BackendCompilerFailed):
         return (
             "the compiler backend failed on the traced step (the trace itself succeeded)",
-            "build the step with `backend='aot_eager'` (traced and differentiated as one graph, "
+            "build the step with `compile=funcamp.Compile(backend='aot_eager')` (traced and differentiated as one graph, "
             "no code generation) or `compile=False`, and report the backend failure to PyTorch "
             "with the report below",
         )

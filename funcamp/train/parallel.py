@@ -26,7 +26,7 @@ class SingleProcess:
     """One process alone; the base of the pieces that spread a step over several.
 
     Attributes:
-        name: how error messages name the piece (``"group="``, ``"mesh="``).
+        name: how error messages name the piece (``"parallel=Sharded(mesh) (2 ranks)"``).
         refuses: options the piece does not compose with, each with the reason
             (``{"cache_dir": "..."}``); :func:`~funcamp.train.step.build_train_step` refuses them
             in one place, with that reason.
