@@ -57,3 +57,7 @@ def pytest_collection_modifyitems(config, items):
                 continue
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
             break
+    # Slow tests first: xdist hands out the rest in collection order, so a slow test collected
+    # late would leave the other worker idle at the end. (Groups go first anyway: xdist orders
+    # them by their number of tests.)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
