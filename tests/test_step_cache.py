@@ -7,6 +7,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -73,6 +74,24 @@ def _messages(caplog):
     return [r.getMessage() for r in caplog.records if r.name == "funcamp"]
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One compile of the default model's step, saved: (its cache directory, the state after
+    3 steps). Tests that start from this entry copy the directory (one compile, not one each)."""
+    cache = tmp_path_factory.mktemp("saved")
+    model = cm.make_model()
+    state, _ = _train(_step(model, str(cache)), model)
+    assert len(_entries(cache)) == 1
+    return cache, state
+
+
+def _copy(saved, tmp_path) -> str:
+    """A test's own copy of the ``saved`` cache directory."""
+    cache = tmp_path / "steps"
+    shutil.copytree(saved[0], cache)
+    return str(cache)
+
+
 GUIDE = pathlib.Path(HERE).parent / "docs" / "guides" / "warm-starts.md"
 _DUMP = """
 from torch._dynamo.utils import counters
@@ -134,10 +153,9 @@ def test_the_guide_run_twice_loads_the_step_without_tracing(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_changed_constant_is_not_loaded(tmp_path, caplog, monkeypatch):
-    cache = str(tmp_path)
+def test_a_changed_constant_is_not_loaded(saved, tmp_path, caplog, monkeypatch):
+    cache = _copy(saved, tmp_path)  # an entry made with SCALE = 1
     model = cm.make_model()
-    _train(_step(model, cache), model)
     monkeypatch.setattr(cm, "SCALE", 3.0)
     with caplog.at_level(logging.INFO, logger="funcamp"):
         state, _ = _train(_step(model, cache), model)
@@ -151,10 +169,9 @@ def test_a_changed_constant_is_not_loaded(tmp_path, caplog, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_changed_model_attribute_or_optimizer_is_not_loaded(tmp_path, caplog):
-    cache = str(tmp_path)
+def test_a_changed_model_attribute_or_optimizer_is_not_loaded(saved, tmp_path, caplog):
+    cache = _copy(saved, tmp_path)  # an entry made with the exact GELU and adam(1e-3)
     model = cm.make_model()
-    _train(_step(model, cache), model)
     model[1].approximate = "tanh"  # GELU's constant: same params, another graph
     with caplog.at_level(logging.INFO, logger="funcamp"):
         state, _ = _train(_step(model, cache), model)
@@ -227,10 +244,10 @@ def test_new_shapes_add_an_entry_and_both_are_reused(tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_a_corrupt_entry_is_compiled_again_and_replaced(tmp_path, caplog):
-    cache = str(tmp_path)
+def test_a_corrupt_entry_is_compiled_again_and_replaced(saved, tmp_path, caplog):
+    cache = _copy(saved, tmp_path)
     model = cm.make_model()
-    reference, _ = _train(_step(model, cache), model)
+    reference = saved[1]  # the state the entry's first process trained
     (name,) = _entries(cache)
     with open(os.path.join(cache, name), "r+b") as f:
         f.seek(100)
