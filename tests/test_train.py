@@ -433,11 +433,14 @@ def _own(state: funcamp.TrainState) -> funcamp.TrainState:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
-def test_donated_step_matches_and_reuses_the_input_tensors(backend, inductor_step):
+def test_donated_step_matches_and_reuses_the_input_tensors(backend, inductor_step, compiled_step):
     kw = {"compile": False} if backend is None else {"compile": funcamp.Compile(backend=backend)}
     policy = POLICY
-    if backend == "inductor":  # against the module's float32 inductor step: one compile less
+    # against the module's plain steps of the same settings: one compile less
+    if backend == "inductor":
         policy, plain = "float32", inductor_step
+    elif backend == "aot_eager":
+        plain = compiled_step
     else:
         plain = funcamp.make_train_step(loss_fn, OPT, policy, donate_state=False, **kw)
     donated = funcamp.make_train_step(loss_fn, OPT, policy, donate_state=True, **kw)
