@@ -111,6 +111,9 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             except RuntimeError as e:  # DTensor's refusal of a plain operand, say
                 res[f"{name}_dtensor"] = {"error": str(e)}
         res["seconds"][name] = time.monotonic() - t0
+    # The compiled runs in the same processes: one start-up, not two.
+    res["compiled"] = _compiled(mesh, rank, world)
+    res["seconds"]["compiled"] = res["compiled"].pop("seconds")
     ranks.save_results(res, out_dir, rank)
     ranks.leave()
 
@@ -121,12 +124,8 @@ def _collectives(gm) -> dict:
     return {k: sum(k in t for t in targets) for k in kinds}
 
 
-def _compiled_worker(rank: int, world: int, out_dir: str) -> None:
+def _compiled(mesh, rank: int, world: int) -> dict:
     """Muon and Adafactor compiled (aot_eager) under Sharded, counting graphs and collectives."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    ranks.init_rank(rank, world, out_dir, TIMEOUT_S)
-    mesh = init_device_mesh("cpu", (world,))
     res: dict = {"seconds": {}}
     for name, make in WHOLE.items():
         t0 = time.monotonic()
@@ -136,8 +135,7 @@ def _compiled_worker(rank: int, world: int, out_dir: str) -> None:
         res[name] = _run(make, fd.Sharded(mesh), state, rank, world, backend, COMPILED_STEPS)
         res[f"{name}_graphs"] = graphs
         res["seconds"][name] = time.monotonic() - t0
-    ranks.save_results(res, out_dir, rank)
-    ranks.leave()
+    return res
 
 
 def _start(worker, out_dir) -> list[dict]:
@@ -309,8 +307,9 @@ def test_muon_compiles_under_sharded_on_one_rank(single_rank_group):
 
 
 @pytest.fixture(scope="module")
-def compiled_runs(tmp_path_factory):
-    return _start(_compiled_worker, tmp_path_factory.mktemp("shard_optimizers_compiled"))
+def compiled_runs(runs):
+    """The compiled runs' results (made by the same spawned run as ``runs``)."""
+    return [res["compiled"] for res in runs]
 
 
 @pytest.mark.slow
