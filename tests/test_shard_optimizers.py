@@ -91,7 +91,7 @@ def _on_dtensors(make, mesh) -> dict:
     return {k: float((sharded[k] - plain[k]).abs().max()) for k in params}
 
 
-def _worker(rank: int, world: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, out_dir: str, compiled: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     ranks.init_rank(rank, world, out_dir, TIMEOUT_S)
@@ -111,9 +111,9 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
             except RuntimeError as e:  # DTensor's refusal of a plain operand, say
                 res[f"{name}_dtensor"] = {"error": str(e)}
         res["seconds"][name] = time.monotonic() - t0
-    # The compiled runs in the same processes: one start-up, not two.
-    res["compiled"] = _compiled(mesh, rank, world)
-    res["seconds"]["compiled"] = res["compiled"].pop("seconds")
+    if compiled:  # the compiled runs in the same processes: one start-up, not two
+        res["compiled"] = _compiled(mesh, rank, world)
+        res["seconds"]["compiled"] = res["compiled"].pop("seconds")
     ranks.save_results(res, out_dir, rank)
     ranks.leave()
 
@@ -138,8 +138,8 @@ def _compiled(mesh, rank: int, world: int) -> dict:
     return res
 
 
-def _start(worker, out_dir) -> list[dict]:
-    args = [(r, WORLD, str(out_dir)) for r in range(WORLD)]
+def _start(worker, out_dir, compiled: bool) -> list[dict]:
+    args = [(r, WORLD, str(out_dir), compiled) for r in range(WORLD)]
     preload = ["torch", "funcamp", __name__]
     t0 = time.monotonic()
     got = ranks.start(worker, args, out_dir, preload=preload, timeout_s=TIMEOUT_S).results()
@@ -148,8 +148,11 @@ def _start(worker, out_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return _start(_worker, tmp_path_factory.mktemp("shard_optimizers"))
+def runs(request, tmp_path_factory):
+    """The 2-rank run; with the compiled runs too where a selected test reads them (not in the
+    quick subset, ``-m "not slow"``)."""
+    compiled = any("compiled_runs" in item.fixturenames for item in request.session.items)
+    return _start(_worker, tmp_path_factory.mktemp("shard_optimizers"), compiled)
 
 
 def _one_process(name: str, steps: int = STEPS) -> tuple[dict, list]:
