@@ -1,4 +1,4 @@
-"""LoRA with ``peft`` as a real client: a tiny ``LlamaForCausalLM`` under
+"""LoRA with ``peft`` as a real client: a tiny one-layer ``LlamaForCausalLM`` under
 ``peft.get_peft_model(..., LoraConfig(...))`` trained by funcamp's default train step.
 
 The base weights must stay bit-identical, the adapters train as torch.optim.AdamW over the
@@ -24,7 +24,7 @@ LR, WD, STEPS = 1e-2, 0.01, 4
 
 def _lora_model() -> tuple[torch.nn.Module, dict]:
     torch.manual_seed(0)
-    base, batch = hf_models.llama(torch.Generator().manual_seed(0))
+    base, batch = hf_models.llama(torch.Generator().manual_seed(0), layers=1)
     config = peft.LoraConfig(
         r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False
     )
@@ -113,7 +113,8 @@ def test_eager_adapters_equal_torch_optim_under_autocast(runs):
 @pytest.mark.slow
 def test_compiled_adapters_track_torch_optim_under_autocast(runs):
     """Inductor rounds the bfloat16 forward differently from eager (it keeps fused chains in
-    float32): the losses agree to 1e-3 and the adapters' updates to a few percent."""
+    float32): the losses agree to 1e-3 and the adapters' updates to a few percent (measured,
+    torch 2.13 CPU: 2.3e-5 and 0.5 %)."""
     losses, state = runs["compiled"]
     ref_losses, ref = runs["ref"]
     torch.testing.assert_close(losses, ref_losses, rtol=1e-3, atol=0.0)
