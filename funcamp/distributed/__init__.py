@@ -8,12 +8,13 @@ This package holds the collectives a step uses, and the pieces that make a step 
   the loss, a non-finite flag and rank 0's buffers. So a float32-gradient step costs one
   all-reduce.
 - :func:`shard` turns a state into DTensors sharded on a 1-D device mesh, for the sharded step
-  ``make_train_step(..., parallel=Sharded(mesh))``. Params and optimizer state are split across the ranks.
+  ``make_train_step(..., parallel=Sharded(mesh))``. Params and optimizer state are split across
+  the ranks.
 - :class:`Across`: gradients held as shards, for :func:`funcamp.unscale_and_step`'s global
   norm and ``found_inf``.
-- :class:`DataParallel`, :class:`Sharded`: the pieces ``make_train_step(parallel=...)``
-  plugs into the one step algorithm. They are public, for steps
-  written by hand (see the guide "A train step by hand").
+- :class:`DataParallel`, :class:`Sharded`: the pieces ``make_train_step(parallel=...)`` plugs
+  into the one step algorithm. They are public, for steps written by hand (see the guide "A
+  train step by hand").
 """
 
 from funcamp._core.collectives import (

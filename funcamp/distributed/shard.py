@@ -1,4 +1,4 @@
-"""Sharded training on a 1-D device mesh: :func:`shard` and ``make_train_step(..., parallel=Sharded(mesh))``.
+"""Sharded training on a 1-D device mesh: :func:`shard` and ``parallel=Sharded(mesh)``.
 
 Params and optimizer state live as ``DTensor`` s sharded along one dimension of every large leaf
 (ZeRO-3 / FSDP's layout): each rank holds about ``1/N`` of them. The step itself works on the

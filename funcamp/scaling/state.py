@@ -143,8 +143,15 @@ class ScalerState:
             (1024.0, 2, 1.0)
         """
         api = "ScalerState.dynamic"
-        given = ("dynamic", growth_factor, backoff_factor, growth_interval)
-        config = dict(zip(CONFIG, (*given, min_scale, max_scale, hysteresis)))
+        config = {
+            "kind": "dynamic",
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+            "min_scale": min_scale,
+            "max_scale": max_scale,
+            "hysteresis": hysteresis,
+        }
         _validate_config(api, **config)
         _validate_init_scale(api, init_scale)
         if min_scale is not None and init_scale < min_scale:
@@ -289,11 +296,14 @@ class ScalerState:
                 )
             tracker = tracker.item()
         check_int(api, "_growth_tracker", tracker, minimum=0)
-        given = (
-            "dynamic",
-            *(sd[k] for k in ("growth_factor", "backoff_factor", "growth_interval")),
-        )
-        config = dict(zip(CONFIG, (*given, None, None, 1)))
+        # GradScaler has no bounds and no hysteresis: ScalerState's defaults
+        config = {
+            "kind": "dynamic",
+            **{k: sd[k] for k in ("growth_factor", "backoff_factor", "growth_interval")},
+            "min_scale": None,
+            "max_scale": None,
+            "hysteresis": 1,
+        }
         _validate_config(api, **config)
         state = cls._build(float(raw_scale), device, **_stored(config))
         if tracker >= state.growth_interval:

@@ -8,7 +8,8 @@
 * ``files``: the source files an entry depends on, and the note that a step cannot be saved.
 
 ``import funcamp`` imports nothing here. The train step loads this package when a step is built
-with ``Compile(cache_dir=...)``. (``cache`` imports dynamo's internals at module level; ``key`` reads more
-of them when a step is first keyed.) A saved step checks guard sources on every call. They are
-read as the ``specialize=True`` guard filter reads them (:mod:`funcamp._core.guard_sources`).
+with ``Compile(cache_dir=...)``. (``cache`` imports dynamo's internals at module level; ``key``
+reads more of them when a step is first keyed.) A saved step checks guard sources on every call.
+They are read as the ``specialize=True`` guard filter reads them
+(:mod:`funcamp._core.guard_sources`).
 """

@@ -141,9 +141,9 @@ def _kind(error: BaseException) -> tuple[str, str]:
     if isinstance(error, exc.BackendCompilerFailed):
         return (
             "the compiler backend failed on the traced step (the trace itself succeeded)",
-            "build the step with `compile=funcamp.Compile(backend='aot_eager')` (traced and differentiated as one graph, "
-            "no code generation) or `compile=False`, and report the backend failure to PyTorch "
-            "with the report below",
+            "build the step with `compile=funcamp.Compile(backend='aot_eager')` (traced and "
+            "differentiated as one graph, no code generation) or `compile=False`, and report "
+            "the backend failure to PyTorch with the report below",
         )
     if isinstance(error, exc.TorchRuntimeError):
         return (
