@@ -94,6 +94,14 @@ def _train(step, state, batches, rank=0, world=1):
     return state, metrics
 
 
+def _dp_step(group, opt, loss_fn=_loss_fn, policy=POLICY, **kw):
+    """``make_train_step(..., parallel=DataParallel(group))``, pure unless ``donate_state=True``."""
+    kw.setdefault("donate_state", False)
+    return funcamp.make_train_step(
+        loss_fn, opt, policy, parallel=funcamp.distributed.DataParallel(group), **kw
+    )
+
+
 def _adam():
     return funcamp.adam(1e-2)
 
@@ -124,14 +132,7 @@ def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
                     _all_reduces, res["all_reduces"].setdefault(name, [])
                 )
             )
-        return funcamp.make_train_step(
-            _loss_fn,
-            opt,
-            policy,
-            parallel=funcamp.distributed.DataParallel(pg),
-            donate_state=False,
-            **kw,
-        )
+        return _dp_step(pg, opt, policy=policy, **kw)
 
     # Eager and compiled (aot_eager) runs with an overflow on the last rank.
     state, res["eager_metrics"] = _train(
@@ -191,14 +192,7 @@ def _fp8_problem():
 
 def _fp8_runs(pg, batches, rank: int, world: int) -> dict:
     policy, loss_fn, state = _fp8_problem()
-    dp = funcamp.make_train_step(
-        loss_fn,
-        _adam(),
-        policy,
-        parallel=funcamp.distributed.DataParallel(pg),
-        compile=False,
-        donate_state=False,
-    )
+    dp = _dp_step(pg, _adam(), loss_fn, policy, compile=False)
     alone = funcamp.make_train_step(loss_fn, _adam(), policy, compile=False, donate_state=False)
     first = _shard(batches[0], rank, world)
     out = {
@@ -220,14 +214,7 @@ def _hang(rank: int, group, out_dir: str) -> dict:
             raise ValueError("rank failed")
         return _loss_fn(params, buffers, batch)
 
-    step = funcamp.make_train_step(
-        loss_fn,
-        _adam(),
-        POLICY,
-        parallel=funcamp.distributed.DataParallel(group),
-        compile=False,
-        donate_state=False,
-    )
+    step = _dp_step(group, _adam(), loss_fn, compile=False)
     start = time.monotonic()
     try:
         step(_init(_adam()), _shard(_batches(1)[0], rank, dist.get_world_size()))
@@ -416,14 +403,7 @@ def test_one_graph_one_all_reduce(two_ranks, three_ranks):
 def test_one_rank_group_is_bit_identical_to_no_group(single_rank_group):
     batches = _batches()
     plain = funcamp.make_train_step(_loss_fn, _adam(), POLICY, compile=False, donate_state=False)
-    dp = funcamp.make_train_step(
-        _loss_fn,
-        _adam(),
-        POLICY,
-        compile=False,
-        parallel=funcamp.distributed.DataParallel(single_rank_group),
-        donate_state=False,
-    )
+    dp = _dp_step(single_rank_group, _adam(), compile=False)
     a, ma = _train(plain, _init(_adam()), batches)
     b, mb = _train(dp, _init(_adam()), batches)
     assert_trees_equal(a, b)
@@ -437,14 +417,7 @@ def test_donated_data_parallel_step(single_rank_group, make_opt):
     state's own tensors come back."""
     batches = _batches()
     alone = funcamp.make_train_step(_loss_fn, make_opt(), POLICY, compile=False, donate_state=True)
-    dp = funcamp.make_train_step(
-        _loss_fn,
-        make_opt(),
-        POLICY,
-        compile=False,
-        parallel=funcamp.distributed.DataParallel(single_rank_group),
-        donate_state=True,
-    )
+    dp = _dp_step(single_rank_group, make_opt(), compile=False, donate_state=True)
     start = _init(make_opt())
     w1 = start.params["w1"]
     a, ma = _train(alone, _init(make_opt()), batches)
@@ -456,26 +429,14 @@ def test_donated_data_parallel_step(single_rank_group, make_opt):
 
 def test_group_is_checked_when_the_step_is_built(single_rank_group):
     with pytest.raises(TypeError, match=r"`group` must be a torch\.distributed\.ProcessGroup"):
-        funcamp.make_train_step(
-            _loss_fn,
-            _adam(),
-            POLICY,
-            parallel=funcamp.distributed.DataParallel("world"),
-            donate_state=False,
-        )
+        _dp_step("world", _adam())
 
 
 def test_group_needs_an_initialized_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialized"):
-        funcamp.make_train_step(
-            _loss_fn,
-            _adam(),
-            POLICY,
-            parallel=funcamp.distributed.DataParallel(object()),
-            donate_state=False,
-        )
+        _dp_step(object(), _adam())
 
 
 def test_train_ddp_example_runs_in_one_process(tmp_path):

@@ -62,6 +62,14 @@ def _loss_fn(params, buffers, batch):
     return torch.nn.functional.mse_loss(params["t"] * (h @ params["w2"]) + params["b2"], y)
 
 
+def _sharded_step(mesh, opt, loss_fn=_loss_fn, policy=POLICY, **kw):
+    """``make_train_step(..., parallel=Sharded(mesh))``, pure unless ``donate_state=True``."""
+    kw.setdefault("donate_state", False)
+    return funcamp.make_train_step(
+        loss_fn, opt, policy, parallel=funcamp.distributed.Sharded(mesh), **kw
+    )
+
+
 def _adamw():
     return funcamp.adamw(1e-2, weight_decay=0.01)
 
@@ -142,14 +150,7 @@ def _worker(rank: int, world: int, out_dir: str, ckpt: str) -> None:
         clock[0] = now
 
     def sharded(opt, **kw):
-        return funcamp.make_train_step(
-            _loss_fn,
-            opt,
-            POLICY,
-            parallel=funcamp.distributed.Sharded(mesh),
-            donate_state=False,
-            **kw,
-        )
+        return _sharded_step(mesh, opt, **kw)
 
     state = fd.shard(_init(_adamw()), mesh)
     res["placements"] = {k: str(v.placements) for k, v in state.params.items()}
@@ -393,14 +394,7 @@ def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh, make, policy):
         return state
 
     plain = funcamp.make_train_step(_loss_fn, make(), policy, compile=False, donate_state=False)
-    sharded = funcamp.make_train_step(
-        _loss_fn,
-        make(),
-        policy,
-        compile=False,
-        parallel=funcamp.distributed.Sharded(mesh),
-        donate_state=False,
-    )
+    sharded = _sharded_step(mesh, make(), policy=policy, compile=False)
     a, _ = _train(plain, init(), _batches(8))
     b, mb = _train(sharded, fd.shard(init(), mesh), _batches(8))
     a, b = funcamp.state_dict(a), funcamp.state_dict(_full(b))
@@ -410,15 +404,7 @@ def test_one_rank_mesh_is_bit_identical_to_no_mesh(mesh, make, policy):
         assert_bitwise(a, b)
     if policy == POLICY:
         assert [bool(m["found_inf"]) for m in mb] == [i == BAD_STEP for i in range(8)]
-    quiet = funcamp.make_train_step(
-        _loss_fn,
-        make(),
-        policy,
-        compile=False,
-        parallel=funcamp.distributed.Sharded(mesh),
-        grad_norm=False,
-        donate_state=False,
-    )
+    quiet = _sharded_step(mesh, make(), policy=policy, compile=False, grad_norm=False)
     _, mq = quiet(fd.shard(init(), mesh), _batches(1)[0])
     assert "grad_norm" not in mq and torch.equal(mq["loss"], mb[0]["loss"])
 
@@ -461,33 +447,12 @@ def test_sharded_step_checks_its_arguments(mesh):
     with pytest.raises(
         ValueError, match=r"headroom does not compose with parallel=Sharded\(mesh\) .*its shards"
     ):
-        funcamp.make_train_step(
-            _loss_fn,
-            _adamw(),
-            POLICY,
-            parallel=funcamp.distributed.Sharded(mesh),
-            headroom=True,
-            donate_state=False,
-        )
+        _sharded_step(mesh, _adamw(), headroom=True)
     with pytest.raises(
         ValueError, match=r"cache_dir does not compose with parallel=Sharded\(mesh\) .*collectives"
     ):
-        funcamp.make_train_step(
-            _loss_fn,
-            _adamw(),
-            POLICY,
-            parallel=funcamp.distributed.Sharded(mesh),
-            compile=funcamp.Compile(cache_dir="c"),
-            donate_state=False,
-        )
-    step = funcamp.make_train_step(
-        _loss_fn,
-        _adamw(),
-        POLICY,
-        parallel=funcamp.distributed.Sharded(mesh),
-        compile=False,
-        donate_state=False,
-    )
+        _sharded_step(mesh, _adamw(), compile=funcamp.Compile(cache_dir="c"))
+    step = _sharded_step(mesh, _adamw(), compile=False)
     with pytest.raises(TypeError, match=r"`state.params` leaf \['b1'\] must be a DTensor"):
         step(_init(_adamw()), _batches(1)[0])
     state = fd.shard(_init(_adamw()), mesh)
@@ -511,22 +476,8 @@ def test_donated_sharded_step_writes_the_shards_in_place(mesh, backend):
     pure step is the eager one for both (aot_eager runs eager's ops: the same bits, one compile
     less)."""
     kw = {"compile": False} if backend is None else {"compile": funcamp.Compile(backend=backend)}
-    pure = funcamp.make_train_step(
-        _loss_fn,
-        _adamw(),
-        POLICY,
-        parallel=funcamp.distributed.Sharded(mesh),
-        donate_state=False,
-        compile=False,
-    )
-    donated = funcamp.make_train_step(
-        _loss_fn,
-        _adamw(),
-        POLICY,
-        parallel=funcamp.distributed.Sharded(mesh),
-        donate_state=True,
-        **kw,
-    )
+    pure = _sharded_step(mesh, _adamw(), compile=False)
+    donated = _sharded_step(mesh, _adamw(), donate_state=True, **kw)
     a, b = fd.shard(_init(_adamw()), mesh), fd.shard(_init(_adamw()), mesh)
     for batch in _batches(6):
         locals_before = [x.to_local() for x in optree.tree_leaves(b.params, namespace="funcamp")]
@@ -564,14 +515,7 @@ def test_delayed_fp8_sharded_step_is_the_plain_step_on_one_rank(mesh):
         (torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(4)
     ]
     plain = funcamp.make_train_step(loss, _adamw(), policy, compile=False, donate_state=False)
-    sharded = funcamp.make_train_step(
-        loss,
-        _adamw(),
-        policy,
-        compile=False,
-        parallel=funcamp.distributed.Sharded(mesh),
-        donate_state=False,
-    )
+    sharded = _sharded_step(mesh, _adamw(), loss, policy, compile=False)
     a, b = init(), fd.shard(init(), mesh)
     for batch in batches:
         a, _ = plain(a, batch)
