@@ -138,21 +138,18 @@ def _compiled(mesh, rank: int, world: int) -> dict:
     return res
 
 
-def _start(worker, out_dir, compiled: bool) -> list[dict]:
-    args = [(r, WORLD, str(out_dir), compiled) for r in range(WORLD)]
-    preload = ["torch", "funcamp", __name__]
-    t0 = time.monotonic()
-    got = ranks.start(worker, args, out_dir, preload=preload, timeout_s=TIMEOUT_S).results()
-    print(f"{WORLD} ranks {time.monotonic() - t0:.1f}s {got[0]['seconds']}")
-    return got
-
-
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
     """The 2-rank run; with the compiled runs too where a selected test reads them (not in the
     quick subset, ``-m "not slow"``)."""
     compiled = any("compiled_runs" in item.fixturenames for item in request.session.items)
-    return _start(_worker, tmp_path_factory.mktemp("shard_optimizers"), compiled)
+    out_dir = tmp_path_factory.mktemp("shard_optimizers")
+    args = [(r, WORLD, str(out_dir), compiled) for r in range(WORLD)]
+    preload = ["torch", "funcamp", __name__]
+    t0 = time.monotonic()
+    got = ranks.start(_worker, args, out_dir, preload=preload, timeout_s=TIMEOUT_S).results()
+    print(f"{WORLD} ranks {time.monotonic() - t0:.1f}s {got[0]['seconds']}")
+    return got
 
 
 def _one_process(name: str, steps: int = STEPS) -> tuple[dict, list]:
