@@ -166,6 +166,22 @@ def test_group_is_checked(single_rank_group, tmp_path):
         funcamp.load(tmp_path / "file.pt", _init(), group=single_rank_group)
 
 
+def test_a_sharded_state_without_a_group_says_what_to_do(single_rank_group, tmp_path):
+    """Without `group`, a state of DTensors is a funcamp.save error naming the fix (it was
+    torch's ".numpy() is not supported for tensor subclasses" from inside the checksum)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    state = funcamp.distributed.shard(_init(), init_device_mesh("cpu", (1,)))
+    with pytest.raises(
+        ValueError,
+        match=r"funcamp\.save: `state` leaf state\.params\['b1'\] is a DTensor .* needs "
+        r"`group`: call funcamp\.save\(directory, state, policy=\.\.\., group=mesh\.get_group\(\)\)",
+    ):
+        funcamp.save(tmp_path / "c.pt", state, policy=POLICY)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    funcamp.save(tmp_path / "c", state, policy=POLICY, group=single_rank_group)  # the fix
+
+
 def test_a_full_disk_at_the_commit_is_an_oserror_and_with_info_reads_the_header(
     single_rank_group, tmp_path, monkeypatch
 ):

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from funcamp._core.atomic import atomic_write
-from funcamp._core.tree import PyTree, describe
+from funcamp._core.tree import PyTree, describe, first_leaf
 from funcamp.checkpoints.dcp import load_distributed, save_distributed
 from funcamp.checkpoints.format import (
     FILE_KEYS,
@@ -97,6 +98,21 @@ def _check_params_dtype(state: Any, policy: Policy) -> None:
         )
 
 
+def _refuse_sharded(state: PyTree) -> None:
+    """One file cannot hold a state sharded across ranks: say how to save it."""
+    named = hasattr(state, "_asdict")  # a TrainState: leaves named by its fields
+    trees = {f"state.{k}": v for k, v in state._asdict().items()} if named else {"state": state}
+    where = first_leaf(trees, lambda x: isinstance(x, DTensor))
+    if where is not None:
+        raise ValueError(
+            f"funcamp.save: `state` leaf {where} is a DTensor (a state sharded across ranks) "
+            "and needs `group`: call "
+            "funcamp.save(directory, state, policy=..., group=mesh.get_group()) on every rank "
+            "(torch.distributed.checkpoint writes each rank's shards), or gather the leaves "
+            "first (DTensor.full_tensor()) to save one file"
+        )
+
+
 def save(
     path: PathLike,
     state: PyTree,
@@ -127,7 +143,8 @@ def save(
             :func:`load` checks it. A :class:`~funcamp.TrainState`'s floating params must be in
             its ``param_dtype``.
         group: a process group. Every rank calls ``save`` with its own state and the same
-            ``path``, through ``torch.distributed.checkpoint``. ``None``: one file.
+            ``path``, through ``torch.distributed.checkpoint``. ``None``: one file (a state
+            sharded with :func:`funcamp.distributed.shard` needs a group).
         **metadata: anything to keep with the state: tensors, Python scalars, strings,
             ``None`` and containers of them (``weights_only`` loads). See
             :func:`checkpoint_info`.
@@ -151,6 +168,7 @@ def save(
     if group is not None:
         save_distributed(p, sd, state, pol, metadata, group)
         return
+    _refuse_sharded(state)
     if p.is_dir():
         raise IsADirectoryError(
             f"funcamp.save: `path` {str(p)!r} is a directory; give a file name (a directory is "
