@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +22,7 @@ import ranks
 import torch
 import torch.distributed as dist
 from bitwise import assert_bitwise
+from torch.distributed.device_mesh import init_device_mesh
 
 import funcamp
 from funcamp.testing import assert_trees_close, assert_trees_equal
@@ -66,15 +68,15 @@ def _loss_fn(params, buffers, batch):
     return torch.nn.functional.mse_loss(h @ params["w2"], y)
 
 
-def _init(optimizer, policy=POLICY) -> funcamp.TrainState:
-    gen = torch.Generator().manual_seed(1)
+def _init(optimizer, policy=POLICY, seed=1) -> funcamp.TrainState:
+    gen = torch.Generator().manual_seed(seed)
     params = {
         "w1": torch.randn(4, 16, generator=gen) / 2,
         "b1": torch.zeros(16),
         "w2": torch.randn(16, 1, generator=gen) / 4,
     }
     buffers = {
-        "mean": torch.zeros(4),
+        "mean": torch.full((4,), seed - 1.0),
         "seen": torch.zeros((), dtype=torch.int64),
         "half": torch.zeros(2, dtype=torch.bfloat16),
     }
@@ -158,6 +160,8 @@ def _worker(rank: int, world: int, out_dir: str, full: bool) -> None:
         res["sr"] = funcamp.state_dict(sstate)
         # Delayed FP8: amax histories max-reduced across ranks, the same Fp8State everywhere.
         res.update(_fp8_runs(pg, batches, rank, world))
+        # Ranks that start apart: rank 0's state everywhere; settings that differ: refused.
+        res.update(_agree_runs(pg, batches, rank, world))
         # A rank that raises: the others must fail within the group's timeout, not hang.
         short = dist.new_group(timeout=timedelta(seconds=HANG_TIMEOUT_S))
         res["hang"] = _hang(rank, short, out_dir)
@@ -201,6 +205,69 @@ def _fp8_runs(pg, batches, rank: int, world: int) -> dict:
     }
     final, out["fp8_metrics"] = _train(dp, state, batches, rank, world)
     out["fp8"] = funcamp.state_dict(final)
+    return out
+
+
+def _agree_runs(pg, batches, rank: int, world: int) -> dict:
+    """Eager steps from a rank-dependent init (the broadcast and fingerprint collectives of
+    each call counted), data parallel and sharded; and the refusals of a rank-dependent
+    learning rate or policy."""
+    out: dict = {}
+    counted = {"n": 0}
+    real = {name: getattr(dist, name) for name in ("broadcast", "all_gather")}
+
+    def counting(fn):
+        def call(*args, **kwargs):
+            counted["n"] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in real.items():
+        setattr(dist, name, counting(fn))
+    try:
+        for donate in (False, True):
+            step = _dp_step(pg, _adam(), compile=False, donate_state=donate)
+            state, calls, metrics = _init(_adam(), seed=1 + rank), [], []
+            for batch in batches:
+                state, m = step(state, _shard(batch, rank, world))
+                metrics.append({k: m[k] for k in ("loss", "grad_norm", "found_inf", "scale")})
+                calls.append(counted["n"])
+                counted["n"] = 0
+            out[f"seeded_{donate}"] = funcamp.state_dict(state)
+            out[f"seeded_{donate}_metrics"] = metrics
+            out[f"seeded_{donate}_calls"] = calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = funcamp.make_train_step(
+        _loss_fn, _adam(), POLICY, parallel=funcamp.distributed.Sharded(mesh), compile=False
+    )
+    state = funcamp.distributed.shard(_init(_adam(), seed=1 + rank), mesh)
+    for batch in batches:
+        state, _ = sharded(state, _shard(batch, rank, world))
+    out["seeded_sharded"] = {k: v.full_tensor() for k, v in state.params.items()}
+
+    def refusal(make, opt, policy=POLICY, state=None):
+        try:
+            make(opt, policy)(
+                _init(opt, policy) if state is None else state, _shard(batches[0], rank, world)
+            )
+        except ValueError as e:
+            return str(e)
+        return None
+
+    dp = lambda opt, policy: _dp_step(pg, opt, policy=policy, compile=False)  # noqa: E731
+    out["refused_lr"] = refusal(dp, funcamp.adamw(1e-3 * (rank + 1)))
+    out["refused_policy"] = refusal(dp, _adam(), ("mixed_float16", "mixed_bfloat16")[rank % 2])
+    opt = funcamp.adamw(1e-3 * (rank + 1))
+    on_mesh = lambda opt, policy: funcamp.make_train_step(  # noqa: E731
+        _loss_fn, opt, policy, parallel=funcamp.distributed.Sharded(mesh), compile=False
+    )
+    out["refused_sharded_lr"] = refusal(
+        on_mesh, opt, state=funcamp.distributed.shard(_init(opt), mesh)
+    )
     return out
 
 
@@ -378,6 +445,49 @@ def test_delayed_fp8_amaxes_are_max_reduced_across_ranks(two_ranks):
     for res in two_ranks:
         assert [bool(m["found_inf"]) for m in res["fp8_metrics"]] == [False] * STEPS
         assert torch.isinf(res["fp8"]["fp8"]["amax_history"]["0"][0]).any()
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_ranks_that_start_apart_train_from_rank_0s_state(two_ranks, reference, donate):
+    """Params and buffers drawn with a rank-dependent seed: the first call broadcasts rank 0's
+    state (DDP's broadcast at construction), so the ranks end equal, and equal to the run from
+    rank 0's init (the reference's); the first call's collectives run once, never again."""
+    key = f"seeded_{donate}"
+    assert not torch.equal(_init(_adam(), seed=1).params["w1"], _init(_adam(), seed=2).params["w1"])
+    _check_against_reference(two_ranks, reference["state"], reference["metrics"], key, 2)
+    _same_on_every_rank(two_ranks, key)
+    for r in two_ranks:
+        first, *later = r[f"{key}_calls"]
+        assert first > 0 and later == [0] * (STEPS - 1), r[f"{key}_calls"]
+
+
+def test_sharded_ranks_that_start_apart_train_from_rank_0s_state(two_ranks, reference):
+    """funcamp.distributed.shard scatters rank 0's values (distribute_tensor's rule)."""
+    ref = funcamp.state_dict(reference["state"])["params"]
+    for r in two_ranks:
+        assert_trees_close(r["seeded_sharded"], ref, atol=ATOL, rtol=0)
+    _same_on_every_rank(two_ranks, "seeded_sharded")
+
+
+@pytest.mark.parametrize(
+    ("key", "piece", "field", "values"),
+    [
+        ("refused_lr", "DataParallel", r"the optimizer's `lr` \(optimizer\.", ("0.001", "0.002")),
+        ("refused_sharded_lr", "Sharded", r"the optimizer's `lr` \(optimizer\.", ("0.001", "0.002")),
+        ("refused_policy", "DataParallel", r"the policy's `compute_dtype` \(policy\.compute_dtype\)", ("torch.float16", "torch.bfloat16")),
+    ],
+)  # fmt: skip
+def test_settings_that_differ_by_rank_are_refused_by_name(two_ranks, key, piece, field, values):
+    """On the first call, before anything ran, every rank raises the same error, naming the
+    field and what each rank has (a float16 rank's gradient scaled by 65536 is never averaged
+    with a bfloat16 rank's unscaled one)."""
+    want = (
+        rf"^funcamp\.make_train_step: every rank of parallel={piece}\(.*\) \(2 ranks\) must "
+        rf"build the step alike .*\n  - {field}.*: rank 0 has {values[0]}, rank 1 has "
+        rf"{values[1]}\n"
+    )
+    assert two_ranks[0][key] == two_ranks[1][key]
+    assert re.search(want, two_ranks[0][key]), two_ranks[0][key]
 
 
 def test_a_failing_rank_does_not_hang_the_others(two_ranks):

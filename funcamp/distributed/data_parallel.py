@@ -14,6 +14,7 @@ import torch.distributed as dist
 from funcamp._core.collectives import all_reduce_step
 from funcamp._core.tree import PyTree, describe
 from funcamp.casting.fp8 import Fp8State, all_reduce_amax
+from funcamp.distributed.agree import start_together
 from funcamp.train.parallel import SingleProcess
 
 __all__ = ["DataParallel", "check_group"]
@@ -50,6 +51,13 @@ class DataParallel(SingleProcess):
 
     Delayed-FP8 amaxes are max-reduced over the ranks.
 
+    On its first call (only) the step checks that every rank built it alike -- the policy, the
+    optimizer's hyperparameters, the scaler's settings, the options and the state's structure
+    -- and refuses a difference on every rank with a ``ValueError`` that names the field and
+    the ranks. Then every rank starts from rank 0's state (params, buffers, optimizer, scaler
+    and FP8 state, frozen params), broadcast as DDP broadcasts rank 0's params and buffers when
+    it is built. Later calls run no collective and no host sync for either.
+
     Example:
         >>> import torch, torch.distributed as dist, funcamp
         >>> import funcamp.distributed as fd
@@ -68,6 +76,11 @@ class DataParallel(SingleProcess):
         self.group, self.world, self.rank = check_group(api, group)
         self.margin = margin  # the delayed-FP8 recipe's margin
         self.name = f"parallel=DataParallel(group) ({self.world} ranks)"
+
+    def agree(self, api: str, state: Any, settings: dict[str, Any], in_place: bool) -> Any:
+        """On the first call: the ranks agree on ``settings`` and the state's structure, and
+        every rank starts from rank 0's state, whole (:func:`start_together`)."""
+        return start_together(api, self, state, settings, in_place=in_place)
 
     def exchange(
         self, grads: PyTree, loss: torch.Tensor, buffers: PyTree

@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - another torch
 from funcamp._core.collectives import Across, all_reduce_step
 from funcamp._core.tree import NAMESPACE, PyTree, describe, dotted_path, path_str, unflatten
 from funcamp.casting.fp8 import Fp8State, all_reduce_amax
+from funcamp.distributed.agree import start_together
 from funcamp.optim._whole import gather_packed
 from funcamp.train.parallel import SingleProcess
 from funcamp.train.state import TrainState
@@ -240,6 +241,14 @@ def _as_dtensor(x: torch.Tensor, lay: _Leaf, mesh: Any, specs: dict[Any, Any]) -
         )
 
 
+def _as_layouts(tree: PyTree, layouts: tuple[Any, ...]) -> PyTree:
+    """``tree`` (local shards) with each sharded leaf as ``(dim, global shape, dtype)``: what
+    every rank must agree on (the local shapes of uneven shards differ)."""
+    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    out = [x if lay is None else (lay.dim, lay.shape, x.dtype) for x, lay in zip(leaves, layouts)]
+    return unflatten(spec, out)
+
+
 # --------------------------------------------------------------------------- the gather
 
 
@@ -285,7 +294,10 @@ class Sharded(SingleProcess):
     by the world size (their mean, as data parallelism has) and averages the replicated leaves'
     gradients, the loss and rank 0's buffers in one all-reduce; :meth:`across` makes
     :func:`funcamp.unscale_and_step`'s ``found_inf`` and norms global (and
-    :func:`funcamp.clip_by_global_norm`'s).
+    :func:`funcamp.clip_by_global_norm`'s). On the first call only, :meth:`agree` refuses
+    ranks that built the step differently (policy, optimizer, options, scaler settings,
+    global layout), naming the field and the ranks, and gives every rank rank 0's buffers,
+    scaler, FP8 state and frozen params (the DTensors are rank 0's already).
 
     Example:
         >>> import torch, torch.distributed as dist, funcamp
@@ -344,6 +356,25 @@ class Sharded(SingleProcess):
             )
         self.layouts = (p_lay, b_lay, o_lay, s_lay)
         return state._replace(params=p, buffers=b, opt_state=o, scaler=s)
+
+    def agree(self, api: str, state: Any, settings: dict[str, Any], in_place: bool) -> Any:
+        """On the first call: the ranks agree on ``settings`` and the state's structure (the
+        params and optimizer state by their global layout), and the replicated parts (buffers,
+        scaler, FP8 state, frozen params) become rank 0's; the sharded ones are rank 0's
+        already (:func:`shard` scatters rank 0's values)."""
+        p_lay, _, o_lay, _ = self.layouts
+        described = state._replace(
+            params=_as_layouts(state.params, p_lay), opt_state=_as_layouts(state.opt_state, o_lay)
+        )
+        return start_together(
+            api,
+            self,
+            state,
+            settings,
+            in_place=in_place,
+            synced=("buffers", "scaler", "fp8", "frozen"),
+            described=described,
+        )
 
     def wrap(self, new: Any) -> Any:
         p_lay, b_lay, o_lay, s_lay = self.layouts

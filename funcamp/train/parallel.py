@@ -40,6 +40,13 @@ class SingleProcess:
         checked; called outside the compiled step, on every call."""
         return state
 
+    def agree(self, api: str, state: Any, settings: dict[str, Any], in_place: bool) -> Any:
+        """The state the first call starts from, once the ranks agreed on ``settings`` (what the
+        step was built with: policy, optimizer, options) and the state's structure; called
+        outside the compiled step, on the first call only. ``in_place``: the state is donated,
+        its tensors may be overwritten. One process: ``state`` as it is."""
+        return state
+
     def wrap(self, new: Any) -> Any:
         """The new state as the caller gets it back (the sharded piece: DTensors again)."""
         return new

@@ -351,6 +351,11 @@ def build_train_step(
         compiler_patches=opts.compiler_patches,
         eager_casts=rounds_casts(pol),
         policy=pol,
+        settings={
+            "policy": pol,
+            "optimizer": optimizer,
+            "options": {**opts._asdict(), **compile_options},
+        },
     )
     step.__doc__ = (
         f"A funcamp train step ({'compiled' if opts.compile else 'eager'}, policy {pol}, "

@@ -117,9 +117,11 @@ def _checked_call(
     expected: list[Any],
     donate_state: bool,
     policy: Policy | None,
+    settings: dict[str, Any],
 ) -> TrainState:
     """The checks of every call of a train step; returns the state the step works on (the
-    parallel piece's view). ``expected`` holds the first batch's structure once known."""
+    parallel piece's view). ``expected`` holds the first batch's structure once known. On the
+    first call the ranks agree on ``settings`` (:meth:`SingleProcess.agree`)."""
     if not isinstance(state, TrainState):
         raise TypeError(
             f"funcamp.{api}: `state` must be a funcamp.TrainState (see "
@@ -128,9 +130,9 @@ def _checked_call(
     check_not_donated(api, state)
     local = parallel.local(api, state)
     structure = optree.tree_structure(batch, namespace=NAMESPACE)
-    if not expected:
+    first = not expected
+    if first:
         check_train_state(api, local, optimizer, policy)
-        expected.append(structure)
     elif structure != expected[0]:
         raise ValueError(
             f"funcamp.{api}: `batch` must keep the structure of the first batch "
@@ -141,6 +143,9 @@ def _checked_call(
         check_donation(api, local)
         if donation.status(state.scaler) is None:  # once per state: a returned one is checked
             check_overlap(api, local)
+    if first:  # the ranks agree, and start from rank 0's state (a refused call: again next time)
+        local = parallel.agree(api, local, settings, donate_state)
+        expected.append(structure)
     return local
 
 
@@ -174,6 +179,7 @@ def wrap_step(
     compiler_patches: Choice = "auto",
     eager_casts: bool = False,
     policy: Policy | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """``step(state, batch)``: ``train_step`` compiled (or eager), as every funcamp train step runs.
 
@@ -190,7 +196,8 @@ def wrap_step(
     patches (:func:`patches_for`). ``eager_casts`` says the policy rounds to float16, bfloat16
     or FP8 (:func:`funcamp.train.compiling.rounds_casts`). A state with a loss scaler (not
     ``noop``) asks for the same inductor options (:func:`step_options_for`), since its found-inf
-    must be eager code's.
+    must be eager code's. ``settings`` (``{"policy": ..., "optimizer": ..., "options": ...}``)
+    is what the ranks of a parallel step agree on, on its first call.
     """
     train_step.__code__ = fresh_code(train_step.__code__)
     patched: list[Patches] = []
@@ -231,10 +238,11 @@ def wrap_step(
 
     runs: list[Callable[..., Any]] = []
     expected: list[Any] = []
+    agreed = {"policy": policy, "optimizer": optimizer} if settings is None else settings
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         local = _checked_call(
-            api, state, batch, parallel, optimizer, expected, donate_state, policy
+            api, state, batch, parallel, optimizer, expected, donate_state, policy, agreed
         )
         key = state.scaler
         try:
