@@ -25,6 +25,7 @@ from bitwise import assert_bitwise
 from torch.distributed.device_mesh import init_device_mesh
 
 import funcamp
+from funcamp.distributed.agree import fingerprint, refuse_differences
 from funcamp.testing import assert_trees_close, assert_trees_equal
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -564,3 +565,68 @@ def test_train_ddp_example_runs_in_one_process(tmp_path):
     assert example.main([*args[:1], "35", *args[2:], "--resume"]) < 0.2
     assert funcamp.checkpoint_info(tmp_path / "mixed_float16").metadata["step"] == 35
     assert not dist.is_initialized()
+
+
+def _fields(settings, state=None):
+    return {p: k for p, k, _ in fingerprint(settings, {} if state is None else state)}
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    return sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
+
+
+@pytest.mark.parametrize(
+    ("make", "leaf"),
+    [
+        (lambda: funcamp.adamw(2e-3), "lr"),
+        (lambda: funcamp.adamw(1e-3, b1=0.8), "b1"),
+        (lambda: funcamp.adamw(1e-3, weight_decay=0.1), "weight_decay"),
+        (lambda: funcamp.adamw(1e-3, eps=1e-6), "eps"),
+        (lambda: funcamp.adamw(funcamp.cosine_decay_schedule(1e-3, 99)), "decay_steps"),
+        (lambda: funcamp.chain(funcamp.clip_by_global_norm(2.0), funcamp.adamw(1e-3)), "max_norm"),
+    ],
+)  # fmt: skip
+def test_the_optimizer_fingerprint_names_the_hyperparameter_that_differs(make, leaf):
+    """Built twice alike, two optimizers describe alike (another process builds its own); a
+    hyperparameter that differs shows up under its own name (floats by their bits)."""
+    base = {
+        "lr": lambda: funcamp.adamw(1e-3),
+        "b1": lambda: funcamp.adamw(1e-3),
+        "weight_decay": lambda: funcamp.adamw(1e-3),
+        "eps": lambda: funcamp.adamw(1e-3),
+        "decay_steps": lambda: funcamp.adamw(funcamp.cosine_decay_schedule(1e-3, 100)),
+        "max_norm": lambda: funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.adamw(1e-3)),
+    }[leaf]
+    assert _fields({"optimizer": base()}) == _fields({"optimizer": base()})
+    differ = _differ(_fields({"optimizer": base()}), _fields({"optimizer": make()}))
+    assert differ and all(p.rsplit(".", 1)[-1] == leaf for p in differ), differ
+
+
+def test_the_fingerprint_of_a_policy_a_scaler_and_options():
+    mixed = funcamp.get_policy("mixed_bfloat16")
+    softmax = mixed.with_op_rules({"softmax": funcamp.OpRule.COMPUTE})
+    assert _differ(_fields({"policy": mixed}), _fields({"policy": softmax})) == [
+        "policy.ops['softmax']"
+    ]
+    state = _init(_adam())
+    slow = state._replace(scaler=funcamp.ScalerState.dynamic(2.0**8, growth_interval=3))
+    other_seed = _init(_adam(), seed=2)  # values are not compared: the first call broadcasts
+    assert _differ(_fields({}, state), _fields({}, slow)) == ["state.scaler.growth_interval"]
+    assert _differ(_fields({}, state), _fields({}, other_seed)) == []
+    opts = {"grad_norm": True, "compile": funcamp.Compile(backend="aot_eager")}
+    assert _differ(
+        _fields({"options": opts}), _fields({"options": {**opts, "grad_norm": False}})
+    ) == ["options['grad_norm']"]
+
+
+def test_a_difference_is_named_with_each_ranks_value():
+    same = [("optimizer.cfg.lr", "a", "0.001")]
+    refuse_differences("make_train_step", "parallel=X", [same, same, same])  # no error
+    odd = [("optimizer.cfg.lr", "b", "0.002"), ("policy.compute_dtype", "c", "torch.float16")]
+    with pytest.raises(ValueError) as e:
+        refuse_differences("make_train_step", "parallel=X (3 ranks)", [same, odd, same])
+    assert str(e.value).splitlines()[1:3] == [
+        "  - the optimizer's `lr` (optimizer.cfg.lr): ranks 0, 2 have 0.001, rank 1 has 0.002",
+        "  - the policy's `compute_dtype` (policy.compute_dtype): ranks 0, 2 have nothing "
+        "there, rank 1 has torch.float16",
+    ]
