@@ -327,7 +327,8 @@ _GLOBS = st.sampled_from(["enc.*", "layers.[01].attn", "Head", "*.norm", "mlp.?"
 def _named_policies(draw: Any, depth: int = 1) -> Policy:
     """Policies every part of which has a name: any dtypes and named table, op rules by name
     (removals included), module policies by glob (nested), FP8 by globs."""
-    table = OPS_BY_NAME[draw(_TABLES)]
+    name = draw(_TABLES if depth else _TABLES.filter(lambda t: t != "cast_at_entry"))
+    table = OPS_BY_NAME[name]  # (a module policy cannot cast at entry)
     changes = draw(st.dictionaries(st.sampled_from(_NAMED_OPS), st.none() | _RULES, max_size=4))
     removed = {op for op, rule in changes.items() if rule is None}
     items = {k: r for k, r in table.items() if k not in removed}
@@ -454,3 +455,16 @@ def test_grammar_accepts_what_str_writes_loosely() -> None:
 def test_bad_parts_name_the_part(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         get_policy(spec)
+
+
+def test_a_module_policy_cannot_cast_at_entry() -> None:
+    """Params are cast where the whole function is entered: a module policy that casts at entry
+    would cast the module's inputs and not its params (a bfloat16 input, a float32 weight)."""
+    for outer in ("mixed_bfloat16", "fsdp_bfloat16"):
+        with pytest.raises(ValueError, match=r"the module policy for 'head' casts at entry"):
+            get_policy(outer).with_module_policies({"head": "fsdp_float16"})
+    with pytest.raises(ValueError, match=r"casts at entry"):
+        get_policy("c=bf16,module:head=(c=f32,ops=cast_at_entry)")
+    # a table of rules under cast at entry is fine: the head's ops upcast the rounded params
+    p = get_policy("fsdp_bfloat16").with_module_policies({"head": "float32"})
+    assert get_policy(str(p)) == p

@@ -118,6 +118,13 @@ class Policy:
                     f"funcamp.Policy: the module policy for {entry[0]!r} must be a Policy, got "
                     f"{type(entry[1]).__name__}"
                 )
+            if entry[1].ops.casts_at_entry:
+                raise ValueError(
+                    f"funcamp.Policy: the module policy for {entry[0]!r} casts at entry "
+                    "(ops=cast_at_entry), which a module policy cannot do: params are cast where "
+                    "the whole function is entered, not where a module runs; give the module a "
+                    "table of rules instead (e.g. 'float32': its ops in float32)"
+                )
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise TypeError(
                 "funcamp.Policy: `fp8` must be None or built by Policy.with_fp8(recipe), got "
@@ -198,7 +205,8 @@ class Policy:
         op rules apply inside. The innermost matching module wins. Keys are ``nn.Module``
         subclasses, or glob patterns over module paths as ``named_modules()`` gives them for the
         root module (e.g. ``"encoder.*.norm"``). A value given as a string is parsed with
-        :func:`get_policy` (default op table).
+        :func:`get_policy` (default op table). A module policy cannot cast at entry
+        (``ops=cast_at_entry``): params are cast where the whole function is entered.
 
         Example:
             >>> import torch, funcamp
