@@ -56,9 +56,8 @@ def make_eval_step(
 
     The step is compiled and takes no gradients. ``fn`` runs under ``funcamp.amp(fn, policy)``
     and ``torch.no_grad()`` (a cast at entry leaves the buffers as they are). Ops cast as the
-    policy says. Every floating tensor ``fn`` returns is
-    in the policy's output dtype (a loss, logits, a dict of metrics, a Hugging Face
-    ``ModelOutput``).
+    policy says. Every floating tensor ``fn`` returns is in the policy's output dtype (a loss,
+    logits, a dict of metrics, a Hugging Face ``ModelOutput``).
 
     ``state`` is a :class:`TrainState` or a ``(params, buffers)`` pair. From a ``TrainState`` it
     reads ``params`` (with the ``frozen`` ones merged in), ``buffers`` and the delayed-FP8
