@@ -433,7 +433,7 @@ def test_other_op_rules_are_a_different_policy_named_by_the_first_difference(tmp
     base = funcamp.get_policy("mixed_float16")
     saved_with = base.with_op_rules({"softmax": funcamp.OpRule.COMPUTE})
     other = base.with_op_rules({"layer_norm": funcamp.OpRule.COMPUTE})
-    assert str(saved_with) == str(other) and repr(saved_with) == repr(other)
+    assert str(saved_with).endswith(",ops.softmax=compute")  # the header's policy string
     funcamp.save(tmp_path / "c.pt", _state(), policy=saved_with)
     with pytest.raises(
         ValueError,
@@ -444,6 +444,7 @@ def test_other_op_rules_are_a_different_policy_named_by_the_first_difference(tmp
     funcamp.load(tmp_path / "c.pt", _state(), policy=saved_with)  # the same rules: fine
     info = funcamp.checkpoint_info(tmp_path / "c.pt")
     assert info.policy_spec["ops"] == {"table": "default", "rules": {"softmax": "compute"}}
+    assert funcamp.get_policy(info.policy) == saved_with
 
 
 def test_fp8_and_module_rule_differences_are_named(tmp_path):

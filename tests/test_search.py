@@ -72,7 +72,10 @@ def test_keeps_the_overflowing_module_in_float32() -> None:
     assert len(policy.module_policies) == 1
     key, sub = policy.module_policies[0]
     assert key == "2" and sub.compute_dtype == F32 and sub.output_dtype == F32
-    assert str(policy) == "params=float32,compute=float16,output=float32"
+    assert str(policy) == (
+        "params=float32,compute=float16,output=float32,"
+        "module:2=(params=float32,compute=float32,output=float32)"
+    )
     # cost: reference, base, 3 alone, the 2 passing together = 6 (<= 2n + 2), one trace
     assert report.runs == 6 and report.traced == 1
     # the reported errors are what an independent measurement finds

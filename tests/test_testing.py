@@ -387,11 +387,17 @@ def test_update_keeps_the_state_valid(state, overflow):
 @PROPERTY
 @given(policies())
 def test_policies_round_trip_through_str_and_get_policy(policy):
+    """Every drawn policy prints whole: it reads back equal, or (a module class among its keys)
+    holds a marker that get_policy refuses; it never reads back as a policy without a part."""
     plain = dataclasses.replace(policy, ops=funcamp.OpPolicy.default(), module_policies=())
-    assert funcamp.get_policy(str(policy)) == plain
     assert hash(policy) == hash(dataclasses.replace(policy))
+    if "<class " in str(policy):
+        with pytest.raises(ValueError, match="has no text form"):
+            funcamp.get_policy(str(policy))
+    else:
+        assert funcamp.get_policy(str(policy)) == policy
     if policy != plain:
-        assert repr(policy) != repr(plain)
+        assert str(policy) != str(plain) and repr(policy) != repr(plain)
 
 
 @PROPERTY

@@ -31,6 +31,7 @@ from funcamp._core.context import (
     marking_inputs,
     transform_while_tracing,
 )
+from funcamp.casting.entry import cast_at_entry
 from funcamp.casting.fp8_matmul import FP8_OPS, Fp8Fallback, prepare_trace, run_fp8
 from funcamp.casting.reentry import COMPOSITES as _COMPOSITES  # noqa: F401 (tests re-enter)
 from funcamp.casting.reentry import backward_entries, reentered
@@ -40,7 +41,7 @@ from funcamp.policy.modules import glob_match
 from funcamp.policy.ops import DTYPE_ARG_OPS, OpPolicy, OpRule, name_index, op_name
 from funcamp.policy.policy import Policy, as_policy, cast_floating
 
-__all__ = ["amp", "full_precision", "recompute_under"]
+__all__ = ["amp", "amp_keeping", "full_precision", "recompute_under"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -518,8 +519,10 @@ def amp(fn: F, policy: Policy | str) -> F:
     floating tensor ``fn`` returns is cast to ``policy.output_dtype``. That includes tensors in
     tuples, lists, dicts and other mappings, NamedTuples, dataclasses, and types registered with
     torch's pytree (Hugging Face's ``ModelOutput``). Other objects (a KV cache) pass through as
-    they are. Inputs and params are not cast at entry (autocast semantics), so gradients come back
-    in the params' dtype.
+    they are. Inputs and params are not cast at entry (autocast semantics), unless the op table
+    casts at entry (``ops=cast_at_entry``, FSDP2's and haiku's meaning): then every floating
+    tensor argument goes to the compute dtype first. Either way gradients come back in the
+    params' dtype.
 
     It works eagerly, under ``torch.func.grad/vjp/jvp/vmap/functional_call`` and inside
     ``torch.compile(fullgraph=True)``. Nothing stays active after the call returns or raises. It
@@ -548,17 +551,25 @@ def amp(fn: F, policy: Policy | str) -> F:
         tensor([2., 4.])
     """
     check_fn(fn, "amp")
-    pol = as_policy(policy, "amp")
-    ctx = mode_context(pol)
+    return amp_keeping(fn, as_policy(policy, "amp"))
+
+
+def amp_keeping(fn: F, policy: Policy, keep: tuple[int, ...] = ()) -> F:
+    """``amp(fn, policy)``, whose cast at entry (``ops=cast_at_entry``) leaves the positional
+    arguments numbered in ``keep`` as they are: a train step's buffers, as FSDP2 leaves them."""
+    ctx = mode_context(policy)
     # A CrossEntropyLoss built inside fn, once compiled, reaches the mode (funcamp.compiler).
     route_cross_entropy(_AmpMode)
+    at_entry = policy.ops.casts_at_entry
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if at_entry:
+            args, kwargs = cast_at_entry(policy, args, kwargs, keep)
         out = run_in_mode(ctx, fn, args, kwargs)
         return cast_floating(out, ctx.output_dtype)
 
-    wrapped.policy = pol  # type: ignore[attr-defined]
+    wrapped.policy = policy  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]
 
 

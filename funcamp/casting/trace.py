@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp.casting.amp import check_fn, mode_context, run_in_mode
+from funcamp.casting.entry import cast_at_entry
 from funcamp.policy.ops import OpRule, op_name
 from funcamp.policy.policy import Policy, as_policy, cast_floating
 
@@ -398,6 +399,7 @@ def trace(
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> AmpTrace:
         recorder = _Recorder(stats)
+        args, kwargs = cast_at_entry(pol, args, kwargs)
         out = run_in_mode(ctx, fn, args, kwargs, recorder)
         out = cast_floating(out, pol.output_dtype)
         return AmpTrace(out, recorder.records, pol, stats, recorder.fp8, recorder.fp8_fallbacks)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from funcamp.policy.ops import OPS_BY_NAME, OpKey, OpPolicy
+from funcamp.policy.ops import OPS_BY_NAME, OpKey, OpPolicy, closest_table
 
 __all__ = ["describe_policy", "policy_difference"]
 
@@ -37,15 +37,6 @@ def _module_key(key: Any) -> str:
     return f"class {key.__module__}.{key.__qualname__}"
 
 
-def _overrides(ops: OpPolicy, base: OpPolicy) -> dict[str, str]:
-    """The rules of ``ops`` that ``base`` does not have, by op key, sorted; removed ops too."""
-    own = {_op_key(k): r.value for k, r in ops.items()}
-    theirs = {_op_key(k): r.value for k, r in base.items()}
-    out = {k: v for k, v in own.items() if theirs.get(k) != v}
-    out.update({k: REMOVED for k in theirs if k not in own})
-    return dict(sorted(out.items()))
-
-
 def _table_rule(table: Any, op: str) -> str:
     """The rule the named table gives ``op`` (``REMOVED`` when it does not list it)."""
     ops = OPS_BY_NAME.get(table, OpPolicy.none()) if isinstance(table, str) else OpPolicy.none()
@@ -54,16 +45,13 @@ def _table_rule(table: Any, op: str) -> str:
 
 
 def describe_ops(ops: OpPolicy) -> dict[str, Any]:
-    """``{"table": name, "rules": {op: rule}}``: the closest named table and the differences."""
-    best: tuple[str, dict[str, str]] | None = None
-    for name, table in OPS_BY_NAME.items():
-        if name == "autocast_cuda":  # the same table as "default": one name for it
-            continue
-        rules = _overrides(ops, table)
-        if best is None or len(rules) < len(best[1]):
-            best = (name, rules)
-    assert best is not None
-    return {"table": best[0], "rules": best[1]}
+    """``{"table": name, "rules": {op: rule}}``: the closest named table and the differences.
+
+    A table that casts at entry is described against ``cast_at_entry``, the one named table
+    that does."""
+    name, changes = closest_table(ops)
+    rules = {_op_key(k): REMOVED if r is None else r.value for k, r in changes.items()}
+    return {"table": name, "rules": dict(sorted(rules.items()))}
 
 
 def describe_policy(policy: Any) -> dict[str, Any]:

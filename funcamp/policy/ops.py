@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OpKey", "OpPolicy", "OpRule", "op_name"]
+__all__ = ["OpKey", "OpPolicy", "OpRule", "closest_table", "from_table", "op_name"]
 
 
 class OpRule(enum.Enum):
@@ -277,7 +277,9 @@ def _normalize_key(op: Any, api: str) -> OpKey:
 class OpPolicy(Mapping[OpKey, OpRule]):
     """An immutable, hashable mapping from op (canonical name or callable) to :class:`OpRule`.
 
-    Ops not in the mapping run as called (``OpRule.NONE``).
+    Ops not in the mapping run as called (``OpRule.NONE``). A table may also cast at entry
+    (:meth:`cast_at_entry`): ``amp`` then casts every floating input to the compute dtype before
+    the function runs, and the rules apply on top.
 
     Example:
         >>> import torch, funcamp
@@ -288,7 +290,7 @@ class OpPolicy(Mapping[OpKey, OpRule]):
         <OpRule.COMPUTE: 'compute'>
     """
 
-    __slots__ = ("_hash", "_items", "_name")
+    __slots__ = ("_entry", "_hash", "_items", "_name")
 
     def __init__(
         self,
@@ -296,6 +298,7 @@ class OpPolicy(Mapping[OpKey, OpRule]):
         *,
         name: str | None = None,
         _trusted: bool = False,
+        _entry: bool = False,
     ) -> None:
         items = dict(rules.items() if isinstance(rules, Mapping) else rules)
         normalized: dict[OpKey, OpRule] = {}
@@ -313,7 +316,8 @@ class OpPolicy(Mapping[OpKey, OpRule]):
             normalized[key] = rule
         self._items = normalized
         self._name = name
-        self._hash = hash(frozenset(normalized.items()))
+        self._entry = _entry
+        self._hash = hash((frozenset(normalized.items()), _entry))
 
     @classmethod
     def default(cls) -> OpPolicy:
@@ -354,6 +358,27 @@ class OpPolicy(Mapping[OpKey, OpRule]):
         """
         return _NONE
 
+    @classmethod
+    def cast_at_entry(cls) -> OpPolicy:
+        """Cast at entry: no op rules; ``amp`` casts the floating inputs to the compute dtype first.
+
+        What haiku's ``set_policy``, jmp's ``cast_to_compute`` and FSDP2's
+        ``MixedPrecisionPolicy`` do: every floating param and input goes to the compute dtype
+        once, on entry, and each op runs in the dtypes it gets. ``with_rules`` adds rules on top.
+
+        Example:
+            >>> import funcamp
+            >>> ops = funcamp.OpPolicy.cast_at_entry()
+            >>> ops.casts_at_entry, len(ops), ops == funcamp.OpPolicy.none()
+            (True, 0, False)
+        """
+        return _ENTRY
+
+    @property
+    def casts_at_entry(self) -> bool:
+        """Whether ``amp`` casts the floating inputs to the compute dtype on entry."""
+        return self._entry
+
     def with_rules(self, rules: Mapping[OpKey, OpRule]) -> OpPolicy:
         """Return a new table with ``rules`` added or replaced; this one is unchanged."""
         if not isinstance(rules, Mapping):
@@ -363,7 +388,7 @@ class OpPolicy(Mapping[OpKey, OpRule]):
             )
         merged = dict(self._items)
         merged.update(OpPolicy(rules)._items)
-        return OpPolicy(merged, _trusted=True)
+        return OpPolicy(merged, _trusted=True, _entry=self._entry)
 
     def __getitem__(self, op: OpKey) -> OpRule:
         key = op if isinstance(op, str) else (op_name(op) or op)
@@ -385,7 +410,7 @@ class OpPolicy(Mapping[OpKey, OpRule]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, OpPolicy):
             return NotImplemented
-        return self._items == other._items
+        return self._entry == other._entry and self._items == other._items
 
     def __hash__(self) -> int:
         return self._hash
@@ -393,7 +418,8 @@ class OpPolicy(Mapping[OpKey, OpRule]):
     def __repr__(self) -> str:
         if self._name is not None:
             return self._name
-        return f"OpPolicy({len(self._items)} rules)"
+        entry = ", cast at entry" if self._entry else ""
+        return f"OpPolicy({len(self._items)} rules{entry})"
 
     def dispatch_table(self) -> dict[Any, OpRule]:
         """Return the table the amp mode looks each call up in.
@@ -431,6 +457,7 @@ _DEFAULT = OpPolicy(_CUDA_TABLE, name="OpPolicy.default()", _trusted=True)
 _CUDA = OpPolicy(_CUDA_TABLE, name='OpPolicy.autocast("cuda")', _trusted=True)
 _CPU = OpPolicy(_CPU_TABLE, name='OpPolicy.autocast("cpu")', _trusted=True)
 _NONE = OpPolicy({}, name="OpPolicy.none()", _trusted=True)
+_ENTRY = OpPolicy({}, name="OpPolicy.cast_at_entry()", _trusted=True, _entry=True)
 
 
 # Python composites the amp mode re-enters, so the torch calls they make inside are seen too.
@@ -468,14 +495,65 @@ def python_composites() -> frozenset[Any]:
 
 #: The tables a policy string can name (``ops=...``); the default table is named by omission.
 #: ``OpPolicy.default()`` holds CUDA's lists, so ``autocast_cuda`` names the default table too.
-OPS_BY_NAME = {"default": _DEFAULT, "autocast_cuda": _CUDA, "autocast_cpu": _CPU, "none": _NONE}
+OPS_BY_NAME = {
+    "default": _DEFAULT,
+    "autocast_cuda": _CUDA,
+    "autocast_cpu": _CPU,
+    "none": _NONE,
+    "cast_at_entry": _ENTRY,
+}
+#: The rule text of an op a named table lists and a policy's table does not.
+UNLISTED = "unlisted"
+
+
+def _differences(ops: OpPolicy, table: OpPolicy) -> dict[OpKey, OpRule | None]:
+    """What ``ops`` has on top of ``table``: changed or added rules, and None for removed ops."""
+    out: dict[OpKey, OpRule | None] = {
+        k: r for k, r in ops._items.items() if table._items.get(k) is not r
+    }
+    out.update({k: None for k in table._items if k not in ops._items})
+    return out
+
+
+def closest_table(ops: OpPolicy) -> tuple[str, dict[OpKey, OpRule | None]]:
+    """The named table ``ops`` is closest to, and the differences on top of it.
+
+    The table casts at entry exactly when ``ops`` does; among those, the one with the fewest
+    differences wins, ``default`` on a tie (``autocast_cuda`` is the same table: never chosen).
+    A difference is a rule, or None for an op the table lists and ``ops`` does not.
+    """
+    best: tuple[str, dict[OpKey, OpRule | None]] | None = None
+    for name, table in OPS_BY_NAME.items():
+        if name == "autocast_cuda" or table._entry != ops._entry:
+            continue
+        found = _differences(ops, table)
+        if best is None or len(found) < len(best[1]):
+            best = (name, found)
+    assert best is not None
+    return best
+
+
+def from_table(name: str, changes: Mapping[OpKey, OpRule | None]) -> OpPolicy:
+    """The named table with ``changes`` applied (a None rule removes the op): the inverse of
+    :func:`closest_table`. Keys are checked as :meth:`OpPolicy.with_rules` checks them."""
+    table = OPS_BY_NAME[name]
+    if not changes:
+        return table
+    items = dict(table._items)
+    for op, rule in changes.items():
+        key = _normalize_key(op, "get_policy")
+        if rule is None:
+            items.pop(key, None)
+        else:
+            items[key] = rule
+    return OpPolicy(items, _trusted=True, _entry=table._entry)
 
 
 def ops_name(ops: OpPolicy) -> str | None:
     """The name a policy string gives ``ops``.
 
-    None for the default table, and for tables that are not one of ``OPS_BY_NAME``. (Those are
-    a policy's op overrides, which only its repr shows.)
+    None for the default table, and for tables that are not one of ``OPS_BY_NAME`` (those
+    print as the closest named table and the differences: :func:`closest_table`).
     """
     if ops == _DEFAULT:
         return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,76 +11,25 @@ import torch
 
 from funcamp._core.tree import NAMESPACE, map_tensors, tree_cast
 from funcamp.policy.fp8 import Fp8Config
-from funcamp.policy.ops import OPS_BY_NAME, OpKey, OpPolicy, OpRule, ops_name
+from funcamp.policy.ops import OpKey, OpPolicy, OpRule, from_table
+from funcamp.policy.text import (
+    AUTOCAST,
+    DTYPE_NAMES,
+    PRESETS,
+    autocast_refused,
+    parse_dtype,
+    parse_parts,
+    policy_text,
+    spec_help,
+    unknown_name,
+)
 
 __all__ = ["ModuleKey", "Policy", "as_policy", "get_policy", "parse_dtype"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "f32": torch.float32,
-    "float32": torch.float32,
-    "full": torch.float32,
-    "f16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "f64": torch.float64,
-    "float64": torch.float64,
-}
-_CANONICAL_NAME = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-}
-_KEYS = {
-    "p": "param_dtype",
-    "params": "param_dtype",
-    "c": "compute_dtype",
-    "compute": "compute_dtype",
-    "o": "output_dtype",
-    "output": "output_dtype",
-}
-_PRESETS = {
-    "mixed_float16": "params=float32,compute=float16,output=float32",
-    "16-mixed": "params=float32,compute=float16,output=float32",
-    "mixed_bfloat16": "params=float32,compute=bfloat16,output=float32",
-    "bf16-mixed": "params=float32,compute=bfloat16,output=float32",
-    "bf16-true": "params=bfloat16,compute=bfloat16,output=bfloat16",
-    "16-true": "params=float16,compute=float16,output=float16",
-    "32-true": "params=float32,compute=float32,output=float32",
-    "64-true": "params=float64,compute=float64,output=float64",
-    "autocast_cpu": "params=float32,compute=bfloat16,output=float32,ops=autocast_cpu",
-    "autocast_cuda": "params=float32,compute=float16,output=float32,ops=autocast_cuda",
-}
-#: Resolved when the policy is built: torch.autocast's own defaults on the device training runs on.
-_AUTOCAST = "autocast"
-
 #: A module override is keyed by an ``nn.Module`` subclass or a glob of module paths.
 ModuleKey = type | str
-
-
-def parse_dtype(name: str, *, api: str = "get_policy") -> torch.dtype:
-    """Parse a dtype name (``f32|float32|full``, ``f16|float16|half``, ``bf16|bfloat16``,
-    ``f64|float64``).
-
-    Example (every policy string goes through it):
-        >>> import funcamp
-        >>> funcamp.get_policy("params=f32,compute=bf16,output=f32").compute_dtype
-        torch.bfloat16
-    """
-    key = name.strip().lower()
-    if key.startswith("torch."):
-        key = key[len("torch.") :]
-    try:
-        return _DTYPE_NAMES[key]
-    except KeyError:
-        raise ValueError(
-            f"funcamp.{api}: unknown dtype name {name!r}; valid names are "
-            + ", ".join(sorted(_DTYPE_NAMES))
-        ) from None
 
 
 def _check_dtype(value: Any, field: str) -> None:
@@ -116,17 +64,24 @@ class Policy:
         compute_dtype: dtype ops with the ``COMPUTE`` rule run in.
         output_dtype: dtype floating outputs of an ``amp``-wrapped function are cast to.
         ops: the op table (:class:`OpPolicy`); defaults to ``OpPolicy.default()`` (torch's CUDA
-            autocast lists, on every device).
+            autocast lists, on every device); ``OpPolicy.cast_at_entry()`` casts the floating
+            inputs on entry instead (FSDP2's and haiku's mixed precision).
         module_policies: per-module overrides, ``((ModuleClass or "glob.path", Policy), ...)``;
             build them with :meth:`with_module_policies`.
         fp8: which linear and addmm calls run as scaled FP8 matmuls, and with which recipe, or
             None; build it with :meth:`with_fp8`.
+
+    ``str(policy)`` writes every part in :func:`get_policy`'s grammar, and reads back as an
+    equal policy when every part has a name; a part without one (a module class, an op given
+    as an unnamed callable) prints as a marker in angle brackets, which ``get_policy`` refuses.
 
     Example:
         >>> import torch, funcamp
         >>> p = funcamp.Policy(compute_dtype=torch.bfloat16)
         >>> str(p)
         'params=float32,compute=bfloat16,output=float32'
+        >>> str(p.with_module_policies({"head": "float32"}))
+        'params=float32,compute=bfloat16,output=float32,module:head=(params=float32,compute=float32,output=float32)'
         >>> p.cast_to_compute({"x": torch.ones(2), "i": torch.arange(2)})["x"].dtype
         torch.bfloat16
     """
@@ -162,6 +117,13 @@ class Policy:
                 raise TypeError(
                     f"funcamp.Policy: the module policy for {entry[0]!r} must be a Policy, got "
                     f"{type(entry[1]).__name__}"
+                )
+            if entry[1].ops.casts_at_entry:
+                raise ValueError(
+                    f"funcamp.Policy: the module policy for {entry[0]!r} casts at entry "
+                    "(ops=cast_at_entry), which a module policy cannot do: params are cast where "
+                    "the whole function is entered, not where a module runs; give the module a "
+                    "table of rules instead (e.g. 'float32': its ops in float32)"
                 )
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise TypeError(
@@ -243,7 +205,8 @@ class Policy:
         op rules apply inside. The innermost matching module wins. Keys are ``nn.Module``
         subclasses, or glob patterns over module paths as ``named_modules()`` gives them for the
         root module (e.g. ``"encoder.*.norm"``). A value given as a string is parsed with
-        :func:`get_policy` (default op table).
+        :func:`get_policy` (default op table). A module policy cannot cast at entry
+        (``ops=cast_at_entry``): params are cast where the whole function is entered.
 
         Example:
             >>> import torch, funcamp
@@ -307,31 +270,15 @@ class Policy:
             >>> p = funcamp.get_policy("mixed_bfloat16").with_fp8(
             ...     funcamp.Fp8Recipe.current(), exclude=("head",))
             >>> p.fp8.recipe.kind, p.fp8.exclude, str(p)
-            ('current', ('head',), 'params=float32,compute=bfloat16,output=float32')
+            ('current', ('head',), 'params=float32,compute=bfloat16,output=float32,fp8=current,fp8.exclude=(head)')
         """
         return dataclasses.replace(self, fp8=Fp8Config.build(recipe, modules, exclude))
 
     def __str__(self) -> str:
-        text = (
-            f"params={_CANONICAL_NAME[self.param_dtype]},"
-            f"compute={_CANONICAL_NAME[self.compute_dtype]},"
-            f"output={_CANONICAL_NAME[self.output_dtype]}"
-        )
-        name = ops_name(self.ops)
-        return text if name is None else f"{text},ops={name}"
+        return policy_text(self)
 
     def __repr__(self) -> str:
-        parts = [f"Policy({str(self)!r}"]
-        if self.ops != OpPolicy.default() and ops_name(self.ops) is None:
-            parts.append(f"ops={self.ops!r}")
-        if self.module_policies:
-            inner = ", ".join(
-                f"{getattr(k, '__name__', k)!s}: {v!r}" for k, v in self.module_policies
-            )
-            parts.append(f"module_policies={{{inner}}}")
-        if self.fp8 is not None:
-            parts.append(f"fp8={self.fp8!r}")
-        return ", ".join(parts) + ")"
+        return f"Policy({policy_text(self)!r})"
 
 
 def off_policy_param(policy: Policy, params: Any) -> tuple[str, torch.Tensor] | None:
@@ -364,24 +311,35 @@ def check_module_key(key: Any, api: str) -> None:
 
 
 def get_policy(spec: str) -> Policy:
-    """Build a :class:`Policy` from a string, in jmp's grammar.
+    """Build a :class:`Policy` from a string, in jmp's grammar; ``str(policy)`` writes it back.
 
     ``spec`` is comma-separated ``key=value`` with keys ``p|params``, ``c|compute``,
     ``o|output`` and dtype names ``f32|float32|full``, ``f16|float16|half``,
     ``bf16|bfloat16``, ``f64|float64``. Params default to float32, compute follows params,
     output follows compute. A bare dtype name sets all three. An ``ops`` key names the op table:
     ``default`` (torch's CUDA autocast lists, on every device: the default), ``autocast_cpu``
-    (torch's CPU lists), ``autocast_cuda`` (the same as ``default``) or ``none``.
+    (torch's CPU lists), ``autocast_cuda`` (the same as ``default``), ``none``, or
+    ``cast_at_entry`` (floating params and inputs cast to the compute dtype on entry, each op
+    run in the dtypes it gets: FSDP2's, haiku's and jmp's mixed precision).
 
-    Presets: ``"mixed_float16"``/``"16-mixed"``, ``"mixed_bfloat16"``/``"bf16-mixed"``,
-    ``"bf16-true"``, ``"16-true"``, ``"float32"``/``"32-true"``. Three more are torch.autocast's
-    own defaults:
+    Every other part of a policy has a text form too, so ``get_policy(str(p)) == p``:
+    ``ops.NAME=RULE`` (an op rule on top of the table; ``unlisted`` drops an op the table lists),
+    ``module:GLOB=(POLICY)`` (a module policy for a module-path glob) and ``fp8=current``,
+    ``fp8=delayed(history=16,margin=0)``, ``fp8.modules=(GLOB,...)``, ``fp8.exclude=(GLOB,...)``.
+    A part with no text form (an op given as an unnamed callable, a module class) prints as a
+    marker in angle brackets, which this function refuses with the way to build it.
 
-    * ``"autocast_cpu"``: bfloat16 compute with CPU's lists, bit-identical to
-      ``torch.autocast("cpu")``;
-    * ``"autocast_cuda"``: float16 compute with CUDA's lists, equal to ``"mixed_float16"``;
-    * ``"autocast"``: ``"autocast_cuda"`` when ``torch.cuda.is_available()`` at the time of the
-      call, and ``"autocast_cpu"`` otherwise.
+    Presets: ``"mixed_float16"``/``"16-mixed"``, ``"mixed_bfloat16"``/``"bf16-mixed"``
+    (CUDA's lists on every device: equal to ``torch.autocast("cpu")`` only for models whose ops
+    both lists treat alike; a LayerNorm or softmax on bfloat16 values is not),
+    ``"bf16-true"``, ``"16-true"``, ``"float32"``/``"32-true"``, ``"64-true"``, and:
+
+    * ``"autocast_cpu"``: bfloat16 with CPU's lists, bit-identical to ``torch.autocast("cpu")``;
+    * ``"autocast_cuda"``: float16 with CUDA's lists, equal to ``"mixed_float16"``;
+    * ``"fsdp_bfloat16"``, ``"fsdp_float16"``: cast at entry, params and outputs float32; FSDP2's
+      ``MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32)`` bit for bit.
+
+    ``"autocast"`` alone is refused: torch.autocast's defaults depend on the device.
 
     Raises:
         ValueError: naming the bad part of ``spec`` and listing what is valid.
@@ -390,10 +348,13 @@ def get_policy(spec: str) -> Policy:
         >>> import funcamp
         >>> str(funcamp.get_policy("c=bf16"))
         'params=float32,compute=bfloat16,output=bfloat16'
-        >>> str(funcamp.get_policy("mixed_float16"))
-        'params=float32,compute=float16,output=float32'
-        >>> str(funcamp.get_policy("autocast_cpu"))
-        'params=float32,compute=bfloat16,output=float32,ops=autocast_cpu'
+        >>> str(funcamp.get_policy("fsdp_bfloat16"))
+        'params=float32,compute=bfloat16,output=float32,ops=cast_at_entry'
+        >>> p = funcamp.get_policy("mixed_float16").with_op_rules({"softmax": funcamp.OpRule.COMPUTE})
+        >>> str(p)
+        'params=float32,compute=float16,output=float32,ops.softmax=compute'
+        >>> funcamp.get_policy(str(p)) == p
+        True
     """
     if isinstance(spec, Policy):
         return spec
@@ -402,73 +363,33 @@ def get_policy(spec: str) -> Policy:
             f"funcamp.get_policy: `spec` must be a str such as 'mixed_bfloat16' or "
             f"'params=float32,compute=bfloat16', got {type(spec).__name__} {spec!r}"
         )
-    text = spec.strip().lower()
-    if text == _AUTOCAST:
-        text = "autocast_cuda" if torch.cuda.is_available() else "autocast_cpu"
-    text = _PRESETS.get(text, text)
+    text = spec.strip()
+    if text.lower() == AUTOCAST:
+        raise ValueError(autocast_refused(spec))
+    text = PRESETS.get(text.lower(), text)
     if not text:
-        raise ValueError(_spec_help("empty policy spec"))
+        raise ValueError(spec_help("empty policy spec"))
     if "=" not in text:
-        if text.removeprefix("torch.") not in _DTYPE_NAMES:
-            raise ValueError(_unknown_name(spec, text))
+        if text.lower().removeprefix("torch.") not in DTYPE_NAMES:
+            raise ValueError(unknown_name(spec, text.lower()))
         dtype = parse_dtype(text)
         return Policy(dtype, dtype, dtype)
-    values: dict[str, Any] = {}
-    for part in text.split(","):
-        part = part.strip()
-        if "=" not in part:
-            raise ValueError(_spec_help(f"bad part {part!r} in {spec!r}: expected key=value"))
-        key, _, value = part.partition("=")
-        key, value = key.strip(), value.strip()
-        if key not in _KEYS and key != "ops":
-            raise ValueError(_spec_help(f"unknown key {key!r} in {spec!r}"))
-        field = _KEYS.get(key, "ops")
-        if field in values:
-            raise ValueError(_spec_help(f"duplicate key {key!r} in {spec!r}"))
-        if field == "ops":
-            if value not in OPS_BY_NAME:
-                raise ValueError(
-                    f"funcamp.get_policy: unknown op table {value!r} in {spec!r}; valid: "
-                    + ", ".join(f"ops={name}" for name in OPS_BY_NAME)
-                )
-            values[field] = OPS_BY_NAME[value]
-        else:
-            values[field] = parse_dtype(value)
-    param = values.get("param_dtype", torch.float32)
-    compute = values.get("compute_dtype", param)
-    output = values.get("output_dtype", compute)
-    return Policy(param, compute, output, ops=values.get("ops", OpPolicy.default()))
-
-
-def _unknown_name(spec: str, text: str) -> str:
-    """A bare word that is neither a preset nor a dtype name: list both, suggest the closest."""
-    presets = sorted({*_PRESETS, "float32", _AUTOCAST})
-    close = difflib.get_close_matches(text, [*presets, *_DTYPE_NAMES], n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    half = "bfloat16" if "bf" in text else "float16" if "16" in text else None
-    if half is not None and (  # "fp16", "float16-mixed": most mean the mixed preset
-        not close or close[0] in _DTYPE_NAMES or ("bf" in close[0]) != (half == "bfloat16")
-    ):
-        short = "bf16" if half == "bfloat16" else "f16"
-        hint = (
-            f"did you mean 'mixed_{half}' (params float32, compute {half}: mixed precision) or "
-            f"{short!r} (params, compute and output all {half})? "
-        )
-    return (
-        f"funcamp.get_policy: unknown policy {spec!r}; {hint}presets: {', '.join(presets)}; "
-        f"dtype names (one dtype for params, compute and output): "
-        f"{', '.join(sorted(_DTYPE_NAMES))}; or key=value parts such as "
-        "'params=float32,compute=bfloat16'"
-    )
-
-
-def _spec_help(problem: str) -> str:
-    return (
-        f"funcamp.get_policy: {problem}. Valid: comma-separated key=value with keys "
-        "p|params, c|compute, o|output (dtypes f32|float32|full, f16|float16|half, "
-        "bf16|bfloat16, f64|float64) and ops (" + "|".join(OPS_BY_NAME) + "); a bare dtype; "
-        "or a preset (" + ", ".join(sorted({*_PRESETS, "float32", _AUTOCAST})) + ")"
-    )
+    parsed = parse_parts(spec, text)
+    param = parsed.dtypes.get("param_dtype", torch.float32)
+    compute = parsed.dtypes.get("compute_dtype", param)
+    output = parsed.dtypes.get("output_dtype", compute)
+    policy = Policy(param, compute, output, ops=from_table(parsed.table, parsed.rules))
+    if parsed.modules:
+        module_policies = []
+        for glob, sub in parsed.modules:
+            check_module_key(glob, "get_policy")
+            module_policies.append((glob, get_policy(sub)))
+        policy = dataclasses.replace(policy, module_policies=tuple(module_policies))
+    if parsed.fp8 is not None:
+        recipe, modules, exclude = parsed.fp8
+        fp8 = Fp8Config.build(recipe, (torch.nn.Linear,) if modules is None else modules, exclude)
+        policy = dataclasses.replace(policy, fp8=fp8)
+    return policy
 
 
 def as_policy(policy: Any, api: str) -> Policy:

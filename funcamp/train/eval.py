@@ -12,7 +12,7 @@ from funcamp._core.checks import flatten_params
 from funcamp._core.donation import refuse_consumed
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import PyTree, describe
-from funcamp.casting.amp import amp
+from funcamp.casting.amp import amp_keeping
 from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.train.compiling import (
@@ -55,9 +55,9 @@ def make_eval_step(
     """Build ``eval_step(state, batch) -> fn(params, buffers, batch)``: evaluation under a policy.
 
     The step is compiled and takes no gradients. ``fn`` runs under ``funcamp.amp(fn, policy)``
-    and ``torch.no_grad()``. Ops cast as the policy says. Every floating tensor ``fn`` returns is
-    in the policy's output dtype (a loss, logits, a dict of metrics, a Hugging Face
-    ``ModelOutput``).
+    and ``torch.no_grad()`` (a cast at entry leaves the buffers as they are). Ops cast as the
+    policy says. Every floating tensor ``fn`` returns is in the policy's output dtype (a loss,
+    logits, a dict of metrics, a Hugging Face ``ModelOutput``).
 
     ``state`` is a :class:`TrainState` or a ``(params, buffers)`` pair. From a ``TrainState`` it
     reads ``params`` (with the ``frozen`` ones merged in), ``buffers`` and the delayed-FP8
@@ -104,7 +104,7 @@ def make_eval_step(
     specialize = cfg is not None and cfg.specialize
     compile_options = {} if cfg is None else cfg.torch_options()
     compile = cfg is not None
-    run_fn = with_fp8_state(amp(fn, pol))
+    run_fn = with_fp8_state(amp_keeping(fn, pol, keep=(1,)))  # buffers: not cast at entry
     fp8_stateful = needs_state(pol)
 
     def eval_step(params: PyTree, buffers: PyTree, fp8: Fp8State, batch: Batch) -> Any:

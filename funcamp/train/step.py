@@ -37,7 +37,7 @@ from funcamp._core.tree import (
     tree_select,
     unflatten,
 )
-from funcamp.casting.amp import amp, recompute_under
+from funcamp.casting.amp import amp_keeping, recompute_under
 from funcamp.casting.fp8 import needs_state, with_fp8_state
 from funcamp.compiler.gate import check_choice
 from funcamp.optim._accumulate import accumulation_window
@@ -300,7 +300,7 @@ def build_train_step(
     opts = StepOptions() if step_options is None else step_options
     checked = check_step_options(loss_fn, optimizer, policy, parallel, opts, compile_options)
     pol = checked.policy
-    run_loss = with_fp8_state(amp(loss_fn, pol))
+    run_loss = with_fp8_state(amp_keeping(loss_fn, pol, keep=(1,)))  # buffers: not cast at entry
     fp8_stateful = needs_state(pol)
     grad_method = GradMethod(
         pieces=bool(opts.compile) and compile_options.get("fullgraph", True) is False,
