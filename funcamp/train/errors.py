@@ -191,14 +191,14 @@ def breaks_graph(error: BaseException) -> bool:
     return isinstance(error, exc.Unsupported)
 
 
-def graph_break_notice(api: str, error: BaseException, what: str) -> str:
-    """What a step says once when its loss cannot be one graph and it compiles ``what``."""
+def graph_break_notice(api: str, error: BaseException, what: str, subject: str = "the loss") -> str:
+    """What a step says once when ``subject`` cannot be one graph and it compiles ``what``."""
     kind = _BREAKS["data" if isinstance(error, torch._dynamo.exc.UserError) else "call"]
     where = user_frame(error)
     return (
-        f"funcamp.{api}: the loss cannot be one graph: {kind} ({_reason(error)}) "
+        f"funcamp.{api}: {subject} cannot be one graph: {kind} ({_reason(error)}) "
         f"{'at ' + where if where else '(where: not known)'}; {what}. "
-        "compile=funcamp.Compile(fullgraph=True) refuses such a loss instead"
+        "compile=funcamp.Compile(fullgraph=True) refuses it instead"
     )
 
 

@@ -100,7 +100,7 @@ def make_eval_step(
 
     eval_step.__code__ = fresh_code(eval_step.__code__)
     compiled: list[Any] = []  # [run, its patches, the device type], set on the first call
-    pieces = Pieces(api, None if cfg is None else cfg.fullgraph, _IN_PIECES)
+    pieces = Pieces(api, None if cfg is None else cfg.fullgraph, _IN_PIECES, "`fn`")
 
     def compile_for(device_type: str) -> Callable[..., Any]:
         # Built when the params' device is known (the compiler patches').

@@ -82,10 +82,11 @@ class Pieces:
     pieces; :meth:`switch` calls it once, after a whole-step trace failed for a graph break.
     """
 
-    def __init__(self, api: str, fullgraph: Any, what: str) -> None:
+    def __init__(self, api: str, fullgraph: Any, what: str, subject: str = "the loss") -> None:
         self.api = api
         self.fullgraph = fullgraph
         self.what = what
+        self.subject = subject
         self.split = fullgraph is False
 
     def switch(
@@ -96,5 +97,5 @@ class Pieces:
         if self.fullgraph != "auto" or self.split or not breaks_graph(error):
             return None
         self.split = True
-        logger.warning(graph_break_notice(self.api, error, self.what))
+        logger.warning(graph_break_notice(self.api, error, self.what, self.subject))
         return build()
