@@ -19,7 +19,6 @@ from funcamp.casting.trace import AmpTrace, OpRecord, OpStats, trace
 from funcamp.checkpoints.format import CheckpointInfo
 from funcamp.checkpoints.save import checkpoint_info, load, save
 from funcamp.checkpoints.state_dict import load_state_dict, state_dict
-from funcamp.entry import make_train_step
 from funcamp.optim._adafactor import adafactor
 from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
 from funcamp.optim._base import Optimizer, apply_updates, chain
@@ -54,6 +53,7 @@ from funcamp.train.config import Compile
 from funcamp.train.eval import make_eval_step
 from funcamp.train.loss import scaled_grad_and_value
 from funcamp.train.state import TrainState, load_into_module, params_and_buffers
+from funcamp.train.step import make_train_step
 
 __all__ = [
     "AmpTrace",

@@ -40,7 +40,7 @@ _SHARED_SCOPES = ("class", "module", "package")
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n 2``, with ``--dist loadgroup`` from pyproject's addopts), the tests
+    """Under pytest-xdist (``-n 2``, with ``--dist loadgroup`` from the root conftest.py), the tests
     that request a module-scoped fixture of their module -- a compiled step, a spawned distributed
     run -- go to one worker together, so that the fixture is built once; every other test goes
     wherever a worker is free. Autouse fixtures (a thread-count setting) do not group."""

@@ -395,9 +395,8 @@ def test_compiled_trace_failure_leaves_the_state_usable():
         return _loss(params, buffers, batch)
 
     opt = funcamp.sgd(0.1)
-    step = funcamp.make_train_step(
-        loss_fn, opt, "float32", compile=funcamp.Compile(backend="eager")
-    )
+    strict = funcamp.Compile(backend="eager", fullgraph=True)
+    step = funcamp.make_train_step(loss_fn, opt, "float32", compile=strict)
     state = _fresh(opt, torch.float32)
     snap = _snapshot(state)
     with pytest.raises(RuntimeError, match="cannot be compiled"):

@@ -458,13 +458,12 @@ def _cases() -> list[Any]:
     add("make_train_step-loss-int", funcamp.make_train_step, 3, sgd, "float32")
     add("make_train_step-opt-str", funcamp.make_train_step, lambda *a: 0, "sgd", "float32")
     add(
-        "make_train_step-options-eager",
+        "make_train_step-compile-str",
         funcamp.make_train_step,
         lambda *a: 0,
         sgd,
         "float32",
-        compile=False,
-        backend="eager",
+        compile="eager",
     )
     add(
         "make_train_step-donate-str",

@@ -163,18 +163,6 @@ def test_the_choice_is_checked():
         )
 
 
-def test_the_old_names_warn_with_the_new_ones_and_do_the_same():
-    with pytest.warns(FutureWarning, match=r"funcamp\.compiler\.torch_release\(\)"):
-        assert funcamp.compiler.release() == torch_release()
-    with pytest.warns(FutureWarning, match=r"funcamp\.compiler\.patches_on\(\)"):
-        assert funcamp.compiler.decide(True, "cuda") and not funcamp.compiler.decide(False, "cpu")
-    with pytest.warns(FutureWarning, match=r"funcamp\.compiler\.compiler_patches\(\)"):
-        block = funcamp.compiler.patches(False)
-    with block:
-        assert not funcamp.compiler.patches_on("auto", "cpu")
-    assert gate._CHOICE.get() == "auto"
-
-
 def test_a_step_off_the_allowlist_gets_none_of_the_inductor_options(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)

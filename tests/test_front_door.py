@@ -1,11 +1,11 @@
-"""make_train_step's front door: ``compile=funcamp.Compile(...)``, ``parallel=``, the one place for
-what does not combine, and the old spelling translated with a warning."""
+"""make_train_step's front door: its keywords are the fields of one declaration
+(``StepOptions``), ``compile=funcamp.Compile(...)`` and ``parallel=`` are values, and what does
+not combine is refused in one place. There is no old spelling."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import funcamp
 import funcamp.distributed as fd
-from funcamp.testing import assert_trees_equal
+from funcamp.train.config import StepOptions
 
 
 def _loss_fn(params, buffers, batch):
@@ -38,19 +38,32 @@ def _run(step, opt, steps=3):
     return state, out
 
 
-def test_the_front_door_is_small():
+def test_the_keywords_are_the_fields_of_step_options():
+    """A new option is a field of StepOptions (with its check and key) and the same keyword,
+    with the same default and type, documented in the docstring's Args."""
     params = inspect.signature(funcamp.make_train_step).parameters
     keywords = [p for p in params.values() if p.kind is p.KEYWORD_ONLY]
-    assert [p.name for p in keywords] == [
-        "has_aux",
-        "returns_buffers",
-        "donate_state",
-        "grad_norm",
-        "headroom",
-        "parallel",
-        "compile",
+    fields = dataclasses.fields(StepOptions)
+    assert [(p.name, p.default, p.annotation) for p in keywords] == [
+        (f.name, f.default, f.type) for f in fields
     ]
-    assert len(funcamp.make_train_step.__doc__.splitlines()) <= 45
+    assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
+    doc = funcamp.make_train_step.__doc__
+    assert all(f"        {f.name}: " in doc for f in fields)
+    assert len(doc.splitlines()) <= 45
+
+
+def test_no_builder_takes_other_keywords():
+    for builder in (funcamp.make_train_step, funcamp.make_eval_step):
+        kinds = {p.kind for p in inspect.signature(builder).parameters.values()}
+        assert inspect.Parameter.VAR_KEYWORD not in kinds
+    with pytest.raises(TypeError, match="unexpected keyword argument 'backend'"):
+        funcamp.make_train_step(_loss_fn, funcamp.sgd(0.1), "float32", backend="eager")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'group'"):
+        funcamp.make_train_step(_loss_fn, funcamp.sgd(0.1), "float32", group=None)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'specialize'"):
+        funcamp.make_eval_step(_loss_fn, "float32", specialize=True)
+    assert not hasattr(funcamp.compiler, "release")
 
 
 def test_compile_is_a_frozen_value():
@@ -59,44 +72,8 @@ def test_compile_is_a_frozen_value():
         cfg.backend = "inductor"  # type: ignore[misc]
     assert cfg.torch_options() == {"backend": "aot_eager"}
     assert funcamp.Compile().torch_options() == {}
+    assert funcamp.Compile().fullgraph == "auto"
     assert cfg == funcamp.Compile(backend="aot_eager", specialize=True)
-
-
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ({"backend": "aot_eager"}, funcamp.Compile(backend="aot_eager")),
-        (
-            {"backend": "aot_eager", "specialize": True},
-            funcamp.Compile(backend="aot_eager", specialize=True),
-        ),
-    ],
-)
-def test_the_old_spelling_warns_and_builds_the_same_step(old, new):
-    opt = funcamp.adamw(1e-2)
-    with pytest.warns(FutureWarning, match=r"pass compile=funcamp\.Compile\(backend='aot_eager'"):
-        old_step = funcamp.make_train_step(_loss_fn, opt, "mixed_bfloat16", **old)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        new_step = funcamp.make_train_step(_loss_fn, opt, "mixed_bfloat16", compile=new)
-    a, la = _run(old_step, opt)
-    b, lb = _run(new_step, opt)
-    assert_trees_equal(a, b)
-    assert_trees_equal(la, lb)
-
-
-def test_the_old_eval_spelling_warns():
-    opt = funcamp.sgd(0.1)
-    state = _state(opt)
-    x = torch.randn(2, 4)
-
-    def fn(params, buffers, x):
-        return x @ params["w"]
-
-    with pytest.warns(FutureWarning, match=r"compile=funcamp\.Compile\(backend='eager'\)"):
-        old = funcamp.make_eval_step(fn, "mixed_bfloat16", backend="eager")
-    new = funcamp.make_eval_step(fn, "mixed_bfloat16", compile=funcamp.Compile(backend="eager"))
-    assert torch.equal(old(state, x), new(state, x))
 
 
 RULES = [
@@ -121,50 +98,52 @@ RULES = [
 
 
 @pytest.mark.parametrize(("fields", "message"), RULES)
-def test_every_rule_is_refused_in_both_spellings(fields, message):
+def test_every_rule_is_refused(fields, message):
     with pytest.raises(ValueError, match=r"funcamp\.Compile: " + message):
         funcamp.Compile(**fields)
-    opt = funcamp.sgd(0.1)
-    pattern = r"funcamp\.make_train_step: " + message
-    with pytest.raises(ValueError, match=pattern), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        funcamp.make_train_step(_loss_fn, opt, "float32", **fields)
 
 
-def test_compile_checks_its_fields():
-    with pytest.raises(TypeError, match=r"funcamp\.Compile: `compiler_patches` must be"):
-        funcamp.Compile(compiler_patches="yes")
-    with pytest.raises(TypeError, match=r"funcamp\.Compile: `options` must be a dict"):
-        funcamp.Compile(options=[("max_autotune", True)])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"compiler_patches": "yes"}, "`compiler_patches` must be 'auto', True or False"),
+        ({"options": [("max_autotune", True)]}, "`options` must be a dict of inductor options"),
+        ({"fullgraph": "yes"}, "`fullgraph` must be 'auto', True or False"),
+        ({"fullgraph": 1}, "`fullgraph` must be 'auto', True or False"),
+        ({"dynamic": "x"}, "`dynamic` must be True, False or None"),
+        ({"specialize": 1}, "`specialize` must be a bool"),
+        ({"cache_dir": 3}, r"`cache_dir` must be a directory path \(str or os\.PathLike\)"),
+    ],
+)
+def test_compile_checks_its_fields(fields, message):
+    with pytest.raises(TypeError, match=r"funcamp\.Compile: " + message):
+        funcamp.Compile(**fields)
 
 
 def test_a_mode_with_another_backend_keeps_specialize_or_refuses():
     """Before: the guard filter was dropped silently when `mode=` came with aot_eager."""
     with pytest.raises(ValueError, match="needs inductor"):
-        funcamp.make_train_step(
-            _loss_fn,
-            funcamp.sgd(0.1),
-            "float32",
-            compile=funcamp.Compile(backend="aot_eager", mode="default", specialize=True),
-        )
+        funcamp.Compile(backend="aot_eager", mode="default", specialize=True)
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
+    ("kwargs", "message"),
     [
-        ({"compile": "yes"}, TypeError, r"`compile` must be True, False or a funcamp\.Compile"),
-        ({"cahce_dir": "x"}, TypeError, r"unexpected keyword argument\(s\) \['cahce_dir'\]"),
-        ({"compile": False, "specialize": True}, ValueError, "compile=False builds an eager"),
-        ({"compile": False, "cache_dir": "x"}, ValueError, "compile=False builds an eager"),
-        ({"compile": False, "backend": "eager"}, TypeError, "must not be given with"),
-        ({"parallel": "pg"}, TypeError, r"`parallel` must be funcamp\.distributed"),
-        ({"compiler_patches": "yes"}, TypeError, "`compiler_patches` must be 'auto', True"),
+        ({"compile": "yes"}, r"`compile` must be True, False or a funcamp\.Compile"),
+        ({"parallel": "pg"}, r"`parallel` must be funcamp\.distributed"),
+        ({"has_aux": 1}, "`has_aux` must be a bool"),
+        ({"donate_state": None}, "`donate_state` must be a bool"),
+        ({"headroom": 3}, "`headroom` must be a bool or a callable of the leaf path"),
     ],
 )
-def test_bad_options_name_the_argument(kwargs, error, message):
-    with warnings.catch_warnings(), pytest.raises(error, match=message):
-        warnings.simplefilter("ignore", FutureWarning)
+def test_bad_options_name_the_argument(kwargs, message):
+    with pytest.raises(TypeError, match=r"^funcamp\.make_train_step: " + message):
         funcamp.make_train_step(_loss_fn, funcamp.sgd(0.1), "float32", **kwargs)
+
+
+def test_eval_checks_compile():
+    with pytest.raises(TypeError, match=r"^funcamp\.make_eval_step: `compile` must be True"):
+        funcamp.make_eval_step(_loss_fn, "float32", compile="yes")
 
 
 @pytest.fixture
@@ -174,28 +153,18 @@ def world():
     dist.destroy_process_group()
 
 
-def test_parallel_as_an_object_equals_group(world):
+def test_parallel_is_a_value(world):
     opt = funcamp.sgd(0.1)
     piece = fd.DataParallel(world)
-    new = funcamp.make_train_step(_loss_fn, opt, "mixed_bfloat16", parallel=piece, compile=False)
-    with pytest.warns(FutureWarning, match=r"parallel=funcamp\.distributed\.DataParallel\(group\)"):
-        old = funcamp.make_train_step(_loss_fn, opt, "mixed_bfloat16", group=world, compile=False)
-    assert_trees_equal(_run(new, opt), _run(old, opt))
-    with pytest.raises(ValueError, match="give one of `parallel` and `group`"):
-        funcamp.make_train_step(_loss_fn, opt, "float32", parallel=piece, group=world)
+    parallel = funcamp.make_train_step(
+        _loss_fn, opt, "mixed_bfloat16", parallel=piece, compile=False
+    )
+    alone = funcamp.make_train_step(_loss_fn, opt, "mixed_bfloat16", compile=False)
+    (a, la), (b, lb) = _run(parallel, opt), _run(alone, opt)  # one rank: the same run
+    torch.testing.assert_close(a.params, b.params)
+    torch.testing.assert_close(la, lb)
     cache = funcamp.Compile(cache_dir="x")
     with pytest.raises(
         ValueError, match=r"cache_dir does not compose with parallel=DataParallel\(group\)"
     ):
         funcamp.make_train_step(_loss_fn, opt, "float32", parallel=piece, compile=cache)
-
-
-def test_the_suite_fails_on_the_old_spelling():
-    """pyproject's ``filterwarnings`` makes the old spelling's warning an error, so a test that
-    uses it outside ``pytest.warns`` fails; the old names of ``funcamp.compiler`` too."""
-    with pytest.raises(FutureWarning, match=r"^funcamp\.make_train_step: backend= is the old"):
-        funcamp.make_train_step(_loss_fn, funcamp.sgd(0.1), "float32", backend="eager")
-    with pytest.raises(FutureWarning, match=r"^funcamp\.make_eval_step: backend= is the old"):
-        funcamp.make_eval_step(_loss_fn, "float32", backend="eager")
-    with pytest.raises(FutureWarning, match=r"^funcamp\.compiler\.release\(\) is renamed"):
-        funcamp.compiler.release()

@@ -136,12 +136,6 @@ def test_the_eval_step_too(restore):
 
 def test_specialize_is_checked():
     opt = funcamp.sgd(0.1)
-    # only the old spelling can ask for both (its translation refuses them)
-    with (
-        pytest.raises(ValueError, match=r"specialize=True .* compile=False builds an eager step"),
-        pytest.warns(FutureWarning),
-    ):
-        funcamp.make_train_step(_loss_fn, opt, "float32", compile=False, specialize=True)
     with pytest.raises(ValueError, match=r"give `specialize=True` or a `guard_filter_fn`"):
         funcamp.make_train_step(
             _loss_fn,

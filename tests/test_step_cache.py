@@ -298,11 +298,6 @@ def test_bad_cache_dir(tmp_path, single_rank_group):
         funcamp.make_train_step(
             loss, opt, POLICY, compile=funcamp.Compile(cache_dir=3), donate_state=False
         )
-    # only the old spelling can ask for both (its translation refuses them)
-    with pytest.raises(ValueError, match="compile=False"), pytest.warns(FutureWarning):
-        funcamp.make_train_step(
-            loss, opt, POLICY, cache_dir=tmp_path, compile=False, donate_state=False
-        )
     with pytest.raises(ValueError, match="fullgraph=False"):
         funcamp.make_train_step(
             loss,
@@ -396,6 +391,53 @@ def test_the_key_is_the_same_in_every_process():
         assert done.returncode == 0, done.stderr[-3000:]
         keys.add(done.stdout.strip())
     assert len(keys) == 1, keys
+
+
+#: A value other than the default for every option that enters the key: a new option fails
+#: the test below until it has one here (and so enters the key) or says why it does not.
+OTHER_VALUES = {
+    "has_aux": True,
+    "returns_buffers": True,
+    "donate_state": False,
+    "grad_norm": False,
+    "headroom": lambda path: "weight" in path,
+    "compile": False,
+    "backend": "aot_eager",
+    "mode": "max-autotune",
+    "fullgraph": True,
+    "dynamic": True,
+    "options": {"max_autotune": True},
+    "guard_filter_fn": lambda guards: [True] * len(guards),
+    "compiler_patches": False,
+}
+NOT_IN_KEY = {"parallel", "cache_dir", "specialize"}
+
+
+def test_every_option_enters_the_key_or_says_why_not():
+    """Each field of StepOptions and Compile changes the settings a saved step is filed under,
+    unless its declaration says why not: else a step built with a new option would load an
+    entry compiled without it."""
+    import dataclasses
+
+    from funcamp.stepcache.key import describe_settings
+    from funcamp.train.config import Compile, StepOptions, build
+    from funcamp.train.step import cache_settings
+
+    policy = funcamp.get_policy(POLICY)
+
+    def key(**options):
+        return describe_settings(cache_settings(policy, build(StepOptions, "t", options)))
+
+    for cls in (StepOptions, Compile):
+        for field in dataclasses.fields(cls):
+            if field.metadata["not_in_key"] is not None:
+                assert field.name in NOT_IN_KEY, field.name
+                continue
+            assert field.name in OTHER_VALUES, f"{cls.__name__}.{field.name}: not in the test"
+            other = {field.name: OTHER_VALUES[field.name]}
+            changed = key(**other) if cls is StepOptions else key(compile=Compile(**other))
+            assert changed != key(), field.name
+    assert key(headroom=lambda p: True) == key(headroom=lambda p: True)  # not by address
 
 
 def test_descriptions_compare_values_not_only_types():

@@ -402,11 +402,8 @@ def test_argument_errors():
         funcamp.make_train_step(loss_fn, torch.optim.SGD, POLICY, donate_state=False)
     with pytest.raises(TypeError, match="`has_aux` must be a bool"):
         funcamp.make_train_step(loss_fn, OPT, POLICY, has_aux=1, donate_state=False)
-    # only the old spelling can ask for both (its translation refuses them)
-    with pytest.raises(TypeError, match="compile options"), pytest.warns(FutureWarning):
-        funcamp.make_train_step(
-            loss_fn, OPT, POLICY, compile=False, mode="max-autotune", donate_state=False
-        )
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'mode'"):
+        funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, mode="max-autotune")
     if not torch.distributed.is_initialized():  # group= is tested in test_distributed.py
         with pytest.raises(RuntimeError, match=r"`group` needs torch\.distributed initialized"):
             funcamp.make_train_step(
@@ -520,9 +517,8 @@ def test_a_failed_trace_leaves_a_donated_state_as_it_was():
     state = funcamp.TrainState.create({"w": torch.randn(3, 2)}, opt, "float32")
     before = [x.clone() for x in _leaves(state)]
     w = state.params["w"].clone()
-    step = funcamp.make_train_step(
-        _graph_breaking_loss, opt, "float32", compile=funcamp.Compile(backend="eager")
-    )
+    strict = funcamp.Compile(backend="eager", fullgraph=True)
+    step = funcamp.make_train_step(_graph_breaking_loss, opt, "float32", compile=strict)
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError, match="cannot be compiled as one graph"):
         step(state, batch)
@@ -545,7 +541,7 @@ def test_graph_break_in_loss_fn_is_one_paragraph_naming_the_call_and_the_ways_ou
         _graph_breaking_loss,
         opt,
         "float32",
-        compile=funcamp.Compile(backend="eager"),
+        compile=funcamp.Compile(backend="eager", fullgraph=True),
         donate_state=False,
     )
     batch = (torch.randn(4, 3), torch.randn(4, 2))
@@ -555,7 +551,7 @@ def test_graph_break_in_loss_fn_is_one_paragraph_naming_the_call_and_the_ways_ou
     assert message.startswith("funcamp.make_train_step: the step cannot be compiled as one graph")
     assert "test_train.py" in message and "_graph_breaking_loss" in message
     assert "torch._dynamo.graph_break()" in message
-    assert "fullgraph=False" in message and "compile=False" in message
+    assert "fullgraph='auto'" in message and "compile=False" in message
     assert "\n" not in message  # one paragraph; dynamo's report is chained
     assert isinstance(info.value.__cause__, torch._dynamo.exc.Unsupported)
     # the ways out it names work
@@ -624,9 +620,8 @@ def test_every_compile_failure_is_one_paragraph(loss, backend, cause, what, wher
     params = params or {"w": torch.randn(3, 2)}
     opt = funcamp.sgd(0.1)
     state = funcamp.TrainState.create(params, opt, "float32")
-    step = funcamp.make_train_step(
-        loss, opt, "float32", compile=funcamp.Compile(backend=backend), donate_state=False
-    )
+    strict = funcamp.Compile(backend=backend, fullgraph=True)  # the default compiles in pieces
+    step = funcamp.make_train_step(loss, opt, "float32", compile=strict, donate_state=False)
     batch = (torch.randn(4, 3), torch.randn(4, 2))
     with pytest.raises(RuntimeError) as info:
         step(state, batch)

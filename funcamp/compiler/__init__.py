@@ -29,8 +29,5 @@ it imports nothing of training.
 
 from funcamp.compiler.gate import ALLOWLIST as ALLOWLIST
 from funcamp.compiler.gate import compiler_patches, patches_on, torch_release
-from funcamp.compiler.gate import decide as decide  # deprecated: patches_on
-from funcamp.compiler.gate import patches as patches  # deprecated: compiler_patches
-from funcamp.compiler.gate import release as release  # deprecated: torch_release
 
 __all__ = ["compiler_patches", "patches_on", "torch_release"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -126,31 +125,3 @@ def compiler_patches(enabled: Choice = True) -> Iterator[None]:
         yield
     finally:
         _CHOICE.reset(token)
-
-
-# -- the names of the previous release, kept for one more ----------------------------------------
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(
-        f"funcamp.compiler.{old} is renamed funcamp.compiler.{new}; the old name goes in the "
-        "next release",
-        FutureWarning,
-        stacklevel=3,
-    )
-
-
-def release() -> str:
-    """Deprecated: :func:`torch_release` (the old name warns)."""
-    _renamed("release()", "torch_release()")
-    return torch_release()
-
-
-def decide(choice: Choice, device_type: str | None) -> bool:
-    """Deprecated: :func:`patches_on` (the old name warns)."""
-    _renamed("decide()", "patches_on()")
-    return patches_on(choice, device_type)
-
-
-def patches(enabled: Choice = True) -> contextlib.AbstractContextManager[None]:
-    """Deprecated: :func:`compiler_patches` (the old name warns)."""
-    _renamed("patches()", "compiler_patches()")
-    return compiler_patches(enabled)

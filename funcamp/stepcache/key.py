@@ -26,7 +26,7 @@ import math
 import platform
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -219,13 +219,26 @@ def _stateless(module: torch.nn.Module) -> bool:
     )
 
 
-def describe_settings(settings: tuple[Any, ...]) -> str:
-    """The text a step's build settings (policy, flags, options) enter its key as.
+def _setting(value: Any) -> Any:
+    if callable(value):
+        return describe_value(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_setting(v) for v in value)
+    if isinstance(value, Mapping):
+        return tuple(sorted((repr(k), _setting(v)) for k, v in value.items()))
+    return value
 
-    It is their ``repr``. A callable among them (a ``headroom=`` filter) is described by
-    :func:`describe_value` (its code and what it reads), not by its address.
+
+def describe_settings(settings: tuple[Any, ...]) -> str:
+    """The text a step's build settings enter its key as.
+
+    ``settings`` is the policy, then ``(name, value)`` for every option that enters the key
+    (:func:`funcamp.train.config.key_items`: a :class:`funcamp.Compile` as its own items). It
+    enters as its ``repr``, tuples and mappings item by item (a mapping in sorted order). A
+    callable among them (a ``headroom=`` filter, an inductor pass in ``options``) is described
+    by :func:`describe_value` (its code and what it reads), not by its address.
     """
-    return repr(tuple(describe_value(v) if callable(v) else v for v in settings))
+    return repr(_setting(tuple(settings)))
 
 
 def is_opaque(desc: Any) -> bool:

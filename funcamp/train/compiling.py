@@ -12,7 +12,8 @@
 
 :func:`run_compiled` calls a compiled function and turns a dynamo failure into one paragraph
 (:mod:`funcamp.train.errors`). When ``torch.func`` refuses the model, it switches the step to
-gradients from ``torch.autograd`` in the same graph.
+gradients from ``torch.autograd`` in the same graph; when the loss breaks the graph, a step
+with ``fullgraph="auto"`` switches to its pieces (:mod:`funcamp.train.pieces`).
 """
 
 from __future__ import annotations
@@ -273,6 +274,16 @@ def _restore_saved_tensors_hooks(state: Any) -> None:
         _HOOKS._saved_tensors_hooks_disable(state)
 
 
+@contextlib.contextmanager
+def _rng_kept() -> Any:
+    """torch's global random state put back afterwards: the eager re-run after a failed trace
+    runs only for its error (or a model's first-call setup), so the run's dropout masks stay
+    those of the same run without it (tests/test_graph_breaks.py)."""
+    cuda = torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else []):
+        yield
+
+
 def _tracing_config() -> Any:
     """dynamo's own settings while it traces a step (``torch._dynamo.config``, scoped to it):
 
@@ -307,6 +318,7 @@ def run_compiled(
     first: bool = False,
     patches: Patches = NO_PATCHES,
     marks: tuple[Callable[[], None], Callable[[], None]] | None = None,
+    pieces: Callable[[BaseException], Callable[..., Any] | None] | None = None,
 ) -> Any:
     """``run(*args)`` (a compiled function), with a dynamo failure explained.
 
@@ -322,6 +334,8 @@ def run_compiled(
     (:func:`funcamp.compiler.hooks.running`). ``marks`` is ``(begin, undo)`` for a donated state.
     ``begin()`` runs just before each call of ``run``, whose graph writes the state. ``undo()``
     runs when dynamo failed before the graph ran (:mod:`funcamp._core.donation`).
+    ``pieces(error)`` is the step compiled in pieces when a graph break calls for it
+    (:class:`funcamp.train.pieces.Pieces`), else None; it is asked after the first call's retry.
     """
     tracing = grad_method.tracing() if grad_method is not None else contextlib.nullcontext()
     hooks = _saved_tensors_hooks_state()
@@ -337,10 +351,13 @@ def run_compiled(
             marks[1]()
         _restore_saved_tensors_hooks(hooks)
         if grad_method is not None and grad_method.switch(e):
-            return run_compiled(api, run, args, eagerly, grad_method, first, patches, marks)
+            return run_compiled(api, run, args, eagerly, grad_method, first, patches, marks, pieces)
+        split = None if first or pieces is None else pieces(e)
+        if split is not None:
+            return run_compiled(api, split, args, eagerly, grad_method, False, patches, marks)
 
         def rerun() -> None:
-            with torch.compiler.set_stance("force_eager"):
+            with torch.compiler.set_stance("force_eager"), _rng_kept():
                 try:
                     eagerly()
                 except Exception as refusal:
@@ -355,7 +372,7 @@ def run_compiled(
         if first:
             try:
                 return run_compiled(
-                    api, run, args, eagerly, grad_method, patches=patches, marks=marks
+                    api, run, args, eagerly, grad_method, False, patches, marks, pieces
                 )
             except RuntimeError as again:
                 if again.__cause__ is None:  # not the paragraph: raise it as it came

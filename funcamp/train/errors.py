@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["compile_failure_message", "explain", "refuses_torch_func", "user_frame"]
+__all__ = [
+    "breaks_graph",
+    "compile_failure_message",
+    "explain",
+    "graph_break_notice",
+    "refuses_torch_func",
+    "user_frame",
+]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 # funcamp's own package root (not funcamp/train: amp and the tree helpers run inside the trace too)
@@ -108,16 +115,37 @@ def _reason(error: BaseException) -> str:
     text = str(error)
     start = text.find("Could not guard on data-dependent expression")
     if start >= 0:  # after dynamo's advice to annotate with torch._check
-        end = text.find("(", start)
-        return text[start : end if end > 0 else None].strip().rstrip(".")
+        end = min(
+            i for i in (text.find(" (unhinted", start), text.find(".", start), len(text)) if i > 0
+        )
+        reason = text[start:end].strip()
+        cause = text.find("Caused by: ")
+        if cause >= 0:  # the branch: `code  # file:line in function (dynamo's frame)`
+            line = text[cause + len("Caused by: ") :].splitlines()[0]
+            code, _, where = line.partition("  # ")
+            reason += f", at `{code.strip()}` ({where.split(' (')[0].strip()})"
+        return reason
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+    if not lines:
+        return type(error).__name__
+    context = [x for x in lines if x.startswith("Developer debug context: ")]
+    detail = context[0].split(": ", 1)[1] if context else ""
+    return lines[0] + (f": {detail}" if detail and len(detail) <= 80 else "")
 
 
 _PIECES = (
     "build the step with `compile=funcamp.Compile(fullgraph=False)` (compiled in pieces "
     "around it, gradients by torch.autograd) or `compile=False` (eager)"
 )
+_AUTO = (
+    "build the step with `compile=True` (fullgraph='auto', the default: the loss compiled in "
+    "pieces around it with gradients by torch.autograd, the update one graph) or "
+    "`compile=False` (eager)"
+)
+_BREAKS = {
+    "data": "a Python branch on a tensor's value",
+    "call": "a call dynamo cannot trace",
+}
 
 
 def _kind(error: BaseException) -> tuple[str, str]:
@@ -130,13 +158,13 @@ def _kind(error: BaseException) -> tuple[str, str]:
             "a shape computed from values), which one graph cannot hold: the branch taken "
             "would be fixed when the step is traced",
             "compute both sides and select with `torch.where` (or `torch.cond`), keep the "
-            f"branch out of the model's forward, or {_PIECES}",
+            f"branch out of the model's forward, or {_AUTO}",
         )
     if isinstance(error, exc.Unsupported):
         return (
             "a call torch.compile(fullgraph=True) cannot trace (a graph break)",
             "change that call in your model or loss_fn (for Hugging Face models see "
-            "docs/guides/transformers.md, e.g. `model.loss_type = ...`), or " + _PIECES,
+            "docs/guides/transformers.md, e.g. `model.loss_type = ...`), or " + _AUTO,
         )
     if isinstance(error, exc.BackendCompilerFailed):
         return (
@@ -152,6 +180,26 @@ def _kind(error: BaseException) -> tuple[str, str]:
             _PIECES[0].upper() + _PIECES[1:],
         )
     return ("dynamo failed while compiling the step", _PIECES[0].upper() + _PIECES[1:])
+
+
+def breaks_graph(error: BaseException) -> bool:
+    """Whether ``error`` is a failure that ``fullgraph=False`` compiles around: a call dynamo
+    cannot trace (an RNN module, an unsupported call) or a branch on a tensor's value."""
+    exc = torch._dynamo.exc
+    if isinstance(error, exc.UserError):
+        return "data-dependent" in str(error)
+    return isinstance(error, exc.Unsupported)
+
+
+def graph_break_notice(api: str, error: BaseException, what: str, subject: str = "the loss") -> str:
+    """What a step says once when ``subject`` cannot be one graph and it compiles ``what``."""
+    kind = _BREAKS["data" if isinstance(error, torch._dynamo.exc.UserError) else "call"]
+    where = user_frame(error)
+    return (
+        f"funcamp.{api}: {subject} cannot be one graph: {kind} ({_reason(error)}) "
+        f"{'at ' + where if where else '(where: not known)'}; {what}. "
+        "compile=funcamp.Compile(fullgraph=True) refuses it instead"
+    )
 
 
 def compile_failure_message(api: str, error: BaseException) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,6 @@ from funcamp.casting.amp import amp_keeping
 from funcamp.casting.fp8 import Fp8State, needs_state, with_fp8_state
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.train.compiling import (
-    Patches,
     compile_fn,
     first_device_type,
     fresh_code,
@@ -24,25 +22,16 @@ from funcamp.train.compiling import (
     rounds_casts,
     run_compiled,
 )
-from funcamp.train.config import Compile, new_spelling, resolve_compile
+from funcamp.train.config import Compile, compile_config
 from funcamp.train.frozen import combine
 from funcamp.train.loss import clone_buffers
+from funcamp.train.pieces import Pieces
 from funcamp.train.state import TrainState
 
 __all__ = ["make_eval_step"]
 Batch = Any
 
-
-def _eval_config(api: str, compile: Any, deprecated: dict[str, Any]) -> Compile | None:
-    """``compile=`` and the old keywords as one :class:`Compile`, warning for the old ones."""
-    if deprecated:
-        warnings.warn(
-            f"funcamp.{api}: {', '.join(f'{k}=' for k in deprecated)} is the old spelling; "
-            f"pass {new_spelling(deprecated)} instead",
-            FutureWarning,
-            stacklevel=3,
-        )
-    return resolve_compile(api, compile, deprecated)
+_IN_PIECES = "the step compiles it in pieces around the break"
 
 
 def make_eval_step(
@@ -50,7 +39,6 @@ def make_eval_step(
     policy: Policy | str,
     *,
     compile: bool | Compile = True,
-    **deprecated: Any,
 ) -> Callable[[Any, Batch], Any]:
     """Build ``eval_step(state, batch) -> fn(params, buffers, batch)``: evaluation under a policy.
 
@@ -66,16 +54,17 @@ def make_eval_step(
 
     Like the train step, the compiled step follows the modules' ``train()``/``eval()`` mode.
     Call ``model.eval()`` first (dropout off, BatchNorm's running statistics used). It says on
-    stderr that it compiles on its first call, and how long it took. A failure to compile is one
-    paragraph naming the way out.
+    stderr that it compiles on its first call, and how long it took. ``fn`` is one graph where
+    it can be; where it cannot (an RNN module, a branch on a tensor's value), it is compiled in
+    pieces and the step says once, on stderr, where the graph broke
+    (``Compile(fullgraph=True)`` refuses instead). A failure to compile is one paragraph naming
+    the way out.
 
     Args:
         fn: ``(params, buffers, batch) -> anything``, e.g. the train step's ``loss_fn``.
         policy: a :class:`funcamp.Policy` or a policy string.
-        compile: ``True`` (default) compiles with ``torch.compile(fullgraph=True)``;
-            ``False`` runs eagerly; a :class:`funcamp.Compile` says how to compile.
-        **deprecated: the old spelling (``specialize=``, ``backend=``, ...): folded into
-            ``compile`` with a warning.
+        compile: ``True`` (default) is ``funcamp.Compile()``; ``False`` runs eagerly; a
+            :class:`funcamp.Compile` says how to compile.
 
     Returns:
         ``eval_step(state, batch)``.
@@ -99,32 +88,38 @@ def make_eval_step(
     if not callable(fn):
         raise TypeError(f"funcamp.{api}: `fn` must be callable, got {describe(fn)}")
     pol = as_policy(policy, api)
-    cfg = _eval_config(api, compile, deprecated)
-    compiler_patches = "auto" if cfg is None else cfg.compiler_patches
-    specialize = cfg is not None and cfg.specialize
-    compile_options = {} if cfg is None else cfg.torch_options()
-    compile = cfg is not None
+    cfg = compile_config(api, compile)
     run_fn = with_fp8_state(amp_keeping(fn, pol, keep=(1,)))  # buffers: not cast at entry
     fp8_stateful = needs_state(pol)
 
-    def eval_step(params: PyTree, buffers: PyTree, fp8: Fp8State, batch: Batch) -> Any:
+    # the names `state` and `batch`: specialize=True keeps the guards on them
+    def eval_step(state: tuple[PyTree, PyTree, Fp8State], batch: Batch) -> Any:
+        params, buffers, fp8 = state
         with torch.no_grad():
             return run_fn(fp8, params, clone_buffers(buffers), batch)
 
     eval_step.__code__ = fresh_code(eval_step.__code__)
-    compiled: list[tuple[Callable[..., Any], Patches]] = []
+    compiled: list[Any] = []  # [run, its patches, the device type], set on the first call
+    pieces = Pieces(api, None if cfg is None else cfg.fullgraph, _IN_PIECES, "`fn`")
 
-    def compiled_for(device_type: str) -> tuple[Callable[..., Any], Patches]:
-        # Built on the first call, when the params' device is known (the compiler patches').
-        on = patches_for(compiler_patches, device_type, compile_options)
+    def compile_for(device_type: str) -> Callable[..., Any]:
+        # Built when the params' device is known (the compiler patches').
+        assert cfg is not None
+        options = {**cfg.torch_options(), "fullgraph": not pieces.split}
+        on = patches_for(cfg.compiler_patches, device_type, options)
         run = compile_fn(
             eval_step,
-            compile_options,
-            specialize=specialize,
+            options,
+            specialize=cfg.specialize,
             patches=on.on,
             eager_casts=rounds_casts(pol),
         )
-        return announce_first_call(run, "eval step"), on
+        what = "eval step" + " in pieces" * pieces.split
+        compiled[:] = [announce_first_call(run, what), on, device_type]
+        return compiled[0]
+
+    def to_pieces(error: BaseException) -> Callable[..., Any] | None:
+        return pieces.switch(error, lambda: compile_for(compiled[2]))
 
     def step(state: Any, batch: Batch) -> Any:
         if isinstance(state, TrainState):
@@ -138,13 +133,14 @@ def make_eval_step(
                 f"funcamp.{api}: `state` must be a funcamp.TrainState{pair}, got {describe(state)}"
             )
         flatten_params(api, params)
-        args = (params, buffers, fp8, batch)
-        if not compile:
+        args = ((params, buffers, fp8), batch)
+        if cfg is None:
             return eval_step(*args)
         if not compiled:
-            compiled.append(compiled_for(first_device_type(params)))
-        run, on = compiled[0]
-        return run_compiled(api, run, args, lambda: eval_step(*args), patches=on)
+            compile_for(first_device_type(params))
+        return run_compiled(
+            api, compiled[0], args, lambda: eval_step(*args), patches=compiled[1], pieces=to_pieces
+        )
 
-    step.__doc__ = f"A funcamp eval step ({'compiled' if compile else 'eager'}, policy {pol})."
+    step.__doc__ = f"A funcamp eval step ({'eager' if cfg is None else 'compiled'}, policy {pol})."
     return step

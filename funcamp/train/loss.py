@@ -8,8 +8,8 @@ step's use of it, with the model's buffers and the delayed-FP8 state threaded th
 
 * ``torch.func``: the default, and what a compiled step traces.
 * ``torch.autograd`` on leaf copies of the differentiated inputs. It runs in plain eager, where
-  it is faster with the same bits. It is also traced into the graph for a step compiled in
-  pieces, or one whose model torch.func refuses.
+  it is faster with the same bits, and around the compiled loss of a step in pieces. It is
+  traced into the graph for a step whose model torch.func refuses.
 """
 
 from __future__ import annotations
@@ -372,7 +372,8 @@ class GradMethod:
 
     It is ``torch.func`` by default. It is ``torch.autograd`` on leaf copies in three cases:
 
-    * a step compiled in pieces (``fullgraph=False``), since dynamo cannot resume a frame inside
+    * a step compiled in pieces (:mod:`funcamp.train.pieces`), whose forward and backward run
+      in Python around the compiled loss, since dynamo cannot resume a frame inside
       ``torch.func.grad``;
     * plain eager (same bits, faster), except with delayed FP8, whose state is differentiated
       through torch.func;

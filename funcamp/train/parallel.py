@@ -1,6 +1,6 @@
 """How a train step is spread over processes: one piece, plugged into the one step algorithm.
 
-:func:`funcamp.train.step.build_train_step` runs the same algorithm whatever the parallelism:
+:func:`funcamp.make_train_step` runs the same algorithm whatever the parallelism:
 forward and backward of the scaled loss, an exchange between the ranks, then
 :func:`funcamp.unscale_and_step` and :func:`funcamp.update`. It asks its parallel piece for the
 few places where processes differ. The base piece, :class:`SingleProcess`, is one process alone
@@ -28,8 +28,8 @@ class SingleProcess:
     Attributes:
         name: how error messages name the piece (``"parallel=Sharded(mesh) (2 ranks)"``).
         refuses: options the piece does not compose with, each with the reason
-            (``{"cache_dir": "..."}``); :func:`~funcamp.train.step.build_train_step` refuses them
-            in one place, with that reason.
+            (``{"cache_dir": "..."}``); :func:`~funcamp.train.config.check_combinations`
+            refuses them in one place, with that reason.
     """
 
     name = "one process"

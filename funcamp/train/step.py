@@ -1,7 +1,7 @@
-"""The train step: one algorithm, composed from public pieces.
+"""The train step: one algorithm, composed from public pieces, and its front door.
 
-``build_train_step`` makes ``step(state, batch) -> (state, metrics)``, the whole mixed-precision
-pipeline as one pure function, compiled whole with ``torch.compile(fullgraph=True)``:
+:func:`make_train_step` makes ``step(state, batch) -> (state, metrics)``, the whole
+mixed-precision pipeline as one pure function, compiled whole with ``torch.compile``:
 
 1. forward and backward of the scaled loss: :func:`funcamp.amp` of the loss, then
    :func:`funcamp.scaled_grad_and_value`. The delayed-FP8 state is differentiated too; its
@@ -13,19 +13,23 @@ pipeline as one pure function, compiled whole with ``torch.compile(fullgraph=Tru
    :func:`funcamp.update` of the scaler; the new buffers, and the metrics.
 
 The same algorithm runs for every parallelism, in the one wrapper of
-:func:`funcamp.train.wrapper.wrap_step`. Options that a parallel piece does not compose with are
-refused in one place, :func:`check_step_options`, with the piece's reason.
+:func:`funcamp.train.wrapper.wrap_step`. The parallel piece is an object the caller passes
+(``parallel=``), so this layer needs none of :mod:`funcamp.distributed`. Every keyword option
+is a field of :class:`~funcamp.train.config.StepOptions`, which declares its check and whether
+it enters the step cache's key. A loss that cannot be one graph runs in two parts, 1 and 2-3
+(:mod:`funcamp.train.pieces`).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from funcamp._core import donation
-from funcamp._core.checks import check_flag
 from funcamp._core.context import compiling
 from funcamp._core.hints import optimizer_type_error
 from funcamp._core.tree import (
@@ -39,7 +43,6 @@ from funcamp._core.tree import (
 )
 from funcamp.casting.amp import amp_keeping, recompute_under
 from funcamp.casting.fp8 import needs_state, with_fp8_state
-from funcamp.compiler.gate import check_choice
 from funcamp.optim._accumulate import accumulation_window
 from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.policy.policy import Policy, as_policy
@@ -49,107 +52,34 @@ from funcamp.scaling.skip import Skip
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
 from funcamp.train.compiling import rounds_casts
-from funcamp.train.config import Compile, check_combinations, resolve_compile, unchecked
+from funcamp.train.config import Compile, StepOptions, build, key_items
 from funcamp.train.loss import GradMethod, forward_backward, restore_buffers
 from funcamp.train.parallel import SingleProcess
+from funcamp.train.pieces import Halves
 from funcamp.train.state import TrainState
 from funcamp.train.wrapper import check_cache_dir, wrap_step
 
-__all__ = ["StepOptions", "build_train_step", "check_step_options"]
+__all__ = ["cache_settings", "make_train_step"]
 Metrics = dict[str, Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]
 
 API = "make_train_step"
 
 
-class StepOptions(NamedTuple):
-    """``make_train_step``'s keyword options, as given (checked by :func:`check_step_options`)."""
-
-    has_aux: Any = False
-    returns_buffers: Any = False
-    compile: Any = True
-    donate_state: Any = True
-    headroom: Any = False
-    grad_norm: Any = True
-    cache_dir: Any = None
-    specialize: Any = False
-    compiler_patches: Any = "auto"
-
-
 class _Checked(NamedTuple):
-    policy: Policy
     headroom_dtype: torch.dtype | None
     headroom_include: Callable[[str], bool] | None
-    cache_dir: str | None
 
 
-def _as_config(opts: StepOptions, compile_options: dict[str, Any]) -> Compile | None:
-    """The step's compile settings as one :class:`Compile` (None: an eager step)."""
-    if not opts.compile:
-        if opts.specialize or opts.cache_dir is not None:
-            from_legacy = {"specialize": opts.specialize, "cache_dir": opts.cache_dir}
-            resolve_compile(API, False, {k: v for k, v in from_legacy.items() if v})
-        return None
-    return unchecked(
-        **compile_options,
-        cache_dir=opts.cache_dir,
-        specialize=opts.specialize,
-        compiler_patches=opts.compiler_patches,
-    )
-
-
-def check_step_options(
-    loss_fn: Any,
-    optimizer: Any,
-    policy: Any,
-    parallel: SingleProcess,
-    opts: StepOptions,
-    compile_options: dict[str, Any],
-) -> _Checked:
-    """Every argument check of a train step, and the one rule for what does not compose.
-
-    An option the parallel piece lists in ``refuses`` is refused here, with its reason.
-    """
-    if not callable(loss_fn):
-        raise TypeError(f"funcamp.{API}: `loss_fn` must be callable, got {describe(loss_fn)}")
-    if not isinstance(optimizer, Optimizer):
-        raise optimizer_type_error(API, optimizer)
-    pol = as_policy(policy, API)
-    for name in (
-        "has_aux",
-        "returns_buffers",
-        "compile",
-        "donate_state",
-        "grad_norm",
-        "specialize",
-    ):
-        check_flag(API, name, getattr(opts, name))
-    check_choice(API, opts.compiler_patches)
-    if not (isinstance(opts.headroom, bool) or callable(opts.headroom)):
-        raise TypeError(
-            f"funcamp.{API}: `headroom` must be a bool or a callable of the leaf path, got "
-            f"{describe(opts.headroom)}"
-        )
-    if compile_options and not opts.compile:
-        raise TypeError(
-            f"funcamp.{API}: compile options {sorted(compile_options)} must not be given with "
-            "compile=False"
-        )
-    check_combinations(
-        API,
-        _as_config(opts, compile_options),
-        parallel=parallel,
-        headroom=opts.headroom,
-        delayed_fp8=needs_state(pol),
-        donate_state=opts.donate_state,
-    )
-    cache_dir = check_cache_dir(API, opts.cache_dir, opts.compile, compile_options)
-    return _Checked(
-        pol,
-        headroom_dtype(pol) if opts.headroom is not False else None,
-        opts.headroom if callable(opts.headroom) else None,
-        cache_dir,
-    )
+def _bound(parallel: SingleProcess | None, policy: Policy) -> SingleProcess:
+    """The parallel piece of this step: a copy of the one given (one process: a new
+    :class:`SingleProcess`). The delayed-FP8 margin comes from the policy, and a piece that
+    keeps per-state layouts (sharded) keeps them per step."""
+    if parallel is None:
+        return SingleProcess()
+    piece = copy.copy(parallel)
+    piece.margin = policy.fp8.recipe.margin if policy.fp8 is not None else 0  # type: ignore[attr-defined]
+    return piece
 
 
 def _metrics(
@@ -282,38 +212,111 @@ def _apply_step(
     return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
 
 
-def build_train_step(
+def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: Optimizer,
     policy: Policy | str,
     *,
+    has_aux: bool = False,
+    returns_buffers: bool = False,
+    donate_state: bool = True,
+    grad_norm: bool = True,
+    headroom: bool | Callable[[str], bool] = False,
     parallel: SingleProcess | None = None,
-    step_options: StepOptions | None = None,
-    **compile_options: Any,
+    compile: bool | Compile = True,
 ) -> StepFn:
-    """``step(state, batch) -> (state, metrics)``: :func:`funcamp.make_train_step`'s step.
+    """Build ``step(state, batch) -> (state, metrics)``: one pure, host-sync-free train step.
 
-    ``parallel`` spreads it over processes (default: one process). See ``make_train_step`` for
-    the options.
+    The step runs ``funcamp.amp(loss_fn, policy)``, takes gradients of the scaled loss, calls
+    :func:`funcamp.unscale_and_step` and :func:`funcamp.update`. A step whose scaled gradients
+    overflow is skipped: the state comes back bit-identical, except the scaler. By default the
+    step writes the new state into the tensors of the one it is given, as ``torch.optim`` does;
+    keep only the returned state. The docs' "The train step" page says the rest.
+
+    Args:
+        loss_fn: ``(params, buffers, batch) -> loss``, or ``(loss, aux)`` with ``has_aux``.
+        optimizer: a :class:`funcamp.Optimizer`.
+        policy: a :class:`funcamp.Policy` or a policy string.
+        has_aux: ``loss_fn`` also returns ``aux``, reported as ``metrics["aux"]``.
+        returns_buffers: ``loss_fn`` gets the buffers themselves and returns the new ones last.
+        donate_state: write the new state into the given one (default). ``False`` builds
+            the pure step, which never modifies its input.
+        grad_norm: report ``metrics["grad_norm"]`` (default). ``False`` saves its pass.
+        headroom: add ``metrics["headroom"]`` (:func:`funcamp.headroom`); a predicate of
+            the leaf path measures only the leaves it accepts.
+        parallel: ``funcamp.distributed.DataParallel(group)`` or ``Sharded(mesh)``; ``None``
+            trains in this process alone.
+        compile: ``True`` (default) is ``funcamp.Compile()``: one graph, or the loss in pieces
+            where it cannot be one (said on stderr); ``False`` runs eagerly.
+
+    Returns:
+        ``step(state, batch) -> (new_state, metrics)``. ``metrics`` holds ``loss``,
+        ``grad_norm``, ``scale``, ``found_inf``, ``skipped`` and ``lr`` as tensors.
+
+    Example:
+        >>> import torch, funcamp
+        >>> def loss_fn(params, buffers, x):
+        ...     return (x @ params["w"]).square().mean()
+        >>> opt, params = funcamp.sgd(0.1), {"w": torch.ones(2, 1)}
+        >>> scaler = funcamp.ScalerState.dynamic(init_scale=1024.0)
+        >>> state = funcamp.TrainState.create(params, opt, "mixed_float16", scaler=scaler)
+        >>> step = funcamp.make_train_step(loss_fn, opt, "mixed_float16", compile=False)
+        >>> state, metrics = step(state, torch.ones(4, 2))
+        >>> state, metrics = step(state, torch.full((4, 2), float("inf")))  # skipped
+        >>> metrics["found_inf"], metrics["skipped"], float(state.scaler.scale)
+        (tensor(True), tensor(1, dtype=torch.int32), 512.0)
     """
-    parallel = SingleProcess() if parallel is None else parallel
-    opts = StepOptions() if step_options is None else step_options
-    checked = check_step_options(loss_fn, optimizer, policy, parallel, opts, compile_options)
-    pol = checked.policy
+    if not callable(loss_fn):
+        raise TypeError(f"funcamp.{API}: `loss_fn` must be callable, got {describe(loss_fn)}")
+    if not isinstance(optimizer, Optimizer):
+        raise optimizer_type_error(API, optimizer)
+    pol = as_policy(policy, API)
+    # every keyword is a field of StepOptions, which checks it: read by name from the call
+    opts = build(StepOptions, API, locals(), delayed_fp8=needs_state(pol))
+    return _build(loss_fn, optimizer, pol, opts)
+
+
+def fingerprint_options(opts: StepOptions) -> dict[str, Any]:
+    """The options every rank of a parallel step must build alike, by name: each field but the
+    parallel piece itself, the compile settings field by field."""
+    out = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+    del out["parallel"], out["compile"]
+    cfg = opts.compiled
+    out.update({"compile": False} if cfg is None else dataclasses.asdict(cfg))
+    return out
+
+
+def cache_settings(policy: Policy, opts: StepOptions) -> tuple[Any, ...]:
+    """What a step's build settings enter the step cache's key as
+    (:func:`funcamp.stepcache.key.describe_settings`): the policy, then every option that
+    enters it (:func:`~funcamp.train.config.key_items`)."""
+    return (policy, *key_items(opts))
+
+
+def _build(
+    loss_fn: Callable[..., Any], optimizer: Optimizer, pol: Policy, opts: StepOptions
+) -> StepFn:
+    cfg = opts.compiled
+    cache_dir = None if cfg is None else check_cache_dir(API, cfg.cache_dir)
+    parallel = _bound(opts.parallel, pol)
+    checked = _Checked(
+        headroom_dtype(pol) if opts.headroom is not False else None,
+        opts.headroom if callable(opts.headroom) else None,
+    )
     run_loss = with_fp8_state(amp_keeping(loss_fn, pol, keep=(1,)))  # buffers: not cast at entry
     fp8_stateful = needs_state(pol)
     grad_method = GradMethod(
-        pieces=bool(opts.compile) and compile_options.get("fullgraph", True) is False,
-        compiled=bool(opts.compile),
+        pieces=False,  # a step in pieces sets it (funcamp.train.pieces)
+        compiled=cfg is not None,
         fp8_stateful=fp8_stateful,
         backward=lambda: recompute_under(pol),
     )
     plan = _Plan(optimizer, parallel, opts, checked, fp8_stateful)
 
-    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
-        grads, loss, aux, new_buffers, new_fp8 = forward_backward(
+    def forward(run: Callable[..., Any], state: TrainState, batch: Any) -> tuple[Any, ...]:
+        return forward_backward(
             API,
-            run_loss,
+            run,
             state,
             batch,
             has_aux=opts.has_aux,
@@ -323,42 +326,36 @@ def build_train_step(
             gather=parallel.gather,
             fp8_reduce=parallel.fp8_reduce,
         )
+
+    def update_half(state: TrainState, batch: tuple[Any, ...]) -> tuple[TrainState, Metrics]:
         # The update needs no autograd: under no_grad nothing it makes carries a graph (params
         # that require grad included), and the traced optimizer asks no tensor whether it does.
         with torch.no_grad():
-            return _apply_step(plan, state, grads, loss, aux, new_buffers, new_fp8)
+            return _apply_step(plan, state, *batch)
 
-    settings = (
-        pol,
-        opts.has_aux,
-        opts.returns_buffers,
-        opts.donate_state,
-        opts.headroom,
-        opts.grad_norm,
-        opts.compiler_patches,
-    )
+    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        return update_half(state, forward(run_loss, state, batch))
+
     step = wrap_step(
         API,
         train_step,
+        halves=Halves(run_loss, forward, update_half),
         optimizer=optimizer,
         parallel=parallel,
         grad_method=grad_method,
-        compile=opts.compile,
-        compile_options=compile_options,
+        cfg=cfg,
         donate_state=opts.donate_state,
-        specialize=opts.specialize,
-        cache=None if checked.cache_dir is None else (checked.cache_dir, loss_fn, settings),
-        compiler_patches=opts.compiler_patches,
+        cache=None if cache_dir is None else (cache_dir, loss_fn, cache_settings(pol, opts)),
         eager_casts=rounds_casts(pol),
         policy=pol,
         settings={
             "policy": pol,
             "optimizer": optimizer,
-            "options": {**opts._asdict(), **compile_options},
+            "options": fingerprint_options(opts),
         },
     )
     step.__doc__ = (
-        f"A funcamp train step ({'compiled' if opts.compile else 'eager'}, policy {pol}, "
+        f"A funcamp train step ({'eager' if cfg is None else 'compiled'}, policy {pol}, "
         f"{parallel.name})."
     )
     return step

@@ -32,18 +32,19 @@ from funcamp._core import donation
 from funcamp._core.donation import refuse_consumed
 from funcamp._core.progress import announce_first_call
 from funcamp._core.tree import NAMESPACE, describe
-from funcamp.compiler.gate import Choice
 from funcamp.policy.policy import Policy
 from funcamp.train.compiling import (
-    Patches,
+    NO_PATCHES,
     compile_fn,
     fresh_code,
     patches_for,
     run_compiled,
     state_device_type,
 )
+from funcamp.train.config import Compile
 from funcamp.train.loss import GradMethod, clone_buffers
 from funcamp.train.parallel import SingleProcess
+from funcamp.train.pieces import Halves, Pieces, in_pieces
 from funcamp.train.state import (
     TrainState,
     check_donation,
@@ -64,9 +65,7 @@ def _stepcache(module: str) -> types.ModuleType:
     return importlib.import_module(f"funcamp.stepcache.{module}")
 
 
-def check_cache_dir(
-    api: str, cache_dir: Any, compile: bool, compile_options: dict[str, Any]
-) -> str | None:
+def check_cache_dir(api: str, cache_dir: Any) -> str | None:
     """``cache_dir`` as a path, or None when unset.
 
     It is also None when this torch cannot save steps. A warning then says so, and the step
@@ -149,34 +148,106 @@ def _checked_call(
     return local
 
 
-def _compiled_marks(
-    key: Any, compile_options: dict[str, Any]
-) -> tuple[Callable[[], None], Callable[[], None]]:
+def _compiled_marks(key: Any) -> tuple[Callable[[], None], Callable[[], None]]:
     """``(begin, undo)`` for :func:`run_compiled`: mark the state before the compiled call (its
-    writes run inside the graph); undo it when the trace of a whole-graph step fails, before
-    the graph runs (nothing written). A step compiled in pieces (``fullgraph=False``) may have
-    run a piece before a later trace fails: it stays marked."""
+    writes run inside the graph); undo it when a trace fails, before the graph runs (nothing
+    written). A step in pieces writes only in its update, which is one graph too."""
     previous = donation.status(key)
-    whole = compile_options.get("fullgraph", True) is not False
-    return (
-        lambda: donation.begin(key),
-        (lambda: donation.restore(key, previous)) if whole else (lambda: None),
-    )
+    return lambda: donation.begin(key), lambda: donation.restore(key, previous)
+
+
+_IN_PIECES = (
+    "the step compiles the loss in pieces around it (gradients by torch.autograd) and the "
+    "update as one graph"
+)
+
+
+class _Compiled:
+    """The compiled train step of one :func:`wrap_step`, built on the first call (when the
+    state's device is known: :func:`step_options_for`): whole, cached, or in pieces
+    (:mod:`funcamp.train.pieces`)."""
+
+    def __init__(
+        self,
+        api: str,
+        train_step: Callable[..., Any],
+        halves: Halves,
+        cfg: Compile,
+        cache: tuple[str, Callable[..., Any], tuple[Any, ...]] | None,
+        grad_method: GradMethod,
+    ) -> None:
+        self.train_step, self.halves, self.cfg, self.cache = train_step, halves, cfg, cache
+        self.grad_method = grad_method
+        unsaved = "; it is not saved in cache_dir" if cache is not None else ""
+        self.pieces = Pieces(api, cfg.fullgraph, _IN_PIECES + unsaved)
+        self.options = cfg.torch_options()
+        self.run: Callable[..., Any] | None = None
+        self.patches = NO_PATCHES
+        self.device_type: str | None = None
+        self.eager_casts = False
+
+    def build(self, device_type: str, eager_casts: bool) -> Callable[..., Any]:
+        self.patches = patches_for(self.cfg.compiler_patches, device_type, self.options)
+        self.device_type, self.eager_casts = device_type, eager_casts
+        self.run = self._in_pieces() if self.pieces.split else self._whole()
+        return self.run
+
+    def _compile(self, options: dict[str, Any], specialize: bool) -> Callable[..., Any]:
+        return compile_fn(
+            self.train_step,
+            options,
+            self.device_type,
+            specialize=specialize,
+            patches=self.patches.on,
+            eager_casts=self.eager_casts,
+        )
+
+    def _whole(self) -> Callable[..., Any]:
+        compiled = announce_first_call(self._compile(self.options, self.cfg.specialize))
+        if self.cache is None:
+            return compiled
+        directory, loss_fn, settings = self.cache
+        return _stepcache("cache").CachedStep(
+            self.train_step,
+            lambda keep: self._compile({**self.options, "guard_filter_fn": keep}, False),
+            compiled,
+            directory,
+            loss_fn,
+            _stepcache("key").describe_settings(settings),
+            self.options,  # the device's options are in the key already: its tensors' device
+            specialize=self.cfg.specialize,
+        )
+
+    def _in_pieces(self) -> Callable[..., Any]:
+        self.grad_method.pieces = True  # the forward runs in Python: torch.autograd's grads
+        return in_pieces(
+            self.halves,
+            self.options,
+            self.device_type,
+            specialize=self.cfg.specialize,
+            patches=self.patches.on,
+            eager_casts=self.eager_casts,
+        )
+
+    def switch(self, error: BaseException) -> Callable[..., Any] | None:
+        """For :func:`run_compiled`: the step in pieces after a graph break, if it calls for it."""
+        run = self.pieces.switch(error, self._in_pieces)
+        if run is not None:
+            self.run = run
+        return run
 
 
 def wrap_step(
     api: str,
     train_step: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]],
     *,
+    halves: Halves,
     optimizer: Any,
     parallel: SingleProcess,
     grad_method: GradMethod,
-    compile: bool,
-    compile_options: dict[str, Any],
+    cfg: Compile | None,
     donate_state: bool,
-    specialize: bool = False,
     cache: tuple[str, Callable[..., Any], tuple[Any, ...]] | None = None,
-    compiler_patches: Choice = "auto",
     eager_casts: bool = False,
     policy: Policy | None = None,
     settings: dict[str, Any] | None = None,
@@ -189,54 +260,17 @@ def wrap_step(
     no memory. On the first call the optimizer state is checked against the params. The state
     is checked against ``policy``: its param dtypes and scaler kind (:func:`check_fits_policy`).
 
-    ``specialize`` keeps only the guards on the inputs (:func:`input_guards_only`). ``cache``,
-    ``(directory, loss_fn, settings)``, keeps the compiled step on disk
-    (:class:`funcamp.stepcache.cache.CachedStep`). ``settings``, what the step was built with,
-    enter its key. ``compiler_patches`` is ``make_train_step``'s choice of funcamp's compiler
-    patches (:func:`patches_for`). ``eager_casts`` says the policy rounds to float16, bfloat16
-    or FP8 (:func:`funcamp.train.compiling.rounds_casts`). A state with a loss scaler (not
-    ``noop``) asks for the same inductor options (:func:`step_options_for`), since its found-inf
-    must be eager code's. ``settings`` (``{"policy": ..., "optimizer": ..., "options": ...}``)
-    is what the ranks of a parallel step agree on, on its first call.
+    ``cfg`` says how to compile (None: eager); ``halves`` are ``train_step``'s two parts, for a
+    step in pieces. ``cache``, ``(directory, loss_fn, settings)``, keeps the compiled step on
+    disk (:class:`funcamp.stepcache.cache.CachedStep`). ``settings``, what the step was built
+    with, enter its key. ``eager_casts`` says the policy rounds to float16, bfloat16 or FP8
+    (:func:`funcamp.train.compiling.rounds_casts`). A state with a loss scaler (not ``noop``)
+    asks for the same inductor options (:func:`step_options_for`), since its found-inf must be
+    eager code's. ``settings`` (``{"policy": ..., "optimizer": ..., "options": ...}``) is what
+    the ranks of a parallel step agree on, on its first call.
     """
     train_step.__code__ = fresh_code(train_step.__code__)
-    patched: list[Patches] = []
-
-    def compiled_for(device_type: str, scaled: bool) -> Callable[..., Any]:
-        # Built on the first call, when the state's device is known (see step_options_for).
-        on = patches_for(compiler_patches, device_type, compile_options)
-        patched.append(on)
-        compiled = announce_first_call(
-            compile_fn(
-                train_step,
-                compile_options,
-                device_type,
-                specialize=specialize,
-                patches=on.on,
-                eager_casts=eager_casts or scaled,
-            )
-        )
-        if cache is None:
-            return compiled
-        directory, loss_fn, settings = cache
-        return _stepcache("cache").CachedStep(
-            train_step,
-            lambda keep: compile_fn(
-                train_step,
-                {**compile_options, "guard_filter_fn": keep},
-                device_type,
-                patches=on.on,
-                eager_casts=eager_casts or scaled,
-            ),
-            compiled,
-            directory,
-            loss_fn,
-            _stepcache("key").describe_settings(settings),
-            compile_options,  # the device's options are in the key already: its tensors' device
-            specialize=specialize,
-        )
-
-    runs: list[Callable[..., Any]] = []
+    compiled = None if cfg is None else _Compiled(api, train_step, halves, cfg, cache, grad_method)
     expected: list[Any] = []
     agreed = {"policy": policy, "optimizer": optimizer} if settings is None else settings
 
@@ -246,25 +280,27 @@ def wrap_step(
         )
         key = state.scaler
         try:
-            if not compile:
+            if compiled is None:
                 if donate_state:  # marked at the first write (a loss_fn that raises: intact)
                     donation.arm(key)
                 new, metrics = train_step(local, batch)
             else:
-                if not runs:
-                    runs.append(compiled_for(state_device_type(local), local.scaler.kind != "noop"))
+                run = compiled.run or compiled.build(
+                    state_device_type(local), eager_casts or local.scaler.kind != "noop"
+                )
                 # A failed trace re-runs the step eagerly, only for the error message: a donated
                 # state on copies (made then: a failed trace wrote nothing, and copying the whole
                 # state on every call would cost a sizeable part of a small step).
                 new, metrics = run_compiled(
                     api,
-                    runs[0],
+                    run,
                     (local, batch),
                     lambda: train_step(clone_buffers(local) if donate_state else local, batch),
                     grad_method,
                     first=len(expected) == 1,
-                    patches=patched[0],
-                    marks=_compiled_marks(key, compile_options) if donate_state else None,
+                    patches=compiled.patches,
+                    marks=_compiled_marks(key) if donate_state else None,
+                    pieces=compiled.switch,
                 )
                 if len(expected) == 1:  # the first compiled call: free what its trace holds
                     expected.append("compiled")
