@@ -170,7 +170,19 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
         def run(grads: PyTree, writes: Writes) -> tuple[PyTree, AccumulateState]:
             gs, ps, spec = checked(grads, state, params)
             owned = writes.owned
-            return _accumulate(optimizer, every, grads, state, params, owned, gs, ps, spec, inner)
+            return _accumulate(
+                optimizer,
+                every,
+                grads,
+                state,
+                params,
+                owned,
+                gs,
+                ps,
+                spec,
+                inner,
+                writes.new_params,
+            )
 
         return Prepared(flag, run, inner.fresh)
 
@@ -193,6 +205,7 @@ def _accumulate(
     ps: Tensors | None,
     spec: Any,
     inner_update: Prepared,
+    new: bool = False,
 ) -> tuple[PyTree, AccumulateState]:
     """One micro-step of :func:`accumulate` (its inputs checked and flattened): add the grads
     to the sums and, on the step that applies, run ``optimizer`` (prepared as
@@ -216,7 +229,7 @@ def _accumulate(
         _REPORTS[-1](avg)
     avg_tree = unflatten(spec, avg)
     # avg: this update's temporaries, which the inner optimizer may overwrite
-    inner_updates, inner = inner_update.run(avg_tree, Writes(avg if owned else ()))
+    inner_updates, inner = inner_update.run(avg_tree, Writes(avg if owned else (), new_params=new))
     inner = tree_select(apply, inner, state.inner)
     ups, uspec = optree.tree_flatten(inner_updates, is_leaf=is_set_param, namespace=NAMESPACE)
     if len(ups) != len(gs):

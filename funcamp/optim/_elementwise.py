@@ -369,7 +369,9 @@ def _run(
         deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count, mask=flags)
     else:
         deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count)
-    updates, low = to_updates(api, cfg.mode, state.low, count, deltas, ps, spec)
+    updates, low = to_updates(
+        api, cfg.mode, state.low, count, deltas, ps, spec, new_params=writes.new_params
+    )
     new_state = {b: unflatten(spec, new_bufs[b]) for b in cfg.names}
     new_state.update((b, new_bufs[b]) for b, _ in cfg.scalars)
     return updates, state._replace(count=count + 1, low=low, **new_state)

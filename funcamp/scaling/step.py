@@ -300,7 +300,12 @@ def _step(
     kernels the params too, on plain tensors); the rest is selected and written here, both
     trees matched before either is written: all or nothing."""
     # the optimizer's fused kernel checks its own params (only an optimizer with one pays)
-    writes = Writes(out if eager else (), skip if donate_state else None, kernels and donate_state)
+    writes = Writes(
+        out if eager else (),
+        skip if donate_state else None,
+        kernels and donate_state,
+        new_params=True,  # installed below: an update may give the new params bit for bit
+    )
     with summing_across(across), reporting_accumulated(report):
         updates, new_opt_state = prepared.run(unscaled, writes)
     if updates is None:  # a fused kernel updated the donated params and state in place
