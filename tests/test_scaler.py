@@ -851,9 +851,11 @@ def _same_bits(a, b) -> bool:
 
 
 def _reference_step(state, optimizer, grads, opt_state, params):
-    """unscale_and_step as its docstring composes it, from the public out-of-place functions."""
+    """unscale_and_step as its docstring composes it, from the public out-of-place functions
+    (the update as new params where the optimizer computes them: torch's single rounding)."""
     unscaled, found_inf = funcamp.unscale(state, grads)
-    updates, new_state = optimizer.update(unscaled, opt_state, params)
+    prepared = funcamp.optim.prepare_update(optimizer, unscaled, opt_state, params)
+    updates, new_state = prepared.run(unscaled, funcamp.optim.Writes(new_params=True))
     new_params = funcamp.apply_updates(params, updates)
     leaves = list(unscaled.values())  # the params' order, as clip_grad_norm_ sums them
     norms = [n.to(torch.float32) for n in torch._foreach_norm(leaves)]
@@ -980,12 +982,12 @@ class _FreshTensors(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize(
     ("name", "fresh", "fresh_donated"),
     [
-        # the new exp_avg_sq, the denominator, the new params, and the float64 copy the exact
-        # square root is taken in; the new exp_avg goes into the donated grads. On a donated
-        # state each new moment goes into its buffer as it is known: the exp_avg_sq temporary
-        # then takes the denominator and the grads the update (and the new params).
-        ("adam", 4, 2),
-        ("adamw", 4, 2),
+        # the new exp_avg_sq, the denominator (torch's sqrt) and the new params; the new
+        # exp_avg goes into the donated grads. On a donated state each new moment goes into
+        # its buffer as it is known: the exp_avg_sq temporary then takes the denominator and
+        # the grads the update (and the new params). torch.optim's step allocates two.
+        ("adam", 3, 1),
+        ("adamw", 3, 1),
         # the new momentum (selected into the old buffer when donated); the new params go
         # into the grads
         ("sgd_momentum", 1, 1),

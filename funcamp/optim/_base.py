@@ -397,8 +397,8 @@ def check_optimizer(api: str, name: str, value: Any) -> Optimizer:
     if value.prepare is not None and not callable(value.prepare):
         raise TypeError(
             f"funcamp.{api}: `{name}.prepare` must be callable or None, got "
-            f"{describe(value.prepare)} (Optimizer's third field is the prepare hook: "
-            "Capabilities were replaced by it, see CHANGELOG.md)"
+            f"{describe(value.prepare)} (Optimizer's third field is the prepare hook, "
+            "prepare(grads, state, params) -> funcamp.optim.Prepared)"
         )
     return value
 

@@ -359,7 +359,7 @@ def _run(
         donated=buf_leaves,
         skip=writes.skip,
     )
-    g = ops.to_math(gs)
+    g = ops.to_math(gs, ps)
     bufs.update((b, x) for (b, _), x in zip(cfg.scalars, scalars))
     pm = math_params(api, cfg.mode, state.low, ps, spec) if ps is not None else None
     flags = None

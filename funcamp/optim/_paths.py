@@ -134,9 +134,11 @@ class Ops:
         return f32(float(value))
 
     # -- interface (see the two paths)
-    def to_math(self, xs: Tensors) -> Tensors:
-        """``xs`` in the math dtype (float32, float64 for float64 leaves)."""
-        return [as_dtype(x, math_dtype(x.dtype)) for x in xs]
+    def to_math(self, xs: Tensors, like: Tensors | None = None) -> Tensors:
+        """``xs`` in the math dtype (float32, float64 for float64 leaves): that of ``like``'s
+        leaves when given (grads in their params' math dtype, as the state is)."""
+        dtypes = [x.dtype for x in (xs if like is None else like)]
+        return [as_dtype(x, math_dtype(d)) for x, d in zip(xs, dtypes)]
 
     def kept(self, xs: Tensors, replaces: Tensors | None = None) -> Tensors:
         """Mark ``xs`` as kept (it goes into the new state): never written into afterwards.
@@ -243,8 +245,8 @@ class EagerOps(Ops):
         self._own(xs)
         return xs
 
-    def to_math(self, xs: Tensors) -> Tensors:
-        out = super().to_math(xs)
+    def to_math(self, xs: Tensors, like: Tensors | None = None) -> Tensors:
+        out = super().to_math(xs, like)
         self._own(m for m, x in zip(out, xs) if m is not x)
         return out
 
