@@ -41,6 +41,16 @@ POLICIES = {
 FIELDS = {"SGD": {"momentum_buffer": "momentum"}, "ASGD": {"eta": None, "mu": None}}
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: these models are tiny, and two threads on shared cores make every
+    autocast cast an OpenMP region that costs milliseconds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _configs() -> list[tuple[str, str, dict]]:
     out = []
     for info in common_optimizers.optim_db:
