@@ -317,9 +317,10 @@ def fused_sgd(hyper: SgdHyper) -> tuple[Any, Any]:
 
     def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
         no_inf = torch.zeros((), dtype=torch.float32, device=ps[0].device)
-        out = FUSED_SGD_COPIES(*args(ps, grads, state, lr, False, no_inf))
+        kernel = FUSED_SGD_COPIES if compiling() else _sgd_copies
+        out = kernel(*args(ps, grads, state, lr, False, no_inf))
         if momentum > 0 and dampening != 0:
-            first = FUSED_SGD_COPIES(*args(ps, grads, state, lr, True, no_inf))
+            first = kernel(*args(ps, grads, state, lr, True, no_inf))
             at_first = (state.count == 0).to(ps[0].device)
             out = [torch.where(at_first, a, b) for a, b in zip(first, out)]
         n = len(ps)
@@ -349,12 +350,14 @@ def fused_adagrad(lr_decay: float, weight_decay: float, eps: float, maximize: bo
         )  # fmt: skip
 
     def in_place(ps: Tensors, grads: Tensors, state: Any, lr: Any, skip: Any, mask: Any) -> Any:
-        FUSED_ADAGRAD(*args(ps, grads, state, lr, skip.flag(ps[0].device)))
+        kernel = FUSED_ADAGRAD if compiling() else _adagrad_kernel
+        kernel(*args(ps, grads, state, lr, skip.flag(ps[0].device)))
         return _advance(state, skip)
 
     def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
         no_inf = torch.zeros((), dtype=torch.float32, device=ps[0].device)
-        out = FUSED_ADAGRAD_COPIES(*args(ps, grads, state, lr, no_inf))
+        kernel = FUSED_ADAGRAD_COPIES if compiling() else _adagrad_copies
+        out = kernel(*args(ps, grads, state, lr, no_inf))
         n, spec = len(ps), flatten(state.sum)[1]
         return out[:n], _advance(state, sum=unflatten(spec, out[n:]))
 
@@ -408,8 +411,9 @@ def fused_adam(hyper: AdamHyper) -> tuple[Any, Any]:
         ]  # fmt: skip
 
     def in_place(ps: Tensors, grads: Tensors, state: Any, lr: Any, skip: Any, mask: Any) -> Any:
+        kernel = FUSED_ADAM if compiling() else _adam_kernel  # eager: no custom-op dispatch
         for _, args in calls(ps, grads, state, lr, skip.flag(ps[0].device), mask):
-            FUSED_ADAM(*args)
+            kernel(*args)
         return _advance(state, skip)
 
     def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
@@ -417,8 +421,9 @@ def fused_adam(hyper: AdamHyper) -> tuple[Any, Any]:
         ms, spec = flatten(state.exp_avg)
         new_ps, new_ms, new_vs = list(ps), list(ms), flatten(state.exp_avg_sq)[0]
         new_xs = flatten(state.max_exp_avg_sq)[0] if amsgrad else []
+        kernel = FUSED_ADAM_COPIES if compiling() else _adam_copies
         for idx, args in calls(ps, grads, state, lr, no_inf, mask):
-            out = FUSED_ADAM_COPIES(*args)
+            out = kernel(*args)
             k = len(idx)
             for j, i in zip(range(k), idx):
                 new_ps[i], new_ms[i], new_vs[i] = out[j], out[k + j], out[2 * k + j]

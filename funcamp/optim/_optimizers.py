@@ -56,6 +56,13 @@ def _merge(n: int, *parts: tuple[list[int], Tensors]) -> Tensors:
     return out
 
 
+def _added(ops: Ops, p: Any, deltas: Tensors) -> Tensors | NewParams:
+    """``deltas``, or ``p + deltas`` computed in the params where this update may write them
+    (a donated state whose step is known to apply: torch.optim's in-place add)."""
+    into = None if p is None else ops.target(p)
+    return deltas if into is None else NewParams(ops.add(p, deltas, into=into))
+
+
 # --------------------------------------------------------------------------------------------
 # sgd
 
@@ -74,7 +81,7 @@ def _sgd_step(hyper: SgdHyper) -> Any:
             d = ops.fma(params, weight_decay, d, into=d)
         free = d  # dead once the step is known: the result may go into it
         if momentum > 0:
-            buf = ops.mul(buffers["momentum"], momentum)
+            buf = ops.mul(buffers["momentum"], momentum, into=ops.target(buffers["momentum"]))
             if dampening:
                 buf = ops.where(count == 0, d, ops.fma(d, 1.0 - dampening, buf))
             else:
@@ -87,7 +94,7 @@ def _sgd_step(hyper: SgdHyper) -> Any:
         neg_lr = ops.scalar(-lr)
         if params is None:  # no params to add to: the rounded step itself
             return ops.mul(d, neg_lr, into=free), new
-        return NewParams(ops.fma(d, neg_lr, params, into=free)), new
+        return NewParams(ops.fma(d, neg_lr, params, into=ops.target(params, free))), new
 
     return step
 
@@ -209,43 +216,47 @@ def _adam_step(hyper: AdamHyper) -> Any:
             bc2_sqrt = ops.scalar(torch.sqrt(bt.one_minus_power(bt.on(b2, t), t)))
         else:  # Python's bias_correction2 ** 0.5
             bc2_sqrt = ops.scalar(_half_power(1.0 - torch.pow(b2, t)))
-        # v first, into a temporary, then m into the grads (when the eager path owns them). On
-        # a donated state each goes into its buffer as it is kept, leaving the temporary for
-        # the denominator and the grads for the step: torch.optim's memory (one temporary).
+        # v first, then m. Where the step is known to apply on a donated state, each is
+        # computed in its buffer, as torch.optim does. Elsewhere v goes into a temporary and m
+        # into the grads (when the eager path owns them); on a donated state each then goes
+        # into its buffer as it is kept, leaving the temporary for the denominator and the
+        # grads for the step: torch.optim's memory (one temporary).
+        v_old, m_old = buffers["exp_avg_sq"], buffers["exp_avg"]
         if isinstance(b2, torch.Tensor):  # torch's mul_(beta2).addcmul_(value=1 - beta2)
-            vb = ops.mul(buffers["exp_avg_sq"], ops.scalar(b2))
+            vb = ops.mul(v_old, ops.scalar(b2), into=ops.target(v_old))
             v = ops.fma(ops.mul(g, ops.scalar(1.0 - b2.float())), g, vb, into=vb)
         else:
-            vb = ops.mul(buffers["exp_avg_sq"], b2)
+            vb = ops.mul(v_old, b2, into=ops.target(v_old))
             v = ops.addcmul(vb, g, g, 1.0 - b2, into=vb)
-        v = ops.kept(v, replaces=buffers["exp_avg_sq"])
-        if isinstance(b1, torch.Tensor):
-            m = ops.lerp(buffers["exp_avg"], g, ops.scalar(1.0 - b1.float()))
-        else:
-            m = ops.lerp(buffers["exp_avg"], g, 1.0 - b1, into=g)
-        m = ops.kept(m, replaces=buffers["exp_avg"])
+        v = ops.kept(v, replaces=v_old)
+        w1 = ops.scalar(1.0 - b1.float()) if isinstance(b1, torch.Tensor) else 1.0 - b1
+        m = ops.kept(ops.lerp(m_old, g, w1, into=ops.target(m_old, g)), replaces=m_old)
         new = {"exp_avg": m, "exp_avg_sq": v}
         sq = v  # what the denominator is the root of
         if amsgrad:  # the running maximum, into the temporary when it is free (donated state)
             old = buffers["max_exp_avg_sq"]
-            sq = new["max_exp_avg_sq"] = ops.kept(ops.maximum(old, v, into=vb), replaces=old)
-        denom = ops.sqrt(sq, into=vb)
+            x = ops.maximum(old, v, into=ops.target(old, vb))
+            sq = new["max_exp_avg_sq"] = ops.kept(x, replaces=old)
+        denom = ops.sqrt(sq, into=ops.target(vb))
         denom = ops.div(denom, bc2_sqrt, into=denom)
         denom = ops.add(denom, eps, into=denom)
         deltas = ops.mul(m, neg_step, into=g)
         deltas = ops.div(deltas, denom, into=deltas)
         on = _decayed(mask)  # the masked-off leaves keep the plain step (weight_decay=0)
         if not (weight_decay > 0 and decoupled and on != []):
-            return deltas, new  # p.addcdiv_(...) is p + delta: one rounding either way
+            # p.addcdiv_(...) is p + delta: one rounding either way (in place where it may)
+            return _added(ops, p, deltas), new
         # p.mul_(1 - lr * wd), then p.addcdiv_(...): the new params themselves
         factor = ops.scalar(1.0 - lr64 * weight_decay)
         if on is None:
-            new_p = ops.mul(p, factor, into=denom)
+            new_p = ops.mul(p, factor, into=ops.target(p, denom))
             return NewParams(ops.add(new_p, deltas, into=new_p)), new
-        decayed = ops.mul(_pick(p, on), factor, into=_pick(denom, on))
+        pd = _pick(p, on)
+        decayed = ops.mul(pd, factor, into=ops.target(pd, _pick(denom, on)))
         decayed = ops.add(decayed, _pick(deltas, on), into=decayed)
         off = [i for i, flag in zip(range(len(mask)), mask) if not flag]
-        plain = ops.add(_pick(p, off), _pick(deltas, off))
+        po = _pick(p, off)
+        plain = ops.add(po, _pick(deltas, off), into=ops.target(po))
         return NewParams(_merge(len(deltas), (on, decayed), (off, plain))), new
 
     return step
@@ -469,21 +480,23 @@ def _lion_step(b1: float, b2: float, weight_decay: float) -> Any:
         direction = ops.mul(m, b1)
         direction = ops.fma(g, 1.0 - b1, direction, into=direction)
         direction = ops.sign(direction, into=direction)
-        new_m = ops.mul(m, b2)
+        new_m = ops.mul(m, b2, into=ops.target(m))  # m is read: the direction is known
         new_m = ops.kept(ops.fma(g, 1.0 - b2, new_m, into=new_m), replaces=m)
         neg_lr = ops.scalar(-lr)
         on = _decayed(mask) if weight_decay > 0 else []
         if on == []:  # -lr * (+-1 or 0) is exact: apply_updates adds it as torch does
-            return ops.mul(direction, neg_lr, into=direction), {"exp_avg": new_m}
+            return _added(ops, p, ops.mul(direction, neg_lr, into=direction)), {"exp_avg": new_m}
         # p.mul_(1 - lr * wd), then p.add_(sign, alpha=-lr): the new params themselves
         lr64 = _f64(lr)
         pd, dd = _pick(p, on), _pick(direction, on)
-        new_p = ops.mul(pd, ops.scalar(1.0 - lr64 * weight_decay), into=_pick(g, on))  # g dead
+        factor = ops.scalar(1.0 - lr64 * weight_decay)
+        new_p = ops.mul(pd, factor, into=ops.target(pd, _pick(g, on)))  # g is dead
         decayed = ops.fma(dd, neg_lr, new_p, into=new_p)
         if on is None:
             return NewParams(decayed), {"exp_avg": new_m}
         off = [i for i, flag in zip(range(len(mask)), mask) if not flag]  # no decay
-        plain = ops.fma(_pick(direction, off), neg_lr, _pick(p, off))
+        po = _pick(p, off)
+        plain = ops.fma(_pick(direction, off), neg_lr, po, into=ops.target(po))
         return NewParams(_merge(len(direction), (on, decayed), (off, plain))), {"exp_avg": new_m}
 
     return step

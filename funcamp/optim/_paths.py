@@ -140,6 +140,14 @@ class Ops:
         dtypes = [x.dtype for x in (xs if like is None else like)]
         return [as_dtype(x, math_dtype(d)) for x, d in zip(xs, dtypes)]
 
+    def target(self, *candidates: Tensors | None) -> Tensors | None:
+        """The first of ``candidates`` this update may write into (for ``into=``), or None.
+
+        Donated buffers and params come first where the step is known to apply: they are
+        then written in place, as torch.optim writes them. The traced path writes nothing.
+        """
+        return None
+
     def kept(self, xs: Tensors, replaces: Tensors | None = None) -> Tensors:
         """Mark ``xs`` as kept (it goes into the new state): never written into afterwards.
 
@@ -227,6 +235,12 @@ class EagerOps(Ops):
         # step's skip (which keeps the old values where the step overflowed).
         self._donated = {id(x): x for x in donated} if skip is not None else {}
         self._skip = skip
+        # Known on the host to apply (funcamp.scaling.skip.Skip.decided): the donated tensors
+        # are written in place, as torch.optim writes them, with no select afterwards.
+        self._in_place = skip is not None and bool(donated) and skip.decided is False
+        self._marked = False
+        if self._in_place:
+            self._own(donated)
 
     def _own(self, xs: Iterable[torch.Tensor]) -> None:
         for x in xs:
@@ -244,6 +258,15 @@ class EagerOps(Ops):
     def _fresh(self, xs: Tensors) -> Tensors:
         self._own(xs)
         return xs
+
+    def target(self, *candidates: Tensors | None) -> Tensors | None:
+        for xs in candidates:
+            if xs is not None and self._owns(xs):
+                if not self._marked and id(xs[0]) in self._donated:
+                    writing()  # the first write into a donated state (funcamp._core.donation)
+                    self._marked = True
+                return xs
+        return None
 
     def to_math(self, xs: Tensors, like: Tensors | None = None) -> Tensors:
         out = super().to_math(xs, like)
