@@ -154,30 +154,22 @@ def test_adam_and_adamw_match_torch(shape_list, seed, lr, b1, b2, eps, weight_de
     eps=1e-8,
     weight_decay=0.1,
 )
-def test_adam_is_torch_bit_for_bit_but_for_the_square_root(
-    shape_list, seed, lr, b1, b2, eps, weight_decay
-):
-    """With its correctly rounded square root swapped for torch's own float32 ``sqrt``,
-    funcamp's eager Adam (L2 decay or none) gives torch.optim.Adam's params bit for bit over
-    50 steps, for any hyperparameters: every other rounding is torch's."""
-    from unittest import mock
-
-    from funcamp.optim._paths import EagerOps
-
-    calls = []
-
-    def torch_sqrt(self, xs, into=None):
-        calls.append(len(xs))
-        return self._fresh([torch.sqrt(x) for x in xs])
-
+def test_adam_and_adamw_are_torch_bit_for_bit(shape_list, seed, lr, b1, b2, eps, weight_decay):
+    """funcamp's eager Adam and AdamW give torch.optim's params bit for bit over 50 steps, for
+    any hyperparameters: every operation is torch's own, in its order (the step installs the
+    new params as AdamW's ``p.mul_(1 - lr * wd)`` then ``p.addcdiv_`` rounds them)."""
     kw = dict(lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay)
     params0 = make_params(shape_list, seed)
-    expected = run_torch(torch.optim.Adam, kw, params0)
-    with mock.patch.object(EagerOps, "sqrt", torch_sqrt):
-        got, _ = run_funcamp(funcamp.adam(lr, b1, b2, eps, weight_decay), params0)
-    assert len(calls) == STEPS  # the eager path ran, with torch's square root
-    for k in got:
-        assert same_bits(got[k], expected[k]), k
+    scaler = funcamp.ScalerState.noop()
+    for cls, make in ((torch.optim.Adam, funcamp.adam), (torch.optim.AdamW, funcamp.adamw)):
+        expected = run_torch(cls, kw, params0)
+        opt = make(lr, b1, b2, eps, weight_decay)
+        params, state = dict(params0), opt.init(params0)
+        for step in range(STEPS):
+            grads = grad_fn(params, step)
+            params, state, _ = funcamp.unscale_and_step(scaler, opt, grads, state, params)
+        for k in params:
+            assert same_bits(params[k], expected[k]), (cls.__name__, k)
 
 
 _F32 = st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=True)
@@ -205,16 +197,15 @@ def _same_lerp_bits(got: torch.Tensor, want: torch.Tensor, weight: float) -> boo
     dtype=st.sampled_from([torch.float32, torch.float64]),
 )
 @example(xs=[0.0], ys=[-0.0], zs=[0.0], weight=1.0, dtype=torch.float32)
-def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight, dtype):
-    """Ops.lerp and Ops.addcmul run torch's one-pass kernels on the eager path and the
-    difference + fused multiply-add (the product, then one multiply-add) on the traced path
-    (here with funcamp::fma, one rounding, as compiled): the same bits, whichever list the
-    eager result is written into."""
+def test_eager_lerp_and_addcmul_are_the_traced_ops(xs, ys, zs, weight, dtype):
+    """Ops.lerp and Ops.addcmul run torch's kernels on both paths: foreach kernels on the
+    eager path (written into a list it owns, or fresh), the single-tensor op on the traced
+    path: the same bits, whichever list the eager result is written into."""
     from funcamp.optim._paths import EagerOps, TracedOps
 
     n = min(len(xs), len(ys), len(zs))
     x, y, z = (torch.tensor(v[:n], dtype=dtype) for v in (xs, ys, zs))
-    traced = TracedOps(torch.device("cpu"), fused=True)
+    traced = TracedOps(torch.device("cpu"))
     want_lerp = traced.lerp([x], [y], weight)[0]
     want_addcmul = traced.addcmul([z], [x], [y], weight)[0]
     # "ys": Adam's lerp(m, g, into=g), the result written over an input it reads
@@ -224,9 +215,8 @@ def test_eager_lerp_and_addcmul_are_the_traced_decompositions(xs, ys, zs, weight
         target = {"fresh": None, "xs": [xo], "ys": [yo], "other": [other]}[into]
         got = ops.lerp([xo], [yo], weight, into=target)[0]
         assert _same_lerp_bits(got, want_lerp, weight), into
-        if into != "fresh" and dtype == torch.float32:  # torch's kernel, into the target
+        if into != "fresh":  # torch's kernel, into the target
             assert got is target[0]
-        # (float64 runs the decomposition: torch's kernel keeps w - 1 in float64)
         xo, yo, zo = x.clone(), y.clone(), z.clone()
         ops = EagerOps(torch.device("cpu"), [xo, yo, zo, other])
         target = {"fresh": None, "xs": [zo], "ys": [yo], "other": [other]}[into]
@@ -257,99 +247,19 @@ def test_eager_ops_write_into_a_list_only_what_fits_it():
     assert got is o and o.tolist() == [3.0, 3.0, 3.0]
 
 
-def test_lerp_and_addcmul_refuse_a_tensor_factor():
-    """A tensor weight/value would be read on the host (a sync; a graph break compiled):
-    refused on both paths, naming the argument."""
+def test_lerp_takes_a_tensor_weight_and_addcmul_refuses_a_tensor_value():
+    """A 0-d tensor lerp weight runs torch's tensor-weight kernel: the bits of its float32 value
+    as a Python float. addcmul's ``value`` is a Python number in torch (a tensor would be read on
+    the host): refused on both paths, naming the argument."""
     from funcamp.optim._paths import EagerOps, TracedOps
 
-    x = [torch.ones(3)]
-    for ops in (EagerOps(torch.device("cpu")), TracedOps(torch.device("cpu"), fused=False)):
-        with pytest.raises(TypeError, match=r"Ops.lerp: `weight` must be a Python float"):
-            ops.lerp(x, x, torch.tensor(0.1))
+    g = torch.Generator().manual_seed(4)
+    x, y = [torch.randn(37, generator=g)], [torch.randn(37, generator=g)]
+    w = torch.tensor(0.1)
+    for ops in (EagerOps(torch.device("cpu")), TracedOps(torch.device("cpu"))):
+        assert same_bits(ops.lerp(x, y, w)[0], torch.lerp(x[0], y[0], float(w)))
         with pytest.raises(TypeError, match=r"Ops.addcmul: `value` must be a Python float"):
             ops.addcmul(x, x, x, torch.tensor(0.5))
-        assert same_bits(ops.lerp(x, [torch.full((3,), 3.0)], 0.5)[0], torch.full((3,), 2.0))
-
-
-def test_exact_sqrt_under_transforms_is_sqrt():
-    """Under vmap, forward-mode AD (jvp, dual tensors) and reverse-mode autograd the root is
-    torch's float64 sqrt -- its batching rule and derivative -- also for a leaf above the
-    chunk size; and funcamp::sqrt's schema is one tensor in, one out."""
-    from funcamp.optim._numerics import _SQRT_CHUNK, exact_sqrt
-
-    assert len(torch.ops.funcamp.sqrt.default._schema.arguments) == 1
-    sparse = torch.tensor([[0.0, 4.0], [9.0, 0.0]]).to_sparse()  # no in-place rsqrt kernel
-    assert exact_sqrt(sparse).to_dense().tolist() == [[0.0, 2.0], [3.0, 0.0]]
-    g = torch.Generator().manual_seed(13)
-    for n in (10, _SQRT_CHUNK + 3):
-        x, t = torch.rand(n, generator=g) + 0.5, torch.rand(n, generator=g)
-
-        def ref(v):
-            return torch.sqrt(v.to(torch.float64)).to(torch.float32)
-
-        y, dy = torch.func.jvp(exact_sqrt, (x,), (t,))
-        y_ref, dy_ref = torch.func.jvp(ref, (x,), (t,))
-        assert same_bits(y, y_ref) and same_bits(dy, dy_ref)
-        batched = torch.stack([x, x.flip(0)])
-        assert same_bits(torch.func.vmap(exact_sqrt)(batched), ref(batched))
-    opt = funcamp.adam(1e-3)  # vmap over an ensemble whose leaf is above the chunk size
-    params = {"w": torch.rand(2, _SQRT_CHUNK + 3, generator=g)}
-    grads = {"w": torch.rand(2, _SQRT_CHUNK + 3, generator=g)}
-    updates, _ = torch.func.vmap(opt.update)(grads, torch.func.vmap(opt.init)(params), params)
-    for i in range(2):
-        one = {"w": params["w"][i]}
-        want, _ = opt.update({"w": grads["w"][i]}, opt.init(one), one)
-        assert same_bits(updates["w"][i], want["w"])
-
-
-def _hard_square_roots() -> torch.Tensor:
-    """float32 values whose square roots lie closest to a float32 rounding boundary: the
-    float32 neighbours (+-2 ulps) of m*m for midpoints m between two float32 values, with m*m
-    across the normal range; plus the smallest subnormals, zeros, infinities and extremes."""
-    g = torch.Generator().manual_seed(11)
-    k = torch.randint(2**23, 2**24, (20_000,), generator=g, dtype=torch.int64) * 2 + 1  # odd
-    e = torch.randint(-62, 63, (20_000,), generator=g, dtype=torch.int64)  # m*m stays normal
-    m = k.to(torch.float64) * torch.pow(2.0, (e - 24).to(torch.float64))  # a 25-bit midpoint
-    near = (m * m).to(torch.float32)  # m*m is exact in float64 (50 bits)
-    bits = near.view(torch.int32)
-    out = [(bits + d).view(torch.float32) for d in range(-2, 3)]
-    tiny = torch.arange(0, 5000, dtype=torch.int32).view(torch.float32)  # subnormals and zero
-    edges = torch.tensor([0.0, -0.0, math.inf, 3.4028235e38, 1.0, 2.0, 4.0, 0.25])
-    return torch.cat([*out, tiny, edges]).abs()
-
-
-def test_exact_sqrt_is_the_correctly_rounded_root():
-    """funcamp's eager square root (float64 rsqrt then reciprocal on CPU, ~1.5x faster there
-    than torch's float64 sqrt) is the correctly rounded float32 root: the root taken in float64
-    and rounded once (exact: 53 >= 2 * 24 + 2), and Python's own sqrt, on the values whose roots
-    lie closest to a rounding boundary and on 2**21 random bit patterns of every class."""
-    from funcamp.optim._numerics import exact_sqrt
-
-    hard = _hard_square_roots()
-    expected = torch.tensor([math.sqrt(v) for v in hard.tolist()], dtype=torch.float64)
-    assert same_bits(exact_sqrt(hard), expected.to(torch.float32))
-    g = torch.Generator().manual_seed(12)
-    # more than _SQRT_CHUNK elements: the root is taken in chunks (and a tail) through one scratch
-    bits = torch.randint(-(2**31), 2**31 - 1, (2**21 + 4094,), generator=g, dtype=torch.int64)
-    x = bits.to(torch.int32).view(torch.float32)
-    got, ref = exact_sqrt(x), torch.sqrt(x.to(torch.float64)).to(torch.float32)
-    nan = ref.isnan()  # negative inputs and NaNs: NaN (its sign bit is the kernel's)
-    assert torch.equal(got.isnan(), nan)
-    assert same_bits(got[~nan], ref[~nan])
-    out = torch.empty_like(hard)
-    assert exact_sqrt(hard, out=out) is out and same_bits(out, expected.to(torch.float32))
-    out = torch.empty_like(x)
-    assert exact_sqrt(x, out=out) is out and same_bits(out[~nan], ref[~nan])
-    wide = x.view(-1, 7).t()  # not contiguous: taken whole
-    assert same_bits(
-        exact_sqrt(wide)[~nan.view(-1, 7).t()], ref.view(-1, 7).t()[~nan.view(-1, 7).t()]
-    )
-    # A root autograd differentiates takes torch's sqrt (and its derivative).
-    w = hard[:100].clone().add_(1.0).requires_grad_()
-    exact_sqrt(w).sum().backward()
-    v = w.detach().clone().requires_grad_()
-    torch.sqrt(v.to(torch.float64)).to(torch.float32).sum().backward()
-    assert same_bits(w.grad, v.grad)
 
 
 def _run_steps(step, params, state, steps=6):
@@ -381,9 +291,8 @@ def _make_step(opt):
 def test_eager_and_compiled_agree_bit_for_bit(
     shape_list, seed, lr, b1, b2, weight_decay, decoupled, momentum
 ):
-    """Eager and compiled (aot_eager here, inductor below) updates are the same bits: fused
-    multiply-adds through funcamp::fma, correctly rounded square roots through funcamp::sqrt
-    (torch's eager float32 sqrt is one ulp off in ~0.5 % of elements; inductor's is exact)."""
+    """Compiled with aot_eager (torch's kernels, traced), updates are the eager ones, bit for bit
+    (inductor's own code is another matter: see below)."""
     params0 = make_params(shape_list, seed)
     factory = funcamp.adamw if decoupled else funcamp.adam
     for opt in (
@@ -403,9 +312,12 @@ def test_eager_and_compiled_agree_bit_for_bit(
 
 
 @pytest.mark.slow
-def test_inductor_agrees_with_eager_bit_for_bit():
-    """Inductor lowers funcamp::fma to the hardware fused multiply-add and funcamp::sqrt to its
-    exact square root: Adam, AdamW and SGD with momentum over 6 steps, every bit equal."""
+def test_inductor_stays_close_to_eager():
+    """Compiled by inductor, an update is what inductor makes of torch's ops, as for
+    ``torch.compile`` of torch.optim's step: ``add(alpha=)``, ``lerp`` and ``addcmul`` unfused
+    (two roundings where the CPU kernels round once) and a correctly rounded ``sqrt``. Adam,
+    AdamW (a schedule) and Nesterov SGD over 6 steps of a feedback loop stay within the bound
+    docs/differences.md gives."""
     params0 = make_params([(40, 33), (7,)], 3)
     opts = {
         "adam": funcamp.adam(3e-2, 0.8, 0.95, weight_decay=0.01),
@@ -428,8 +340,11 @@ def test_inductor_agrees_with_eager_bit_for_bit():
         for i in range(6):
             params, states = fn(params, states, grad_fn(params0, i))
         results.append(optree.tree_leaves((params, states)))
+    differ = 0
     for a, b in zip(*results):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        differ += not torch.equal(a, b)
+    assert differ  # the bound is not vacuous: inductor rounds otherwise
 
 
 def test_schedule_matches_lambdalr():
@@ -628,9 +543,9 @@ def test_update_vmaps_over_a_batch_of_states():
 
 
 @pytest.mark.slow
-def test_compiled_vmapped_update_matches_eager_bit_for_bit():
-    """vmap (an ensemble of optimizer states) under inductor: funcamp::fma and funcamp::sqrt
-    batch as themselves, so the compiled ensemble update is eager's, bit for bit."""
+def test_compiled_vmapped_update_stays_close_to_eager():
+    """vmap (an ensemble of optimizer states) under inductor: the compiled ensemble update
+    stays within the compiled step's bound of eager's."""
     opt = funcamp.adamw(0.1, 0.8, 0.99, weight_decay=0.1)
     gen = torch.Generator().manual_seed(7)
     params = {"w": torch.randn(5, 9, 4, generator=gen)}
@@ -647,7 +562,7 @@ def test_compiled_vmapped_update_matches_eager_bit_for_bit():
         eager, e_state = update(g, e_state, params)
         out, c_state = compiled(g, c_state, params)
         for a, b in zip(optree.tree_leaves((eager, e_state)), optree.tree_leaves((out, c_state))):
-            assert torch.equal(a, b)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("make", [lambda: funcamp.adam(0.1), lambda: funcamp.sgd(0.1, 0.9)])

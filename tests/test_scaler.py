@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import types
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import optree
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcamp
+from funcamp.scaling.skip import device_path
 
 #: The optree namespace funcamp documents for its state types (docs/concepts.md).
 NAMESPACE = "funcamp"
@@ -617,8 +619,9 @@ def test_no_host_sync_in_step(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "item", boom)
     monkeypatch.setattr(torch.Tensor, "__bool__", boom)
-    for poison in (0.0, math.inf, 0.0, 0.0):
-        params, opt_state, s, _ = _train_step(params, opt_state, s, x, y, torch.tensor(poison))
+    with device_path():  # as on CUDA (the CPU's eager step reads its skip flag: test_host_sync)
+        for poison in (0.0, math.inf, 0.0, 0.0):
+            params, opt_state, s, _ = _train_step(params, opt_state, s, x, y, torch.tensor(poison))
     monkeypatch.undo()
     assert int(s.skipped) == 1
 
@@ -851,9 +854,11 @@ def _same_bits(a, b) -> bool:
 
 
 def _reference_step(state, optimizer, grads, opt_state, params):
-    """unscale_and_step as its docstring composes it, from the public out-of-place functions."""
+    """unscale_and_step as its docstring composes it, from the public out-of-place functions
+    (the update as new params where the optimizer computes them: torch's single rounding)."""
     unscaled, found_inf = funcamp.unscale(state, grads)
-    updates, new_state = optimizer.update(unscaled, opt_state, params)
+    prepared = funcamp.optim.prepare_update(optimizer, unscaled, opt_state, params)
+    updates, new_state = prepared.run(unscaled, funcamp.optim.Writes(new_params=True))
     new_params = funcamp.apply_updates(params, updates)
     leaves = list(unscaled.values())  # the params' order, as clip_grad_norm_ sums them
     norms = [n.to(torch.float32) for n in torch._foreach_norm(leaves)]
@@ -980,16 +985,18 @@ class _FreshTensors(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize(
     ("name", "fresh", "fresh_donated"),
     [
-        # the new exp_avg_sq, the denominator, the new params, and the float64 copy the exact
-        # square root is taken in; the new exp_avg goes into the donated grads. On a donated
-        # state each new moment goes into its buffer as it is known: the exp_avg_sq temporary
-        # then takes the denominator and the grads the update (and the new params).
-        ("adam", 4, 2),
-        ("adamw", 4, 2),
-        # the new momentum (selected into the old buffer when donated); the new params go
-        # into the grads
-        ("sgd_momentum", 1, 1),
-        ("lion", 2, 2),  # the new momentum and the update direction (then the new params)
+        # the new exp_avg_sq, the denominator (torch's sqrt) and the new params; the new
+        # exp_avg goes into the donated grads. On a donated state each new moment goes into
+        # its buffer as it is known: the exp_avg_sq temporary then takes the denominator and
+        # the grads the update (and the new params). torch.optim's step allocates two.
+        ("adam", 3, 1),
+        ("adamw", 3, 1),
+        # the new momentum; the new params go into the grads. On a donated state both are
+        # computed in place, as torch.optim computes them (the step is known to apply).
+        ("sgd_momentum", 1, 0),
+        # the new momentum and the update direction (then the new params); donated: the
+        # momentum in place
+        ("lion", 2, 1),
     ],
 )
 @pytest.mark.parametrize("donate_state", [False, True])
@@ -1291,11 +1298,14 @@ def _sgd_grads(step: int, shapes: dict[str, tuple[int, ...]], scale: float) -> d
     return {k: v * scale for k, v in grads.items()}  # a power-of-two scale: exact
 
 
+@pytest.mark.parametrize("path", ["cpu", "device"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("schedule", [False, True])
-def test_donated_sgd_runs_in_place_like_torch(weight_decay, schedule, monkeypatch):
-    """donate_state with plain SGD: torch's fused kernel, in place, skipping on found_inf with
-    no host sync; params bit-identical to torch.optim.SGD on the unscaled grads."""
+def test_donated_sgd_runs_in_place_like_torch(weight_decay, schedule, path, monkeypatch):
+    """donate_state with plain SGD: torch's fused kernel, in place; params bit-identical to
+    torch.optim.SGD on the unscaled grads. On the device path (as on CUDA) the kernel skips on
+    found_inf by itself, every step, with no host sync; on the CPU the skipped step is known on
+    the host and the kernel does not run."""
     shapes = {"w": (40, 30), "b": (30,)}
     gen = torch.Generator().manual_seed(0)
     params = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
@@ -1326,9 +1336,10 @@ def test_donated_sgd_runs_in_place_like_torch(weight_decay, schedule, monkeypatc
         if step == 3:
             scaled["w"][1, 2] = float("inf")
         before = {k: v.clone() for k, v in params.items()}
-        with monkeypatch.context() as m:
-            m.setattr(torch.Tensor, "item", boom)
-            m.setattr(torch.Tensor, "__bool__", boom)
+        with monkeypatch.context() as m, device_path() if path == "device" else nullcontext():
+            if path == "device":
+                m.setattr(torch.Tensor, "item", boom)
+                m.setattr(torch.Tensor, "__bool__", boom)
             params, opt_state, info = funcamp.unscale_and_step(
                 scaler, opt, scaled, opt_state, params, donate_grads=True, donate_state=True
             )
@@ -1346,7 +1357,8 @@ def test_donated_sgd_runs_in_place_like_torch(weight_decay, schedule, monkeypatc
                 assert torch.equal(p.detach(), q)
         scaler = funcamp.update(scaler, info.found_inf)
     assert int(opt_state.count) == 7
-    assert len(calls) == 8  # the fused kernel ran every step, the skipped one included
+    # the device path's kernel ran every step, the skipped one included
+    assert len(calls) == (8 if path == "device" else 7)
 
 
 @pytest.mark.slow

@@ -37,7 +37,6 @@ Layout (the package's private modules, one idea each):
   ``amsgrad`` as transforms of their own;
 * ``_transforms``: ``clip_by_global_norm``, ``accumulate``, ``masked``, ``multi_transform``;
 * ``_modes``: the low-precision modes;
-* ``_numerics``: float32 scalars, math dtypes, the ``funcamp::fma`` and ``funcamp::sqrt`` ops;
 * ``_paths``: the two execution paths (eager, traced), chosen in one place;
 * ``_schedules`` / ``_lr_schedulers``: optax's schedules and joins, and
   torch.optim.lr_scheduler's (``step_lr``, ``one_cycle_lr``, ...), as float64 functions of the
@@ -111,7 +110,14 @@ algorithm buffer costs 4 B per element (8 B for float64 params). A mode adds 4 B
 (Kahan) or nothing (SR) for half params.
 """
 
-from funcamp.optim._base import Prepared, SetParam, Writes, learning_rate, prepare_update
+from funcamp.optim._base import (
+    NewParams,
+    Prepared,
+    SetParam,
+    Writes,
+    learning_rate,
+    prepare_update,
+)
 from funcamp.optim._elementwise import elementwise
 from funcamp.optim._ema import EmaState, ema_params, with_ema
 from funcamp.optim._from_torch import from_torch
@@ -169,6 +175,7 @@ __all__ = [
     "MultiTransformState",
     "MuonState",
     "NadamState",
+    "NewParams",
     "Ops",
     "PlateauState",
     "Prepared",
@@ -203,15 +210,3 @@ __all__ = [
     "step_lr",
     "with_ema",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """A clear error for the removed ``Capabilities`` (see CHANGELOG.md)."""
-    if name == "Capabilities":
-        raise AttributeError(
-            "funcamp.optim.Capabilities was replaced by one fast-path hook: build "
-            "Optimizer(init, update, prepare=..., learning_rate=...), where prepare(grads, state, "
-            "params) returns a funcamp.optim.Prepared (see CHANGELOG.md); Optimizer(init, update) "
-            "needs nothing else"
-        )
-    raise AttributeError(f"module 'funcamp.optim' has no attribute {name!r}")

@@ -14,6 +14,7 @@ import torch
 
 from funcamp._core.checks import (
     check_count,
+    check_flag,
     check_int,
     check_state_like,
     check_state_type,
@@ -79,16 +80,19 @@ class AccumulateState(NamedTuple):
 # accumulate
 
 
-def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
+def accumulate(optimizer: Optimizer, every: int, *, average: bool = True) -> Optimizer:
     """Gradient accumulation over ``every`` micro-steps.
 
     Each call adds the grads (in float32) to a running sum. On micro-steps 1 … ``every - 1`` the
     updates are zero, and the inner optimizer's state is untouched. On the ``every``-th, the
     averaged grads ``sum / every`` go through ``optimizer``. Its updates are returned, and the sum
     resets. With equal micro-batches and a mean loss, this is one step on the concatenated batch.
-    (Torch's recipe divides each micro-batch's loss by ``every`` instead: the same average.) The
-    inner update is computed on every micro-step and selected with ``torch.where``, with no host
-    sync. So each micro-step costs one inner update.
+    Torch's recipe divides each micro-batch's loss by ``every`` instead and sums the gradients:
+    the same average, rounded otherwise. ``average=False`` is that recipe: divide the loss by
+    ``every`` in ``loss_fn``, and the summed gradients reach ``optimizer`` as they are, bit for
+    bit ``backward``'s accumulation into ``.grad``. The inner update is computed on every
+    micro-step and selected with ``torch.where``, with no host sync. So each micro-step costs one
+    inner update.
 
     Under a loss scaler (:func:`funcamp.unscale_and_step`, the train step), the window is
     ``torch.amp.GradScaler``'s optimizer step. An inf or nan gradient in any micro-batch skips the
@@ -108,6 +112,8 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
     Args:
         optimizer: the inner :class:`Optimizer`.
         every: number of micro-steps per update (>= 1).
+        average: divide the summed gradients by ``every`` (default); False passes the sum on
+            (torch's recipe, whose loss is divided by ``every``).
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.AccumulateState`.
@@ -127,6 +133,8 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
     api = "accumulate"
     check_optimizer(api, "optimizer", optimizer)
     check_int(api, "every", every, minimum=1)
+    check_flag(api, "average", average)
+    divisor = every if average else 1
 
     def init(params: PyTree) -> AccumulateState:
         leaves, spec = flatten_params(api, params)
@@ -159,7 +167,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
     def update(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Any:
         gs, ps, spec = checked(grads, state, params)
         plain = Prepared(None, lambda avg, writes: optimizer.update(avg, state.inner, params))
-        return _accumulate(optimizer, every, grads, state, params, (), gs, ps, spec, plain)
+        return _accumulate(optimizer, every, divisor, grads, state, params, (), gs, ps, spec, plain)
 
     def prepare(grads: PyTree, state: AccumulateState, params: PyTree = None) -> Prepared:
         checked(grads, state, params)
@@ -170,7 +178,20 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
         def run(grads: PyTree, writes: Writes) -> tuple[PyTree, AccumulateState]:
             gs, ps, spec = checked(grads, state, params)
             owned = writes.owned
-            return _accumulate(optimizer, every, grads, state, params, owned, gs, ps, spec, inner)
+            return _accumulate(
+                optimizer,
+                every,
+                divisor,
+                grads,
+                state,
+                params,
+                owned,
+                gs,
+                ps,
+                spec,
+                inner,
+                writes.new_params,
+            )
 
         return Prepared(flag, run, inner.fresh)
 
@@ -185,6 +206,7 @@ def accumulate(optimizer: Optimizer, every: int) -> Optimizer:
 def _accumulate(
     optimizer: Optimizer,
     every: int,
+    divisor: int,
     grads: PyTree,
     state: AccumulateState,
     params: PyTree,
@@ -193,10 +215,11 @@ def _accumulate(
     ps: Tensors | None,
     spec: Any,
     inner_update: Prepared,
+    new: bool = False,
 ) -> tuple[PyTree, AccumulateState]:
     """One micro-step of :func:`accumulate` (its inputs checked and flattened): add the grads
     to the sums and, on the step that applies, run ``optimizer`` (prepared as
-    ``inner_update``) on their average."""
+    ``inner_update``) on their sum divided by ``divisor``."""
     api = "accumulate"
     apply = state.applies
     micro = torch.where(apply, 0, state.micro_step + 1).to(torch.int32)
@@ -210,13 +233,13 @@ def _accumulate(
     ops = choose_ops([*gs, *sums], owned=owned)
     sums = ops.add(sums, ops.to_math(gs))
     new_sums = [torch.where(apply, torch.zeros_like(s), s) for s in sums]
-    avg = ops.div(sums, float(every)) if every > 1 else sums
+    avg = ops.div(sums, float(divisor)) if divisor > 1 else sums
     del sums
     if _REPORTS:  # before the inner optimizer, which may overwrite avg in place
         _REPORTS[-1](avg)
     avg_tree = unflatten(spec, avg)
     # avg: this update's temporaries, which the inner optimizer may overwrite
-    inner_updates, inner = inner_update.run(avg_tree, Writes(avg if owned else ()))
+    inner_updates, inner = inner_update.run(avg_tree, Writes(avg if owned else (), new_params=new))
     inner = tree_select(apply, inner, state.inner)
     ups, uspec = optree.tree_flatten(inner_updates, is_leaf=is_set_param, namespace=NAMESPACE)
     if len(ups) != len(gs):

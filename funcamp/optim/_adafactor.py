@@ -31,9 +31,9 @@ from funcamp._core.checks import (
 )
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import PyTree, describe, leaf_path, unflatten
-from funcamp.optim._base import Optimizer
+from funcamp.optim._base import NewParams, Optimizer, Prepared
 from funcamp.optim._modes import check_mode_state, init_mode, math_params, select_mode, to_updates
-from funcamp.optim._shared import _f64
+from funcamp.optim._shared import _f64, _half_power, _python_pow
 from funcamp.optim._states import AdafactorState
 from funcamp.optim._whole import Layout, shard_layouts, sum_across
 
@@ -89,7 +89,7 @@ def _leaf(
     eps1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
     row_var, col_var, variance = bufs
     # alpha = max(eps2, ||p|| / sqrt(numel)) * rho_t, from the param before the decay
-    norm = torch.linalg.vector_norm(p).to(torch.float64) / math.sqrt(p.numel())
+    norm = torch.linalg.vector_norm(p).to(torch.float64) / p.numel() ** 0.5  # Python's pow
     alpha = torch.clamp(norm, min=eps2) * _like(rho, norm)
     new_p = _decayed(p, lr64, weight_decay)
     if g.dim() > 1:
@@ -104,10 +104,10 @@ def _leaf(
         estimate = variance
     update = estimate.clamp(min=eps1 * eps1).rsqrt() * g
     unorm = torch.linalg.vector_norm(update).to(torch.float64)
-    denom = torch.clamp(unorm / (math.sqrt(update.numel()) * d), min=1.0)
+    denom = torch.clamp(unorm / (update.numel() ** 0.5 * d), min=1.0)
     step = (-alpha / denom).to(update.dtype)
     new_p = torch.addcmul(new_p, update, step)  # p.add_(update, alpha=step): one rounding
-    return new_p - p, (row_var, col_var, variance)
+    return new_p, (row_var, col_var, variance)
 
 
 def _decayed(p: torch.Tensor, lr64: Any, weight_decay: float) -> torch.Tensor:
@@ -189,13 +189,13 @@ def _on_shards(
     usq = sum_across(across, [updates[i].square().sum() for i in cut])
     for i, u2 in zip(cut, usq):
         p, update, numel = pm[i], updates[i], math.prod(lays[i].shape)
-        norm = norms[i].sqrt().to(torch.float64) / math.sqrt(numel)
+        norm = norms[i].sqrt().to(torch.float64) / numel**0.5
         alpha = torch.clamp(norm, min=eps2) * rho
         unorm = u2.sqrt().to(torch.float64)
-        denom = torch.clamp(unorm / (math.sqrt(numel) * d), min=1.0)
+        denom = torch.clamp(unorm / (numel**0.5 * d), min=1.0)
         step = (-alpha / denom).to(update.dtype)
         new_p = torch.addcmul(_decayed(p, lr64, weight_decay), update, step)
-        out[i] = (new_p - p, out[i])
+        out[i] = (new_p, out[i])
     return out
 
 
@@ -288,7 +288,7 @@ def adafactor(
             init_mode(mode, leaves, spec, seed),
         )
 
-    def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+    def checked(grads: PyTree, state: Any, params: PyTree) -> tuple[Any, Any, Any, list]:
         check_state_type(api, state, AdafactorState, "an")
         gs, ps, spec = flatten_grads(api, grads, params, need_params=True)
         check_count(api, "count", state.count)
@@ -301,6 +301,10 @@ def adafactor(
                         f"of shape {want}, got {describe(x)}; build the state with init(params)"
                     )
         check_mode_state(api, mode, state.low, ps, spec, grads)
+        return gs, ps, spec, bufs
+
+    def run(grads: PyTree, state: Any, params: PyTree, new_params: bool) -> tuple[PyTree, Any]:
+        gs, ps, spec, bufs = checked(grads, state, params)
         count = state.count
         if not gs:
             return unflatten(spec, []), state._replace(count=count + 1)
@@ -308,8 +312,10 @@ def adafactor(
         lr = lr_fn(count)[0]
         lr64 = _f64(lr)
         t = (count + 1).to(torch.float64)
-        weight = torch.pow(t, beta2_decay).to(torch.float32)  # torch's lerp weight, rounded
-        inv_sqrt = 1.0 / torch.sqrt(t)  # torch's min(lr, 1 / step**0.5), in float64
+        # torch's one_minus_beta2_t = step ** beta2_decay and rho_t = min(lr, 1 / step ** 0.5):
+        # Python doubles (C's pow); the lerp weight rounded to float32 by the kernel
+        weight = _python_pow(t, beta2_decay).to(torch.float32)
+        inv_sqrt = 1.0 / _half_power(t)
         if isinstance(lr64, torch.Tensor):
             rho = torch.minimum(lr64.to(t.device), inv_sqrt)
         else:
@@ -325,17 +331,27 @@ def adafactor(
         else:
             across, lays = on_shards
             results = _on_shards(across, lays, gs, pm, leaf_bufs, lr64, ws, rho, cfg)
-        deltas, new = [], ([], [], [])
-        for delta, leaf_new in results:
-            deltas.append(delta)
+        news, new = [], ([], [], [])
+        for new_p, leaf_new in results:
+            news.append(new_p)
             for out, x in zip(new, leaf_new):
                 out.append(x)
-        updates, low = to_updates(api, mode, state.low, count, deltas, ps, spec)
+        updates, low = to_updates(
+            api, mode, state.low, count, NewParams(news), ps, spec, new_params=new_params
+        )
         trees = [unflatten(spec, xs) for xs in new]
         return updates, AdafactorState(count + 1, *trees, low)
+
+    def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        return run(grads, state, params, False)
+
+    def prepare(grads: PyTree, state: Any, params: PyTree = None) -> Prepared:
+        checked(grads, state, params)
+        unusable = lr_fn(state.count)[1]
+        return Prepared(unusable, lambda g, writes: run(g, state, params, writes.new_params))
 
     def rate(state: Any) -> torch.Tensor:
         lr = lr_fn(state.count)[0]
         return lr if isinstance(lr, torch.Tensor) else torch.tensor(lr, device=state.count.device)
 
-    return Optimizer(init, update, learning_rate=rate)
+    return Optimizer(init, update, prepare, rate)

@@ -2,14 +2,13 @@
 :func:`funcamp.optim.elementwise`: RMSprop, Adagrad, Adadelta, Adamax (NAdam, RAdam, ASGD and
 Rprop are in ``_variants``; both build on the helpers of ``_shared``).
 
-Each ``step`` does torch.optim's single-tensor operations in their order, rounding as its CPU
-kernels round: ``add(alpha=)``, ``lerp`` and ``addcmul`` are one fused multiply-add
-(``ops.fma``), ``addcdiv(value=v)`` is ``p + (v * x) / y`` (three roundings), a Python scalar
-operand is rounded to float32. Scalars torch computes from the step number in Python doubles
-(bias corrections, step sizes) are computed from the step count as float64 tensors and rounded
-to float32 once. Where torch's update is ``p.add_(d, alpha=-lr)`` (one rounding) the update
-leaf is ``new_p - p`` when the params are given (as :func:`funcamp.sgd` does). Nothing syncs
-with the host and nothing branches on a tensor's value (RAdam's rectification and ASGD's
+Each ``step`` calls torch.optim's single-tensor operations in their order (a Python scalar
+operand is rounded to float32, as torch's kernels read it). Scalars torch computes from the step
+number in Python doubles (bias corrections, step sizes) are computed from the step count as
+float64 tensors: the same doubles, with no host sync. Where torch's update is
+``p.add_(d, alpha=-lr)`` (one rounding) the result is the new params (:func:`_add_scaled`);
+``p.addcdiv_(x, y, value=v)`` is ``p + (v * x) / y``, which the delta ``(v * x) / y`` added back
+gives bit for bit. Nothing branches on a tensor's value (RAdam's rectification and ASGD's
 averaging switch are ``where`` selections).
 """
 
@@ -22,6 +21,7 @@ import torch
 from funcamp._core.checks import check_flag, check_number
 from funcamp.optim import _betas as bt
 from funcamp.optim._base import Optimizer
+from funcamp.optim._fused import fused_adagrad
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
     LearningRate,
@@ -34,6 +34,7 @@ from funcamp.optim._shared import (
     _map,
     _prologue,
     _steps,
+    check_fused_modes,
 )
 from funcamp.optim._states import (
     AdadeltaState,
@@ -69,7 +70,7 @@ def _rmsprop_step(
         neg_lr = ops.scalar(-lr)
         if momentum > 0:
             buf = ops.add(ops.mul(buffers["momentum_buffer"], momentum), ops.div(g, avg))
-            deltas = _add_scaled(ops, buf, neg_lr, p)
+            deltas = _add_scaled(ops, buf, neg_lr, p)  # p.add_(buf, alpha=-lr)
             new.update(_kept(ops, buffers, momentum_buffer=buf))
         else:
             deltas = ops.div(ops.mul(g, neg_lr), avg)
@@ -174,13 +175,12 @@ def adagrad(
     kahan: bool = False,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    fused: bool = False,
 ) -> Optimizer:
     """Adagrad with torch.optim.Adagrad's semantics and defaults (dense gradients).
 
     ``sum += g**2``; the step is ``-clr * g / (sqrt(sum) + eps)`` with
-    ``clr = lr / (1 + count * lr_decay)``. torch.optim.Adagrad's ``fused=True`` is its own
-    kernel for the same math: use this (``unscale_and_step(..., donate_state=True)`` updates
-    the state in place).
+    ``clr = lr / (1 + count * lr_decay)``.
 
     Args:
         learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr``.
@@ -193,6 +193,9 @@ def adagrad(
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash.
+        fused: run torch's fused Adagrad kernel, bit for bit ``torch.optim.Adagrad(fused=True)``
+            (its rounding differs from the default step's). Float32 params on one device; not
+            under ``torch.func`` transforms.
 
     Returns:
         An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.AdagradState`.
@@ -211,9 +214,15 @@ def adagrad(
     iav = check_number(api, "initial_accumulator_value", initial_accumulator_value)
     step = _adagrad_step(lr_decay, weight_decay, eps, maximize)
     modes = (master_weights, kahan, stochastic_rounding, seed)
+    check_flag(api, "fused", fused)
+    in_place, copies = (
+        fused_adagrad(lr_decay, weight_decay, eps, maximize) if fused else (None, None)
+    )
+    if fused:
+        check_fused_modes(api, modes)
     return _build(
-        api, AdagradState, step, learning_rate, modes, needs_params=weight_decay > 0,
-        fill={"sum": iav},
+        api, AdagradState, step, learning_rate, modes, needs_params=weight_decay > 0 or fused,
+        fill={"sum": iav}, fused_kernel=in_place, fused_update=copies,
     )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "Prepared",
     "SetParam",
     "SkipWrites",
+    "NewParams",
     "Writes",
     "apply_updates",
     "apply_updates_owned",
@@ -70,16 +71,20 @@ class Writes(NamedTuple):
         skip: the state is donated: each new buffer may be written into the one it replaces
             with ``skip.write(old, new)`` once nothing can raise. None: write no state.
         kernels: with ``skip``, torch's fused kernels may update the params and state in place.
+        new_params: the caller installs the updates into the params: an update whose
+            algorithm computed the new params itself may return them as :class:`SetParam`
+            leaves, bit for bit. False: plain deltas.
 
     Example:
         >>> import funcamp
         >>> funcamp.optim.Writes()
-        Writes(owned=(), skip=None, kernels=False)
+        Writes(owned=(), skip=None, kernels=False, new_params=False)
     """
 
     owned: Sequence[torch.Tensor] = ()
     skip: SkipWrites | None = None
     kernels: bool = False
+    new_params: bool = False
 
 
 class Prepared(NamedTuple):
@@ -205,9 +210,27 @@ class Optimizer(NamedTuple):
     learning_rate: Callable[[PyTree], Any] | None = None
 
 
+class NewParams(NamedTuple):
+    """An algorithm's result when it computed the new params itself (see
+    :func:`funcamp.optim.elementwise`): torch.optim's last in-place op on the param
+    (``p.add_(d, alpha=-lr)``, ``p.mul_(1 - lr * wd)``) rounds once, which no delta added back
+    reproduces in every case.
+
+    Example:
+        >>> import torch
+        >>> from funcamp.optim import NewParams
+        >>> NewParams([torch.zeros(1)]).values
+        [tensor([0.])]
+    """
+
+    values: list[torch.Tensor]
+
+
 class SetParam(NamedTuple):
-    """An update leaf that sets a low-precision param to ``value`` (already rounded, in the
-    param's dtype). Produced by the low-precision modes; :func:`funcamp.apply_updates` installs it.
+    """An update leaf that sets a param to ``value`` (already rounded, in the param's dtype).
+
+    Produced by the low-precision modes, and by an update told that its caller installs new
+    params (:class:`funcamp.optim.Writes`). :func:`funcamp.apply_updates` installs it.
 
     Example:
         >>> import torch, funcamp
@@ -374,8 +397,8 @@ def check_optimizer(api: str, name: str, value: Any) -> Optimizer:
     if value.prepare is not None and not callable(value.prepare):
         raise TypeError(
             f"funcamp.{api}: `{name}.prepare` must be callable or None, got "
-            f"{describe(value.prepare)} (Optimizer's third field is the prepare hook: "
-            "Capabilities were replaced by it, see CHANGELOG.md)"
+            f"{describe(value.prepare)} (Optimizer's third field is the prepare hook, "
+            "prepare(grads, state, params) -> funcamp.optim.Prepared)"
         )
     return value
 
@@ -431,7 +454,12 @@ def chain(*transforms: Optimizer) -> Optimizer:
             for i, part in enumerate(parts):
                 last = i == n - 1
                 # only the last part writes a donated state: after it nothing can raise
-                out, s = part.run(grads, Writes(owned, writes.skip if last else None))
+                out, s = part.run(
+                    grads,
+                    Writes(
+                        owned, writes.skip if last else None, new_params=last and writes.new_params
+                    ),
+                )
                 new_states.append(s)
                 if not last:
                     _refuse_set_param(out, i, n)

@@ -352,16 +352,19 @@ def _run(
     low_leaves = optree.tree_leaves(state.low)
     buf_leaves = [x for v in bufs.values() for x in v]
     scalars = [getattr(state, b) for b, _ in cfg.scalars]
+    pm = math_params(api, cfg.mode, state.low, ps, spec) if ps is not None else None
+    # The params too, where the caller installs new params: a float32 param that is its own
+    # math param may then receive them in place (with a donated state the step applies).
+    own_params = [p for p, m in zip(ps, pm) if p is m] if writes.new_params and pm else []
     ops: Ops = choose_ops(
         [*gs, *(ps or ()), *buf_leaves, *low_leaves, *scalars, count, lr],
         owned=_owned_grads(gs, writes.owned),
         device=gs[0].device,
-        donated=buf_leaves,
+        donated=buf_leaves + (own_params if len(own_params) == len(ps or ()) else []),
         skip=writes.skip,
     )
-    g = ops.to_math(gs)
+    g = ops.to_math(gs, ps)
     bufs.update((b, x) for (b, _), x in zip(cfg.scalars, scalars))
-    pm = math_params(api, cfg.mode, state.low, ps, spec) if ps is not None else None
     flags = None
     if cfg.mask is not None and ps is not None:  # a callable mask raises here, before the step
         flags = mask_flags(api, cfg.mask, params)
@@ -369,7 +372,9 @@ def _run(
         deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count, mask=flags)
     else:
         deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count)
-    updates, low = to_updates(api, cfg.mode, state.low, count, deltas, ps, spec)
+    updates, low = to_updates(
+        api, cfg.mode, state.low, count, deltas, ps, spec, new_params=writes.new_params
+    )
     new_state = {b: unflatten(spec, new_bufs[b]) for b in cfg.names}
     new_state.update((b, new_bufs[b]) for b, _ in cfg.scalars)
     return updates, state._replace(count=count + 1, low=low, **new_state)

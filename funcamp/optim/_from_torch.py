@@ -123,6 +123,7 @@ def _sgd(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer:
         weight_decay=_floats(name, group, "weight_decay", i),
         dampening=_floats(name, group, "dampening", i),
         maximize=bool(group["maximize"]),
+        fused=bool(group.get("fused") or False),
     )
 
 
@@ -201,8 +202,7 @@ OPTIMIZERS: dict[type | str, Callable[..., Optimizer]] = {
     torch.optim.Adam: _adam_like(False),
     torch.optim.AdamW: _adam_like(True),
     torch.optim.RMSprop: _same_names(rmsprop),
-    # fused=True: torch's fused CPU kernel, the same operations (within optim_db's tolerance)
-    torch.optim.Adagrad: _same_names(adagrad, ("fused",)),
+    torch.optim.Adagrad: _same_names(adagrad),
     torch.optim.Adadelta: _same_names(adadelta),
     torch.optim.Adamax: _same_names(adamax, tensor_betas=True),
     torch.optim.NAdam: _same_names(nadam, tensor_betas=True),

@@ -26,7 +26,19 @@ import torch
 from funcamp._core.context import compiling
 from funcamp._core.tree import flatten, unflatten
 
-__all__ = ["AdamHyper", "FUSED_ADAM", "FUSED_ADAM_COPIES", "FUSED_SGD", "fused_adam", "fused_sgd"]
+__all__ = [
+    "FUSED_ADAM",
+    "FUSED_ADAM_COPIES",
+    "FUSED_ADAGRAD",
+    "FUSED_ADAGRAD_COPIES",
+    "FUSED_SGD",
+    "FUSED_SGD_COPIES",
+    "AdamHyper",
+    "SgdHyper",
+    "fused_adagrad",
+    "fused_adam",
+    "fused_sgd",
+]
 
 Tensors = list[torch.Tensor]
 
@@ -91,26 +103,92 @@ _adam_copies.__signature__ = inspect.signature(_adam_kernel).replace(  # type: i
 def _sgd_kernel(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor],
     lr: float,
     lr_tensor: torch.Tensor | None,
     weight_decay: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
     maximize: bool,
+    is_first_step: bool,
     found_inf: torch.Tensor,
 ) -> None:
+    """``momentum_buffers``: one per leaf with momentum, else empty (as torch.optim passes)."""
     torch._fused_sgd_(
         params,
         grads,
-        [],
+        momentum_buffers,
         weight_decay=weight_decay,
-        momentum=0.0,
+        momentum=momentum,
         lr=lr if lr_tensor is None else lr_tensor,
-        dampening=0.0,
-        nesterov=False,
+        dampening=dampening,
+        nesterov=nesterov,
         maximize=maximize,
-        is_first_step=False,
+        is_first_step=is_first_step,
         grad_scale=None,
         found_inf=found_inf,
     )
+
+
+def _sgd_copies(params: Tensors, grads: Tensors, momentum_buffers: Tensors, *rest: Any) -> Tensors:
+    """The kernel on fresh copies: the new params and momentum buffers, in one list."""
+    ps, bufs = [x.clone() for x in params], [x.clone() for x in momentum_buffers]
+    _sgd_kernel(ps, grads, bufs, *rest)
+    return ps + bufs
+
+
+_sgd_copies.__signature__ = inspect.signature(_sgd_kernel).replace(  # type: ignore[attr-defined]
+    return_annotation="list[torch.Tensor]"
+)
+
+
+def _like_sgd(params: Tensors, grads: Any, momentum_buffers: Tensors, *args: Any) -> Tensors:
+    return [torch.empty_like(x) for x in params + momentum_buffers]
+
+
+def _adagrad_kernel(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state_sums: list[torch.Tensor],
+    step: torch.Tensor,
+    lr: float,
+    lr_tensor: torch.Tensor | None,
+    lr_decay: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    found_inf: torch.Tensor,
+) -> None:
+    torch._fused_adagrad_(
+        params,
+        grads,
+        state_sums,
+        [step] * len(params),  # the kernel reads each leaf's step; all leaves share one count
+        lr=lr if lr_tensor is None else lr_tensor,
+        lr_decay=lr_decay,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=maximize,
+        grad_scale=None,
+        found_inf=found_inf,
+    )
+
+
+def _adagrad_copies(params: Tensors, grads: Tensors, state_sums: Tensors, *rest: Any) -> Tensors:
+    """The kernel on fresh copies: the new params and sums, in one list."""
+    ps, sums = [x.clone() for x in params], [x.clone() for x in state_sums]
+    _adagrad_kernel(ps, grads, sums, *rest)
+    return ps + sums
+
+
+_adagrad_copies.__signature__ = inspect.signature(_adagrad_kernel).replace(  # type: ignore[attr-defined]
+    return_annotation="list[torch.Tensor]"
+)
+
+
+def _like_adagrad(params: Tensors, grads: Any, state_sums: Tensors, *args: Any) -> Tensors:
+    return [torch.empty_like(x) for x in params + state_sums]
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -151,8 +229,20 @@ FUSED_ADAM = _define("fused_adam_", _adam_kernel, _nothing, "_fused_adamw_", _AD
 #: ``funcamp::fused_adam``: the same on copies; returns new params + exp_avgs + exp_avg_sqs
 #: (+ max_exp_avg_sqs with amsgrad).
 FUSED_ADAM_COPIES = _define("fused_adam", _adam_copies, _like_adam, "_fused_adamw_", ())
-#: ``funcamp::fused_sgd_``: torch's fused SGD kernel without momentum, in place.
-FUSED_SGD = _define("fused_sgd_", _sgd_kernel, _nothing, "_fused_sgd_", ("params",))
+#: ``funcamp::fused_sgd_``: torch's fused SGD kernel, in place (params and momentum buffers).
+FUSED_SGD = _define(
+    "fused_sgd_", _sgd_kernel, _nothing, "_fused_sgd_", ("params", "momentum_buffers")
+)
+#: ``funcamp::fused_adagrad_``: torch's fused Adagrad kernel, in place (params and sums).
+FUSED_ADAGRAD = _define(
+    "fused_adagrad_", _adagrad_kernel, _nothing, "_fused_adagrad_", ("params", "state_sums")
+)
+#: ``funcamp::fused_adagrad``: the same on copies; returns new params + sums.
+FUSED_ADAGRAD_COPIES = _define(
+    "fused_adagrad", _adagrad_copies, _like_adagrad, "_fused_adagrad_", ()
+)
+#: ``funcamp::fused_sgd``: the same on copies; returns new params + momentum buffers.
+FUSED_SGD_COPIES = _define("fused_sgd", _sgd_copies, _like_sgd, "_fused_sgd_", ())
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,31 +268,100 @@ def _advance(state: Any, skip: Any = None, **buffers: Any) -> Any:
     return state._replace(count=count.to(state.count.dtype), **buffers)
 
 
-def fused_sgd(weight_decay: float, maximize: bool = False) -> Any:
-    """torch's fused SGD kernel: the params updated in one pass, or not at all.
+class SgdHyper(NamedTuple):
+    """SGD's hyperparameters besides the learning rate: what both SGD's step and
+    :func:`fused_sgd` read."""
 
-    The kernel reads the skip's flag itself, so there is no host sync. Plain SGD only (weight
-    decay and maximize allowed), where it gives torch.optim.SGD's params bit for bit. With
-    momentum the kernel's rounding differs from torch.optim's foreach path. Compiled, it runs as
-    ``funcamp::fused_sgd_``.
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    maximize: bool = False
+
+
+def fused_sgd(hyper: SgdHyper) -> tuple[Any, Any]:
+    """torch's fused SGD kernel as ``(in place on a donated state, on copies)``.
+
+    One pass a leaf over the params (and the momentum buffers), or none where the step is
+    skipped: the kernel reads the skip's flag itself, so there is no host sync. It gives
+    ``torch.optim.SGD(fused=True)``'s numbers bit for bit, and without momentum the
+    single-tensor step's too. Its first step with momentum sets the buffer to the gradient:
+    with ``dampening`` that differs from the later steps' formula, so the copies run the kernel
+    both ways and select on the count (the in-place kernel declines those).
     """
-    if FUSED_SGD is None:  # pragma: no cover - older torch
-        return None
+    momentum, dampening, nesterov, weight_decay, maximize = hyper
+    if FUSED_SGD is None or FUSED_SGD_COPIES is None:  # pragma: no cover - older torch
+        return None, None
 
-    def kernel(ps: Tensors, grads: Tensors, state: Any, lr: Any, skip: Any, mask: Any) -> Any:
+    def args(ps: Tensors, grads: Tensors, state: Any, lr: Any, first: bool, found: Any) -> tuple:
         device = ps[0].device
         lr_value, lr_tensor = _lr_args(lr, device)
-        found = skip.flag(device)
+        bufs = flatten(state.momentum)[0] if momentum > 0 else []
+        return (
+            ps, grads, bufs, lr_value, lr_tensor, weight_decay, momentum, dampening, nesterov,
+            maximize, first, found,
+        )  # fmt: skip
+
+    def in_place(ps: Tensors, grads: Tensors, state: Any, lr: Any, skip: Any, mask: Any) -> Any:
+        if momentum > 0 and dampening != 0:
+            return None  # the first step's buffer needs the count: the copies select on it
+        found = skip.flag(ps[0].device)
         if compiling():
-            FUSED_SGD(ps, grads, lr_value, lr_tensor, weight_decay, maximize, found)
+            FUSED_SGD(*args(ps, grads, state, lr, False, found))
             return _advance(state, skip)
         try:  # a torch whose fused SGD has no kernel for this device raises before writing
-            _sgd_kernel(ps, grads, lr_value, lr_tensor, weight_decay, maximize, found)
+            _sgd_kernel(*args(ps, grads, state, lr, False, found))
         except NotImplementedError:  # pragma: no cover - depends on the torch build
             return None
         return _advance(state, skip)
 
-    return kernel
+    def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
+        no_inf = torch.zeros((), dtype=torch.float32, device=ps[0].device)
+        kernel = FUSED_SGD_COPIES if compiling() else _sgd_copies
+        out = kernel(*args(ps, grads, state, lr, False, no_inf))
+        if momentum > 0 and dampening != 0:
+            first = kernel(*args(ps, grads, state, lr, True, no_inf))
+            at_first = (state.count == 0).to(ps[0].device)
+            out = [torch.where(at_first, a, b) for a, b in zip(first, out)]
+        n = len(ps)
+        if momentum == 0:
+            return out, _advance(state)
+        spec = flatten(state.momentum)[1]
+        return out[:n], _advance(state, momentum=unflatten(spec, out[n:]))
+
+    return in_place, copies
+
+
+def fused_adagrad(lr_decay: float, weight_decay: float, eps: float, maximize: bool) -> Any:
+    """torch's fused Adagrad kernel as ``(in place on a donated state, on copies)``: one pass
+    a leaf over the params and sums, bit for bit ``torch.optim.Adagrad(fused=True)``; the
+    kernel reads the skip's flag itself."""
+    if FUSED_ADAGRAD is None or FUSED_ADAGRAD_COPIES is None:  # pragma: no cover - older torch
+        return None, None
+
+    def args(ps: Tensors, grads: Tensors, state: Any, lr: Any, found: Any) -> tuple:
+        device = ps[0].device
+        lr_value, lr_tensor = _lr_args(lr, device)
+        step = (state.count + 1).to(device=device, dtype=torch.float32)
+        sums = flatten(state.sum)[0]
+        return (
+            ps, grads, sums, step, lr_value, lr_tensor, lr_decay, weight_decay, eps, maximize,
+            found,
+        )  # fmt: skip
+
+    def in_place(ps: Tensors, grads: Tensors, state: Any, lr: Any, skip: Any, mask: Any) -> Any:
+        kernel = FUSED_ADAGRAD if compiling() else _adagrad_kernel
+        kernel(*args(ps, grads, state, lr, skip.flag(ps[0].device)))
+        return _advance(state, skip)
+
+    def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
+        no_inf = torch.zeros((), dtype=torch.float32, device=ps[0].device)
+        kernel = FUSED_ADAGRAD_COPIES if compiling() else _adagrad_copies
+        out = kernel(*args(ps, grads, state, lr, no_inf))
+        n, spec = len(ps), flatten(state.sum)[1]
+        return out[:n], _advance(state, sum=unflatten(spec, out[n:]))
+
+    return in_place, copies
 
 
 class AdamHyper(NamedTuple):
@@ -252,8 +411,9 @@ def fused_adam(hyper: AdamHyper) -> tuple[Any, Any]:
         ]  # fmt: skip
 
     def in_place(ps: Tensors, grads: Tensors, state: Any, lr: Any, skip: Any, mask: Any) -> Any:
+        kernel = FUSED_ADAM if compiling() else _adam_kernel  # eager: no custom-op dispatch
         for _, args in calls(ps, grads, state, lr, skip.flag(ps[0].device), mask):
-            FUSED_ADAM(*args)
+            kernel(*args)
         return _advance(state, skip)
 
     def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
@@ -261,8 +421,9 @@ def fused_adam(hyper: AdamHyper) -> tuple[Any, Any]:
         ms, spec = flatten(state.exp_avg)
         new_ps, new_ms, new_vs = list(ps), list(ms), flatten(state.exp_avg_sq)[0]
         new_xs = flatten(state.max_exp_avg_sq)[0] if amsgrad else []
+        kernel = FUSED_ADAM_COPIES if compiling() else _adam_copies
         for idx, args in calls(ps, grads, state, lr, no_inf, mask):
-            out = FUSED_ADAM_COPIES(*args)
+            out = kernel(*args)
             k = len(idx)
             for j, i in zip(range(k), idx):
                 new_ps[i], new_ms[i], new_vs[i] = out[j], out[k + j], out[2 * k + j]

@@ -34,7 +34,7 @@ from funcamp._core.rounding import (
     round_stochastic,
 )
 from funcamp._core.tree import NAMESPACE, PyTree, describe, unflatten
-from funcamp.optim._base import Optimizer, SetParam
+from funcamp.optim._base import NewParams, Optimizer, SetParam
 
 __all__ = [
     "KahanState",
@@ -216,48 +216,73 @@ def to_updates(
     mode: str | None,
     low: PyTree,
     count: torch.Tensor,
-    deltas: list[torch.Tensor],
+    result: Any,
     params: list[torch.Tensor] | None,
     spec: Any,
+    new_params: bool = False,
 ) -> tuple[PyTree, PyTree]:
-    """Turn float32 deltas into update leaves (plain deltas, or :class:`SetParam` for half
-    params in a mode) and the mode's new state."""
-    if mode is None or params is None:
-        return unflatten(spec, deltas), low
+    """Turn an algorithm's result into update leaves and the mode's new state.
+
+    ``result`` is a list of float32 deltas, or :class:`NewParams` (the new params in the math
+    dtype, as torch.optim's last op on the param rounds them). With ``new_params`` the caller
+    installs the updates: new params become :class:`SetParam` leaves, bit for bit; without it
+    they become deltas (``new - p``). Half params in a mode always get a :class:`SetParam`
+    computed by the mode.
+    """
+    exact = isinstance(result, NewParams)
+    values = list(result.values) if exact else list(result)
+    if params is None:
+        return unflatten(spec, values), low
+    if mode is None:
+        return unflatten(
+            spec, [_plain(v, p, exact, new_params) for v, p in zip(values, params)]
+        ), low
     updates: list[Any] = []
     if mode == "master_weights":
         master = state_leaves(api, "low.master", low.master, spec)
         new_master = []
-        for d, p, m in zip(deltas, params, master):
+        for v, p, m in zip(values, params, master):
             if is_half(p):
-                m = m + d
+                m = v if exact else m + v
                 updates.append(SetParam(round_nearest(m, p.dtype).to(p.dtype)))
             else:
-                updates.append(d)
+                updates.append(_plain(v, p, exact, new_params))
             new_master.append(m)
         return unflatten(spec, updates), MasterWeightsState(unflatten(spec, new_master))
     if mode == "kahan":
         comp = state_leaves(api, "low.compensation", low.compensation, spec)
         new_comp = []
-        for d, p, c in zip(deltas, params, comp):
+        for v, p, c in zip(values, params, comp):
             if is_half(p):
                 pf = p.to(torch.float32)
-                y = d + c.to(torch.float32)
+                y = (v - pf if exact else v) + c.to(torch.float32)
                 new_p = round_nearest(pf + y, p.dtype)
                 c = round_nearest(y - (new_p - pf), p.dtype).to(p.dtype)
                 updates.append(SetParam(new_p.to(p.dtype)))
             else:
-                updates.append(d)
+                updates.append(_plain(v, p, exact, new_params))
             new_comp.append(c)
         return unflatten(spec, updates), KahanState(unflatten(spec, new_comp))
     # Every leaf's key at once, in a buffer of its own under compile (see computed_once): the
     # same bits as funcamp._core.rounding.random_bits(low.seed, count, i, shape) for leaf i.
-    keys = computed_once(leaf_keys(low.seed, count, len(deltas)))
-    for i, d, p in zip(range(len(deltas)), deltas, params):
+    keys = computed_once(leaf_keys(low.seed, count, len(values)))
+    for i, v, p in zip(range(len(values)), values, params):
         if is_half(p):
             noise = bits_from_key(keys[i], p.shape)
-            new_p = round_stochastic(p.to(torch.float32) + d, p.dtype, noise)
+            target = v if exact else p.to(torch.float32) + v
+            new_p = round_stochastic(target, p.dtype, noise)
             updates.append(SetParam(new_p.to(p.dtype)))
         else:
-            updates.append(d)
+            updates.append(_plain(v, p, exact, new_params))
     return unflatten(spec, updates), low
+
+
+def _plain(v: torch.Tensor, p: torch.Tensor, exact: bool, new_params: bool) -> Any:
+    """One leaf's update without a mode: a delta stays one; new params are a
+    :class:`SetParam` (rounded to nearest into a half param) when the caller installs them,
+    else the delta to them."""
+    if not exact:
+        return v
+    if new_params:
+        return SetParam(v if v.dtype == p.dtype else round_nearest(v, p.dtype).to(p.dtype))
+    return v - as_dtype(p, v.dtype)

@@ -15,7 +15,7 @@ import torch
 
 from funcamp._core.checks import check_flag, check_int, check_number
 from funcamp._core.tree import NAMESPACE, PyTree, describe, path_str
-from funcamp.optim._base import Optimizer
+from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import LearningRate, Tensors, _build, _f64, _kept
 from funcamp.optim._states import MuonState
@@ -112,7 +112,7 @@ def _muon_step(
         if p is None:
             return ops.mul(orth, neg), new
         new_p = p if weight_decay == 0 else ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
-        return ops.sub(ops.fma(orth, neg, new_p), p), new
+        return NewParams(ops.fma(orth, neg, new_p)), new  # p.add_(O, alpha=-adjusted_lr)
 
     return step
 

@@ -1,11 +1,12 @@
 """The optimizers: each one's algorithm, written once, and its public factory.
 
 Each algorithm is a ``step(ops, grads, params, buffers, lr, count)`` function (see
-:func:`funcamp.optim.elementwise`). It does torch.optim's operations in torch.optim's order and
-rounds as its CPU kernels do. ``add(alpha=)``, ``lerp`` and ``addcmul`` are one fused multiply-add
-(``ops.fma``). The update leaf is the step itself (Adam) or ``new_p - p`` (SGD, the decoupled
-decays, Lion). ``apply_updates`` adds it back exactly, unless a step nearly reaches zero: there ``p
-+ (new_p - p)`` can be one ulp off.
+:func:`funcamp.optim.elementwise`). It calls torch.optim's single-tensor operations in
+torch.optim's order, so an eager step gives torch.optim's numbers bit for bit. Where torch's last
+operation on a param rounds once (``p.add_(d, alpha=-lr)``, the decoupled decay
+``p.mul_(1 - lr * wd)``), the algorithm returns the new params themselves
+(:class:`~funcamp.optim.NewParams`); elsewhere (``p.addcdiv_``) the delta, which ``p + delta``
+adds back with the same single rounding.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import torch
 
 from funcamp._core.checks import check_flag, check_number
 from funcamp._core.tree import PyTree
-from funcamp.optim._base import Optimizer
-from funcamp.optim._fused import FUSED_ADAM, AdamHyper, fused_adam, fused_sgd
+from funcamp.optim import _betas as bt
+from funcamp.optim._base import NewParams, Optimizer
+from funcamp.optim._fused import FUSED_ADAM, AdamHyper, SgdHyper, fused_adam, fused_sgd
 from funcamp.optim._paths import Ops
-from funcamp.optim._shared import _beta, _build, _f64, _lerp_tensor
+from funcamp.optim._shared import _beta, _build, _f64, _half_power, check_fused_modes
 from funcamp.optim._states import AdamState, LionState, SgdState
 
 __all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]
@@ -54,13 +56,20 @@ def _merge(n: int, *parts: tuple[list[int], Tensors]) -> Tensors:
     return out
 
 
+def _added(ops: Ops, p: Any, deltas: Tensors) -> Tensors | NewParams:
+    """``deltas``, or ``p + deltas`` computed in the params where this update may write them
+    (a donated state whose step is known to apply: torch.optim's in-place add)."""
+    into = None if p is None else ops.target(p)
+    return deltas if into is None else NewParams(ops.add(p, deltas, into=into))
+
+
 # --------------------------------------------------------------------------------------------
 # sgd
 
 
-def _sgd_step(
-    momentum: float, dampening: float, nesterov: bool, weight_decay: float, maximize: bool
-) -> Any:
+def _sgd_step(hyper: SgdHyper) -> Any:
+    momentum, dampening, nesterov, weight_decay, maximize = hyper
+
     def step(ops: Ops, grads: Tensors, params: Any, buffers: dict, lr: Any, count: Any) -> Any:
         # torch.optim.SGD: grad = -grad (maximize); grad.add(p, alpha=weight_decay);
         # buf.mul_(momentum).add_(grad, alpha=1 - dampening) (buf = grad on the first step);
@@ -72,7 +81,7 @@ def _sgd_step(
             d = ops.fma(params, weight_decay, d, into=d)
         free = d  # dead once the step is known: the result may go into it
         if momentum > 0:
-            buf = ops.mul(buffers["momentum"], momentum)
+            buf = ops.mul(buffers["momentum"], momentum, into=ops.target(buffers["momentum"]))
             if dampening:
                 buf = ops.where(count == 0, d, ops.fma(d, 1.0 - dampening, buf))
             else:
@@ -85,8 +94,7 @@ def _sgd_step(
         neg_lr = ops.scalar(-lr)
         if params is None:  # no params to add to: the rounded step itself
             return ops.mul(d, neg_lr, into=free), new
-        new_p = ops.fma(d, neg_lr, params, into=free)
-        return ops.sub(new_p, params, into=new_p), new
+        return NewParams(ops.fma(d, neg_lr, params, into=ops.target(params, free))), new
 
     return step
 
@@ -103,6 +111,7 @@ def sgd(
     kahan: bool = False,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    fused: bool = False,
 ) -> Optimizer:
     """Stochastic gradient descent with torch.optim.SGD's semantics.
 
@@ -125,6 +134,9 @@ def sgd(
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash.
+        fused: run torch's fused SGD kernel, bit for bit ``torch.optim.SGD(fused=True)``
+            (with momentum its rounding differs from the default step's). Float32 params on
+            one device; not under ``torch.func`` transforms.
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.SgdState`.
@@ -158,11 +170,18 @@ def sgd(
             f"funcamp.{api}: `nesterov` must be False unless momentum > 0 and dampening == 0, "
             f"got nesterov=True with momentum={momentum!r}, dampening={dampening!r}"
         )
-    step = _sgd_step(momentum, dampening, nesterov, weight_decay, maximize)
+    hyper = SgdHyper(momentum, dampening, nesterov, weight_decay, maximize)
+    modes = (master_weights, kahan, stochastic_rounding, seed)
+    check_flag(api, "fused", fused)
+    in_place, copies = fused_sgd(hyper)
+    if fused:
+        check_fused_modes(api, modes)
+    elif momentum > 0:  # the kernel's momentum rounds otherwise than the default step
+        in_place = None
     return _build(
-        api, SgdState, step, learning_rate, (master_weights, kahan, stochastic_rounding, seed),
-        buffers=("momentum",) if momentum > 0 else (), needs_params=weight_decay > 0,
-        fused_kernel=None if momentum > 0 else fused_sgd(weight_decay, maximize),
+        api, SgdState, _sgd_step(hyper), learning_rate, modes,
+        buffers=("momentum",) if momentum > 0 else (), needs_params=weight_decay > 0 or fused,
+        fused_kernel=in_place, fused_update=copies if fused else None,
     )  # fmt: skip
 
 
@@ -189,54 +208,56 @@ def _adam_step(hyper: AdamHyper) -> Any:
         # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
         t = (count + 1).to(torch.float64)
         lr64 = _f64(lr)
-        if isinstance(b1, torch.Tensor):  # torch's float32 tensor math: lr / bc1 is
-            bc1 = 1.0 - torch.pow(b1.float(), t.float())  # bc1.reciprocal() * lr
-            step = lr.float() / bc1 if isinstance(lr, torch.Tensor) else bc1.reciprocal() * lr
-            neg_step = ops.scalar(-step)
+        if isinstance(b1, torch.Tensor):  # torch's tensor math in b1's dtype (see _betas)
+            neg_step = ops.scalar(-bt.over(lr, bt.one_minus_power(bt.on(b1, t), t)))
         else:
             neg_step = ops.scalar(-(lr64 / (1.0 - torch.pow(b1, t))))
-        if isinstance(b2, torch.Tensor):
-            bc2_sqrt = ops.scalar(torch.sqrt(1.0 - torch.pow(b2.float(), t.float())))
-        else:
-            bc2_sqrt = ops.scalar(torch.sqrt(1.0 - torch.pow(b2, t)))
-        # v first, into a temporary, then m into the grads (when the eager path owns them). On
-        # a donated state each goes into its buffer as it is kept, leaving the temporary for
-        # the denominator and the grads for the step: torch.optim's memory (one temporary).
+        if isinstance(b2, torch.Tensor):  # tensor ** 0.5 is torch's sqrt kernel
+            bc2_sqrt = ops.scalar(torch.sqrt(bt.one_minus_power(bt.on(b2, t), t)))
+        else:  # Python's bias_correction2 ** 0.5
+            bc2_sqrt = ops.scalar(_half_power(1.0 - torch.pow(b2, t)))
+        # v first, then m. Where the step is known to apply on a donated state, each is
+        # computed in its buffer, as torch.optim does. Elsewhere v goes into a temporary and m
+        # into the grads (when the eager path owns them); on a donated state each then goes
+        # into its buffer as it is kept, leaving the temporary for the denominator and the
+        # grads for the step: torch.optim's memory (one temporary).
+        v_old, m_old = buffers["exp_avg_sq"], buffers["exp_avg"]
         if isinstance(b2, torch.Tensor):  # torch's mul_(beta2).addcmul_(value=1 - beta2)
-            vb = ops.mul(buffers["exp_avg_sq"], ops.scalar(b2))
+            vb = ops.mul(v_old, ops.scalar(b2), into=ops.target(v_old))
             v = ops.fma(ops.mul(g, ops.scalar(1.0 - b2.float())), g, vb, into=vb)
         else:
-            vb = ops.mul(buffers["exp_avg_sq"], b2)
+            vb = ops.mul(v_old, b2, into=ops.target(v_old))
             v = ops.addcmul(vb, g, g, 1.0 - b2, into=vb)
-        v = ops.kept(v, replaces=buffers["exp_avg_sq"])
-        if isinstance(b1, torch.Tensor):
-            m = _lerp_tensor(ops, buffers["exp_avg"], g, ops.scalar(1.0 - b1.float()))
-        else:
-            m = ops.lerp(buffers["exp_avg"], g, 1.0 - b1, into=g)
-        m = ops.kept(m, replaces=buffers["exp_avg"])
+        v = ops.kept(v, replaces=v_old)
+        w1 = ops.scalar(1.0 - b1.float()) if isinstance(b1, torch.Tensor) else 1.0 - b1
+        m = ops.kept(ops.lerp(m_old, g, w1, into=ops.target(m_old, g)), replaces=m_old)
         new = {"exp_avg": m, "exp_avg_sq": v}
         sq = v  # what the denominator is the root of
         if amsgrad:  # the running maximum, into the temporary when it is free (donated state)
             old = buffers["max_exp_avg_sq"]
-            sq = new["max_exp_avg_sq"] = ops.kept(ops.maximum(old, v, into=vb), replaces=old)
-        # correctly rounded (torch's eager float32 sqrt is not always)
-        denom = ops.sqrt(sq, into=vb)
+            x = ops.maximum(old, v, into=ops.target(old, vb))
+            sq = new["max_exp_avg_sq"] = ops.kept(x, replaces=old)
+        denom = ops.sqrt(sq, into=ops.target(vb))
         denom = ops.div(denom, bc2_sqrt, into=denom)
         denom = ops.add(denom, eps, into=denom)
         deltas = ops.mul(m, neg_step, into=g)
         deltas = ops.div(deltas, denom, into=deltas)
         on = _decayed(mask)  # the masked-off leaves keep the plain step (weight_decay=0)
-        if weight_decay > 0 and decoupled and on != []:
-            # p * (1 - lr * wd) + step, as the difference to p
-            pd = _pick(p, on)
-            new_p = ops.mul(pd, ops.scalar(1.0 - lr64 * weight_decay), into=_pick(denom, on))
-            new_p = ops.add(new_p, _pick(deltas, on), into=new_p)
-            decayed = ops.sub(new_p, pd, into=new_p)
-            if on is None:
-                return decayed, new
-            off = [i for i, flag in zip(range(len(mask)), mask) if not flag]
-            deltas = _merge(len(deltas), (on, decayed), (off, _pick(deltas, off)))
-        return deltas, new
+        if not (weight_decay > 0 and decoupled and on != []):
+            # p.addcdiv_(...) is p + delta: one rounding either way (in place where it may)
+            return _added(ops, p, deltas), new
+        # p.mul_(1 - lr * wd), then p.addcdiv_(...): the new params themselves
+        factor = ops.scalar(1.0 - lr64 * weight_decay)
+        if on is None:
+            new_p = ops.mul(p, factor, into=ops.target(p, denom))
+            return NewParams(ops.add(new_p, deltas, into=new_p)), new
+        pd = _pick(p, on)
+        decayed = ops.mul(pd, factor, into=ops.target(pd, _pick(denom, on)))
+        decayed = ops.add(decayed, _pick(deltas, on), into=decayed)
+        off = [i for i, flag in zip(range(len(mask)), mask) if not flag]
+        po = _pick(p, off)
+        plain = ops.add(po, _pick(deltas, off), into=ops.target(po))
+        return NewParams(_merge(len(deltas), (on, decayed), (off, plain))), new
 
     return step
 
@@ -267,14 +288,7 @@ def _adam(
     hyper = AdamHyper(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize)
     kernels: tuple[Any, Any] = (None, None)
     if fused:
-        on = [
-            m for m, flag in zip(("master_weights", "kahan", "stochastic_rounding"), modes) if flag
-        ]
-        if on:
-            raise ValueError(
-                f"funcamp.{api}: `fused=True` runs torch's fused kernel on float32 params and "
-                f"does not compose with {on[0]}=True (a low-precision mode); pass one or the other"
-            )
+        check_fused_modes(api, modes)
         if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
             raise ValueError(
                 f"funcamp.{api}: `fused=True` takes float betas (b1, b2); pass floats, or "
@@ -466,22 +480,24 @@ def _lion_step(b1: float, b2: float, weight_decay: float) -> Any:
         direction = ops.mul(m, b1)
         direction = ops.fma(g, 1.0 - b1, direction, into=direction)
         direction = ops.sign(direction, into=direction)
-        new_m = ops.mul(m, b2)
+        new_m = ops.mul(m, b2, into=ops.target(m))  # m is read: the direction is known
         new_m = ops.kept(ops.fma(g, 1.0 - b2, new_m, into=new_m), replaces=m)
         neg_lr = ops.scalar(-lr)
         on = _decayed(mask) if weight_decay > 0 else []
         if on == []:  # -lr * (+-1 or 0) is exact: apply_updates adds it as torch does
-            return ops.mul(direction, neg_lr, into=direction), {"exp_avg": new_m}
+            return _added(ops, p, ops.mul(direction, neg_lr, into=direction)), {"exp_avg": new_m}
+        # p.mul_(1 - lr * wd), then p.add_(sign, alpha=-lr): the new params themselves
         lr64 = _f64(lr)
         pd, dd = _pick(p, on), _pick(direction, on)
-        new_p = ops.mul(pd, ops.scalar(1.0 - lr64 * weight_decay), into=_pick(g, on))  # g dead
-        new_p = ops.fma(dd, neg_lr, new_p, into=new_p)
-        decayed = ops.sub(new_p, pd, into=new_p)
+        factor = ops.scalar(1.0 - lr64 * weight_decay)
+        new_p = ops.mul(pd, factor, into=ops.target(pd, _pick(g, on)))  # g is dead
+        decayed = ops.fma(dd, neg_lr, new_p, into=new_p)
         if on is None:
-            return decayed, {"exp_avg": new_m}
-        off = [i for i, flag in zip(range(len(mask)), mask) if not flag]  # no decay: as above
-        plain = ops.mul(_pick(direction, off), neg_lr, into=_pick(direction, off))
-        return _merge(len(direction), (on, decayed), (off, plain)), {"exp_avg": new_m}
+            return NewParams(decayed), {"exp_avg": new_m}
+        off = [i for i, flag in zip(range(len(mask)), mask) if not flag]  # no decay
+        po = _pick(p, off)
+        plain = ops.fma(_pick(direction, off), neg_lr, po, into=ops.target(po))
+        return NewParams(_merge(len(direction), (on, decayed), (off, plain))), {"exp_avg": new_m}
 
     return step
 

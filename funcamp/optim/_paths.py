@@ -1,26 +1,23 @@
 """Execution paths: how an optimizer's algorithm runs, chosen in one place.
 
 An algorithm (see :func:`funcamp.optim.elementwise`) is written once against an :class:`Ops`
-object: leaf-wise arithmetic on lists of tensors. :func:`choose_ops` picks one of two paths for
-the whole update, from all of its input tensors:
+object: leaf-wise arithmetic on lists of tensors. Every op is the torch op torch.optim's
+single-tensor step calls (``add(alpha=)``, ``lerp``, ``addcmul``, ``sqrt``, ...), so an eager
+update gives torch.optim's numbers bit for bit. :func:`choose_ops` picks one of two paths for the
+whole update, from all of its input tensors:
 
 ``"eager"``: :class:`EagerOps`
     Plain eager tensors on CPU/CUDA that autograd does not track, outside ``torch.compile`` and
-    ``torch.func`` transforms. Arithmetic runs as torch's ``_foreach_*`` kernels. A fused
-    multiply-add runs as torch's own fused kernel, as in torch.optim (``add(alpha=)`` for a
-    Python scalar, ``addcmul`` for a tensor). An op given ``into=xs`` writes its result into
-    ``xs`` when this update owns ``xs`` (a temporary it made, or grads its caller donated).
+    ``torch.func`` transforms. Arithmetic runs as torch's ``_foreach_*`` kernels (on the CPU
+    they run the single-tensor kernel leaf by leaf: the same bits). An op given ``into=xs``
+    writes its result into ``xs`` when this update owns ``xs`` (a temporary it made, or grads
+    its caller donated).
 
 ``"traced"``: :class:`TracedOps`
     Everything else (``torch.compile``, ``vmap``/``grad``, autograd through the update, tensor
-    subclasses, other devices). It runs pure per-leaf ops, never in place. Compiled by inductor
-    without differentiation, the fused multiply-add and the square root are the
-    ``funcamp::fma`` and ``funcamp::sqrt`` ops (hardware ``fmadd``, exact ``sqrt``). Otherwise
-    the multiply-add is emulated in float64, and the square root is taken in float64 and
-    rounded once.
-
-Both paths give the same bits for float32 math (tested under inductor and aot_eager for every
-optimizer). Float64 leaves on the unfused traced path multiply and add with two roundings.
+    subclasses, other devices). The same torch ops, leaf by leaf, never in place. Run as
+    kernels they give the eager path's bits; compiled, they are what inductor makes of them,
+    as for ``torch.compile`` of torch.optim's step.
 """
 
 from __future__ import annotations
@@ -31,11 +28,10 @@ from typing import Any
 
 import torch
 
-from funcamp._core.context import compiling, dual_level_active, plain_eager_tensors, tracks_grad
+from funcamp._core.context import plain_eager_tensors
 from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype, f32, hoist_scalar, math_dtype, spread
 from funcamp.optim._base import SkipWrites
-from funcamp.optim._numerics import EXACT_SQRT, FUSED_FMA, exact_sqrt, plain_exact_sqrt
 
 __all__ = ["EagerOps", "Ops", "TracedOps", "choose_ops"]
 
@@ -79,11 +75,6 @@ def _fits(o: torch.Tensor, operands: Sequence[Any]) -> bool:
     return anchored
 
 
-def _shares_a_tensor(a: Tensors | None, b: Tensors) -> bool:
-    """Whether lists ``a`` and ``b`` hold the same tensor at some leaf."""
-    return a is not None and any(x is y for x, y in zip(a, b))
-
-
 def _step_scalar(y: Any) -> bool:
     """A Python real number, or a 0-d floating tensor: beside a dimensioned leaf neither
     changes the result's dtype or shape."""
@@ -94,14 +85,6 @@ def _step_scalar(y: Any) -> bool:
 
 def _addcmul(z: torch.Tensor, x: torch.Tensor, y: torch.Tensor, value: float, out: Any) -> Any:
     return torch.addcmul(z, x, y, value=value, out=out)  # value is keyword-only
-
-
-def _all_float32(*lists: Tensors) -> bool:
-    """Every tensor of these same-length lists float32, leaf by leaf of one shape."""
-    if {t.dtype for leaves in lists for t in leaves} != {torch.float32}:
-        return False
-    shapes = [t.shape for t in lists[0]]
-    return all([t.shape for t in leaves] == shapes for leaves in lists[1:])
 
 
 def _pick(y: Scalar, i: int) -> Scalar:
@@ -151,9 +134,19 @@ class Ops:
         return f32(float(value))
 
     # -- interface (see the two paths)
-    def to_math(self, xs: Tensors) -> Tensors:
-        """``xs`` in the math dtype (float32, float64 for float64 leaves)."""
-        return [as_dtype(x, math_dtype(x.dtype)) for x in xs]
+    def to_math(self, xs: Tensors, like: Tensors | None = None) -> Tensors:
+        """``xs`` in the math dtype (float32, float64 for float64 leaves): that of ``like``'s
+        leaves when given (grads in their params' math dtype, as the state is)."""
+        dtypes = [x.dtype for x in (xs if like is None else like)]
+        return [as_dtype(x, math_dtype(d)) for x, d in zip(xs, dtypes)]
+
+    def target(self, *candidates: Tensors | None) -> Tensors | None:
+        """The first of ``candidates`` this update may write into (for ``into=``), or None.
+
+        Donated buffers and params come first where the step is known to apply: they are
+        then written in place, as torch.optim writes them. The traced path writes nothing.
+        """
+        return None
 
     def kept(self, xs: Tensors, replaces: Tensors | None = None) -> Tensors:
         """Mark ``xs`` as kept (it goes into the new state): never written into afterwards.
@@ -188,41 +181,30 @@ class Ops:
         raise NotImplementedError
 
     def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
-        """Correctly rounded square roots (torch's eager float32 ``sqrt`` is not always)."""
+        """``torch.sqrt(x)`` leaf by leaf (torch.optim's ``exp_avg_sq.sqrt()``)."""
         raise NotImplementedError
 
     def fma(self, xs: Tensors, y: Scalar, zs: Tensors, into: Tensors | None = None) -> Tensors:
-        """``x * y + z`` leaf by leaf, rounded once like torch's CPU ``add(alpha=)``, ``lerp``
-        and ``addcmul``; non-float32 leaves (float64) multiply and add in their own dtype."""
+        """``torch.add(z, x, alpha=y)`` leaf by leaf (``z.add_(x, alpha=y)`` in torch.optim).
+
+        For a 0-d tensor ``y`` it is ``torch.addcmul(z, x, y)``: on the CPU both round once, and
+        give the same bits for the same float32 value of ``y``.
+        """
         raise NotImplementedError
 
-    def lerp(self, xs: Tensors, ys: Tensors, weight: float, into: Tensors | None = None) -> Tensors:
-        """``torch.lerp(x, y, weight)`` leaf by leaf, rounded as torch's CPU kernel.
-
-        ``weight`` is a Python float, rounded to float32. The difference ``y - x`` is rounded,
-        then one multiply-add runs from the nearer end: ``x + w (y - x)`` for ``|w| < 0.5``, else
-        ``y + (w - 1)(y - x)``. (torch.optim.Adam's ``exp_avg.lerp_(grad, 1 - b1)``.)
-        """
-        w = _python_float("lerp", "weight", weight)
-        # the difference may go into `into` unless an input still needed lives there
-        keep = _shares_a_tensor(into, xs) or (abs(w) >= 0.5 and _shares_a_tensor(into, ys))
-        free = None if into is None or keep else into
-        diff = self.sub(ys, xs, into=free)
-        if abs(w) < 0.5:
-            return self.fma(diff, w, xs, into=diff)
-        return self.fma(diff, w - 1.0, ys, into=diff)
+    def lerp(
+        self, xs: Tensors, ys: Tensors, weight: Scalar, into: Tensors | None = None
+    ) -> Tensors:
+        """``torch.lerp(x, y, weight)`` leaf by leaf (torch.optim.Adam's
+        ``exp_avg.lerp_(grad, 1 - b1)``). ``weight`` is a Python float or a 0-d tensor."""
+        raise NotImplementedError
 
     def addcmul(
         self, zs: Tensors, xs: Tensors, ys: Tensors, value: float, into: Tensors | None = None
     ) -> Tensors:
-        """``torch.addcmul(z, x, y, value=value)`` leaf by leaf, rounded as torch's CPU kernel.
-
-        ``value`` is a Python float, rounded to float32. ``value * x`` is rounded, then one
-        multiply-add gives ``z + (value * x) * y``. (torch.optim.Adam's
-        ``exp_avg_sq.addcmul_(grad, grad, value=1 - b2)``.)
-        """
-        v = _python_float("addcmul", "value", value)
-        return self.fma(self.mul(xs, v), ys, zs, into=into)
+        """``torch.addcmul(z, x, y, value=value)`` leaf by leaf (torch.optim.Adam's
+        ``exp_avg_sq.addcmul_(grad, grad, value=1 - b2)``). ``value`` is a Python float."""
+        raise NotImplementedError
 
     def where(self, cond: torch.Tensor, xs: Tensors, ys: Tensors) -> Tensors:
         """``torch.where(cond, x, y)`` leaf by leaf (``cond`` a 0-d bool tensor)."""
@@ -253,6 +235,12 @@ class EagerOps(Ops):
         # step's skip (which keeps the old values where the step overflowed).
         self._donated = {id(x): x for x in donated} if skip is not None else {}
         self._skip = skip
+        # Known on the host to apply (funcamp.scaling.skip.Skip.decided): the donated tensors
+        # are written in place, as torch.optim writes them, with no select afterwards.
+        self._in_place = skip is not None and bool(donated) and skip.decided is False
+        self._marked = False
+        if self._in_place:
+            self._own(donated)
 
     def _own(self, xs: Iterable[torch.Tensor]) -> None:
         for x in xs:
@@ -271,8 +259,17 @@ class EagerOps(Ops):
         self._own(xs)
         return xs
 
-    def to_math(self, xs: Tensors) -> Tensors:
-        out = super().to_math(xs)
+    def target(self, *candidates: Tensors | None) -> Tensors | None:
+        for xs in candidates:
+            if xs is not None and self._owns(xs):
+                if not self._marked and id(xs[0]) in self._donated:
+                    writing()  # the first write into a donated state (funcamp._core.donation)
+                    self._marked = True
+                return xs
+        return None
+
+    def to_math(self, xs: Tensors, like: Tensors | None = None) -> Tensors:
+        out = super().to_math(xs, like)
         self._own(m for m, x in zip(out, xs) if m is not x)
         return out
 
@@ -368,18 +365,12 @@ class EagerOps(Ops):
 
     def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
         outs = self._into(into, xs)
-        fresh = outs is None  # a float32 result written by the root's last kernel: a pass less
-        outs = [torch.empty_like(x) for x in xs] if fresh else outs
-        # the eager path's tensors are plain (plain_eager_tensors); only dual tensors are left
-        # to rule out
-        plain = not dual_level_active()
-        roots = [
-            plain_exact_sqrt(x, o)
-            if plain and x.dtype == torch.float32 and x.is_cpu and x.layout == torch.strided
-            else exact_sqrt(x, o)
-            for x, o in zip(xs, outs)
-        ]  # fmt: skip
-        return self._fresh(roots) if fresh else roots
+        if outs is xs:
+            torch._foreach_sqrt_(xs)
+            return xs
+        if outs is not None:
+            return [torch.sqrt(x, out=o) for x, o in zip(xs, outs)]
+        return self._fresh(list(torch._foreach_sqrt(xs)))
 
     def fma(self, xs: Tensors, y: Scalar, zs: Tensors, into: Tensors | None = None) -> Tensors:
         y = _scalar(y)
@@ -394,19 +385,20 @@ class EagerOps(Ops):
             results.append(r)
         return results if outs is not None else self._fresh(results)
 
-    def lerp(self, xs: Tensors, ys: Tensors, weight: float, into: Tensors | None = None) -> Tensors:
-        # torch's kernel rounds like Ops.lerp for float32 leaves (for float64 it keeps w - 1 in
-        # float64, and it does not promote mixed dtypes): otherwise the decomposition runs
-        if not _all_float32(xs, ys):
-            return super().lerp(xs, ys, weight, into=into)
+    def lerp(
+        self, xs: Tensors, ys: Tensors, weight: Scalar, into: Tensors | None = None
+    ) -> Tensors:
+        if isinstance(weight, torch.Tensor):  # a 0-d tensor weight: torch's tensor kernel
+            outs = self._into(into, xs, ys, weight)
+            if outs is None:
+                return self._fresh([torch.lerp(x, y, weight) for x, y in zip(xs, ys)])
+            return [torch.lerp(x, y, weight, out=o) for x, y, o in zip(xs, ys, outs)]
         w = _python_float("lerp", "weight", weight)
         return self._foreach("lerp", [xs, ys], w, into, torch.lerp)
 
     def addcmul(
         self, zs: Tensors, xs: Tensors, ys: Tensors, value: float, into: Tensors | None = None
     ) -> Tensors:
-        if not _all_float32(zs, xs, ys):  # as for lerp: torch's kernel for float32 leaves
-            return super().addcmul(zs, xs, ys, value, into=into)
         v = _python_float("addcmul", "value", value)
         return self._foreach("addcmul", [zs, xs, ys], v, into, _addcmul)
 
@@ -415,19 +407,10 @@ class EagerOps(Ops):
 
 
 class TracedOps(Ops):
-    """The ``"traced"`` path: pure per-leaf ops (``into`` is ignored).
-
-    ``fused`` (decided by :func:`choose_ops`) means this update is being compiled. The
-    multiply-add and the square root are then ``funcamp::fma`` and ``funcamp::sqrt``. Operands
-    that autograd (or ``torch.func.grad``) differentiates take the float64 emulation instead:
-    plain torch ops that dynamo can differentiate inside functorch transforms.
-    """
+    """The ``"traced"`` path: pure per-leaf torch ops (``into`` is ignored): differentiable,
+    vmappable, and compiled as ``torch.compile`` compiles torch.optim's step."""
 
     path = "traced"
-
-    def __init__(self, device: torch.device, fused: bool) -> None:
-        super().__init__(device)
-        self.fused = fused
 
     def _binary(self, op: str, xs: Tensors, y: Scalar, into: Tensors | None) -> Tensors:
         y = _scalar(y)
@@ -441,27 +424,27 @@ class TracedOps(Ops):
         return [torch.maximum(x, y) for x, y in zip(xs, ys)]
 
     def sqrt(self, xs: Tensors, into: Tensors | None = None) -> Tensors:
-        if self.fused and EXACT_SQRT is not None and not tracks_grad(xs):
-            return [EXACT_SQRT(x) for x in xs]
-        return [exact_sqrt(x) for x in xs]
+        return [torch.sqrt(x) for x in xs]
 
     def fma(self, xs: Tensors, y: Scalar, zs: Tensors, into: Tensors | None = None) -> Tensors:
         y = _scalar(y)
-        ys = y if isinstance(y, (list, tuple)) else [y]
-        fused = self.fused and FUSED_FMA is not None and not tracks_grad([*xs, *zs, *ys])
-        results = []
-        for x, yi, z in zip(xs, _each(y, len(xs)), zs):
-            if fused:
-                if not isinstance(yi, torch.Tensor):
-                    yi = torch.full((), yi, dtype=x.dtype, device=x.device)
-                results.append(FUSED_FMA(x, yi, z))
-            elif x.dtype != torch.float32:
-                results.append(torch.add(z, torch.mul(x, yi)))
-            else:
-                y64 = yi.to(torch.float64) if isinstance(yi, torch.Tensor) else yi
-                r = torch.add(torch.mul(x.to(torch.float64), y64), z.to(torch.float64))
-                results.append(r.to(torch.float32))
-        return results
+        return [
+            torch.addcmul(z, x, yi) if isinstance(yi, torch.Tensor) else torch.add(z, x, alpha=yi)
+            for x, yi, z in zip(xs, _each(y, len(xs)), zs)
+        ]
+
+    def lerp(
+        self, xs: Tensors, ys: Tensors, weight: Scalar, into: Tensors | None = None
+    ) -> Tensors:
+        if not isinstance(weight, torch.Tensor):
+            weight = _python_float("lerp", "weight", weight)
+        return [torch.lerp(x, y, weight) for x, y in zip(xs, ys)]
+
+    def addcmul(
+        self, zs: Tensors, xs: Tensors, ys: Tensors, value: float, into: Tensors | None = None
+    ) -> Tensors:
+        v = _python_float("addcmul", "value", value)
+        return [torch.addcmul(z, x, y, value=v) for z, x, y in zip(zs, xs, ys)]
 
 
 def choose_ops(
@@ -486,4 +469,4 @@ def choose_ops(
         if skip is not None and not plain_eager_tensors([skip.found_inf]):
             skip = None  # then the caller selects and writes the new state itself
         return EagerOps(device, owned, donated, skip)
-    return TracedOps(device, fused=compiling())
+    return TracedOps(device)

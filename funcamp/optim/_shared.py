@@ -3,8 +3,8 @@
 * :func:`_build`: the factory that builds one from its ``step`` and the low-precision mode's
   arguments;
 * the common argument checks;
-* the steps' building blocks: the gradient prologue, torch's rounding of ``add(alpha=)`` and of
-  ``lerp`` with a tensor weight, the float64 step count and learning rate;
+* the steps' building blocks: the gradient prologue, ``p.add_(d, alpha=)``, the float64 step
+  count and learning rate;
 * :func:`_stateless`: the scaffolding of a stateless gradient transform.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from funcamp._core.checks import check_flag, check_number, flatten_grads
 from funcamp._core.tree import PyTree, describe, unflatten
-from funcamp.optim._base import Optimizer, Prepared
+from funcamp.optim._base import NewParams, Optimizer, Prepared
 from funcamp.optim._elementwise import build
 from funcamp.optim._paths import Ops, choose_ops
 
@@ -48,6 +48,16 @@ def _build(
     )  # fmt: skip
 
 
+def check_fused_modes(api: str, modes: tuple[bool, bool, bool, int]) -> None:
+    """``fused=True`` runs torch's kernel on float32 params: no low-precision mode."""
+    on = [m for m, flag in zip(("master_weights", "kahan", "stochastic_rounding"), modes) if flag]
+    if on:
+        raise ValueError(
+            f"funcamp.{api}: `fused=True` runs torch's fused kernel on float32 params and "
+            f"does not compose with {on[0]}=True (a low-precision mode); pass one or the other"
+        )
+
+
 def _checked(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple[float, float]:
     """The arguments most of these optimizers take: ``maximize`` checked, ``eps`` and
     ``weight_decay`` (both >= 0) returned."""
@@ -67,6 +77,20 @@ def _map(fn: Callable[..., torch.Tensor], *lists: Tensors) -> Tensors:
 
 def _f64(lr: Any) -> Any:
     return lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+
+
+def _python_pow(x: torch.Tensor, exponent: float) -> torch.Tensor:
+    """Python's ``x ** exponent`` for a float64 0-d tensor ``x``: C's ``pow``, through torch's
+    tensor-exponent ``pow`` (a Python exponent takes torch's special cases: ``sqrt`` for 0.5,
+    ``rsqrt`` for -0.5, products for 2 and 3)."""
+    return torch.pow(x, torch.tensor(exponent, dtype=x.dtype, device=x.device))
+
+
+def _half_power(x: torch.Tensor) -> torch.Tensor:
+    """Python's ``x ** 0.5`` for a float64 0-d tensor (torch.optim's
+    ``bias_correction2 ** 0.5``). torch's ``sqrt``, correctly rounded, differs from C's
+    ``pow(x, 0.5)`` in the last bit for a few steps in a hundred."""
+    return _python_pow(x, 0.5)
 
 
 def _steps(count: torch.Tensor) -> torch.Tensor:
@@ -94,12 +118,12 @@ def _decayed_prologue(
     return _prologue(ops, g, p, maximize, weight_decay), None
 
 
-def _add_scaled(ops: Ops, d: Tensors, neg_lr: Any, p: Any) -> Tensors:
-    """The update of ``p.add_(d, alpha=neg_lr)``: ``new_p - p`` with ``new_p`` rounded once as
-    torch's kernel rounds it, or ``neg_lr * d`` without params."""
+def _add_scaled(ops: Ops, d: Tensors, neg_lr: Any, p: Any) -> Tensors | NewParams:
+    """The result of ``p.add_(d, alpha=neg_lr)``: the new params, rounded once as torch's
+    kernel rounds them, or ``neg_lr * d`` without params."""
     if p is None:
         return ops.mul(d, neg_lr)
-    return ops.sub(ops.fma(d, neg_lr, p), p)
+    return NewParams(ops.fma(d, neg_lr, p))
 
 
 def _betas(api: str, b1: float, b2: float) -> tuple[float, float]:
@@ -110,15 +134,6 @@ def _pair(api: str, name: str, value: Any) -> tuple[Any, Any]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError(f"funcamp.{api}: `{name}` must be a pair of floats, got {describe(value)}")
     return value[0], value[1]
-
-
-def _lerp_tensor(ops: Ops, xs: Tensors, ys: Tensors, w: torch.Tensor) -> Tensors:
-    """``torch.lerp(x, y, w)`` for a 0-d tensor weight, rounded as torch's CPU kernel: one
-    multiply-add from the nearer end (a ``where`` on the weight: no host sync)."""
-    diff = ops.sub(ys, xs)
-    near_x = ops.fma(diff, w, xs)
-    near_y = ops.fma(diff, w - 1.0, ys)
-    return ops.where(w.abs() < 0.5, near_x, near_y)
 
 
 def _beta(api: str, name: str, value: Any) -> Any:

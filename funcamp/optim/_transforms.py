@@ -169,6 +169,7 @@ def _param_groups(
         params: PyTree,
         prepared: dict[str, Prepared] | None,
         owned: Sequence[torch.Tensor],
+        new: bool = False,
     ) -> tuple[PyTree, Any]:
         gs, spec, keys, owner, inner = parts(grads, state, params)
         out: list[Any] = [None] * len(gs)
@@ -179,7 +180,7 @@ def _param_groups(
             if prepared is None:
                 ups, new_inner[name] = opt.update(sub_g, inner[name], sub_p)
             else:
-                ups, new_inner[name] = prepared[name].run(sub_g, Writes(owned))
+                ups, new_inner[name] = prepared[name].run(sub_g, Writes(owned, new_params=new))
             flat = _group_updates(api, name, ups, [k for k, c in zip(keys, chosen) if c])
             for i, c in enumerate(chosen):
                 if c:
@@ -201,7 +202,7 @@ def _param_groups(
             prepared[name] = prepare_update(opt, sub_g, inner[name], sub_p)
 
         def go(grads: PyTree, writes: Writes) -> tuple[PyTree, Any]:
-            return run(grads, state, params, prepared, writes.owned)
+            return run(grads, state, params, prepared, writes.owned, writes.new_params)
 
         flag = any_flag([p.unusable_lr for p in prepared.values()])
         return Prepared(flag, go, all(p.fresh for p in prepared.values()))

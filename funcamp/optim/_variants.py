@@ -12,7 +12,7 @@ import torch
 
 from funcamp._core.checks import check_flag, check_number
 from funcamp.optim import _betas as bt
-from funcamp.optim._base import Optimizer
+from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
     LearningRate,
@@ -21,6 +21,7 @@ from funcamp.optim._shared import (
     _checked,
     _decayed_prologue,
     _f64,
+    _half_power,
     _kept,
     _map,
     _pair,
@@ -108,10 +109,10 @@ def _nadam_step(
         denom = ops.add(denom, eps, into=denom)
         a = ops.div(ops.mul(g, c1), denom)
         b = ops.div(ops.mul(m, c2), denom)
-        if base is None:
-            deltas = ops.add(a, b, into=a)
+        if base is None:  # p.addcdiv_(grad, ...) then p.addcdiv_(exp_avg, ...): two roundings
+            deltas = ops.add(a, b, into=a) if p is None else NewParams(ops.add(ops.add(p, a), b))
         else:
-            deltas = ops.sub(ops.add(ops.add(base, a), b), p)
+            deltas = NewParams(ops.add(ops.add(base, a), b))
         return deltas, {**_kept(ops, buffers, exp_avg=m, exp_avg_sq=v), "mu_product": mu_product}
 
     return step
@@ -199,11 +200,17 @@ def _radam_scalars(b1: Any, b2: Any, count: Any) -> tuple[Any, Any, Any, Any]:
         bc2 = 1.0 - torch.pow(b2, t)
         rho_inf = 2.0 / (1.0 - b2) - 1.0
         rho_t = rho_inf - 2.0 * t * torch.pow(b2, t) / bc2
-        root = torch.sqrt(bc2)
+        root = _half_power(bc2)
     on = rho_t > 5.0
     safe = torch.where(on, rho_t, torch.full_like(rho_t, 6.0))  # no NaN in the other branch
     rect = (safe - 4) * (safe - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * safe)
-    return bc1, root, on, torch.pow(rect, 0.5)
+    # torch's rect is `(...) ** 0.5` of a Python float, or of a tensor (a tensor b2): its sqrt
+    return (
+        bc1,
+        root,
+        on,
+        torch.pow(rect, 0.5) if isinstance(b2, torch.Tensor) else _half_power(rect),
+    )
 
 
 def _radam_step(
@@ -233,10 +240,10 @@ def _radam_step(
             adaptive = ops.mul(_map(torch.reciprocal, root), ops.scalar(root_bc2))
         rectified = ops.mul(ops.mul(scaled, adaptive), ops.scalar(rect))
         steps = ops.where(on, rectified, scaled)
-        if base is None:
+        if base is None:  # p.add_(steps, alpha=-1): p - steps, the delta exactly
             deltas = ops.mul(steps, -1.0)
-        else:
-            deltas = ops.sub(ops.sub(base, steps), p)
+        else:  # p.mul_(1 - lr * wd) first
+            deltas = NewParams(ops.sub(base, steps))
         return deltas, _kept(ops, buffers, exp_avg=m, exp_avg_sq=v)
 
     return step
@@ -319,8 +326,7 @@ def _asgd_step(lambd: float, alpha: float, t0: float, weight_decay: float, maxim
         ax = buffers["ax"]
         averaged = ops.add(ops.mul(ops.sub(new_p, ax), mu), ax)
         ax = ops.where(mu == 1.0, new_p, averaged)
-        deltas = ops.sub(new_p, p)
-        return deltas, _kept(ops, buffers, ax=ax)
+        return NewParams(new_p), _kept(ops, buffers, ax=ax)
 
     return step
 

@@ -10,19 +10,49 @@ Every path of :func:`funcamp.unscale_and_step` skips through one :class:`Skip`:
 
 Optimizers receive it through :class:`funcamp.optim.Writes`, and never read ``found_inf``
 themselves. Changing how a step is skipped means changing this file.
+
+Where the flag lives on the CPU and the step runs eagerly, the decision is read once, as torch's
+``GradScaler.step`` reads it: the CPU holds the value, so no device is waited for. A skipped step
+then does no work at all, and an applied one writes its results without a select
+(:attr:`Skip.decided`). Everywhere else -- CUDA, compiled, under ``torch.func`` transforms --
+nothing reads it, and the old values are kept with selects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from funcamp._core.tree import BITS, PyTree, plan_select_write, select_into, where_into
+from funcamp._core.context import plain_eager_tensors
+from funcamp._core.tree import BITS, PyTree, plan_select_write, plan_write, select_into, where_into
 from funcamp.scaling.state import check_found_inf
 
-__all__ = ["Skip"]
+__all__ = ["Skip", "device_path"]
+
+#: Whether a CPU eager step reads its skip flag on the host (see :func:`device_path`).
+_READS_CPU_FLAG: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "funcamp_reads_cpu_flag", default=True
+)
+
+
+@contextlib.contextmanager
+def device_path() -> Iterator[None]:
+    """Run steps as on a device: nothing reads the skip flag, even on the CPU.
+
+    A CPU eager step reads its flag once (:attr:`Skip.decided`); a CUDA step never does. Inside
+    this block the CPU runs the CUDA step's sync-free path (selects), so that it can be tested
+    and timed without a GPU.
+    """
+    token = _READS_CPU_FLAG.set(False)
+    try:
+        yield
+    finally:
+        _READS_CPU_FLAG.reset(token)
+
 
 _TINY = float.fromhex("0x1p-1074")  # the smallest float64 subnormal
 _NEGATIVE_ZERO = -0.0
@@ -63,9 +93,28 @@ class Skip:
         self._masks: dict[torch.dtype, torch.Tensor] = {}
         self._caps: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._cpu_exact: bool | None = None
+        self._decided: bool | None = None
+        self._read = False
+
+    @property
+    def decided(self) -> bool | None:
+        """Whether the step is skipped, known on the host: a Python bool where ``found_inf`` is
+        a plain CPU tensor in plain eager code (read once, as ``GradScaler.step`` reads it: no
+        device to wait for); None everywhere else (CUDA, compiled, ``torch.func``), where
+        nothing reads it."""
+        if not self._read:
+            self._read = True
+            flag = self.found_inf
+            # plain eager first: nothing else is asked while dynamo traces
+            if plain_eager_tensors([flag]) and flag.device.type == "cpu" and _READS_CPU_FLAG.get():
+                self._decided = bool(flag)
+        return self._decided
 
     def keep(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """One tensor: ``where(found_inf, old, new)``."""
+        decided = self.decided
+        if decided is not None:
+            return old if decided else new
         return torch.where(self.found_inf.to(old.device), old, new)
 
     def select(
@@ -78,12 +127,24 @@ class Skip:
         """Two trees of one structure, leaf by leaf (:func:`funcamp.tree_select`).
 
         A ``new`` leaf for which ``writable`` holds (a temporary of the caller) receives the
-        result in place. One for which ``done`` holds already holds it.
+        result in place. One for which ``done`` holds already holds it. Decided on the host,
+        the tree is chosen whole (the trees are still checked against each other).
         """
+        decided = self.decided
+        if decided is not None:
+            select_into(self.found_inf, old, new, lambda x: False, lambda x: True)  # checks
+            return old if decided else new
         return select_into(self.found_inf, old, new, writable, done)
 
     def write(self, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> Any:
         """Into each old tensor, now: ``old = where(found_inf, old, new)``. Returns ``olds``."""
+        decided = self.decided
+        if decided is not None:
+            if not decided:
+                for old, new in zip(olds, news):
+                    if new is not old:
+                        old.copy_(new)
+            return olds
         if self._applies is None:
             self._applies = ~self.found_inf
         for old, new in zip(olds, news):
@@ -96,7 +157,11 @@ class Skip:
         The trees are checked now, raising before anything is written. The returned function
         writes, and returns ``old``.
         """
-        return plan_select_write(self.found_inf, new, old)
+        decided = self.decided
+        if decided is None:
+            return plan_select_write(self.found_inf, new, old)
+        write = plan_write(old if decided else new, old)
+        return write
 
     def flag(self, device: torch.device) -> torch.Tensor:
         """``found_inf`` as torch's fused kernels read it (float32 on ``device``).
@@ -116,6 +181,9 @@ class Skip:
         flushed, where ``p + -0.0`` is not ``p``. A signaling-NaN param (torch never makes one)
         would come back quiet from a skipped step.
         """
+        decided = self.decided
+        if decided is not None and not decided:
+            return True  # applied: the delta stays as it is
         int_dtype = BITS.get(delta.dtype)
         if int_dtype is None or int_dtype == torch.int16:
             return False

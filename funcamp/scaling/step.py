@@ -222,7 +222,16 @@ def unscale_and_step(
         donate = donate_grads and disjoint(floating, taken)
         if not donate:
             taken.update(storage_key(x) for x in floating)
-    out, found_inf = unscale_leaves(floating, state.scale, kernels, donate=donate)
+    norm = None
+    if _checked_by_norm(state, eager, donate, grad_norm, across, floating):
+        # Nothing to unscale: the grads are the unscaled ones, and the norm the step reports
+        # is finite exactly when they are (or finite enough to sum their squares), the check
+        # clip_grad_norm_(error_if_nonfinite=True) makes: no pass of its own.
+        out = floating
+        norm = _global_norm(_in_order(grads, idx, out), state.scale.device, kernels)
+        found_inf = ~torch.isfinite(norm)
+    else:
+        out, found_inf = unscale_leaves(floating, state.scale, kernels, donate=donate)
     unscaled = unflatten(spec, refill(leaves, idx, out))
     if group is not None:
         found_inf = any_across(found_inf, group)
@@ -232,12 +241,8 @@ def unscale_and_step(
     if across is not None:  # shards: the flag and the norm over every rank, in one all-reduce
         found_inf, total = across.reduce(found_inf, [x.float().square().sum() for x in out])
         norm = total.sqrt() if grad_norm else None
-    else:
-        norm = (
-            _global_norm(_in_order(grads, idx, out), state.scale.device, kernels)
-            if grad_norm
-            else None
-        )
+    elif grad_norm and norm is None:
+        norm = _global_norm(_in_order(grads, idx, out), state.scale.device, kernels)
     # The step is skipped where `skip`: found_inf, or, under funcamp.accumulate, the window's.
     skip, found_inf, accumulated = _window_flags(window, found_inf)
     report = None
@@ -261,6 +266,22 @@ def unscale_and_step(
         if accumulated:  # the accumulated gradient's norm on the micro-step that applies
             norm = torch.where(window.applies.to(norm.device), accumulated[0], norm)
     return params_out, opt_state_out, StepInfo(found_inf, norm)
+
+
+def _checked_by_norm(
+    state: ScalerState,
+    eager: bool,
+    donate: bool,
+    grad_norm: bool,
+    across: Any,
+    floating: list[torch.Tensor],
+) -> bool:
+    """Whether the overflow check is the gradient norm's finiteness: a ``noop`` scaler (scale
+    1, nothing to unscale) on the eager path, with donated grads already in their math dtype
+    and the norm asked for anyway."""
+    if state.kind != "noop" or not (eager and donate and grad_norm) or across is not None:
+        return False
+    return all(x.dtype in (torch.float32, torch.float64) for x in floating)
 
 
 def _window_flags(
@@ -299,8 +320,15 @@ def _step(
     ``donate_state`` the update may write its new buffers into the old ones (and torch's fused
     kernels the params too, on plain tensors); the rest is selected and written here, both
     trees matched before either is written: all or nothing."""
+    if skip.decided:  # known on the host (the CPU's eager path): skipped, nothing to compute
+        return params, opt_state
     # the optimizer's fused kernel checks its own params (only an optimizer with one pays)
-    writes = Writes(out if eager else (), skip if donate_state else None, kernels and donate_state)
+    writes = Writes(
+        out if eager else (),
+        skip if donate_state else None,
+        kernels and donate_state,
+        new_params=True,  # installed below: an update may give the new params bit for bit
+    )
     with summing_across(across), reporting_accumulated(report):
         updates, new_opt_state = prepared.run(unscaled, writes)
     if updates is None:  # a fused kernel updated the donated params and state in place

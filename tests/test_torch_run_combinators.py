@@ -1,0 +1,249 @@
+"""The combinators users port, over a whole run side by side with torch's own loop.
+
+Each case is a torch training loop as its docs write it -- ``clip_grad_norm_`` before the step,
+param groups, an ``lr_scheduler``, gradient accumulation over micro-batches -- under
+``torch.autocast("cpu", bfloat16)`` (and float16 with a ``GradScaler``), and its funcamp port:
+``chain(clip_by_global_norm(c), opt)``, ``multi_transform``/``masked``/``adamw(mask=)``, a
+schedule from ``funcamp.optim.from_torch``, ``accumulate(opt, k, average=False)``, run by the
+eager ``make_train_step``. After every optimizer step the params, the optimizer state and the
+loss scale must be bit-identical (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import funcamp
+
+STEPS = 30
+POLICIES = {
+    torch.bfloat16: "params=float32,compute=bfloat16,output=float32,ops=autocast_cpu",
+    torch.float16: "params=float32,compute=float16,output=float32,ops=autocast_cpu",
+}
+LRS = torch.optim.lr_scheduler
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _batch(i: int, dtype: torch.dtype, inf_at: int | None = None):
+    g = torch.Generator().manual_seed(100 + i)
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    if dtype == torch.float16 and i == inf_at:
+        x[0, 0] = float("inf")
+    return x, y
+
+
+def _loss_fn(model):
+    def loss_fn(params, buffers, batch):
+        x, y = batch
+        out = torch.func.functional_call(model, (params, buffers), (x,))
+        return nn.functional.mse_loss(out, y)
+
+    return loss_fn
+
+
+def _compare(model, ours, state, torch_opt, scaler, where):
+    for k, p in model.named_parameters():
+        assert torch.equal(state.params[k], p.detach()), f"{where}: param {k}"
+    if scaler is not None and scaler.is_enabled():
+        assert torch.equal(state.scaler.scale, scaler._scale), f"{where}: scale"
+
+
+def _run(make_torch, make_funcamp, dtype=torch.bfloat16, *, clip=None, every=1, inf_at=None):
+    """torch's loop and funcamp's, side by side: ``make_torch(model) -> (optimizer,
+    scheduler)``; ``make_funcamp(model, torch_optimizer, torch_scheduler) -> optimizer``
+    (built before torch's loop steps)."""
+    torch.manual_seed(0)
+    model = Net()
+    ours = copy.deepcopy(model)
+    torch_opt, sched = make_torch(model)
+    twin_opt, twin_sched = make_torch(ours)
+    opt = make_funcamp(ours, twin_opt, twin_sched)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    policy = funcamp.get_policy(POLICIES[dtype])
+    params, buffers = funcamp.params_and_buffers(ours)
+    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
+    step = funcamp.make_train_step(_loss_fn(ours), opt, policy, compile=False)
+    for i in range(STEPS * every):
+        x, y = _batch(i, dtype, inf_at)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = nn.functional.mse_loss(model(x), y) / every
+        scaler.scale(loss).backward()
+        state, _ = step(state, (x, y))
+        if (i + 1) % every:
+            continue
+        if clip is not None:
+            scaler.unscale_(torch_opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(torch_opt)
+        scaler.update()
+        torch_opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        _compare(model, ours, state, torch_opt, scaler, f"step {i}")
+
+
+# ------------------------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_clip_grad_norm_then_step(name, dtype):
+    """word_language_model's loop: ``clip_grad_norm_(0.25)`` then SGD at lr 20 (and AdamW)."""
+    kw = {"SGD": {"lr": 20.0}, "AdamW": {"lr": 1e-2}}[name]
+
+    def make_torch(model):
+        return getattr(torch.optim, name)(model.parameters(), **kw), None
+
+    def make_funcamp(model, opt, sched):
+        inner = funcamp.optim.from_torch(opt, dict(model.named_parameters()))
+        return funcamp.chain(funcamp.clip_by_global_norm(0.25), inner)
+
+    _run(make_torch, make_funcamp, dtype, clip=0.25, inf_at=5)
+
+
+# ---------------------------------------------------------------------------- param groups
+
+
+def _groups(model, wd):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("port", ["from_torch", "mask", "multi_transform"])
+def test_two_param_groups(port):
+    """AdamW with decay on the weights only: from_torch's multi_transform, ``adamw(mask=)``
+    and a hand-written ``multi_transform``."""
+
+    def make_torch(model):
+        return torch.optim.AdamW(_groups(model, 0.1), lr=1e-2), None
+
+    def make_funcamp(model, opt, sched):
+        if port == "from_torch":
+            return funcamp.optim.from_torch(opt, dict(model.named_parameters()))
+        if port == "mask":
+            return funcamp.adamw(1e-2, weight_decay=0.1, mask=lambda path: path.endswith("weight"))
+        return funcamp.multi_transform(
+            {
+                "decay": funcamp.adamw(1e-2, weight_decay=0.1),
+                "rest": funcamp.adamw(1e-2, weight_decay=0.0),
+            },
+            lambda path: "decay" if path.endswith("weight") else "rest",
+        )
+
+    _run(make_torch, make_funcamp)
+
+
+def test_masked_is_a_param_group_over_some_params():
+    """``masked(opt, mask)``: torch's optimizer over the masked params only (the others keep
+    no state and do not move)."""
+
+    def make_torch(model):
+        return torch.optim.SGD(model.fc1.parameters(), lr=0.1, momentum=0.9), None
+
+    def make_funcamp(model, opt, sched):
+        return funcamp.masked(funcamp.sgd(0.1, momentum=0.9), lambda p: p.startswith("fc1"))
+
+    _run(make_torch, make_funcamp)
+
+
+# ------------------------------------------------------------------------------ schedules
+
+SCHEDULES = {
+    "StepLR": lambda o: LRS.StepLR(o, step_size=4, gamma=0.5),
+    "MultiStepLR": lambda o: LRS.MultiStepLR(o, milestones=[3, 9], gamma=0.3),
+    "ExponentialLR": lambda o: LRS.ExponentialLR(o, gamma=0.93),
+    "CosineAnnealingLR": lambda o: LRS.CosineAnnealingLR(o, T_max=11, eta_min=1e-4),
+    "CosineAnnealingWarmRestarts": lambda o: LRS.CosineAnnealingWarmRestarts(o, T_0=5, T_mult=2),
+    "LinearLR": lambda o: LRS.LinearLR(o, start_factor=0.1, total_iters=10),
+    "ConstantLR": lambda o: LRS.ConstantLR(o, factor=0.3, total_iters=4),
+    "PolynomialLR": lambda o: LRS.PolynomialLR(o, total_iters=20, power=1.7),
+    "LambdaLR": lambda o: LRS.LambdaLR(o, lambda t: 0.97**t),
+    "OneCycleLR": lambda o: LRS.OneCycleLR(o, max_lr=0.05, total_steps=STEPS + 1),
+    "CyclicLR": lambda o: LRS.CyclicLR(o, base_lr=1e-3, max_lr=0.05, step_size_up=5),
+}
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "AdamW"])
+@pytest.mark.parametrize("sched_name", sorted(SCHEDULES))
+def test_scheduler(sched_name, opt_name):
+    """Every step-indexed scheduler, on SGD with momentum and on AdamW, through
+    ``from_torch(..., total_steps=)``; OneCycleLR and CyclicLR cycle the momentum (SGD's
+    momentum, AdamW's beta1), as they do by default."""
+    kw = {"SGD": {"lr": 0.05, "momentum": 0.9}, "AdamW": {"lr": 0.01}}[opt_name]
+
+    def make_torch(model):
+        opt = getattr(torch.optim, opt_name)(model.parameters(), **kw)
+        return opt, SCHEDULES[sched_name](opt)
+
+    def make_funcamp(model, opt, sched):
+        names = dict(model.named_parameters())
+        return funcamp.optim.from_torch(opt, names, sched, total_steps=STEPS)
+
+    _run(make_torch, make_funcamp)
+
+
+# --------------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gradient_accumulation(dtype):
+    """torch's accumulation loop: each micro-batch's loss divided by ``k``, ``backward`` adds
+    into ``.grad``, one (scaled) step every ``k`` micro-batches; funcamp's ``accumulate(opt, k,
+    average=False)`` sums the gradients of the same divided loss. An inf in one micro-batch
+    skips its window."""
+    every = 3
+
+    def make_torch(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2), None
+
+    def make_funcamp(model, opt, sched):
+        inner = funcamp.optim.from_torch(opt, dict(model.named_parameters()))
+        return funcamp.accumulate(inner, every, average=False)
+
+    torch.manual_seed(0)
+    model = Net()
+    ours = copy.deepcopy(model)
+    torch_opt, _ = make_torch(model)
+    opt = make_funcamp(ours, make_torch(ours)[0], None)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    policy = funcamp.get_policy(POLICIES[dtype])
+    params, buffers = funcamp.params_and_buffers(ours)
+    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
+
+    def loss_fn(params, buffers, batch):
+        return _loss_fn(ours)(params, buffers, batch) / every
+
+    step = funcamp.make_train_step(loss_fn, opt, policy, compile=False)
+    for i in range(STEPS * every):
+        x, y = _batch(i, dtype, inf_at=7)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = nn.functional.mse_loss(model(x), y) / every
+        scaler.scale(loss).backward()
+        state, _ = step(state, (x, y))
+        if (i + 1) % every == 0:
+            scaler.step(torch_opt)
+            scaler.update()
+            torch_opt.zero_grad()
+            _compare(model, ours, state, torch_opt, scaler, f"micro-step {i}")
