@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -28,6 +28,7 @@ from funcamp.train.frozen import (
     split_trainable,
     trainable_flags,
 )
+from funcamp.train.torch_run import state_from_torch, state_to_torch
 
 __all__ = [
     "TrainState",
@@ -176,6 +177,106 @@ class TrainState(NamedTuple):
         # Each state its own scaler object: a donated state is told by it (check_not_donated).
         scaler = dataclasses.replace(scaler)
         return cls(cast, pol.cast_to_param(buffers), opt_state, scaler, fp8, frozen)
+
+    @classmethod
+    def from_torch(
+        cls,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        policy: Policy | str,
+        *,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
+        total_steps: int | None = None,
+    ) -> tuple[TrainState, Optimizer]:
+        """Take a torch run where it stands: ``(state, optimizer)`` that continue it.
+
+        The state holds copies of the module's params and buffers, the optimizer's state and the
+        GradScaler's. The optimizer is :func:`funcamp.optim.from_torch`'s translation, its
+        schedule at the scheduler's position. Trained with its eager step, the run goes on as
+        torch's would have, bit for bit. A param in no param group is frozen.
+
+        torch's per-param ``step`` becomes the group's ``count``. Params of one group must have
+        taken the same steps. torch's loop steps its scheduler on skipped steps too; a scheduler
+        that many steps ahead of the count moves as a schedule shifted by them. An optimizer
+        without a step (SGD, Muon) takes the scheduler's position as its count (else 1 once it
+        holds state). The module and optimizer may be FSDP2's (their DTensors are gathered: every
+        rank calls); ``funcamp.distributed.shard`` shards the state.
+
+        Args:
+            module: the module the optimizer trains (``functional_call`` runs it in ``loss_fn``).
+            optimizer: a ``torch.optim`` optimizer over ``module``'s parameters.
+            policy: a :class:`funcamp.Policy` or a policy string.
+            scheduler: its lr_scheduler, stepped or not, or None.
+            scaler: its ``torch.amp.GradScaler``, or None (``ScalerState.for_policy``).
+            total_steps: the run's length, for ``LambdaLR``/``MultiplicativeLR`` (see
+                :func:`funcamp.optim.from_torch`).
+
+        Returns:
+            ``(state, optimizer)``: a :class:`TrainState` and a :class:`funcamp.Optimizer`.
+
+        Raises:
+            ValueError: what :func:`funcamp.optim.from_torch` refuses; a group whose params took
+                different steps, or where some have state and some not; a scheduler behind the
+                optimizer (stepped once an epoch).
+
+        Example:
+            >>> import torch, funcamp
+            >>> model = torch.nn.Linear(2, 1)
+            >>> torch_opt = torch.optim.Adam(model.parameters(), lr=0.1)
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> torch_opt.step()
+            >>> state, opt = funcamp.TrainState.from_torch(model, torch_opt, "float32")
+            >>> state.opt_state.count, torch.equal(state.opt_state.exp_avg["bias"], torch_opt.state[model.bias]["exp_avg"])
+            (tensor(1, dtype=torch.int32), True)
+        """
+        return state_from_torch(
+            cls.create, module, optimizer, policy, scheduler, scaler, total_steps
+        )
+
+    def to_torch(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        """Hand the run back to torch: write the state into the torch objects, in place.
+
+        The params and buffers go into ``module`` (as :func:`load_into_module`), the optimizer
+        state into ``optimizer.state``, the scaler's into the GradScaler. The scheduler is put
+        at the count (plus the lead it had over the optimizer's step, see :meth:`from_torch`):
+        its ``last_epoch``, its internal state and the groups' ``lr`` are funcamp's learning
+        rates there. torch's loop then continues the run as funcamp's step would have, bit for
+        bit. A sharded state is gathered (every rank calls); an FSDP2 module and optimizer
+        receive their shards.
+
+        Args:
+            module: the module, with the state's param and buffer names.
+            optimizer: the ``torch.optim`` optimizer the state's optimizer translates (the same
+                class, param groups and hyperparameters).
+            scheduler: its lr_scheduler, or None (the groups' ``lr`` are left as they are).
+            scaler: a ``torch.amp.GradScaler``, or None.
+
+        Raises:
+            ValueError: names or shapes that differ from the module's; a donated state; a
+                ``noop`` scaler into an enabled GradScaler (or the reverse).
+
+        Example:
+            >>> import torch, funcamp
+            >>> model = torch.nn.Linear(2, 1)
+            >>> torch_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            >>> state, opt = funcamp.TrainState.from_torch(model, torch_opt, "float32")
+            >>> grads = {k: torch.ones_like(v) for k, v in state.params.items()}
+            >>> updates, opt_state = opt.update(grads, state.opt_state, state.params)
+            >>> state = state._replace(
+            ...     params=funcamp.apply_updates(state.params, updates), opt_state=opt_state)
+            >>> state.to_torch(model, torch_opt)
+            >>> torch_opt.state[model.bias]["momentum_buffer"]
+            tensor([1.])
+        """
+        state_to_torch(self, module, optimizer, scheduler, scaler)
 
 
 def _split(api: str, params: PyTree, trainable: Trainable) -> tuple[PyTree, PyTree]:
