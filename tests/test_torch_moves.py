@@ -226,3 +226,139 @@ def test_run_moves_funcamp_torch_funcamp(name, desc, kwargs, sched, dtype):
         state, _ = step(state, batches[i])
         _assert_params(state.params, want[i], f"{name} {desc}: funcamp step {i}")
     _assert_funcamp_state(state, ref, f"{name} {desc}: after {STEPS} steps")
+
+
+# ------------------------------------------------------------------- groups, plateau, refusals
+
+
+def _two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over two param groups; ``fc1`` is in neither (frozen)."""
+    return torch.optim.AdamW(
+        [
+            {"params": [model.fc2.weight, model.fc3.weight], "weight_decay": 0.1},
+            {"params": [model.fc2.bias, model.fc3.bias], "weight_decay": 0.0, "lr": 0.02},
+        ],
+        lr=0.01,
+    )
+
+
+def _grads_step(model, opt, batch) -> None:
+    x, y = batch
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def test_param_groups_and_frozen_params_move():
+    """Two groups (a multi_transform of two states, each with its count) and a param in no
+    group (frozen): 5 torch steps, 5 funcamp steps, 5 torch steps equal 15 torch steps."""
+    batches = runs._batches(torch.float32)[:15]
+    torch.manual_seed(0)
+    ref = runs.Net()
+    model = copy.deepcopy(ref)
+    ref_opt, opt = _two_groups(ref), _two_groups(model)
+    for batch in batches:
+        _grads_step(ref, ref_opt, batch)
+    for batch in batches[:5]:
+        _grads_step(model, opt, batch)
+    state, fopt = funcamp.TrainState.from_torch(model, opt, "float32")
+    assert sorted(state.frozen) == ["fc1.bias", "fc1.weight"]
+    assert [int(s.count) for s in state.opt_state.inner.values()] == [5, 5]
+    step = _funcamp_step(fopt, model, "float32")
+    for batch in batches[5:10]:
+        state, _ = step(state, batch)
+    state.to_torch(model, opt)
+    for batch in batches[10:]:
+        _grads_step(model, opt, batch)
+    _assert_params(dict(model.named_parameters()), dict(ref.named_parameters()), "groups")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert list(opt.state[p]) == list(ref_opt.state[q])
+        for key, value in ref_opt.state[q].items():
+            assert torch.equal(opt.state[p][key], value), key
+
+
+def test_reduce_on_plateau_moves():
+    """ReduceLROnPlateau's best metric, bad epochs and cooldown go both ways, and the reduced
+    learning rate with them."""
+    torch.manual_seed(0)
+    model = runs.Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plateau = LRS.ReduceLROnPlateau(opt, factor=0.5, patience=1, cooldown=2)
+    for metric in (1.0, 2.0, 2.0, 0.5, 3.0):
+        _grads_step(model, opt, runs._batches(torch.float32)[0])
+        plateau.step(metric)
+    state, fopt = funcamp.TrainState.from_torch(model, opt, "float32", scheduler=plateau)
+    assert float(funcamp.optim.learning_rate(fopt, state.opt_state)) == opt.param_groups[0]["lr"]
+    assert opt.param_groups[0]["lr"] == 0.05  # reduced once
+    got = state.opt_state
+    assert (float(got.best), int(got.num_bad), int(got.cooldown)) == (
+        plateau.best, plateau.num_bad_epochs, plateau.cooldown_counter
+    )  # fmt: skip
+    state = state._replace(opt_state=funcamp.optim.plateau_step(fopt, state.opt_state, 3.0))
+    fresh = runs.Net()
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    fresh_plateau = LRS.ReduceLROnPlateau(fresh_opt, factor=0.5, patience=1, cooldown=2)
+    state.to_torch(fresh, fresh_opt, scheduler=fresh_plateau)
+    plateau.step(3.0)
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    for key in ("best", "num_bad_epochs", "cooldown_counter"):
+        assert getattr(fresh_plateau, key) == getattr(plateau, key), key
+
+
+def _stepped_adam(lr: float = 0.01):
+    torch.manual_seed(0)
+    model = runs.Net()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    _grads_step(model, opt, runs._batches(torch.float32)[0])
+    return model, opt
+
+
+def test_refusals_name_the_cause():
+    model, opt = _stepped_adam()
+    opt.state[model.fc1.weight]["step"] += 1
+    with pytest.raises(ValueError, match=r"different numbers of steps \('fc1.weight': 2, "):
+        funcamp.TrainState.from_torch(model, opt, "float32")
+    model, opt = _stepped_adam()
+    del opt.state[model.fc2.bias]
+    with pytest.raises(ValueError, match=r"holds state for 'fc1.weight' but none for 'fc2.bias'"):
+        funcamp.TrainState.from_torch(model, opt, "float32")
+    model, opt = _stepped_adam()
+    opt.state[model.fc1.bias]["max_exp_avg_sq"] = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"'max_exp_avg_sq'.*hyperparameters do not use"):
+        funcamp.TrainState.from_torch(model, opt, "float32")
+    model, opt = _stepped_adam()
+    opt.state[model.fc1.bias]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"state\['exp_avg'\] for 'fc1.bias' must be a tensor"):
+        funcamp.TrainState.from_torch(model, opt, "float32")
+    model, opt = _stepped_adam()
+    sched = LRS.StepLR(opt, step_size=2)  # built after the step: behind the optimizer
+    with pytest.raises(ValueError, match="scheduler` has stepped 0 times but `optimizer`"):
+        funcamp.TrainState.from_torch(model, opt, "float32", scheduler=sched)
+    model, opt = _stepped_adam()
+    with pytest.raises(ValueError, match="must be an lr_scheduler of `optimizer`"):
+        funcamp.TrainState.from_torch(
+            model, opt, "float32", scheduler=LRS.StepLR(_stepped_adam()[1], 2)
+        )
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ValueError, match="LBFGS's state has no funcamp translation"):
+        funcamp.TrainState.from_torch(model, lbfgs, "float32")
+    with pytest.raises(ValueError, match=r"group 0's param 0 .* is not a parameter of `module`"):
+        funcamp.TrainState.from_torch(runs.Net(), opt, "float32")
+    with pytest.raises(TypeError, match=r"`scaler` must be a torch.amp.GradScaler"):
+        funcamp.TrainState.from_torch(model, opt, "float32", scaler=funcamp.ScalerState.noop())
+
+
+def test_to_torch_refuses_what_does_not_fit():
+    model, opt = _stepped_adam()
+    state, fopt = funcamp.TrainState.from_torch(model, opt, "float32")
+    with pytest.raises(ValueError, match="noop' one, but `scaler` is an enabled GradScaler"):
+        state.to_torch(model, opt, scaler=torch.amp.GradScaler("cpu"))
+    other = nn.Linear(6, 3)
+    with pytest.raises(ValueError, match="is not a parameter of `module`"):
+        state.to_torch(other, opt)
+    two = torch.optim.Adam([{"params": [p]} for p in model.parameters()])
+    with pytest.raises(ValueError, match="must have the param groups the state was built for"):
+        state.to_torch(model, two)
+    _funcamp_step(fopt, model, "float32")(state, runs._batches(torch.float32)[0])  # donated
+    with pytest.raises(ValueError, match="donated"):
+        state.to_torch(model, opt)
