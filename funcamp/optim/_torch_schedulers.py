@@ -22,7 +22,14 @@ from funcamp.optim._from_torch import _schedule, from_torch
 from funcamp.optim._plateau import PlateauState
 from funcamp.optim._schedules import _mark
 
-__all__ = ["POSITIONS", "plateau_from_torch", "plateau_to_torch", "position", "set_position"]
+__all__ = [
+    "POSITIONS",
+    "plateau_from_torch",
+    "plateau_to_torch",
+    "position",
+    "set_position",
+    "translate",
+]
 
 LRS = torch.optim.lr_scheduler
 

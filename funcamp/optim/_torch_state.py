@@ -26,8 +26,8 @@ from funcamp.optim._plateau import PlateauState
 from funcamp.optim._transforms import MultiTransformState
 
 __all__ = [
-    "TORCH_STATES",
     "StateKeys",
+    "TORCH_STATES",
     "group_names",
     "group_states",
     "opt_state_from_torch",
