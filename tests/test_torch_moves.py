@@ -359,6 +359,16 @@ def test_to_torch_refuses_what_does_not_fit():
     two = torch.optim.Adam([{"params": [p]} for p in model.parameters()])
     with pytest.raises(ValueError, match="must have the param groups the state was built for"):
         state.to_torch(model, two)
+    grouped, _ = funcamp.TrainState.from_torch(model, _two_groups(model), "float32")
+    swapped = _two_groups(model)
+    swapped.param_groups.reverse()
+    with pytest.raises(ValueError, match="param group 0 must hold the params of the state's"):
+        grouped.to_torch(model, swapped)
+    with pytest.raises(ValueError, match="disabled GradScaler, but the state's scaler is a 'dyn"):
+        funcamp.TrainState.from_torch(model, opt, "mixed_float16")[0].to_torch(
+            model, opt, scaler=torch.amp.GradScaler("cpu", enabled=False)
+        )
+    assert not swapped.state  # nothing was written
     _funcamp_step(fopt, model, "float32")(state, runs._batches(torch.float32)[0])  # donated
     with pytest.raises(ValueError, match="donated"):
         state.to_torch(model, opt)

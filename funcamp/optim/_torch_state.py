@@ -28,6 +28,7 @@ from funcamp.optim._transforms import MultiTransformState
 __all__ = [
     "StateKeys",
     "TORCH_STATES",
+    "check_groups",
     "group_names",
     "group_states",
     "opt_state_from_torch",
@@ -353,17 +354,33 @@ def _group_to_torch(
         torch_state[p] = new
 
 
-def opt_state_to_torch(
+def check_groups(
     api: str, opt_state: Any, optimizer: torch.optim.Optimizer, names: list[list[str]]
 ) -> None:
-    """Write ``opt_state`` into ``optimizer.state`` (each param's entry replaced)."""
-    keys = state_keys(api, optimizer)
+    """``optimizer``'s param groups must hold the params of the state's groups."""
+    state_keys(api, optimizer)
     states = group_states(opt_state)
     if len(states) != len(optimizer.param_groups):
         raise ValueError(
             f"funcamp.{api}: `optimizer` must have the param groups the state was built for "
             f"({len(states)}), got {len(optimizer.param_groups)}"
         )
+    for i, (state, row) in enumerate(zip(states, names)):
+        held = next((set(v) for v in state if isinstance(v, dict)), None)
+        if held is not None and held != set(row):
+            raise ValueError(
+                f"funcamp.{api}: `optimizer` param group {i} must hold the params of the "
+                f"state's group {i} ({sorted(held)[:3]}...), got {row[:3]}..."
+            )
+
+
+def opt_state_to_torch(
+    api: str, opt_state: Any, optimizer: torch.optim.Optimizer, names: list[list[str]]
+) -> None:
+    """Write ``opt_state`` into ``optimizer.state`` (each param's entry replaced; see
+    :func:`check_groups`)."""
+    keys = state_keys(api, optimizer)
+    states = group_states(opt_state)
     with torch.no_grad():
         for group, row, state in zip(optimizer.param_groups, names, states):
             _group_to_torch(keys, state, group, row, optimizer.state)

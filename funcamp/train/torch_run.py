@@ -30,6 +30,7 @@ from funcamp.optim._torch_schedulers import (
     translate,
 )
 from funcamp.optim._torch_state import (
+    check_groups,
     group_names,
     group_states,
     opt_state_from_torch,
@@ -180,21 +181,20 @@ def _lead(optimizer: Any, names: list[list[str]], api: str, scheduler: Any) -> i
     return max(position(scheduler) - steps[0], 0)
 
 
-def _write_scaler(api: str, state_scaler: ScalerState, scaler: Any) -> None:
+def _scaler_state_dict(api: str, state_scaler: ScalerState, scaler: Any) -> dict | None:
+    """What ``scaler.load_state_dict`` takes (None: nothing to write, a disabled one)."""
     sd = state_scaler.to_grad_scaler_state_dict()
-    if not sd:
-        if scaler.is_enabled():
-            raise ValueError(
-                f"funcamp.{api}: the state's scaler is a 'noop' one, but `scaler` is an enabled "
-                "GradScaler: pass a GradScaler(enabled=False), or none"
-            )
-        return
-    if not scaler.is_enabled():
+    if sd and not scaler.is_enabled():
         raise ValueError(
             f"funcamp.{api}: `scaler` is a disabled GradScaler, but the state's scaler is a "
             f"{state_scaler.kind!r} one: pass an enabled GradScaler"
         )
-    scaler.load_state_dict(sd)
+    if not sd and scaler.is_enabled():
+        raise ValueError(
+            f"funcamp.{api}: the state's scaler is a 'noop' one, but `scaler` is an enabled "
+            "GradScaler: pass a GradScaler(enabled=False), or none"
+        )
+    return sd or None
 
 
 def state_to_torch(
@@ -210,16 +210,19 @@ def state_to_torch(
     _check_objects(api, module, optimizer, scheduler, scaler)
     named = dict(module.named_parameters())
     names = group_names(api, optimizer, named)
+    # everything checked before anything is written
     writes = _writes(api, "params", combine(state.params, state.frozen), named)
     writes += _writes(api, "buffers", state.buffers, dict(module.named_buffers()))
+    check_groups(api, state.opt_state, optimizer, names)
+    scaler_sd = None if scaler is None else _scaler_state_dict(api, state.scaler, scaler)
     if isinstance(scheduler, PLATEAU):
         plateau_to_torch(api, state.opt_state, scheduler, optimizer)
     elif scheduler is not None:
         count = int(plain(group_states(state.opt_state)[0].count))
         set_position(api, scheduler, optimizer, count + _lead(optimizer, names, api, scheduler))
-    opt_state_to_torch(api, state.opt_state, optimizer, names)
-    if scaler is not None:
-        _write_scaler(api, state.scaler, scaler)
+    opt_state_to_torch(api, state.opt_state, optimizer, names)  # after the groups' lr (ASGD)
+    if scaler_sd is not None:
+        scaler.load_state_dict(scaler_sd)
     with torch.no_grad():
         for target, value in writes:
             _write(target, value)
