@@ -372,3 +372,31 @@ def test_to_torch_refuses_what_does_not_fit():
     _funcamp_step(fopt, model, "float32")(state, runs._batches(torch.float32)[0])  # donated
     with pytest.raises(ValueError, match="donated"):
         state.to_torch(model, opt)
+
+
+def test_lion_pytorch_state_moves():
+    """lion-pytorch's Lion keeps ``exp_avg`` and no step: it moves both ways (the count is the
+    scheduler's position)."""
+    from test_from_torch import Lion
+
+    torch.manual_seed(0)
+    model = runs.Net()
+    opt = Lion(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = LRS.StepLR(opt, step_size=2, gamma=0.5)
+    for batch in runs._batches(torch.float32)[:3]:
+        _grads_step(model, opt, batch)
+        sched.step()
+    state, fopt = funcamp.TrainState.from_torch(model, opt, "float32", scheduler=sched)
+    assert int(state.opt_state.count) == 3
+    assert float(funcamp.optim.learning_rate(fopt, state.opt_state)) == sched.get_last_lr()[0]
+    for k, p in model.named_parameters():
+        assert torch.equal(state.opt_state.exp_avg[k], opt.state[p]["exp_avg"]), k
+    fresh = runs.Net()
+    fresh_opt = Lion(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    fresh_sched = LRS.StepLR(fresh_opt, step_size=2, gamma=0.5)
+    state.to_torch(fresh, fresh_opt, scheduler=fresh_sched)
+    assert fresh_sched.last_epoch == 3 and fresh_sched.get_last_lr() == sched.get_last_lr()
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(p, q) and torch.equal(
+            fresh_opt.state[p]["exp_avg"], opt.state[q]["exp_avg"]
+        )

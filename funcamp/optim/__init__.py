@@ -44,6 +44,9 @@ Layout (the package's private modules, one idea each):
 * ``_plateau``: ``reduce_on_plateau``/``plateau_step`` (``ReduceLROnPlateau``);
 * ``_ema``: ``with_ema``, an average of the weights in the optimizer state;
 * ``_from_torch``: ``from_torch``, a torch.optim optimizer and scheduler, by table.
+* ``_torch_state``, ``_torch_schedulers``: torch.optim's per-param state and an
+  lr_scheduler's position as funcamp's state and count, and back (what
+  ``TrainState.from_torch``/``to_torch`` move), by table.
 
 See the internals page of the docs for each operation's paths and their invariants.
 

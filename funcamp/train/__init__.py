@@ -8,6 +8,7 @@
 * ``frozen``: parameters passed to the model but never trained;
 * ``parallel``: the piece a step asks where processes differ;
 * ``state``: the train state, and its way in and out of a module;
+* ``torch_run``: a run moving between torch and funcamp (``TrainState.from_torch``/``to_torch``);
 * ``compiling``: ``torch.compile`` with funcamp's guards and options (``errors`` explains a
   failed trace; ``pieces`` compiles a loss that cannot be one graph);
 * ``wrapper``: the one wrapper every train step runs in (the per-call checks, the donated
