@@ -330,6 +330,13 @@ def test_refusals_name_the_cause():
     opt.state[model.fc1.bias]["exp_avg"] = torch.zeros(3)
     with pytest.raises(ValueError, match=r"state\['exp_avg'\] for 'fc1.bias' must be a tensor"):
         funcamp.TrainState.from_torch(model, opt, "float32")
+    torch.manual_seed(0)
+    model = runs.Net()
+    opt = torch.optim.NAdam(model.parameters())
+    _grads_step(model, opt, runs._batches(torch.float32)[0])
+    opt.state[model.fc3.bias]["mu_product"] *= 2
+    with pytest.raises(ValueError, match=r"state\['mu_product'\] differs between the params"):
+        funcamp.TrainState.from_torch(model, opt, "float32")
     model, opt = _stepped_adam()
     sched = LRS.StepLR(opt, step_size=2)  # built after the step: behind the optimizer
     with pytest.raises(ValueError, match="scheduler` has stepped 0 times but `optimizer`"):

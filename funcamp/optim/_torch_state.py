@@ -234,11 +234,13 @@ def _group_from_torch(
             held = [(n, torch_state[p][key]) for n, p in zip(row, params) if key in torch_state[p]]
             if held:
                 got = [_taken(api, n, key, v, value) for n, v in held]
-                if any(not torch.equal(got[0], g) for g in got[1:]):
+                other = next((i for i, g in enumerate(got) if not torch.equal(got[0], g)), None)
+                if other is not None:
                     raise ValueError(
                         f"funcamp.{api}: `optimizer`'s state[{key!r}] differs between the "
-                        f"params of one group ({held[0][0]!r}: {got[0].item()}); funcamp keeps "
-                        "one per param group"
+                        f"params of one group ({held[0][0]!r}: {got[0].item()}, "
+                        f"{held[other][0]!r}: {got[other].item()}); funcamp keeps one per "
+                        "param group"
                     )
                 fields[field] = got[0]
             continue
