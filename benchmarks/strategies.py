@@ -79,8 +79,8 @@ def main() -> None:
     p.add_argument("--dtypes", default="float16,bfloat16,float32,float64")
     p.add_argument("--require-quiet", action="store_true")
     args = p.parse_args()
-    _machine.check(args.require_quiet)
     torch.set_num_threads(1)
+    _machine.check(args.require_quiet)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     print(f"{args.rounds} rounds of {args.examples} examples; ms per example, median\n")
     print("| shape | dtype | bounds | funcamp ms | stock ms | funcamp / stock |")

@@ -126,7 +126,7 @@ def _neighbours(dtype: torch.dtype, x: float) -> list[float]:
     r = _round(dtype, x)
     if r == x:
         return [r]
-    around = [r, _next(dtype, r, x)] if math.isfinite(r) else []
+    around = [r, _next(dtype, r, math.copysign(math.inf, x - r))] if math.isfinite(r) else []
     return sorted(v for v in around if math.isfinite(v))
 
 
@@ -150,12 +150,13 @@ def boundary_values(
 ) -> list[float]:
     """Values of ``dtype`` at the boundaries of the lower-precision dtypes ``of``.
 
-    For each dtype in ``of``: its largest value, the top of that value's rounding band (the
-    first value that rounds past it: float16's 65520, float8 e4m3's 464, e5m2's 61440), its
-    smallest normal and largest subnormal, its smallest subnormal, half of that (rounds to
-    zero) and one and a half of it (rounds up). A boundary ``dtype`` cannot hold exactly is
-    replaced by its two neighbours in ``dtype`` (65519.996 and 65520 rather than 65519.999);
-    one beyond ``dtype``'s range is left out. Both signs, sorted by magnitude.
+    For each dtype in ``of``: its largest value and the value just above it (which still rounds
+    to it); the top of its rounding band, the first value that rounds past the max (float16's
+    65520, float8 e4m3's 464, e5m2's 61440), and the values either side of it; its smallest
+    normal and its largest and smallest subnormals; half the smallest subnormal (rounds to
+    zero), the value just above that (rounds up), and one and a half of it. The neighbours in
+    ``dtype`` stand for a boundary it cannot hold (bfloat16's 65280 and 65536 for float16's
+    65504); one beyond its range is left out. Both signs, sorted by magnitude.
 
     Args:
         dtype: the dtype the values are drawn in.

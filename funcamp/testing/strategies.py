@@ -70,17 +70,16 @@ def _as_strategy(value: Any) -> st.SearchStrategy[Any]:
     return value if isinstance(value, st.SearchStrategy) else st.just(value)
 
 
-#: A quasi-random sequence in [-1, 1) (the golden-ratio sequence), first element 0: the offsets
-#: of a cluster's elements from its centre.
-_JITTER_CACHE: dict[int, torch.Tensor] = {}
+@functools.cache
+def _jitter_table(size: int) -> torch.Tensor:
+    i = torch.arange(size, dtype=torch.float64)
+    return torch.remainder(i * 0.6180339887498949 + 0.5, 1.0) * 2 - 1
 
 
 def _jitter(n: int) -> torch.Tensor:
-    size = 1 << max(n - 1, 1).bit_length()
-    if size not in _JITTER_CACHE:
-        i = torch.arange(size, dtype=torch.float64)
-        _JITTER_CACHE[size] = torch.remainder(i * 0.6180339887498949 + 0.5, 1.0) * 2 - 1
-    return _JITTER_CACHE[size][:n]
+    """``n`` quasi-random offsets in [-1, 1) (the golden-ratio sequence), the first 0: where a
+    cluster's elements lie around its centre."""
+    return _jitter_table(1 << max(n - 1, 1).bit_length())[:n]
 
 
 _FILL_KINDS = ("repeat", "cluster", "ramp")
