@@ -83,7 +83,10 @@ def test_gan_equals_torch_recipe_every_iteration(gan):
     # the inf batch skips the discriminator alone, and the scale backs off once
     assert INF_AT in d_skips and INF_AT not in g_skips
     assert scales[INF_AT] == scales[INF_AT - 1] / 2
-    # the scaler finding its level: both models overflow at once, and the scale grows again
+    # the scaler finding its level: both models overflow at once, and the scale grows again.
+    # (In dcgan's shape the generator never overflows alone -- scanned: init scales 2**12 to
+    # 2**21 -- so the generator's half of the OR is pinned by the guide's recipe, where one
+    # model's gradients overflow alone: docs/guides/composing-a-step.md.)
     assert set(g_skips) & set(d_skips)
     assert (scales[1:] > scales[:-1]).any() and (scales[1:] < scales[:-1]).any()
     # BatchNorm's running statistics: three discriminator forwards an iteration, one generator
