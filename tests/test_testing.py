@@ -120,7 +120,8 @@ def test_tensors_shrink_a_value_above_a_bound_to_a_simple_number():
         lambda t: bool((t > 100) & (t < 1000)),
         settings=FIND,
     )
-    assert float(found) in (101.0, 128.0), found
+    # a plain number, or the simplest boundary in range (float8 e4m3's max)
+    assert float(found) in (101.0, 128.0, 448.0), found
 
 
 def test_dtypes_policies_and_scalers_shrink_to_the_simplest_value():
@@ -219,7 +220,8 @@ def test_tensors_bounds_hold(x):
 @given(tensors(dtype=st.sampled_from([torch.float16, torch.bfloat16]), max_dims=2))
 def test_tensors_hold_the_requested_dtype_and_rank(x):
     assert x.dtype in (torch.float16, torch.bfloat16)
-    assert x.dim() <= 2 and all(s <= 5 for s in x.shape)
+    # sides of at most max_side=5, or a long vector of max_length=1024 at most
+    assert (x.dim() <= 2 and all(s <= 5 for s in x.shape)) or (x.dim() == 1 and x.numel() <= 1024)
 
 
 def test_bad_strategy_arguments_raise():

@@ -1,6 +1,4 @@
-"""Hypothesis strategies for funcamp's numerics: dtypes, special values, tensors, pytrees,
-policies and scaler states.
-"""
+"""Hypothesis strategies for funcamp's numerics: dtypes, tensors, pytrees and policies."""
 
 from __future__ import annotations
 
@@ -10,20 +8,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-try:
-    from hypothesis import strategies as st
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "funcamp.testing needs Hypothesis, which is not installed; install it with "
-        "`pip install funcamp[testing]` (or `pip install hypothesis`)"
-    ) from e
-
 import torch
 
-from funcamp._core.tree import PyTree
-from funcamp.policy.ops import OpPolicy, OpRule
-from funcamp.policy.policy import Policy
-from funcamp.scaling.state import ScalerState
+from funcamp import OpPolicy, OpRule, Policy
+from funcamp.testing._hypothesis import st
+from funcamp.testing._values import LOW_PRECISION_DTYPES, Elements, _Bounds, elements
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -31,8 +20,6 @@ __all__ = [
     "float_dtypes",
     "policies",
     "pytrees",
-    "scaler_states",
-    "special_values",
     "tensors",
 ]
 
@@ -47,8 +34,6 @@ FLOAT_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float64,
 )
-
-_WIDTH = {torch.float16: 16, torch.float32: 32, torch.float64: 64}
 
 
 def float_dtypes(
@@ -81,169 +66,75 @@ def float_dtypes(
     return st.sampled_from(chosen)
 
 
-def _next(dtype: torch.dtype, x: float, toward: float) -> float:
-    t = torch.tensor(x, dtype=dtype)
-    return float(torch.nextafter(t, torch.tensor(toward, dtype=dtype)))
+def _as_strategy(value: Any) -> st.SearchStrategy[Any]:
+    return value if isinstance(value, st.SearchStrategy) else st.just(value)
 
 
-def _round(dtype: torch.dtype, x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float64).to(dtype))
+@functools.cache
+def _jitter_table(size: int) -> torch.Tensor:
+    i = torch.arange(size, dtype=torch.float64)
+    return torch.remainder(i * 0.6180339887498949 + 0.5, 1.0) * 2 - 1
 
 
-def _smallest_subnormal(dtype: torch.dtype) -> float:
-    return _next(dtype, 0.0, 1.0)
+def _jitter(n: int) -> torch.Tensor:
+    """``n`` quasi-random offsets in [-1, 1) (the golden-ratio sequence), the first 0: where a
+    cluster's elements lie around its centre."""
+    return _jitter_table(1 << max(n - 1, 1).bit_length())[:n]
 
 
-def _is_subnormal(dtype: torch.dtype, x: float) -> bool:
-    return x != 0.0 and math.isfinite(x) and abs(x) < torch.finfo(dtype).tiny
+_FILL_KINDS = ("repeat", "cluster", "ramp")
 
-
-def special_values(dtype: torch.dtype) -> list[float]:
-    """The special values :func:`tensors` mixes in for ``dtype``, as Python floats.
-
-    * ``0.0``, ``-0.0``, ``1.0``, ``-1.0``, ``inf``, ``-inf``, ``nan``;
-    * the largest finite value and its neighbour, and their negatives;
-    * the smallest normal value and its neighbours;
-    * the smallest and largest subnormals;
-    * ``eps`` and ``1 + eps``.
-
-    Each is exactly representable in ``dtype``.
-
-    Example:
-        >>> import torch
-        >>> from funcamp.testing import special_values
-        >>> vals = special_values(torch.float16)
-        >>> 65504.0 in vals, 2.0**-24 in vals, float("-inf") in vals
-        (True, True, True)
-    """
-    fi = torch.finfo(dtype)
-    sub = _smallest_subnormal(dtype)
-    positive = [
-        1.0,
-        fi.max,
-        _next(dtype, fi.max, 0.0),
-        fi.tiny,
-        _next(dtype, fi.tiny, 0.0),  # largest subnormal
-        _next(dtype, fi.tiny, math.inf),
-        sub,
-        fi.eps,
-        1.0 + fi.eps,
-    ]
-    values = [0.0, -0.0]
-    for v in positive:
-        values += [v, -v]
-    values += [math.inf, -math.inf, math.nan]
-    return values
-
-
-def _dtype_exponents(dtype: torch.dtype) -> tuple[int, int]:
-    """Exponents ``k`` of the smallest subnormal and the largest power of two, ``2.0**k``."""
-    return math.frexp(_smallest_subnormal(dtype))[1] - 1, math.frexp(torch.finfo(dtype).max)[1] - 1
+# Start and stride of the positions of the values drawn alone, taken modulo the size (so that
+# their draws stay valid when the shape shrinks).
+_POSITIONS = st.integers(0, 2**16 - 1)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Bounds:
-    dtype: torch.dtype
-    min_value: float
-    max_value: float
-    allow_nan: bool
-    allow_infinity: bool
-    allow_subnormal: bool
+class _Draws:
+    """The strategies one dtype's tensors draw from (built once per dtype)."""
 
-    def ok(self, x: float) -> bool:
-        if math.isnan(x):
-            return self.allow_nan
-        if math.isinf(x):
-            return self.allow_infinity and self.min_value <= x <= self.max_value
-        if not self.allow_subnormal and _is_subnormal(self.dtype, x):
-            return False
-        if x == 0.0 and self.min_value == 0.0 and math.copysign(1.0, self.min_value) > 0:
-            return math.copysign(1.0, x) > 0  # min_value=0.0 excludes -0.0, as in Hypothesis
-        if x == 0.0 and self.max_value == 0.0 and math.copysign(1.0, self.max_value) < 0:
-            return math.copysign(1.0, x) < 0
-        return self.min_value <= x <= self.max_value
+    el: Elements
+    kinds: st.SearchStrategy[str]
+    spreads: st.SearchStrategy[int]
 
-
-def _elements(
-    dtype: torch.dtype,
-    min_value: float | None,
-    max_value: float | None,
-    allow_nan: bool | None,
-    allow_infinity: bool | None,
-    allow_subnormal: bool,
-) -> st.SearchStrategy[float]:
-    fi = torch.finfo(dtype)
-    if allow_nan is None:
-        allow_nan = min_value is None and max_value is None
-    if allow_infinity is None:
-        allow_infinity = min_value is None or max_value is None
-    lo = -math.inf if min_value is None else float(min_value)
-    hi = math.inf if max_value is None else float(max_value)
-    if math.isnan(lo) or math.isnan(hi) or lo > hi:
-        raise ValueError(
-            "funcamp.testing.tensors: `min_value` must be <= `max_value`, got "
-            f"{min_value!r} and {max_value!r}"
+    @classmethod
+    def build(cls, el: Elements) -> _Draws:
+        bits = -math.frexp(torch.finfo(el.dtype).eps)[1] + 3  # spreads down to about an ulp
+        return cls(
+            el,
+            st.sampled_from(_FILL_KINDS if el.spread_ok else _FILL_KINDS[:1]),
+            st.integers(1, bits),
         )
-    bounds = _Bounds(dtype, lo, hi, allow_nan, allow_infinity, allow_subnormal)
 
-    specials = [v for v in special_values(dtype) if bounds.ok(v)]
-    lo_exp, hi_exp = _dtype_exponents(dtype)
-    powers = st.builds(
-        lambda k, neg: -(2.0**k) if neg else 2.0**k,
-        st.integers(lo_exp, hi_exp),
-        st.booleans(),
-    ).filter(bounds.ok)
 
-    # Finite values in the dtype, drawn as floats of its width (float32 for bfloat16, then
-    # rounded). The bounds are first rounded inwards to values the dtype can represent.
-    flo, fhi = max(lo, -fi.max), min(hi, fi.max)
-    if _round(dtype, flo) < flo:
-        flo = _next(dtype, _round(dtype, flo), math.inf)
+def _fill(draw: Callable[..., Any], d: _Draws, n: int) -> torch.Tensor:
+    """``n`` float64 values, exact in the dtype: one value repeated, a cluster around it (a
+    spread of a few ulps to half its magnitude), or a ramp to a second value."""
+    el = d.el
+    v = el.draw(draw)
+    kind = draw(d.kinds)
+    if kind == "repeat" or not math.isfinite(v):
+        return torch.full((n,), v, dtype=torch.float64)
+    if kind == "cluster":
+        spread = (abs(v) or 1.0) * 2.0 ** -draw(d.spreads)
+        values = v + spread * _jitter(n)
+        values[0] = v  # exactly, -0.0 included
     else:
-        flo = _round(dtype, flo)
-    if _round(dtype, fhi) > fhi:
-        fhi = _next(dtype, _round(dtype, fhi), -math.inf)
-    else:
-        fhi = _round(dtype, fhi)
-    # Finite values come first so that examples shrink to plain numbers (0.0, 101.0), not to
-    # special values, unless a special value is what makes the test fail.
-    branches: list[st.SearchStrategy[float]] = []
-    if flo <= fhi:
-        finite = st.floats(
-            min_value=flo,
-            max_value=fhi,
-            allow_nan=False,
-            allow_infinity=False,
-            allow_subnormal=None if allow_subnormal else False,
-            width=_WIDTH.get(dtype, 32),
-        )
-        if dtype not in _WIDTH:
-            finite = finite.map(lambda x: _round(dtype, x))
-        branches += [finite.filter(bounds.ok), powers]
-    if specials:
-        branches.append(st.sampled_from(specials))
-    if not branches:
-        raise ValueError(
-            f"funcamp.testing.tensors: no {dtype} value satisfies min_value={min_value!r}, "
-            f"max_value={max_value!r}, allow_nan={allow_nan}, allow_infinity={allow_infinity}"
-        )
-    return st.one_of(branches)
-
-
-def _as_strategy(value: Any) -> st.SearchStrategy[Any]:
-    return value if isinstance(value, st.SearchStrategy) else st.just(value)
+        w = el.draw(draw)
+        values = torch.linspace(v, w if math.isfinite(w) else v, n, dtype=torch.float64)
+    values = values.clamp(el.lo, el.hi).to(el.dtype).to(torch.float64)
+    if not el.allow_subnormal:
+        subnormal = (values != 0) & (values.abs() < torch.finfo(el.dtype).smallest_normal)
+        values = torch.where(subnormal, v, values)
+    return values
 
 
 @st.composite
 def _tensors(
     draw: Callable[..., Any],
     dtype: DtypeArg,
-    shape: ShapeArg,
-    min_dims: int,
-    max_dims: int,
-    min_side: int,
-    max_side: int,
-    elements: Callable[[torch.dtype], st.SearchStrategy[float]],
+    shape: st.SearchStrategy[Sequence[int]],
+    draws: Callable[[torch.dtype], _Draws],
     device: torch.device | str | None,
 ) -> torch.Tensor:
     dt = draw(_as_strategy(dtype))
@@ -251,16 +142,64 @@ def _tensors(
         raise ValueError(
             f"funcamp.testing.tensors: `dtype` must be a floating torch.dtype, got {dt!r}"
         )
-    if shape is None:
-        shp = tuple(
-            draw(st.lists(st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims))
-        )
-    else:
-        shp = tuple(draw(_as_strategy(shape)))
+    shp = tuple(draw(shape))
     n = math.prod(shp)
-    values = draw(st.lists(elements(dt), min_size=n, max_size=n))
+    if n == 0:
+        return torch.empty(shp, dtype=dt, device=device)
+    d = draws(dt)
+    # The same draws whatever n (one element included), so that shrinking the shape keeps the
+    # values: a fill, then up to sqrt(n) values (8 at least, n at most) drawn alone, at evenly
+    # strided positions.
+    flat = _fill(draw, d, n)
+    count = draw(st.integers(0, min(n, max(8, math.isqrt(n)))))
+    if count:
+        values = [d.el.draw(draw) for _ in range(count)]
+        start, stride = draw(_POSITIONS), draw(_POSITIONS)
+        index = torch.arange(count) * (stride % max(n - 1, 1) + 1) + start
+        flat[index % n] = torch.tensor(values, dtype=torch.float64)
     # Every value is exact in ``dt``, so going through float64 rounds nothing.
-    return torch.tensor(values, dtype=torch.float64).to(dt).reshape(shp).to(device)
+    return flat.to(dt).reshape(shp).to(device)
+
+
+@st.composite
+def _shapes(
+    draw: Callable[..., Any],
+    small: st.SearchStrategy[list[int]],
+    long: st.SearchStrategy[int] | None,
+) -> tuple[int, ...]:
+    # One shape in eight is a long vector (shrinking towards the small shapes).
+    if long is not None and draw(st.integers(0, 7)) == 7:
+        return (draw(long),)
+    return tuple(draw(small))
+
+
+def _check_tensor_args(**kwargs: Any) -> None:
+    for name in ("min_dims", "max_dims", "min_side", "max_side", "max_length"):
+        value = kwargs[name]
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"funcamp.testing.tensors: `{name}` must be an int >= 0, got {value!r}"
+            )
+    for name in ("min_value", "max_value"):
+        value = kwargs[name]
+        if value is not None and (not isinstance(value, (int, float)) or math.isnan(value)):
+            raise ValueError(
+                f"funcamp.testing.tensors: `{name}` must be None or a float, got {value!r}"
+            )
+    lo, hi = kwargs["min_value"], kwargs["max_value"]
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(
+            f"funcamp.testing.tensors: `min_value` must be <= `max_value`, got {lo!r} and {hi!r}"
+        )
+    for low in kwargs["boundaries"]:
+        if not isinstance(low, torch.dtype) or not low.is_floating_point:
+            raise ValueError(
+                "funcamp.testing.tensors: `boundaries` must hold floating torch dtypes, got "
+                f"{low!r}"
+            )
+    for v in kwargs["values"]:
+        if not isinstance(v, (int, float)):
+            raise ValueError(f"funcamp.testing.tensors: `values` must hold floats, got {v!r}")
 
 
 def tensors(
@@ -272,22 +211,29 @@ def tensors(
     allow_nan: bool | None = None,
     allow_infinity: bool | None = None,
     allow_subnormal: bool = True,
+    boundaries: Sequence[torch.dtype] = LOW_PRECISION_DTYPES,
+    values: Sequence[float] = (),
     min_dims: int = 0,
     max_dims: int = 3,
     min_side: int = 0,
     max_side: int = 5,
+    max_length: int = 1024,
     device: torch.device | str | None = None,
 ) -> st.SearchStrategy[torch.Tensor]:
-    """Floating tensors whose elements stress floating-point code.
+    """Floating tensors whose elements stress mixed-precision code.
 
-    Elements mix the dtype's :func:`special_values`, powers of two over the whole exponent range
-    (subnormal to max) and arbitrary finite values of the dtype. Each is exactly representable in
-    the dtype. Examples shrink to small shapes of zeros.
+    Each element is an arbitrary finite value of the dtype, a power of two, one of the dtype's
+    :func:`special_values`, or one of the :func:`boundary_values` of the lower-precision dtypes
+    code casts to (float16's max and the top of its rounding band, 65520; its subnormals;
+    bfloat16's max; float8's 448, 464, 57344 and 61440...). Every value lies within the bounds
+    and is exact in the dtype. Tensors are structured: a fill (one value repeated, a cluster
+    around it, or a ramp between two values) with a few elements drawn on top. A drawn shape is
+    now and then a long vector. Examples shrink to small shapes filled with one value.
 
     Args:
         dtype: a floating dtype or a strategy of them (default :func:`float_dtypes`).
         shape: a shape or a strategy of shapes; default: ``min_dims``..``max_dims`` dims of
-            ``min_side``..``max_side`` each.
+            ``min_side``..``max_side`` each, or a vector of up to ``max_length``.
         min_value: smallest element allowed (``None``: no bound). As with
             ``hypothesis.strategies.floats``, giving bounds turns ``nan`` (either bound) and
             ``inf`` (both bounds) off unless asked for.
@@ -295,10 +241,14 @@ def tensors(
         allow_nan: include ``nan`` (default: when no bound is given).
         allow_infinity: include ``±inf`` (default: unless both bounds are given).
         allow_subnormal: include subnormal values.
+        boundaries: the dtypes whose boundaries are mixed in; ``()`` for none.
+        values: more values to mix in, e.g. ``special_values(torch.float16)``; each is rounded
+            to its neighbours in the dtype, and those out of bounds are left out.
         min_dims: fewest dims of a drawn shape.
         max_dims: most dims of a drawn shape.
         min_side: smallest size of a drawn dim.
-        max_side: largest size of a drawn dim.
+        max_side: largest size of a drawn dim (a long vector's excepted).
+        max_length: most elements of a long vector; no long vectors if ``<= max_side``.
         device: where the tensors live (default: CPU).
 
     Example:
@@ -310,45 +260,31 @@ def tensors(
         ...     assert bool(torch.isfinite(x).all()) and bool((x.abs() <= 1).all())
         >>> test_bounded()
     """
-    for name, value in (
-        ("min_dims", min_dims),
-        ("max_dims", max_dims),
-        ("min_side", min_side),
-        ("max_side", max_side),
-    ):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"funcamp.testing.tensors: `{name}` must be an int >= 0, got {value!r}"
-            )
-    for name, value in (("min_value", min_value), ("max_value", max_value)):
-        if value is not None and (not isinstance(value, (int, float)) or math.isnan(value)):
-            raise ValueError(
-                f"funcamp.testing.tensors: `{name}` must be None or a float, got {value!r}"
-            )
-    if min_value is not None and max_value is not None and min_value > max_value:
-        raise ValueError(
-            "funcamp.testing.tensors: `min_value` must be <= `max_value`, got "
-            f"{min_value!r} and {max_value!r}"
-        )
-    cache: dict[torch.dtype, st.SearchStrategy[float]] = {}
+    _check_tensor_args(**locals())
+    lo = -math.inf if min_value is None else float(min_value)
+    hi = math.inf if max_value is None else float(max_value)
+    if allow_nan is None:
+        allow_nan = min_value is None and max_value is None
+    if allow_infinity is None:
+        allow_infinity = min_value is None or max_value is None
+    boundaries, values = tuple(boundaries), tuple(float(v) for v in values)
+    cache: dict[torch.dtype, _Draws] = {}
 
-    def elements(dt: torch.dtype) -> st.SearchStrategy[float]:
+    def draws(dt: torch.dtype) -> _Draws:
         if dt not in cache:
-            cache[dt] = _elements(
-                dt, min_value, max_value, allow_nan, allow_infinity, allow_subnormal
-            )
+            bounds = _Bounds(dt, lo, hi, allow_nan, allow_infinity, allow_subnormal)
+            cache[dt] = _Draws.build(elements(dt, bounds, boundaries, values))
         return cache[dt]
 
-    return _tensors(
-        float_dtypes() if dtype is None else dtype,
-        shape,
-        min_dims,
-        max_dims,
-        min_side,
-        max_side,
-        elements,
-        device,
-    )
+    if shape is None:
+        small = st.lists(st.integers(min_side, max_side), min_size=min_dims, max_size=max_dims)
+        long = None
+        if max_length > max_side and min_dims <= 1 <= max_dims:
+            long = st.integers(max(max_side + 1, min_side), max_length)
+        shapes: st.SearchStrategy[Sequence[int]] = _shapes(small, long)
+    else:
+        shapes = _as_strategy(shape)
+    return _tensors(float_dtypes() if dtype is None else dtype, shapes, draws, device)
 
 
 class Node(NamedTuple):
@@ -370,7 +306,7 @@ def pytrees(
     *,
     max_leaves: int = 8,
     keys: st.SearchStrategy[str] | None = None,
-) -> st.SearchStrategy[PyTree]:
+) -> st.SearchStrategy[Any]:
     """Nested dicts, lists, tuples and NamedTuples (:class:`Node`) of ``leaves``.
 
     Empty containers and ``None`` (an empty pytree node for optree and torch) are drawn too; a
@@ -502,96 +438,3 @@ def policies(
         return policy
 
     return build()
-
-
-_F32_MAX = float(torch.finfo(torch.float32).max)
-
-_F32_TINY = float(torch.finfo(torch.float32).tiny)
-
-
-def _scale_values(lo: float, hi: float) -> st.SearchStrategy[float]:
-    lo_k, hi_k = math.ceil(math.log2(lo)), math.floor(math.log2(hi))
-    branches = [st.floats(lo, hi, width=32, exclude_min=False)]
-    if lo_k <= hi_k:
-        branches.insert(0, st.integers(lo_k, hi_k).map(lambda k: 2.0**k))
-    return st.one_of(branches)
-
-
-@st.composite
-def _scaler_state(
-    draw: Callable[..., Any], kinds: Sequence[str], device: torch.device | str | None
-) -> ScalerState:
-    kind = draw(st.sampled_from(list(kinds)))
-    scales = _scale_values(2.0**-24, _F32_MAX)
-    skipped = draw(st.integers(0, 10_000))
-    if kind == "noop":
-        state = ScalerState.noop(device=device)
-    elif kind == "static":
-        state = ScalerState.static(draw(scales), device=device)
-    else:
-        growth_factor = draw(
-            st.one_of(st.just(2.0), st.floats(1.0, 16.0, exclude_min=True), st.just(1.0001))
-        )
-        backoff_factor = draw(
-            st.one_of(st.just(0.5), st.floats(0.0, 1.0, exclude_min=True, exclude_max=True))
-        )
-        growth_interval = draw(st.one_of(st.just(2000), st.integers(1, 5000)))
-        hysteresis = draw(st.integers(1, 4))
-        init_scale = draw(scales)
-        min_scale = draw(st.none() | _scale_values(_F32_TINY, init_scale))
-        max_scale = draw(st.none() | _scale_values(init_scale, _F32_MAX))
-        state = ScalerState.dynamic(
-            init_scale,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            hysteresis=hysteresis,
-            device=device,
-        )
-        tracker = draw(st.integers(0, growth_interval - 1))
-        hyst = hysteresis - draw(st.integers(0, hysteresis))  # shrinks to a full tracker
-        state = dataclasses.replace(
-            state,
-            growth_tracker=torch.full_like(state.growth_tracker, tracker),
-            hysteresis_tracker=torch.full_like(state.hysteresis_tracker, hyst),
-        )
-    return dataclasses.replace(state, skipped=torch.full_like(state.skipped, skipped))
-
-
-def scaler_states(
-    kinds: Sequence[str] = ("dynamic", "static", "noop"),
-    *,
-    device: torch.device | str | None = None,
-) -> st.SearchStrategy[ScalerState]:
-    """:class:`funcamp.ScalerState` values with random valid configuration and leaves.
-
-    Dynamic states draw ``init_scale`` (powers of two and arbitrary float32 values),
-    ``growth_factor``, ``backoff_factor``, ``growth_interval`` and ``hysteresis``. They draw
-    optional ``min_scale``/``max_scale`` bounds around the scale. Then they draw a growth
-    tracker below ``growth_interval``, and a hysteresis tracker up to ``hysteresis``. Every kind
-    draws a ``skipped`` count. Shrinks towards ``ScalerState.dynamic(init_scale=1.0)``.
-
-    Args:
-        kinds: the kinds to draw (``"dynamic"``, ``"static"``, ``"noop"``).
-        device: where the state's tensors live.
-
-    Example:
-        >>> import torch, funcamp
-        >>> from hypothesis import given
-        >>> from funcamp.testing import scaler_states, tensors
-        >>> @given(scaler_states(), tensors(dtype=torch.float32, max_dims=1))
-        ... def test_scale_then_unscale(state, x):
-        ...     grads, _ = funcamp.unscale(state, funcamp.scale(state, x))
-        ...     assert grads.shape == x.shape
-        >>> test_scale_then_unscale()
-    """
-    kinds = tuple(kinds)
-    bad = [k for k in kinds if k not in ("dynamic", "static", "noop")]
-    if not kinds or bad:
-        raise ValueError(
-            "funcamp.testing.scaler_states: `kinds` must be a non-empty subset of "
-            f"('dynamic', 'static', 'noop'), got {kinds!r}"
-        )
-    return _scaler_state(kinds, device)
