@@ -14,6 +14,7 @@ from torch.func import functional_call
 
 import funcamp
 import funcamp.train.loss
+from funcamp.scaling.skip import device_path
 
 #: The optree namespace funcamp documents for its state types (docs/concepts.md).
 NAMESPACE = "funcamp"
@@ -245,7 +246,9 @@ def test_no_host_sync(inductor_step, monkeypatch):
     compiled_step(state, batches[0])  # traced and compiled before the patch
     eager = funcamp.make_train_step(loss_fn, OPT, POLICY, compile=False, donate_state=False)
     eager(state, batches[0])  # first-call validation runs outside the patch
-    with monkeypatch.context() as mp:
+    # The eager step runs the device path: a CPU eager step reads its skip flag once, as
+    # GradScaler.step does (test_host_sync pins that read); a CUDA step reads nothing.
+    with monkeypatch.context() as mp, device_path():
         _forbid_sync(mp)
         s_c = s_e = state
         for b in batches:
