@@ -82,10 +82,11 @@ def _leaf(
     lr64: Any,
     weight: torch.Tensor,
     rho: torch.Tensor,
-    cfg: tuple[float | None, float, float, float],
+    cfg: tuple[float | None, float, float, float, bool],
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """One leaf of torch.optim's ``_single_tensor_adafactor``: the delta and the new buffers."""
-    eps1, eps2, d, weight_decay = cfg
+    """One leaf of torch.optim's ``_single_tensor_adafactor``: the delta and the new buffers
+    (``_multi_tensor_adafactor``'s with ``cfg``'s ``foreach``)."""
+    eps1, eps2, d, weight_decay, foreach = cfg
     eps1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
     row_var, col_var, variance = bufs
     # alpha = max(eps2, ||p|| / sqrt(numel)) * rho_t, from the param before the decay
@@ -106,8 +107,15 @@ def _leaf(
     unorm = torch.linalg.vector_norm(update).to(torch.float64)
     denom = torch.clamp(unorm / (update.numel() ** 0.5 * d), min=1.0)
     step = (-alpha / denom).to(update.dtype)
-    new_p = torch.addcmul(new_p, update, step)  # p.add_(update, alpha=step): one rounding
-    return new_p, (row_var, col_var, variance)
+    return _stepped(new_p, update, step, foreach), (row_var, col_var, variance)
+
+
+def _stepped(p: torch.Tensor, update: torch.Tensor, step: torch.Tensor, foreach: bool) -> Any:
+    """The new param: ``p.add_(update, alpha=step)``, one rounding; foreach,
+    ``update.mul_(step)`` then ``p.add_(update)``, two."""
+    if foreach:
+        return torch.add(p, torch.mul(update, step))
+    return torch.addcmul(p, update, step)
 
 
 def _decayed(p: torch.Tensor, lr64: Any, weight_decay: float) -> torch.Tensor:
@@ -127,7 +135,7 @@ def _on_shards(
     lr64: Any,
     weights: list[torch.Tensor],
     rho: torch.Tensor,
-    cfg: tuple[float | None, float, float, float],
+    cfg: tuple[float | None, float, float, float, bool],
 ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """:func:`_leaf` for every leaf, on this rank's shards of a sharded step (``lays``): what
     spans the cut dimension is summed over the ranks, in two all-reduces for all the leaves.
@@ -136,7 +144,7 @@ def _on_shards(
     cut along its rows, its new ``row_var``'s partial sum over the rows (for the mean the
     estimate is divided by); the second each one's partial sum of squares of the update.
     A replicated leaf is whole on every rank: :func:`_leaf` as it is."""
-    eps1, eps2, d, weight_decay = cfg
+    eps1, eps2, d, weight_decay, foreach = cfg
     out: list[Any] = [None] * len(gs)
     cut = [i for i, lay in enumerate(lays) if lay.dim is not None]
     for i, lay in enumerate(lays):
@@ -194,8 +202,7 @@ def _on_shards(
         unorm = u2.sqrt().to(torch.float64)
         denom = torch.clamp(unorm / (numel**0.5 * d), min=1.0)
         step = (-alpha / denom).to(update.dtype)
-        new_p = torch.addcmul(_decayed(p, lr64, weight_decay), update, step)
-        out[i] = (new_p, out[i])
+        out[i] = (_stepped(_decayed(p, lr64, weight_decay), update, step, foreach), out[i])
     return out
 
 
@@ -207,6 +214,7 @@ def adafactor(
     weight_decay: float = 0.0,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
     master_weights: bool = False,
     kahan: bool = False,
     stochastic_rounding: bool = False,
@@ -238,6 +246,8 @@ def adafactor(
         d: the update's clipping threshold (>= 1).
         weight_decay: decoupled weight decay (>= 0).
         maximize: ascend the objective (the gradients are negated first).
+        foreach: True gives the numbers of torch's foreach step (``foreach=True``); None or
+            False those of its for-loop step (torch's default on the CPU).
         master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -267,9 +277,11 @@ def adafactor(
     eps2 = check_number(api, "eps[1]", eps[1])
     d = check_number(api, "d", d, minimum=1.0)
     weight_decay = check_number(api, "weight_decay", weight_decay)
+    if foreach is not None:
+        check_flag(api, "foreach", foreach)
     mode = select_mode(api, master_weights, kahan, stochastic_rounding, seed)
     lr_fn = learning_rate_fn(api, learning_rate)
-    cfg = (eps1, eps2, d, weight_decay)
+    cfg = (eps1, eps2, d, weight_decay, bool(foreach))
 
     def init(params: PyTree) -> AdafactorState:
         leaves, spec = flatten_params(api, params)

@@ -188,6 +188,17 @@ def _same_names(
     return translate
 
 
+def _with_foreach(make: Callable[..., Optimizer]) -> Translator:
+    """:func:`_same_names` for a ``make`` that takes ``foreach``: the flag torch resolves
+    for the group's params (:func:`_foreach`), whose numbers ``make`` then gives."""
+    translate = _same_names(make)
+
+    def resolved(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer:
+        return translate({**group, "foreach": _foreach(group)}, lr, name, i)
+
+    return resolved
+
+
 def _refused(alternative: str) -> Callable[..., Optimizer]:
     def translate(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer:
         raise _refuse(f"`optimizer` {name}", alternative)
@@ -207,9 +218,9 @@ OPTIMIZERS: dict[type | str, Callable[..., Optimizer]] = {
     torch.optim.Adamax: _same_names(adamax, tensor_betas=True),
     torch.optim.NAdam: _same_names(nadam, tensor_betas=True),
     torch.optim.RAdam: _same_names(radam, tensor_betas=True),
-    torch.optim.ASGD: _same_names(asgd),
+    torch.optim.ASGD: _with_foreach(asgd),
     torch.optim.Rprop: _same_names(rprop),
-    torch.optim.Adafactor: _same_names(adafactor),
+    torch.optim.Adafactor: _with_foreach(adafactor),
     torch.optim.Muon: _same_names(muon),
     # update(None, state, params, value_fn=loss_fn): the closure's loss, as a function
     torch.optim.LBFGS: _same_names(lbfgs),

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from funcamp._core.tree import describe
 from funcamp.optim._plateau import PlateauState
@@ -64,10 +65,21 @@ def _asgd(group: Mapping[str, Any], count: int) -> dict[str, Any]:
     at the group's learning rate (funcamp's ``asgd`` computes them from the count)."""
     lr, lambd, alpha, t0 = group["lr"], group["lambd"], group["alpha"], group["t0"]
     step = float(count)
+    # the foreach step computes eta from its step tensor (tensor math), the for-loop one from
+    # the step's Python float
+    t = torch.tensor(step, dtype=_scalar_dtype()) if _foreach_group(group) else step
     return {
-        "eta": torch.as_tensor(lr / ((1 + lambd * lr * step) ** alpha)),
+        "eta": torch.as_tensor(lr / ((1 + lambd * lr * t) ** alpha)),
         "mu": torch.as_tensor(1 / max(1, step - t0)),
     }
+
+
+def _foreach_group(group: Mapping[str, Any]) -> bool:
+    """Whether torch runs the group's foreach step (its default where ``foreach`` is None)."""
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    params = list(group["params"])
+    return _default_to_fused_or_foreach(params, bool(group.get("differentiable")), False)[1]
 
 
 _ADAM = StateKeys(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))

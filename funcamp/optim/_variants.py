@@ -307,7 +307,9 @@ def radam(
 # asgd
 
 
-def _asgd_step(lambd: float, alpha: float, t0: float, weight_decay: float, maximize: bool) -> Any:
+def _asgd_step(
+    lambd: float, alpha: float, t0: float, weight_decay: float, maximize: bool, foreach: bool
+) -> Any:
     def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
         # torch.optim.ASGD, before the step `step`: eta = lr / (1 + lambd * lr * (step -
         # 1))**alpha and mu = 1 / max(1, step - 1 - t0) (1 on the first step), each a float32
@@ -316,19 +318,49 @@ def _asgd_step(lambd: float, alpha: float, t0: float, weight_decay: float, maxim
         g = _prologue(ops, g, p, maximize, weight_decay)
         lr64 = _f64(lr)
         c = count.to(torch.float64)
-        eta = (lr64 / torch.pow(1.0 + lambd * lr64 * c, alpha)).to(torch.float32)
-        eta = eta.to(torch.float64)
         mu = torch.where(count == 0, torch.ones_like(c), 1.0 / torch.clamp(c - t0, min=1.0)).to(
             torch.float32
         )
+        ax = buffers["ax"]
+        if foreach:
+            return _asgd_foreach(ops, g, p, ax, buffers, lambd, alpha, lr64, count, mu)
+        eta = (lr64 / torch.pow(1.0 + lambd * lr64 * c, alpha)).to(torch.float32)
+        eta = eta.to(torch.float64)
         new_p = ops.mul(p, ops.scalar(1.0 - lambd * eta))
         new_p = ops.fma(g, ops.scalar(-eta), new_p, into=new_p)
-        ax = buffers["ax"]
         averaged = ops.add(ops.mul(ops.sub(new_p, ax), mu), ax)
         ax = ops.where(mu == 1.0, new_p, averaged)
         return NewParams(new_p), _kept(ops, buffers, ax=ax)
 
     return step
+
+
+def _asgd_foreach(
+    ops: Ops,
+    g: Tensors,
+    p: Tensors,
+    ax: Tensors,
+    buffers: dict,
+    lambd: float,
+    alpha: float,
+    lr64: Any,
+    count: torch.Tensor,
+    mu: torch.Tensor,
+) -> Any:
+    """torch.optim's ``_multi_tensor_asgd`` (CPU, not capturable): ``eta`` is float32 tensor
+    math on the float32 step, ``lr / (1 + lambd * lr * step)**alpha`` (``lr / x`` is
+    ``x.reciprocal() * lr``; Python scalars rounded to float32); ``p.addcmul_(grad + lambd * p,
+    eta, value=-1)``; ``ax.addcmul_(p - ax, mu)``, also where ``mu`` is 1."""
+    steps = count.to(torch.float32)  # 0 on the first step: eta = float32(lr)
+    k = torch.as_tensor(lambd * lr64, dtype=torch.float64).to(torch.float32)
+    lr32 = torch.as_tensor(lr64, dtype=torch.float64).to(torch.float32)
+    eta = torch.reciprocal(torch.pow(1.0 + k.to(steps.device) * steps, alpha)) * lr32.to(
+        steps.device
+    )
+    intermediate = ops.fma(p, lambd, g, into=g)
+    new_p = ops.fma(intermediate, ops.scalar(-eta), p, into=ops.target(p))
+    averaged = ops.fma(ops.sub(new_p, ax), ops.scalar(mu), ax, into=ops.target(ax))
+    return NewParams(new_p), _kept(ops, buffers, ax=averaged)
 
 
 def asgd(
@@ -339,6 +371,7 @@ def asgd(
     weight_decay: float = 0.0,
     *,
     maximize: bool = False,
+    foreach: bool | None = None,
     master_weights: bool = False,
     kahan: bool = False,
     stochastic_rounding: bool = False,
@@ -359,6 +392,8 @@ def asgd(
         t0: the step from which the params are averaged (>= 0).
         weight_decay: L2 penalty added to the gradient (>= 0).
         maximize: ascend the objective (the gradients are negated first).
+        foreach: True gives the numbers of torch's foreach step (``foreach=True``); None or
+            False those of its for-loop step (torch's default on the CPU).
         master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
@@ -381,7 +416,9 @@ def asgd(
     alpha = check_number(api, "alpha", alpha)
     t0 = check_number(api, "t0", t0)
     weight_decay = check_number(api, "weight_decay", weight_decay)
-    step = _asgd_step(lambd, alpha, t0, weight_decay, maximize)
+    if foreach is not None:
+        check_flag(api, "foreach", foreach)
+    step = _asgd_step(lambd, alpha, t0, weight_decay, maximize, bool(foreach))
     modes = (master_weights, kahan, stochastic_rounding, seed)
     return _build(api, AsgdState, step, learning_rate, modes, needs_params=True)
 
