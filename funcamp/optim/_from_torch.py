@@ -143,6 +143,7 @@ def _adam_like(decoupled: bool) -> Translator:
             amsgrad=bool(group["amsgrad"]),
             maximize=bool(group["maximize"]),
             fused=bool(group.get("fused") or False),
+            differentiable=bool(group.get("differentiable") or False),
         )
 
     return translate
@@ -183,6 +184,8 @@ def _same_names(
         }
         if "betas" in kwargs:
             kwargs["b1"], kwargs["b2"] = kwargs.pop("betas")
+        if "foreach" in kwargs:  # the step torch runs: foreach=None resolved as torch does
+            kwargs["foreach"] = _foreach(group)
         return make(lr, **kwargs)
 
     return translate
@@ -347,7 +350,10 @@ def from_torch(
     groups become a :func:`funcamp.multi_transform` labelled ``"group0"``, ``"group1"``, ...
     by identity (which tensor of ``params`` is in which group). Adam/AdamW's ``fused=True``
     maps to funcamp's ``fused=True`` (torch's kernel, bit for bit), Adagrad's to the same
-    operations; ``foreach``, ``capturable`` and ``differentiable`` do not change the numbers.
+    operations. NAdam's and RAdam's ``foreach`` (``None`` resolved as torch resolves it) and
+    Adam's, AdamW's and NAdam's ``differentiable`` map to funcamp's keywords of the same name:
+    the numbers of the step torch runs. Elsewhere ``foreach``, ``capturable`` and
+    ``differentiable`` do not change the numbers.
     0-d tensor betas are translated where funcamp's optimizer takes them (Adam, AdamW, NAdam,
     RAdam, Adamax) and torch's step does. What has no translation is refused by name: tensor
     betas elsewhere or on a foreach step that fails on them, a group key no translator knows,

@@ -15,6 +15,7 @@ import torch
 
 from funcamp._core.checks import check_flag, check_int, check_number
 from funcamp._core.tree import NAMESPACE, PyTree, describe, path_str
+from funcamp.optim import _betas as bt
 from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import LearningRate, Tensors, _build, _f64, _kept
@@ -106,12 +107,17 @@ def _muon_step(
                 for x, lay, d in zip(whole, lays, dtypes)
             ]
             shapes = [lay.shape for lay in lays]
-        lr64 = _f64(lr)
-        neg = [ops.scalar(-(lr64 * _ratio(adjust_lr_fn, shape))) for shape in shapes]
+        if bt.is_tensor_rate(lr):  # torch's tensor lr: `lr * ratio`, `1 - lr * wd` in its dtype
+            neg = [ops.scalar(-(lr * _ratio(adjust_lr_fn, shape))) for shape in shapes]
+            factor = ops.scalar(1 - lr * weight_decay)
+        else:
+            lr64 = _f64(lr)
+            neg = [ops.scalar(-(lr64 * _ratio(adjust_lr_fn, shape))) for shape in shapes]
+            factor = ops.scalar(1.0 - lr64 * weight_decay)
         new = _kept(ops, buffers, momentum_buffer=buf)
         if p is None:
             return ops.mul(orth, neg), new
-        new_p = p if weight_decay == 0 else ops.mul(p, ops.scalar(1.0 - lr64 * weight_decay))
+        new_p = p if weight_decay == 0 else ops.mul(p, factor)
         return NewParams(ops.fma(orth, neg, new_p)), new  # p.add_(O, alpha=-adjusted_lr)
 
     return step

@@ -189,7 +189,33 @@ def sgd(
 # adam / adamw
 
 
-def _adam_step(hyper: AdamHyper) -> Any:
+def _step_scalars(b1: Any, b2: Any, lr: Any, count: Any) -> tuple[Any, Any]:
+    """torch.optim.Adam's ``-step_size`` and ``bias_correction2 ** 0.5``: Python doubles of the
+    step (float64 here), rounded once; tensor math in a tensor beta's dtype (see ``_betas``)."""
+    t = (count + 1).to(torch.float64)
+    if isinstance(b1, torch.Tensor):
+        neg_step = -bt.over(lr, bt.one_minus_power(bt.on(b1, t), t))
+    else:
+        neg_step = -(_f64(lr) / (1.0 - torch.pow(b1, t)))
+    if isinstance(b2, torch.Tensor):  # tensor ** 0.5 is torch's sqrt kernel
+        return neg_step, torch.sqrt(bt.one_minus_power(bt.on(b2, t), t))
+    return neg_step, _half_power(1.0 - torch.pow(b2, t))  # Python's bias_correction2 ** 0.5
+
+
+def _tensor_step_scalars(b1: Any, b2: Any, eps: float, lr: Any, count: Any) -> tuple[Any, Any]:
+    """The two denominator scalars of torch.optim.Adam's ``capturable or differentiable``
+    step: ``bias_correction2_sqrt * step_size_neg`` and ``eps / step_size_neg``, tensor math of
+    torch's float32 ``step`` (``1 - beta ** step``, ``lr / bias_correction1``, ``.sqrt()``)."""
+    t = (count + 1).to(torch.float32)  # torch's state["step"] after `step_t += 1`
+    beta1 = bt.on(b1, t) if isinstance(b1, torch.Tensor) else b1
+    beta2 = bt.on(b2, t) if isinstance(b2, torch.Tensor) else b2
+    bias_correction1 = 1 - beta1**t
+    bias_correction2 = 1 - beta2**t
+    step_size_neg = bt.over(lr, bias_correction1).neg()
+    return bias_correction2.sqrt() * step_size_neg, eps / step_size_neg
+
+
+def _adam_step(hyper: AdamHyper, differentiable: bool = False) -> Any:
     b1, b2, eps, weight_decay, decoupled, amsgrad, maximize = hyper
 
     def step(
@@ -205,17 +231,11 @@ def _adam_step(hyper: AdamHyper) -> Any:
             g = ops.mul(g, -1.0, into=g)
         if weight_decay > 0 and not decoupled:
             g = ops.fma(p, weight_decay, g, into=g)
-        # Bias corrections in float64 (as torch.optim does with Python floats), rounded once.
-        t = (count + 1).to(torch.float64)
         lr64 = _f64(lr)
-        if isinstance(b1, torch.Tensor):  # torch's tensor math in b1's dtype (see _betas)
-            neg_step = ops.scalar(-bt.over(lr, bt.one_minus_power(bt.on(b1, t), t)))
+        if differentiable:
+            scale, shift = (ops.scalar(x) for x in _tensor_step_scalars(b1, b2, eps, lr, count))
         else:
-            neg_step = ops.scalar(-(lr64 / (1.0 - torch.pow(b1, t))))
-        if isinstance(b2, torch.Tensor):  # tensor ** 0.5 is torch's sqrt kernel
-            bc2_sqrt = ops.scalar(torch.sqrt(bt.one_minus_power(bt.on(b2, t), t)))
-        else:  # Python's bias_correction2 ** 0.5
-            bc2_sqrt = ops.scalar(_half_power(1.0 - torch.pow(b2, t)))
+            neg_step, bc2_sqrt = (ops.scalar(x) for x in _step_scalars(b1, b2, lr, count))
         # v first, then m. Where the step is known to apply on a donated state, each is
         # computed in its buffer, as torch.optim does. Elsewhere v goes into a temporary and m
         # into the grads (when the eager path owns them); on a donated state each then goes
@@ -238,10 +258,15 @@ def _adam_step(hyper: AdamHyper) -> Any:
             x = ops.maximum(old, v, into=ops.target(old, vb))
             sq = new["max_exp_avg_sq"] = ops.kept(x, replaces=old)
         denom = ops.sqrt(sq, into=ops.target(vb))
-        denom = ops.div(denom, bc2_sqrt, into=denom)
-        denom = ops.add(denom, eps, into=denom)
-        deltas = ops.mul(m, neg_step, into=g)
-        deltas = ops.div(deltas, denom, into=deltas)
+        if differentiable:  # (sqrt / (bc2_sqrt * step_size_neg)).add_(eps / step_size_neg)
+            denom = ops.div(denom, scale, into=denom)
+            denom = ops.add(denom, shift, into=denom)
+            deltas = ops.div(m, denom, into=g)  # p.addcdiv_(exp_avg, denom): value 1
+        else:
+            denom = ops.div(denom, bc2_sqrt, into=denom)
+            denom = ops.add(denom, eps, into=denom)
+            deltas = ops.mul(m, neg_step, into=g)
+            deltas = ops.div(deltas, denom, into=deltas)
         on = _decayed(mask)  # the masked-off leaves keep the plain step (weight_decay=0)
         if not (weight_decay > 0 and decoupled and on != []):
             # p.addcdiv_(...) is p + delta: one rounding either way (in place where it may)
@@ -278,9 +303,11 @@ def _adam(
     fused: bool = False,
     amsgrad: bool = False,
     maximize: bool = False,
+    differentiable: bool = False,
 ) -> Optimizer:
     check_flag(api, "amsgrad", amsgrad)
     check_flag(api, "maximize", maximize)
+    check_flag(api, "differentiable", differentiable)
     b1, b2 = _beta(api, "b1", b1), _beta(api, "b2", b2)
     eps = check_number(api, "eps", eps)
     weight_decay = check_number(api, "weight_decay", weight_decay)
@@ -289,6 +316,11 @@ def _adam(
     kernels: tuple[Any, Any] = (None, None)
     if fused:
         check_fused_modes(api, modes)
+        if differentiable:
+            raise ValueError(
+                f"funcamp.{api}: `fused=True` and `differentiable=True` select two torch "
+                "implementations (torch.optim refuses both at once); pass one of them"
+            )
         if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
             raise ValueError(
                 f"funcamp.{api}: `fused=True` takes float betas (b1, b2); pass floats, or "
@@ -298,7 +330,7 @@ def _adam(
             raise ValueError(f"funcamp.{api}: `fused=True` needs torch._fused_adamw_ (torch>=2.4)")
         kernels = fused_adam(hyper)
     return _build(
-        api, AdamState, _adam_step(hyper),
+        api, AdamState, _adam_step(hyper, differentiable),
         learning_rate, modes,
         buffers=(*_ADAM_BUFFERS, "max_exp_avg_sq") if amsgrad else _ADAM_BUFFERS,
         needs_params=weight_decay > 0 or fused, mask=mask, fused_kernel=kernels[0],
@@ -320,6 +352,7 @@ def adam(
     stochastic_rounding: bool = False,
     seed: int = 0,
     fused: bool = False,
+    differentiable: bool = False,
 ) -> Optimizer:
     """Adam with torch.optim.Adam's semantics.
 
@@ -356,6 +389,9 @@ def adam(
         fused: run torch's fused Adam kernel, bit for bit ``torch.optim.Adam(fused=True)``.
             Float32 params on one device; the last transform of a ``chain``; not under
             ``torch.func`` transforms. See "Fused kernel" above.
+        differentiable: give the numbers of ``torch.optim.Adam(differentiable=True)`` (and
+            of its ``capturable=True`` single-tensor step): float32 tensor bias corrections.
+            Every funcamp step is differentiable either way; this picks the rounding only.
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.
@@ -371,7 +407,7 @@ def adam(
     modes = (master_weights, kahan, stochastic_rounding, seed)
     return _adam(
         "adam", learning_rate, b1, b2, eps, weight_decay, False, modes, None, fused, amsgrad,
-        maximize,
+        maximize, differentiable,
     )  # fmt: skip
 
 
@@ -390,6 +426,7 @@ def adamw(
     stochastic_rounding: bool = False,
     seed: int = 0,
     fused: bool = False,
+    differentiable: bool = False,
 ) -> Optimizer:
     """AdamW with torch.optim.AdamW's semantics: decoupled weight decay
     ``p -= lr * weight_decay * p`` next to the Adam step.
@@ -423,6 +460,9 @@ def adamw(
         fused: run torch's fused AdamW kernel, bit for bit ``torch.optim.AdamW(fused=True)``.
             Float32 params on one device; the last transform of a ``chain``; not under
             ``torch.func`` transforms. See "Fused kernel" above.
+        differentiable: give the numbers of ``torch.optim.AdamW(differentiable=True)`` (and
+            of its ``capturable=True`` single-tensor step): float32 tensor bias corrections.
+            Every funcamp step is differentiable either way; this picks the rounding only.
 
     Returns:
         An :class:`Optimizer` whose state is a :class:`funcamp.optim.AdamState`.
@@ -461,7 +501,7 @@ def adamw(
     modes = (master_weights, kahan, stochastic_rounding, seed)
     return _adam(
         "adamw", learning_rate, b1, b2, eps, weight_decay, True, modes, mask, fused, amsgrad,
-        maximize,
+        maximize, differentiable,
     )  # fmt: skip
 
 

@@ -33,6 +33,31 @@ from funcamp.optim._states import AsgdState, NadamState, RadamState, RpropState
 __all__ = ["asgd", "nadam", "radam", "rprop"]
 
 
+def _implementation(
+    api: str, foreach: Any, betas: dict[str, Any], differentiable: bool = False
+) -> bool:
+    """Whether to run torch's foreach step (``foreach``: None or a bool), checked: torch's
+    foreach step refuses ``differentiable`` and fails on the tensor ``betas`` given (by
+    name)."""
+    if foreach is not None:
+        check_flag(api, "foreach", foreach)
+    check_flag(api, "differentiable", differentiable)
+    if not foreach:
+        return False
+    if differentiable:
+        raise ValueError(
+            f"funcamp.{api}: `foreach=True` and `differentiable=True` select two torch "
+            "implementations (torch.optim refuses both at once); pass one of them"
+        )
+    for name, beta in betas.items():
+        if isinstance(beta, torch.Tensor):
+            raise ValueError(
+                f"funcamp.{api}: `foreach=True` takes a float {name} (torch.optim's foreach "
+                f"step fails on a tensor one); pass float({name}), or foreach=None"
+            )
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # nadam
 
@@ -77,6 +102,27 @@ def _nadam_scalars(
     return bc2, mu_product, ops.scalar(c1), ops.scalar(c2)
 
 
+def _nadam_differentiable(
+    ops: Ops, b1: float, momentum_decay: float, lr: Any, count: Any, mu_product: Any
+) -> tuple[Any, Any]:
+    """The factors of ``grad`` and ``exp_avg`` on torch.optim.NAdam's ``differentiable`` step:
+    ``-lr * (1 - mu) / (1 - mu_product)`` and ``-lr * mu_next / (1 - mu_product * mu_next)``,
+    with the new float32 ``mu_product``: a Python double over a 0-d tensor is
+    ``tensor.reciprocal() * double`` in float32 (a tensor ``lr``: a division of tensors)."""
+    t = _steps(count)
+    mu = b1 * (1.0 - 0.5 * torch.pow(0.96, t * momentum_decay))
+    mu_next = b1 * (1.0 - 0.5 * torch.pow(0.96, (t + 1.0) * momentum_decay))
+    mu_product_next = mu_product * ops.scalar(mu_next)  # float32 * float32(mu_next)
+    factors = []
+    for numerator, below in ((1.0 - mu, 1.0 - mu_product), (mu_next, 1.0 - mu_product_next)):
+        if bt.is_tensor_rate(lr):  # (-lr * x) / tensor: tensor math in lr's dtype
+            factors.append(ops.scalar((-lr * numerator.to(lr.dtype)) / below))
+        else:
+            value = (-_f64(lr) * numerator).to(below.dtype)  # the Python double, rounded
+            factors.append(ops.scalar(below.reciprocal() * value))
+    return factors[0], factors[1]
+
+
 def _nadam_step(
     b1: Any,
     b2: Any,
@@ -85,6 +131,8 @@ def _nadam_step(
     momentum_decay: float,
     decoupled: bool,
     maximize: bool,
+    foreach: bool = False,
+    differentiable: bool = False,
 ) -> Any:
     w1, w2 = bt.one_minus(b1), bt.one_minus(b2)  # as torch's kernels read them (float32)
     beta2 = bt.f32(b2) if isinstance(b2, torch.Tensor) else b2
@@ -97,15 +145,24 @@ def _nadam_step(
         # denom = exp_avg_sq.div(bias_correction2).sqrt().add_(eps);
         # p.addcdiv_(grad, denom, value=-lr * (1 - mu) / (1 - mu_product));
         # p.addcdiv_(exp_avg, denom, value=-lr * mu_next / (1 - mu_product * mu_next)).
+        # torch's foreach step (_multi_tensor_nadam): denom = sqrt(v) / bias_correction2**0.5
+        # + eps; lr read as a Python double. Its differentiable step: grad and exp_avg times
+        # tensor factors of mu_product (_nadam_differentiable), then addcdiv_ with value 1.
         lr64 = _f64(lr)
         g, decayed = _decayed_prologue(ops, g, p, maximize, weight_decay, decoupled, lr64)
         base = p if decayed is None else decayed
         bc2, mu_product, c1, c2 = _nadam_scalars(
-            ops, b1, b2, momentum_decay, lr, count, buffers["mu_product"]
+            ops, b1, b2, momentum_decay, lr64 if foreach else lr, count, buffers["mu_product"]
         )
+        if differentiable:
+            c1, c2 = _nadam_differentiable(ops, b1, momentum_decay, lr, count, mu_product)
         m = ops.lerp(buffers["exp_avg"], g, w1)
         v = ops.addcmul(ops.mul(buffers["exp_avg_sq"], beta2), g, g, w2)
-        denom = ops.sqrt(ops.div(v, bc2))
+        if foreach:
+            root = _half_power(1.0 - torch.pow(b2, _steps(count)))  # (1 - b2**step) ** 0.5
+            denom = ops.div(ops.sqrt(v), ops.scalar(root))
+        else:
+            denom = ops.sqrt(ops.div(v, bc2))
         denom = ops.add(denom, eps, into=denom)
         a = ops.div(ops.mul(g, c1), denom)
         b = ops.div(ops.mul(m, c2), denom)
@@ -132,6 +189,8 @@ def nadam(
     kahan: bool = False,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    foreach: bool | None = None,
+    differentiable: bool = False,
 ) -> Optimizer:
     """NAdam (Adam with Nesterov momentum, Dozat 2016) with torch.optim.NAdam's semantics:
     its momentum schedule ``mu_t = b1 * (1 - 0.5 * 0.96**(t * momentum_decay))`` and the
@@ -152,6 +211,11 @@ def nadam(
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash.
+        foreach: True gives the numbers of ``torch.optim.NAdam(foreach=True)`` (its
+            ``_foreach_*`` step); None or False those of its single-tensor step (torch's
+            default on the CPU). Float betas only.
+        differentiable: give the numbers of ``torch.optim.NAdam(differentiable=True)``
+            (float b1). Every funcamp step is differentiable either way.
 
     Returns:
         An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.NadamState`.
@@ -169,7 +233,16 @@ def nadam(
     eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     b1, b2 = bt.betas(api, b1, b2)
     momentum_decay = check_number(api, "momentum_decay", momentum_decay)
-    step = _nadam_step(b1, b2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize)
+    foreach = _implementation(api, foreach, {"b1": b1, "b2": b2}, differentiable)
+    if differentiable and isinstance(b1, torch.Tensor):
+        raise ValueError(
+            f"funcamp.{api}: `differentiable=True` takes a float b1 (torch's differentiable "
+            "step with a tensor b1 is not reproduced); pass float(b1), or differentiable=False"
+        )
+    step = _nadam_step(
+        b1, b2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize, foreach,
+        differentiable,
+    )  # fmt: skip
     modes = (master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, NadamState, step, learning_rate, modes, buffers=("exp_avg", "exp_avg_sq"),
@@ -213,8 +286,57 @@ def _radam_scalars(b1: Any, b2: Any, count: Any) -> tuple[Any, Any, Any, Any]:
     )
 
 
+def _quotient(num: Any, bc: Any, tensors: tuple[bool, bool]) -> Any:
+    """torch's ``num / bc`` where each is a Python double (a float64 0-d tensor here) or a
+    0-d tensor (``tensors``: which): a double over a tensor is ``bc.reciprocal() * num`` in
+    ``bc``'s dtype, a tensor over a double is rounded to the tensor's dtype."""
+    if tensors == (False, False):
+        return num / bc
+    if tensors == (True, False):
+        return num / bc.to(num.dtype)
+    if tensors == (False, True):
+        return bc.reciprocal() * num.to(bc.dtype)
+    return num / bc
+
+
+def _radam_foreach(
+    ops: Ops, b1: Any, b2: float, eps: float, lr: Any, count: Any, m: Tensors, v: Tensors
+) -> Tensors:
+    """The ``buffer`` of torch's foreach RAdam step (``_multi_tensor_radam``), whose
+    ``p.addcmul_(exp_avg, buffer)`` is the step:
+    ``buffer = 1 / ((sqrt(v) + eps) / (bc2**0.5 * (lr * rect / bc1) * -1)) + (lr *
+    unrectified / bc1) * -1`` with ``rect`` 0 (``unrectified`` 1) until ``rho_t > 5``: Python
+    doubles, tensor math for a tensor ``lr`` or ``b1`` (see :func:`_quotient`)."""
+    bc1, root_bc2, on, rect = _radam_scalars(b1, b2, count)
+    rect = torch.where(on, rect, torch.zeros_like(rect))
+    unrectified = torch.where(rect > 0, torch.zeros_like(rect), torch.ones_like(rect))
+    kinds = (bt.is_tensor_rate(lr), isinstance(b1, torch.Tensor))
+    if kinds[0]:  # lr * x: tensor math, the double rounded to lr's dtype
+        rate = lr.to(bc1.device)
+        unrect = _quotient(rate * unrectified.to(lr.dtype), bc1, kinds) * -1
+        by = _quotient(rate * rect.to(lr.dtype), bc1, kinds)
+    else:
+        lr64 = _f64(lr)
+        unrect = _quotient(lr64 * unrectified, bc1, kinds) * -1
+        by = _quotient(lr64 * rect, bc1, kinds)
+    # (1 - b2**step) ** 0.5 * (lr * rect / bc) * -1: the double in `by`'s dtype
+    scale = by * root_bc2.to(by.dtype) * -1
+    buffer = ops.sqrt(v)
+    buffer = ops.add(buffer, eps, into=buffer)
+    buffer = ops.div(buffer, ops.scalar(scale), into=buffer)  # by -0.0 before rho_t > 5
+    buffer = _map(torch.reciprocal, buffer)
+    buffer = ops.add(buffer, ops.scalar(unrect), into=buffer)
+    return buffer
+
+
 def _radam_step(
-    b1: Any, b2: Any, eps: float, weight_decay: float, decoupled: bool, maximize: bool
+    b1: Any,
+    b2: Any,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    foreach: bool = False,
 ) -> Any:
     w1, w2 = bt.one_minus(b1), bt.one_minus(b2)  # as torch's kernels read them (float32)
     beta2 = bt.f32(b2) if isinstance(b2, torch.Tensor) else b2
@@ -227,9 +349,13 @@ def _radam_step(
         # alpha=-1), else p.add_(exp_avg / bc1 * lr, alpha=-1). `x / tensor` is
         # `tensor.reciprocal() * x` in torch (a tensor b2: bc2**0.5 is one, and `/` divides).
         g, base = _decayed_prologue(ops, g, p, maximize, weight_decay, decoupled, _f64(lr))
-        bc1, root_bc2, on, rect = _radam_scalars(b1, b2, count)
         m = ops.lerp(buffers["exp_avg"], g, w1)
         v = ops.addcmul(ops.mul(buffers["exp_avg_sq"], beta2), g, g, w2)
+        if foreach:  # p.addcmul_(exp_avg, buffer): one fused multiply-add on the CPU
+            buffer = _radam_foreach(ops, b1, b2, eps, lr, count, m, v)
+            new = _kept(ops, buffers, exp_avg=m, exp_avg_sq=v)
+            return NewParams(ops.addcmul(p if base is None else base, m, buffer, 1.0)), new
+        bc1, root_bc2, on, rect = _radam_scalars(b1, b2, count)
         scaled = ops.mul(ops.div(m, ops.scalar(bc1)), ops.scalar(lr))
         root = ops.sqrt(v)
         root = ops.add(root, eps, into=root)
@@ -262,6 +388,7 @@ def radam(
     kahan: bool = False,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    foreach: bool | None = None,
 ) -> Optimizer:
     """RAdam (rectified Adam, Liu et al. 2020) with torch.optim.RAdam's semantics: the
     adaptive step, scaled by the rectification term, once the variance estimate is tractable
@@ -282,6 +409,9 @@ def radam(
         kahan: keep Kahan compensation buffers for half params.
         stochastic_rounding: round half params stochastically.
         seed: seed of the stochastic-rounding hash.
+        foreach: True gives the numbers of ``torch.optim.RAdam(foreach=True)`` (its
+            ``_foreach_*`` step); None or False those of its single-tensor step (torch's
+            default on the CPU). A float ``b2`` only.
 
     Returns:
         An :class:`~funcamp.Optimizer` whose state is a :class:`funcamp.optim.RadamState`.
@@ -298,9 +428,12 @@ def radam(
     check_flag(api, "decoupled_weight_decay", decoupled_weight_decay)
     eps, weight_decay = _checked(api, maximize, eps, weight_decay)
     b1, b2 = bt.betas(api, b1, b2)
-    step = _radam_step(b1, b2, eps, weight_decay, decoupled_weight_decay, maximize)
+    foreach = _implementation(api, foreach, {"b2": b2})
+    step = _radam_step(b1, b2, eps, weight_decay, decoupled_weight_decay, maximize, foreach)
     modes = (master_weights, kahan, stochastic_rounding, seed)
-    return _build(api, RadamState, step, learning_rate, modes, needs_params=weight_decay > 0)
+    return _build(
+        api, RadamState, step, learning_rate, modes, needs_params=weight_decay > 0 or foreach
+    )
 
 
 # --------------------------------------------------------------------------------------------
