@@ -8,6 +8,7 @@ bit for bit (inputs are snapshotted with clones before the call and compared aft
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import funcamp
+from funcamp.scaling.skip import device_path
 from funcamp.testing import assert_trees_equal
 
 #: The optree namespace funcamp documents for its state types (docs/concepts.md).
@@ -883,23 +885,33 @@ _DONATING = {
 }
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("opt_name", sorted(_DONATING))
-def test_fault_before_the_first_in_place_write_leaves_donated_state(monkeypatch, opt_name):
+def test_fault_before_the_first_in_place_write_leaves_donated_state(monkeypatch, opt_name, path):
     """A built-in optimizer given a donated state writes each new buffer into the old one as the
     algorithm keeps it: everything before that first write -- the step, the unscale, the update
-    up to it -- leaves the donated state as it was when the first write fails."""
+    up to it -- leaves the donated state as it was when the first write fails.
+
+    The CPU's eager step knows whether it applies (it reads its skip flag, as GradScaler does)
+    and then writes in place directly (``writing()`` marks the first write); the device path
+    (as on CUDA) selects each write on the flag (``where_into``)."""
+    import funcamp.optim._paths as paths_mod
     import funcamp.scaling.skip as skip_mod
 
     opt = _DONATING[opt_name]()
     calls = []
 
-    def where_into(*args):
+    def boom(*args):
         calls.append(1)
         raise Boom
 
-    monkeypatch.setattr(skip_mod, "where_into", where_into)
+    if path == "device":
+        monkeypatch.setattr(skip_mod, "where_into", boom)
+    else:
+        monkeypatch.setattr(paths_mod, "writing", boom)
     step = funcamp.make_train_step(_counting_loss, opt, "float32", compile=False, donate_state=True)
-    _assert_step_fault_leaves_state(step, _bn_state(opt))
+    with device_path() if path == "device" else contextlib.nullcontext():
+        _assert_step_fault_leaves_state(step, _bn_state(opt))
     assert calls  # the in-place write was reached
 
 
