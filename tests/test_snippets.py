@@ -87,6 +87,7 @@ def test_readme_and_docs_share_one_quick_start():
     [
         "index.md",
         "concepts.md",
+        "train-step.md",
         "guides/checkpoints.md",
         "guides/fp8.md",
         "guides/choosing-a-policy.md",

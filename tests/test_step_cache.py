@@ -400,6 +400,7 @@ OTHER_VALUES = {
     "returns_buffers": True,
     "donate_state": False,
     "grad_norm": False,
+    "skip_if": lambda metrics: metrics["grad_norm"] > 10.0,
     "headroom": lambda path: "weight" in path,
     "compile": False,
     "backend": "aot_eager",

@@ -13,6 +13,19 @@ Every question about the context goes through the functions below.
 ``import funcamp`` does not import dynamo, nor, through it, any inductor module. funcamp's own
 code needs one mark from dynamo at definition time, :func:`constant_result`. It is set without
 importing dynamo, on the torch releases where that is what dynamo's decorator does.
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: torch.func has no public question for the active transform, its level, or
+  whether a tensor is a functorch wrapper or a BatchedTensor; the answers are in
+  torch._C._functorch and in the interpreter stack of torch._functorch.pyfunctorch, which dynamo
+  keeps while it traces.
+- Upstream: none filed.
+- Why it is safe: read-only queries; tests/test_func_transforms.py runs the steps under grad,
+  vmap and jvp, eager and compiled.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: torch.func exposes the current transform and is_batched publicly.
+
 """
 
 from __future__ import annotations

@@ -1,4 +1,15 @@
-"""Pytree helpers on optree: casting, finiteness checks and leaf-wise selection."""
+"""Pytree helpers on optree: casting, finiteness checks and leaf-wise selection.
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: whether a tensor's elements overlap in memory (an expanded view, which an in-place
+  write would corrupt) has no public query; torch._debug_has_internal_overlap answers it.
+- Upstream: none filed.
+- Why it is safe: a read-only query of sizes and strides, asked of non-contiguous tensors only.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: torch exposes the overlap check publicly.
+
+"""
 
 from __future__ import annotations
 
@@ -132,15 +143,19 @@ def storage_key(x: torch.Tensor) -> int | None:
     return x.untyped_storage().data_ptr()
 
 
-def self_overlapping(x: torch.Tensor) -> bool:
+def self_overlapping(x: torch.Tensor, certain: bool = False) -> bool:
     """Whether elements of ``x`` share memory.
 
     Such a tensor is an expanded one, like the grad of ``w.sum()`` from ``torch.func.grad`` (all
     strides 0). Torch refuses to write into it in place, so it is never donated or owned. This
     is torch's own test. "Too hard to tell" counts as overlapping (a sliding window view, but
-    also a step slice such as ``x[::2]``). Such a tensor is copied, not written.
+    also a step slice such as ``x[::2]``). Such a tensor is copied, not written. With
+    ``certain``, only a tensor torch is sure overlaps counts.
     """
-    return not x.is_contiguous() and torch._debug_has_internal_overlap(x) != 0
+    if x.is_contiguous():
+        return False
+    overlap = torch._debug_has_internal_overlap(x)  # 0: no, 1: yes, 2: too hard to tell
+    return overlap == 1 if certain else overlap != 0
 
 
 def _leaf_name(name: str, tree: PyTree, index: int) -> str:

@@ -2,6 +2,17 @@
 
 The operands are quantized with their scales (current or delayed, :mod:`funcamp.casting.fp8`).
 ``torch._scaled_mm`` runs forward and backward. Calls FP8 cannot run fall back to the policy.
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: the FP8 matmul with per-tensor scales is torch._scaled_mm, as torchao calls it.
+- Upstream: torch 2.13 also has torch.nn.functional.scaled_mm, whose scaling-recipe arguments
+  differ; none filed.
+- Why it is safe: called only with the shapes, dtypes and layouts it accepts; other calls fall
+  back to the policy (tests/test_fp8.py).
+- Tested on: torch 2.13 and 2.14.
+- Delete when: the call moves to torch.nn.functional.scaled_mm, tested bit for bit.
+
 """
 
 from __future__ import annotations

@@ -8,6 +8,16 @@ A graph cached before a fix of a patch was loaded after it. :class:`PatchKey` is
 ``post_grad_custom_pre_pass`` of funcamp's compiles while the patches are on. (torchao keys its
 passes the same way.) It leaves the graph as it is. Its ``uuid`` is a digest of the patch
 modules' files and of which patches are on for the compile being keyed.
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: inductor's FX graph cache keys a custom pass by its CustomGraphPass.uuid(); the
+  class and get_hash_for_files live in torch._inductor.custom_graph_pass.
+- Upstream: none filed.
+- Why it is safe: it changes what a cached graph is filed under, never what is compiled.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: the compiler patches it keys go (the compiler/ rows of docs/internals.md).
+
 """
 
 from __future__ import annotations

@@ -17,6 +17,16 @@ step over a process group does this once, on its first call, before its compiled
    anyway); otherwise the other ranks work on copies and the caller's state is left as it was.
 3. **The learning rate** the optimizer reports for that state (:func:`funcamp.learning_rate`),
    all-gathered and compared: a schedule that reads something the closures do not hold.
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: the types of torch.ops entries (OpOverload, OpOverloadPacket), which the
+  fingerprint describes by name, are importable only from torch._ops.
+- Upstream: none filed.
+- Why it is safe: isinstance checks only.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: torch names the op types publicly.
+
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from funcamp._core.checks import (
     learning_rate_fn,
     state_leaves,
 )
-from funcamp._core.context import compiling, in_transform, plain_tensors
+from funcamp._core.context import compiling, in_transform, is_batched, plain_tensors
 from funcamp._core.donation import not_written, writing
 from funcamp._core.numerics import math_dtype
 from funcamp._core.tree import (
@@ -440,7 +440,7 @@ def _check_fused(cfg: _Config, leaves: Tensors, spec: Any, what: str) -> int | N
     arrays, and has no derivative and no batching rule); returns the device index (None for no
     leaves)."""
     api = cfg.api
-    if (not compiling() and in_transform()) or any(_batched(x) for x in leaves):
+    if (not compiling() and in_transform()) or is_batched(leaves):
         raise ValueError(
             f"funcamp.{api}: `fused=True` runs torch's fused kernel, which torch.func "
             "transforms (grad, vmap, jvp) cannot trace; build the optimizer with fused=False"
@@ -465,10 +465,6 @@ def _check_fused(cfg: _Config, leaves: Tensors, spec: Any, what: str) -> int | N
             f"funcamp.{api}: `fused=True` needs every param on one device; use fused=False"
         )
     return devices.pop() if devices else None
-
-
-def _batched(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and torch._C._functorch.is_batchedtensor(x)
 
 
 def _run_fused(

@@ -14,6 +14,17 @@ generated kernel is a C++ build on the first call.)
 The ops have no autograd formula and no vmap rule. So the optimizers that use them refuse
 ``torch.func`` transforms (:func:`funcamp.adamw` with ``fused=True``). Or they take them on the
 kernel path only (plain SGD's donated step).
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: torch.optim's fused kernels (torch._fused_adam_, _fused_adamw_, _fused_sgd_,
+  _fused_adagrad_) have no public functional entry; torch.optim calls them by these names.
+- Upstream: none filed.
+- Why it is safe: called with torch.optim's own arguments; results equal
+  torch.optim(fused=True) bit for bit (tests/test_fused_adam.py).
+- Tested on: torch 2.13 and 2.14.
+- Delete when: torch exposes a functional fused optimizer step.
+
 """
 
 from __future__ import annotations

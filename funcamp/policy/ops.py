@@ -6,6 +6,16 @@ Python level, through a :class:`torch.overrides.TorchFunctionMode`. So the table
 Python entry point that reaches a listed aten op onto one canonical op name. The entry points are
 ``torch.*``, ``torch.nn.functional.*``, ``torch.linalg.*``, ``torch.fft.*``, and ``Tensor``
 methods and operators such as ``@`` and ``**``.
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: a TorchFunctionMode receives the C builtins (torch._C._nn.pad,
+  torch._C._VariableFunctions.*, torch._C.TensorBase methods), so the op tables name them there.
+- Upstream: none filed.
+- Why it is safe: names only; tests/test_opinfo.py compares every op with torch.autocast.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: a mode receives public callables, or amp stops being a TorchFunctionMode.
+
 """
 
 from __future__ import annotations

@@ -4,6 +4,17 @@ The functions are :func:`scale`, :func:`unscale` and :func:`update`. :func:`upda
 ``torch._amp_update_scale_`` bit for bit: the products are computed in float64 and rounded to
 float32, as torch's kernel does. It adds ``min_scale``/``max_scale`` clamps and Megatron-LM's
 hysteresis. Nothing on the step path syncs with the host.
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: GradScaler's kernels (torch._amp_foreach_non_finite_check_and_unscale_,
+  torch._amp_update_scale_) have no public functional entry.
+- Upstream: none filed.
+- Why it is safe: called as GradScaler calls them, on copies; bit-identical to the traced path
+  and to GradScaler (tests/test_scaler_vs_torch.py).
+- Tested on: torch 2.13 and 2.14.
+- Delete when: torch.amp exposes a functional unscale and update.
+
 """
 
 from __future__ import annotations

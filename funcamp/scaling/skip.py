@@ -1,6 +1,8 @@
-"""Skipping an overflowed step: :class:`Skip`, the one place funcamp keeps the old values.
+"""Skipping a step: :class:`Skip`, the one place funcamp keeps the old values.
 
-Every path of :func:`funcamp.unscale_and_step` skips through one :class:`Skip`:
+A step is skipped where its gradients overflowed, or where the caller's own condition holds
+(``skip_if``, checked by :func:`check_condition`). Every path of :func:`funcamp.unscale_and_step`
+skips through one :class:`Skip`:
 
 * the pure path selects trees;
 * the eager path masks its deltas and selects into its temporaries;
@@ -28,10 +30,18 @@ from typing import Any
 import torch
 
 from funcamp._core.context import plain_eager_tensors
-from funcamp._core.tree import BITS, PyTree, plan_select_write, plan_write, select_into, where_into
+from funcamp._core.tree import (
+    BITS,
+    PyTree,
+    describe,
+    plan_select_write,
+    plan_write,
+    select_into,
+    where_into,
+)
 from funcamp.scaling.state import check_found_inf
 
-__all__ = ["Skip", "device_path"]
+__all__ = ["Skip", "check_condition", "device_path"]
 
 #: Whether a CPU eager step reads its skip flag on the host (see :func:`device_path`).
 _READS_CPU_FLAG: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -54,6 +64,20 @@ def device_path() -> Iterator[None]:
         _READS_CPU_FLAG.reset(token)
 
 
+def check_condition(api: str, value: Any) -> torch.Tensor:
+    """``value``, the answer of a ``skip_if`` condition, checked: a 0-d bool tensor.
+
+    The check reads metadata only: the answer stays on its device, and nothing waits for it.
+    """
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.bool or value.dim() != 0:
+        raise TypeError(
+            f"funcamp.{api}: `skip_if` must return a 0-d bool tensor, such as "
+            f"`metrics['grad_norm'] > 10.0`, got {describe(value)}; a Python bool would read "
+            "the device's value on the host (a sync)"
+        )
+    return value
+
+
 _TINY = float.fromhex("0x1p-1074")  # the smallest float64 subnormal
 _NEGATIVE_ZERO = -0.0
 
@@ -67,13 +91,14 @@ def _adds_negative_zero_exactly() -> bool:
 
 
 class Skip:
-    """Keep the old value where the step overflowed, else the new one.
+    """Keep the old value where the step is skipped, else the new one.
 
     ``found_inf`` is a 0-d bool tensor; nothing here syncs with the host. Each method is one
     way of applying that rule; all give the old values bit for bit on a skipped step.
 
     Args:
-        found_inf: 0-d bool tensor, True when the step is skipped.
+        found_inf: 0-d bool tensor, True when the step is skipped (an overflow, or the
+            caller's ``skip_if``).
 
     Example:
         >>> import torch

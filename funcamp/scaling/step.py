@@ -18,6 +18,7 @@ from funcamp._core.donation import writing
 from funcamp._core.numerics import as_dtype
 from funcamp._core.tree import (
     PyTree,
+    describe,
     insertion_order,
     plan_write,
     sharing_memory,
@@ -43,7 +44,7 @@ from funcamp.scaling.ops import (
     refill,
     unscale_leaves,
 )
-from funcamp.scaling.skip import Skip
+from funcamp.scaling.skip import Skip, check_condition
 from funcamp.scaling.state import ScalerState, check_scaler
 
 __all__ = ["StepInfo", "unscale_and_step"]
@@ -57,6 +58,8 @@ class StepInfo(NamedTuple):
             skipped.
         grad_norm: 0-d float32, the global L2 norm of the unscaled gradients, summed in the
             grads dict's order (as ``clip_grad_norm_``). ``None`` with ``grad_norm=False``.
+        user_skip: 0-d bool, the answer of ``skip_if``: True when it skipped the step. ``None``
+            without ``skip_if``.
 
     Example:
         >>> import torch, funcamp
@@ -67,6 +70,7 @@ class StepInfo(NamedTuple):
 
     found_inf: torch.Tensor
     grad_norm: torch.Tensor | None
+    user_skip: torch.Tensor | None = None
 
 
 def _in_order(grads: Any, idx: list[int], out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -102,6 +106,7 @@ def unscale_and_step(
     donate_state: bool = False,
     grad_norm: bool = True,
     across: Across | None = None,
+    skip_if: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[PyTree, PyTree, StepInfo]:
     """Unscale ``grads``, apply ``optimizer``, and skip the step if the grads overflowed.
 
@@ -151,10 +156,13 @@ def unscale_and_step(
         across: gradients held as shards (:class:`funcamp.distributed.Across`). Then
             ``found_inf`` and the norm cover every rank, and so does
             :func:`funcamp.clip_by_global_norm` inside ``optimizer``.
+        skip_if: ``(grad_norm) -> 0-d bool tensor``, a condition of your own on
+            ``info.grad_norm``. Where it holds, the step is skipped as on an overflow, but
+            ``found_inf`` stays False, so the scaler does not back off.
 
     Returns:
-        ``(params, opt_state, StepInfo(found_inf, grad_norm))``. ``grad_norm`` is the global L2
-        norm of the unscaled gradients (float32), or ``None`` with ``grad_norm=False``.
+        ``(params, opt_state, StepInfo(found_inf, grad_norm, user_skip))``. ``grad_norm`` is the
+        global L2 norm of the unscaled gradients (float32), or ``None`` with ``grad_norm=False``.
 
     Example:
         >>> import torch, funcamp
@@ -180,6 +188,7 @@ def unscale_and_step(
     api = "unscale_and_step"
     flat = _check_step_args(api, state, optimizer, grads, params, donate_grads, donate_state)
     check_flag(api, "grad_norm", grad_norm)
+    _check_skip_if(api, skip_if, grad_norm)
     # Everything that can refuse these inputs runs before the grads are touched (donated grads
     # are unscaled in place) and before anything is written (donate_state): the optimizer
     # prepares its update here (its state checked against the params, its learning rate read).
@@ -243,8 +252,12 @@ def unscale_and_step(
         norm = total.sqrt() if grad_norm else None
     elif grad_norm and norm is None:
         norm = _global_norm(_in_order(grads, idx, out), state.scale.device, kernels)
-    # The step is skipped where `skip`: found_inf, or, under funcamp.accumulate, the window's.
+    # The step is skipped where `skip`: found_inf, or, under funcamp.accumulate, the window's,
+    # or where the caller's skip_if holds (which found_inf, and so the scaler, never sees).
     skip, found_inf, accumulated = _window_flags(window, found_inf)
+    asked = _Asked(api, skip_if, window)
+    if skip_if is not None and window is None:
+        skip = skip | asked(norm)
     report = None
     if accumulated is not None and grad_norm:
 
@@ -259,13 +272,61 @@ def unscale_and_step(
     params_out, opt_state_out = _step(
         prepared, unscaled, opt_state, params, Skip(skip), out, taken,
         kernels=kernels, eager=eager, donate_state=donate_state, across=across,
-        report=report,
+        report=report, late=asked.late(norm, accumulated),
     )  # fmt: skip
     if window is not None:
+        if skip_if is not None:  # the window's flag, with the condition asked after the update
+            skip = skip | asked.late(norm, accumulated)()  # type: ignore[misc]
         opt_state_out = close_window(opt_state_out, window, skip, found_inf, donate_state)
         if accumulated:  # the accumulated gradient's norm on the micro-step that applies
             norm = torch.where(window.applies.to(norm.device), accumulated[0], norm)
-    return params_out, opt_state_out, StepInfo(found_inf, norm)
+    return params_out, opt_state_out, StepInfo(found_inf, norm, asked.answer)
+
+
+class _Asked:
+    """The caller's ``skip_if``, asked once a step, and its answer.
+
+    Without :func:`funcamp.accumulate` it is asked before the update, with the step's norm.
+    With it, the update it decides is the window's, whose gradient (the accumulated one) is
+    known only inside the update: it is asked after, and only the micro-step that closes the
+    window can be skipped by it (:func:`_step`, ``late``).
+    """
+
+    def __init__(self, api: str, skip_if: Any, window: Any) -> None:
+        self.api, self.skip_if, self.window = api, skip_if, window
+        self.answer: torch.Tensor | None = None
+
+    def __call__(self, norm: torch.Tensor) -> torch.Tensor:
+        if self.answer is None:
+            answer = check_condition(self.api, self.skip_if(norm)).to(norm.device)
+            if self.window is not None:  # only the update that closes the window is skipped
+                answer = answer & self.window.applies.to(answer.device)
+            self.answer = answer
+        return self.answer
+
+    def late(
+        self, norm: torch.Tensor | None, accumulated: list[torch.Tensor] | None
+    ) -> Callable[[], torch.Tensor] | None:
+        """Under :func:`funcamp.accumulate`, the condition on the accumulated gradient's norm
+        (on a step skipped before its update, the step's own norm); else None."""
+        if self.skip_if is None or self.window is None:
+            return None
+        return lambda: self(accumulated[0] if accumulated else norm)  # type: ignore[arg-type]
+
+
+def _check_skip_if(api: str, skip_if: Any, grad_norm: bool) -> None:
+    if skip_if is None:
+        return
+    if not callable(skip_if):
+        raise TypeError(
+            f"funcamp.{api}: `skip_if` must be callable (the gradient norm -> a 0-d bool "
+            f"tensor) or None, got {describe(skip_if)}"
+        )
+    if not grad_norm:
+        raise ValueError(
+            f"funcamp.{api}: `skip_if` is asked with the step's gradient norm, which "
+            "grad_norm=False leaves out; drop one of the two"
+        )
 
 
 def _checked_by_norm(
@@ -312,6 +373,7 @@ def _step(
     donate_state: bool,
     across: Across | None,
     report: Callable[[list[torch.Tensor]], None] | None,
+    late: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[PyTree, PyTree]:
     """The update on the path chosen, skipped through ``skip``: ``(params, opt_state)``.
 
@@ -319,18 +381,23 @@ def _step(
     overwrite them, and a ``fresh`` update's new tensors are reused in place. With
     ``donate_state`` the update may write its new buffers into the old ones (and torch's fused
     kernels the params too, on plain tensors); the rest is selected and written here, both
-    trees matched before either is written: all or nothing."""
+    trees matched before either is written: all or nothing. ``late`` (a condition known only
+    after the update runs) adds to ``skip`` then; the update writes nothing through it."""
     if skip.decided:  # known on the host (the CPU's eager path): skipped, nothing to compute
         return params, opt_state
     # the optimizer's fused kernel checks its own params (only an optimizer with one pays)
     writes = Writes(
         out if eager else (),
-        skip if donate_state else None,
-        kernels and donate_state,
+        skip if donate_state and late is None else None,
+        kernels and donate_state and late is None,
         new_params=True,  # installed below: an update may give the new params bit for bit
     )
     with summing_across(across), reporting_accumulated(report):
         updates, new_opt_state = prepared.run(unscaled, writes)
+    if late is not None:
+        skip = Skip(skip.found_inf | late().to(skip.found_inf.device))
+        if skip.decided:
+            return params, opt_state
     if updates is None:  # a fused kernel updated the donated params and state in place
         return params, new_opt_state
     if not eager:

@@ -1,31 +1,31 @@
 """A compiled train step kept on disk: ``funcamp.Compile(cache_dir=...)``.
 
-torch's compile caches (inductor's FX graph cache, AOTAutograd's cache) make a second process
-skip code generation. But dynamo still traces the whole step again in every new process, and
-that is most of a warm start. This module saves what dynamo produced too, with torch's AOT
-precompile (``torch.compile(fn).aot_compile``, ``torch.compiler.load_compiled_function``). So a
-later process loads the step without tracing anything.
+torch's compile caches skip code generation in a second process, but dynamo still traces the
+whole step, most of a warm start. This module also saves dynamo's output with torch's AOT
+precompile (``aot_compile``, ``load_compiled_function``): a later process traces nothing.
 
 A saved step must never run where it no longer fits. Dynamo specialises the graph on what the
-step reads besides its inputs: the model's attributes, closure constants, globals, the code
-itself. A funcamp step, like ``jax.jit``, does not re-check those on every call, and neither does
-the loaded one. So each entry carries:
+step reads besides its inputs (the model's attributes, closure constants, globals, the code),
+which neither a funcamp step nor the loaded one re-checks on every call. So each entry carries:
 
 - a *key*: funcamp, torch and Python versions, the machine, the compile options and the torch
   compiler configs, the step's options, the loss function's code, and the inputs' structure,
   shapes, strides, dtypes and devices (one file per key: new input shapes add an entry).
 - torch's record of every function the trace inlined, with a checksum of its source lines.
-- *specialisation checks*: every guard dynamo made on something other than the inputs' tensors.
-  Each is re-read from the new process's objects and compared the way the guard compares it. A
-  guard on an object known only by its type, or on unmodelled torch state, refuses the save.
+- *specialisation checks*: every guard dynamo made on anything but the inputs' tensors, re-read
+  from the new process's objects and compared as the guard compares (a guard on an object known
+  only by its type, or on unmodelled torch state, refuses the save).
 
-Anything that does not match, or any error while loading, compiles the step afresh and replaces
-the entry. See docs/internals.md for the details. Entries are pickles, as torch's own
-artifacts are: load only cache directories you trust.
+A mismatch or a failed load compiles the step afresh and replaces the entry. Entries are
+pickles, as torch's own artifacts are: load only cache directories you trust.
 
-Workaround of torch internals (docs/upstream.md#step-cache): AOT precompile re-checks nothing
-besides a loaded step's inputs. The checks above do. Tested on torch 2.13 and 2.14 (CPU). Delete
-when torch.compile ships a guard-checked cache of whole compiled functions.
+Workaround of torch internals (docs/upstream.md#step-cache):
+
+- Root cause: AOT precompile re-checks nothing besides a loaded step's inputs.
+- Upstream: none filed; the write-up is docs/upstream.md#step-cache.
+- Why it is safe: the checks above re-check the rest; one that cannot be read refuses the save.
+- Tested on: torch 2.13 and 2.14 (CPU).
+- Delete when: torch.compile ships a guard-checked cache of whole compiled functions.
 """
 
 from __future__ import annotations

@@ -14,6 +14,20 @@
 (:mod:`funcamp.train.errors`). When ``torch.func`` refuses the model, it switches the step to
 gradients from ``torch.autograd`` in the same graph; when the loss breaks the graph, a step
 with ``fullgraph="auto"`` switches to its pieces (:mod:`funcamp.train.pieces`).
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: the settings a step compiles with (inductor's loop_ordering_after_fusion and
+  emulate_precision_casts, dynamo's ignore_logging_functions and
+  skip_fwd_side_effects_in_bwd_under_checkpoint, a mode's options) are torch._inductor.config
+  and torch._dynamo.config, which torch.compile's options reach only in part; a failed trace
+  can leave saved-tensor hooks off, and only torch._C._autograd turns them back on.
+- Upstream: none filed.
+- Why it is safe: set only for funcamp's own compiles and restored after; options= overrides
+  the inductor ones; an option this torch lacks is left out.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: torch.compile takes these as options, or their defaults change.
+
 """
 
 from __future__ import annotations

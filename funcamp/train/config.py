@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import field
 from typing import Any, Literal
 
+import torch
+
 from funcamp._core.checks import check_flag
 from funcamp._core.tree import describe
 from funcamp.compiler.gate import check_choice
@@ -195,6 +197,9 @@ class StepOptions:
     returns_buffers: bool = field(default=False, metadata=meta(check_flag))
     donate_state: bool = field(default=True, metadata=meta(check_flag))
     grad_norm: bool = field(default=True, metadata=meta(check_flag))
+    skip_if: Callable[[dict[str, Any]], torch.Tensor] | None = field(
+        default=None, metadata=meta(_optional_callable)
+    )
     headroom: bool | Callable[[str], bool] = field(default=False, metadata=meta(_headroom))
     parallel: SingleProcess | None = field(
         default=None, metadata=meta(_parallel, not_in_key="every parallel piece refuses cache_dir")
@@ -250,6 +255,8 @@ def check_options(api: str, value: Any, *, delayed_fp8: bool = False) -> None:
             headroom=value.headroom,
             delayed_fp8=delayed_fp8,
             donate_state=value.donate_state,
+            skip_if=value.skip_if,
+            grad_norm=value.grad_norm,
         )
     else:
         check_combinations(api, value)
@@ -303,6 +310,8 @@ def check_combinations(
     headroom: Any = False,
     delayed_fp8: bool = False,
     donate_state: bool = True,
+    skip_if: Any = None,
+    grad_norm: bool = True,
 ) -> None:
     """Refuse what does not combine: the one place for these rules.
 
@@ -322,6 +331,11 @@ def check_combinations(
         )
     if cfg is not None and cfg.cache_dir is not None:
         _check_cache_dir(api, cfg)
+    if skip_if is not None and not grad_norm:
+        raise ValueError(
+            f"funcamp.{api}: `skip_if` is asked with the step's metrics, whose `grad_norm` "
+            "grad_norm=False leaves out; drop one of the two"
+        )
     if parallel is None:
         return
     asked = {

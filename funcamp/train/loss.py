@@ -10,6 +10,17 @@ step's use of it, with the model's buffers and the delayed-FP8 state threaded th
 * ``torch.autograd`` on leaf copies of the differentiated inputs. It runs in plain eager, where
   it is faster with the same bits, and around the compiled loss of a step in pieces. It is
   traced into the graph for a step whose model torch.func refuses.
+
+Workaround of torch internals (docs/internals.md#workarounds):
+
+- Root cause: dynamo puts torch.autograd.grad into a graph only with its private option
+  torch._dynamo.config.trace_autograd_ops (torch >= 2.7).
+- Upstream: none filed.
+- Why it is safe: patched only while dynamo traces a step; a torch without the option compiles
+  the loss in pieces instead.
+- Tested on: torch 2.13 and 2.14.
+- Delete when: dynamo traces torch.autograd.grad by default.
+
 """
 
 from __future__ import annotations

@@ -15,7 +15,15 @@ import torch
 from funcamp._core.checks import flatten_params
 from funcamp._core.donation import refuse_consumed
 from funcamp._core.hints import optimizer_type_error
-from funcamp._core.tree import NAMESPACE, PyTree, describe, first_leaf, path_str, sharing_memory
+from funcamp._core.tree import (
+    NAMESPACE,
+    PyTree,
+    describe,
+    first_leaf,
+    path_str,
+    self_overlapping,
+    sharing_memory,
+)
 from funcamp.casting.fp8 import Fp8State, needs_state
 from funcamp.optim._base import Optimizer
 from funcamp.optim._modes import init_from_exact
@@ -577,11 +585,7 @@ def check_overlap(api: str, state: TrainState) -> None:
     }
     leaf = first_leaf(
         trees,
-        lambda x: (
-            isinstance(x, torch.Tensor)
-            and not x.is_contiguous()
-            and torch._debug_has_internal_overlap(x) == 1
-        ),  # 1: certainly overlapping
+        lambda x: isinstance(x, torch.Tensor) and self_overlapping(x, certain=True),
     )
     if leaf is not None:
         raise ValueError(

@@ -48,7 +48,7 @@ from funcamp.optim._base import Optimizer, learning_rate
 from funcamp.policy.policy import Policy, as_policy
 from funcamp.scaling.headroom import headroom_dtype, headroom_of
 from funcamp.scaling.ops import update
-from funcamp.scaling.skip import Skip
+from funcamp.scaling.skip import Skip, check_condition
 from funcamp.scaling.state import ScalerState
 from funcamp.scaling.step import unscale_and_step
 from funcamp.train.compiling import rounds_casts
@@ -92,6 +92,7 @@ def _metrics(
     has_aux: bool,
     room: Any,
     lr: Any,
+    user_skip: torch.Tensor | None,
 ) -> Metrics:
     """The step's metrics: tensors only (no host sync)."""
     metrics: Metrics = {
@@ -102,6 +103,8 @@ def _metrics(
         "skipped": new_scaler.skipped,
         "lr": lr,
     }
+    if user_skip is not None:  # skip_if=
+        metrics["user_skip"] = user_skip
     if grad_norm is None:  # grad_norm=False
         del metrics["grad_norm"]
     if lr is None:  # an optimizer without a learning rate
@@ -180,6 +183,13 @@ def _apply_step(
     if opts.has_aux and opts.donate_state:  # before the writes: an aux param would change
         aux = _own_aux(aux, state, opts.returns_buffers)
     window = accumulation_window(optimizer, state.opt_state)  # funcamp.accumulate: None without it
+    skip_if = None
+    if opts.skip_if is not None:  # the user's condition, on the step's own metrics
+        user_condition = opts.skip_if
+
+        def skip_if(norm: torch.Tensor) -> torch.Tensor:
+            return check_condition(API, user_condition({"loss": loss, "grad_norm": norm}))
+
     # The grads are this step's own: donating them lets the eager path unscale in place.
     params, opt_state, info = unscale_and_step(
         state.scaler,
@@ -191,6 +201,7 @@ def _apply_step(
         donate_state=opts.donate_state,
         grad_norm=opts.grad_norm,
         across=parallel.across(),
+        skip_if=skip_if,
     )
     # A rank's inf/nan gradient makes the exchanged gradient inf/nan on every rank, so the
     # step is skipped wherever `nonfinite` is set; OR-ing ties the flag reported and the
@@ -206,7 +217,16 @@ def _apply_step(
             donation.writing()  # (compiled: marked before the call)
         new_buffers = write_buffers()
     metrics = _metrics(
-        loss, info.grad_norm, state.scaler, found_inf, new_scaler, aux, opts.has_aux, room, lr
+        loss,
+        info.grad_norm,
+        state.scaler,
+        found_inf,
+        new_scaler,
+        aux,
+        opts.has_aux,
+        room,
+        lr,
+        info.user_skip,
     )
     # The frozen params are the input's own: the wrapper puts them back (no graph output).
     return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
@@ -221,6 +241,7 @@ def make_train_step(
     returns_buffers: bool = False,
     donate_state: bool = True,
     grad_norm: bool = True,
+    skip_if: Callable[[dict[str, Any]], torch.Tensor] | None = None,
     headroom: bool | Callable[[str], bool] = False,
     parallel: SingleProcess | None = None,
     compile: bool | Compile = True,
@@ -242,6 +263,8 @@ def make_train_step(
         donate_state: write the new state into the given one (default). ``False`` builds
             the pure step, which never modifies its input.
         grad_norm: report ``metrics["grad_norm"]`` (default). ``False`` saves its pass.
+        skip_if: ``{"loss", "grad_norm"} -> 0-d bool tensor``: skip the step where it holds, as
+            on an overflow, without backing off the scale (``metrics["user_skip"]``).
         headroom: add ``metrics["headroom"]`` (:func:`funcamp.headroom`); a predicate of
             the leaf path measures only the leaves it accepts.
         parallel: ``funcamp.distributed.DataParallel(group)`` or ``Sharded(mesh)``; ``None``
