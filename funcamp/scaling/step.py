@@ -383,8 +383,8 @@ def _step(
     kernels the params too, on plain tensors); the rest is selected and written here, both
     trees matched before either is written: all or nothing. ``late`` (a condition known only
     after the update runs) adds to ``skip`` then; the update writes nothing through it."""
-    if skip.decided:  # known on the host (the CPU's eager path): skipped, nothing to compute
-        return params, opt_state
+    if skip.decided and report is None:  # known on the host (the CPU's eager path): skipped
+        return params, opt_state  # (an accumulated norm to report still runs the update)
     # the optimizer's fused kernel checks its own params (only an optimizer with one pays)
     writes = Writes(
         out if eager else (),
