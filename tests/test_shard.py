@@ -430,11 +430,9 @@ def test_shard_checks_its_arguments(mesh):
 def test_sharded_step_checks_its_arguments(mesh):
     from torch.distributed.device_mesh import init_device_mesh
 
-    # the old spelling's two keywords (refused before it would warn)
-    with pytest.raises(ValueError, match=r"give one of `group` and `mesh`"):
-        funcamp.make_train_step(
-            _loss_fn, _adamw(), POLICY, mesh=mesh, group=dist.group.WORLD, donate_state=False
-        )
+    # the removed spelling is not translated: make_train_step takes no `mesh=` (parallel= does)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'mesh'"):
+        funcamp.make_train_step(_loss_fn, _adamw(), POLICY, mesh=mesh, donate_state=False)
     with pytest.raises(ValueError, match=r"make_train_step: `mesh` must be a 1-D DeviceMesh"):
         funcamp.make_train_step(
             _loss_fn,
