@@ -12,6 +12,7 @@ loss scale must be bit-identical (``torch.equal``).
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -247,3 +248,127 @@ def test_gradient_accumulation(dtype):
             scaler.update()
             torch_opt.zero_grad()
             _compare(model, ours, state, torch_opt, scaler, f"micro-step {i}")
+
+
+# ---------------------------------------------------------------- scheduled hyperparameters
+
+
+def _wave(lo: float, hi: float, period: int = 7, zero_at: int | None = None) -> list[float]:
+    """A value per step moving between ``lo`` and ``hi`` (Python floats, as a scheduler writes
+    them into a param group); 0 at the steps ``zero_at`` divides (torch skips a 0 term)."""
+    out = [lo + (hi - lo) * (0.5 + 0.5 * math.sin(2 * math.pi * i / period)) for i in range(STEPS)]
+    return [0.0 if zero_at and i % zero_at == zero_at - 1 else v for i, v in enumerate(out)]
+
+
+class _GroupWriter:
+    """Writes each step's hyperparameters into torch's param groups, as an lr_scheduler does
+    (``"betas.0"``: the first entry of a tuple)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, values: dict[str, list[float]]) -> None:
+        self.opt, self.values, self.n = opt, values, 0
+        self._write()
+
+    def _write(self) -> None:
+        for group in self.opt.param_groups:
+            for key, vs in self.values.items():
+                name, _, index = key.partition(".")
+                if index:
+                    entries = list(group[name])
+                    entries[int(index)] = vs[self.n]
+                    group[name] = tuple(entries)
+                else:
+                    group[name] = vs[self.n]
+
+    def step(self) -> None:
+        self.n += 1
+        if self.n < STEPS:
+            self._write()
+
+
+def _table(values: list[float]):
+    table = torch.tensor(values, dtype=torch.float64)
+    return lambda count: table[count.long()]
+
+
+#: torch optimizer, its arguments, the funcamp optimizer, {torch group key: (funcamp argument,
+#: values per step)}; the funcamp optimizer gets each as a schedule of the same values.
+HYPER_CASES = {
+    "SGD": (
+        "SGD", {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+        lambda lr, **kw: funcamp.sgd(lr, **kw),
+        {"momentum": ("momentum", _wave(0.5, 0.95, zero_at=9)),
+         "dampening": ("dampening", _wave(0.0, 0.3, 5)),
+         "weight_decay": ("weight_decay", _wave(0.0, 0.05, 4, zero_at=6))},
+    ),
+    "SGD-nesterov": (
+        "SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True},
+        lambda lr, **kw: funcamp.sgd(lr, nesterov=True, **kw),
+        {"momentum": ("momentum", _wave(0.8, 0.95, zero_at=11))},
+    ),
+    "Adam": (
+        "Adam", {"lr": 0.01, "weight_decay": 0.01},
+        lambda lr, **kw: funcamp.adam(lr, **kw),
+        {"betas.0": ("b1", _wave(0.85, 0.95)), "betas.1": ("b2", _wave(0.99, 0.999, 5)),
+         "eps": ("eps", _wave(1e-8, 1e-6, 3)), "weight_decay": ("weight_decay", _wave(0, 0.1))},
+    ),
+    "AdamW": (
+        "AdamW", {"lr": 0.01},
+        lambda lr, **kw: funcamp.adamw(lr, **kw),
+        {"betas.0": ("b1", _wave(0.85, 0.95)), "weight_decay": ("weight_decay", _wave(0, 0.1))},
+    ),
+}  # fmt: skip
+
+
+def _compare_state(model, state, torch_opt, where):
+    """torch's per-param state (by funcamp's table of state keys) equals funcamp's."""
+    keys = funcamp.optim._torch_state.state_keys("test", torch_opt)
+    opt_state = state.opt_state
+    opt_state = getattr(opt_state, "inner", opt_state)  # masked
+    names = {id(p): k for k, p in model.named_parameters()}
+    for p, torch_state in torch_opt.state.items():
+        for key, value in torch_state.items():
+            if key == "step" or value is None:
+                continue
+            field = getattr(opt_state, keys.rename.get(key, key))
+            assert torch.equal(field[names[id(p)]], value), f"{where}: {key} of {names[id(p)]}"
+
+
+@pytest.mark.parametrize("case", sorted(HYPER_CASES))
+def test_scheduled_momentum_betas_and_weight_decay(case):
+    """Hyperparameters changed between steps in torch's param groups (as a scheduler does),
+    and the same values as funcamp schedules: params and optimizer state equal torch's at
+    every step (bf16 autocast)."""
+    torch_name, kw, make, hyper = HYPER_CASES[case]
+    values = {key: vs for key, (_, vs) in hyper.items()}
+    weights_only = torch_name == "Muon"
+
+    def make_torch(model):
+        ps = [p for n, p in model.named_parameters() if n.endswith("weight") or not weights_only]
+        opt = getattr(torch.optim, torch_name)(ps, **kw)
+        return opt, _GroupWriter(opt, values)
+
+    def make_funcamp(model, opt, sched):
+        args = {name: _table(vs) for name, vs in hyper.values()}
+        ours = make(kw["lr"], **args)
+        return funcamp.masked(ours, lambda p: p.endswith("weight")) if weights_only else ours
+
+    torch.manual_seed(0)
+    model = Net()
+    ours = copy.deepcopy(model)
+    torch_opt, writer = make_torch(model)
+    opt = make_funcamp(ours, None, None)
+    policy = funcamp.get_policy(POLICIES[torch.bfloat16])
+    params, buffers = funcamp.params_and_buffers(ours)
+    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
+    step = funcamp.make_train_step(_loss_fn(ours), opt, policy, compile=False)
+    for i in range(STEPS):
+        x, y = _batch(i, torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        state, _ = step(state, (x, y))
+        torch_opt.step()
+        torch_opt.zero_grad()
+        writer.step()
+        _compare(model, ours, state, torch_opt, None, f"step {i}")
+        _compare_state(model, state, torch_opt, f"step {i}")
