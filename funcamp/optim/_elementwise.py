@@ -22,8 +22,8 @@ import torch
 
 from funcamp._core.checks import (
     HyperFn,
-    check_count,
     any_flag,
+    check_count,
     check_state_like,
     flatten_grads,
     flatten_params,

@@ -227,9 +227,7 @@ def sgd(
             **(hyper_fns if fused else {}),
         )  # fmt: skip
         if nesterov and (
-            (not scheduled(momentum) and momentum <= 0)
-            or scheduled(dampening)
-            or dampening != 0
+            (not scheduled(momentum) and momentum <= 0) or scheduled(dampening) or dampening != 0
         ):
             raise ValueError(
                 f"funcamp.{api}: `nesterov` must be False unless momentum > 0 and dampening "
