@@ -186,13 +186,14 @@ SCHEDULES = {
 }
 
 
-@pytest.mark.parametrize("opt_name", ["SGD", "AdamW"])
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam", "AdamW"])
 @pytest.mark.parametrize("sched_name", sorted(SCHEDULES))
 def test_scheduler(sched_name, opt_name):
-    """Every step-indexed scheduler, on SGD with momentum and on AdamW, through
+    """Every step-indexed scheduler, on SGD with momentum, Adam and AdamW, through
     ``from_torch(..., total_steps=)``; OneCycleLR and CyclicLR cycle the momentum (SGD's
-    momentum, AdamW's beta1), as they do by default."""
-    kw = {"SGD": {"lr": 0.05, "momentum": 0.9}, "AdamW": {"lr": 0.01}}[opt_name]
+    momentum, Adam's and AdamW's beta1), as they do by default."""
+    kw = {"SGD": {"lr": 0.05, "momentum": 0.9}, "Adam": {"lr": 0.01}, "AdamW": {"lr": 0.01}}
+    kw = kw[opt_name]
 
     def make_torch(model):
         opt = getattr(torch.optim, opt_name)(model.parameters(), **kw)
@@ -315,6 +316,51 @@ HYPER_CASES = {
         "AdamW", {"lr": 0.01},
         lambda lr, **kw: funcamp.adamw(lr, **kw),
         {"betas.0": ("b1", _wave(0.85, 0.95)), "weight_decay": ("weight_decay", _wave(0, 0.1))},
+    ),
+    "RMSprop": (
+        "RMSprop", {"lr": 0.01, "momentum": 0.5, "weight_decay": 0.01},
+        lambda lr, **kw: funcamp.rmsprop(lr, **kw),
+        {"alpha": ("alpha", _wave(0.9, 0.99)), "momentum": ("momentum", _wave(0.3, 0.9, 5, 8)),
+         "eps": ("eps", _wave(1e-8, 1e-6, 3)),
+         "weight_decay": ("weight_decay", _wave(0.0, 0.05, 4, zero_at=6))},
+    ),
+    "RMSprop-centered": (
+        "RMSprop", {"lr": 0.01, "momentum": 0.5, "centered": True},
+        lambda lr, **kw: funcamp.rmsprop(lr, centered=True, **kw),
+        {"alpha": ("alpha", _wave(0.9, 0.99)), "momentum": ("momentum", _wave(0.3, 0.9, 5))},
+    ),
+    "Adagrad": (
+        "Adagrad", {"lr": 0.05, "weight_decay": 0.01},
+        lambda lr, **kw: funcamp.adagrad(lr, **kw),
+        {"lr_decay": ("lr_decay", _wave(0.0, 0.05)), "eps": ("eps", _wave(1e-10, 1e-6, 3)),
+         "weight_decay": ("weight_decay", _wave(0.0, 0.05, 4, zero_at=6))},
+    ),
+    "Adadelta": (
+        "Adadelta", {"lr": 0.5, "weight_decay": 0.01},
+        lambda lr, **kw: funcamp.adadelta(lr, **kw),
+        {"rho": ("rho", _wave(0.8, 0.95)), "eps": ("eps", _wave(1e-6, 1e-4, 3)),
+         "weight_decay": ("weight_decay", _wave(0.0, 0.05, 4))},
+    ),
+    "Adamax": (
+        "Adamax", {"lr": 0.01, "weight_decay": 0.01},
+        lambda lr, **kw: funcamp.adamax(lr, **kw),
+        {"betas.0": ("b1", _wave(0.85, 0.95)), "betas.1": ("b2", _wave(0.99, 0.999, 5)),
+         "eps": ("eps", _wave(1e-8, 1e-6, 3)), "weight_decay": ("weight_decay", _wave(0, 0.1))},
+    ),
+    "Rprop": (
+        "Rprop", {"lr": 0.01},
+        lambda lr, **kw: funcamp.rprop(
+            lr, etas=(kw["etaminus"], kw["etaplus"]), step_sizes=(kw["smin"], kw["smax"])
+        ),
+        {"etas.0": ("etaminus", _wave(0.3, 0.6)), "etas.1": ("etaplus", _wave(1.1, 1.3, 5)),
+         "step_sizes.0": ("smin", _wave(1e-4, 1e-3, 4)),
+         "step_sizes.1": ("smax", _wave(0.002, 0.02, 6))},
+    ),
+    "Muon": (
+        "Muon", {"lr": 0.02},
+        lambda lr, **kw: funcamp.muon(lr, **kw),
+        {"momentum": ("momentum", _wave(0.85, 0.95)),
+         "weight_decay": ("weight_decay", _wave(0.0, 0.1))},
     ),
 }  # fmt: skip
 

@@ -47,15 +47,18 @@ def hyperparameter(
     name: str,
     value: Any,
     *,
+    minimum: float = 0.0,
     maximum: float | None = None,
     maximum_open: bool = True,
 ) -> float | Hyper:
-    """A float hyperparameter in ``[0, maximum)`` (``]`` unless ``maximum_open``), or, for a
-    callable, a :class:`Hyper` (the schedule probed once, at the count 0)."""
+    """A float hyperparameter in ``[minimum, maximum)`` (``]`` unless ``maximum_open``), or,
+    for a callable, a :class:`Hyper` (the schedule probed once, at the count 0)."""
     if callable(value) and not isinstance(value, torch.Tensor):
-        fn = hyperparameter_fn(api, name, value, high=maximum, high_open=maximum_open)
+        fn = hyperparameter_fn(api, name, value, low=minimum, high=maximum, high_open=maximum_open)
         return Hyper(name, fn)
-    return check_number(api, name, value, maximum=maximum, maximum_open=maximum_open)
+    return check_number(
+        api, name, value, minimum=minimum, maximum=maximum, maximum_open=maximum_open
+    )
 
 
 def scheduled(*values: Any) -> bool:
@@ -79,6 +82,14 @@ def operand(ops: Ops, value: Any) -> Any:
     it to float32), a schedule's value as a float32 0-d tensor on the update's device (the same
     float32 number)."""
     return ops.scalar(value) if isinstance(value, torch.Tensor) else value
+
+
+def addcmul(ops: Ops, z: Tensors, x: Tensors, y: Tensors, value: Any, into: Any = None) -> Tensors:
+    """``torch.addcmul(z, x, y, value=value)``: its kernel's ``z + (value * x) * y``, for a
+    schedule's value too (``(x * value)`` rounded, then ``z + that * y``: the same bits)."""
+    if isinstance(value, torch.Tensor):
+        return ops.fma(ops.mul(x, ops.scalar(value)), y, z, into=into)
+    return ops.addcmul(z, x, y, value, into=into)
 
 
 def refuse_scheduled(api: str, why: str, **values: Any) -> None:
@@ -131,6 +142,13 @@ def _checked(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple
     return check_number(api, "eps", eps), check_number(api, "weight_decay", weight_decay)
 
 
+def _checked_scheduled(api: str, maximize: bool, eps: Any, weight_decay: Any) -> tuple[Any, Any]:
+    """:func:`_checked` where ``eps`` and ``weight_decay`` may follow schedules (see
+    :func:`hyperparameter`)."""
+    check_flag(api, "maximize", maximize)
+    return hyperparameter(api, "eps", eps), hyperparameter(api, "weight_decay", weight_decay)
+
+
 def _kept(ops: Ops, buffers: dict, **values: Tensors) -> dict[str, Tensors]:
     """The new buffers by name, each kept in place of the old one (``ops.kept``)."""
     return {name: ops.kept(x, replaces=buffers[name]) for name, x in values.items()}
@@ -164,12 +182,13 @@ def _steps(count: torch.Tensor) -> torch.Tensor:
     return (count + 1).to(torch.float64)
 
 
-def _prologue(ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float) -> Tensors:
-    """``grad = -grad`` (maximize; exact), then ``grad.add(param, alpha=weight_decay)``."""
+def _prologue(ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: Any) -> Tensors:
+    """``grad = -grad`` (maximize; exact), then ``grad.add(param, alpha=weight_decay)`` (a
+    schedule's value: always added, where 0 adds nothing)."""
     if maximize:
         g = ops.mul(g, -1.0)
-    if weight_decay > 0:
-        g = ops.fma(p, weight_decay, g)
+    if isinstance(weight_decay, torch.Tensor) or weight_decay > 0:
+        g = ops.fma(p, operand(ops, weight_decay), g)
     return g
 
 
