@@ -418,3 +418,30 @@ def test_scheduled_momentum_betas_and_weight_decay(case):
         writer.step()
         _compare(model, ours, state, torch_opt, None, f"step {i}")
         _compare_state(model, state, torch_opt, f"step {i}")
+
+
+def test_scheduled_hyperparameter_refusals_and_skips():
+    """A schedule is probed when the optimizer is built (a clear error naming the argument);
+    a value out of range at run time skips the step, as an unusable learning rate does."""
+    with pytest.raises(TypeError, match=r"funcamp.sgd: `momentum` schedule must return a 0-d"):
+        funcamp.sgd(0.1, momentum=lambda c: 0.9)
+    with pytest.raises(ValueError, match=r"`b1` must be .* in \[0.0, 1.0\), got 1.5 from its"):
+        funcamp.adam(0.1, b1=lambda c: torch.tensor(1.5))
+    with pytest.raises(ValueError, match=r"`momentum` is a schedule, but torch's fused kernel"):
+        funcamp.sgd(0.1, momentum=_table([0.9]), fused=True)
+    values = [0.9, 0.9, float("nan"), 0.9] + [0.9] * STEPS
+    torch.manual_seed(0)
+    model = Net()
+    opt = funcamp.sgd(0.05, momentum=_table(values))
+    policy = funcamp.get_policy(POLICIES[torch.bfloat16])
+    params, buffers = funcamp.params_and_buffers(model)
+    state = funcamp.TrainState.create(params, opt, policy, buffers=buffers)
+    step = funcamp.make_train_step(_loss_fn(model), opt, policy, compile=False)
+    for i in range(4):
+        before = {k: v.clone() for k, v in state.params.items()}  # the state is donated
+        state, metrics = step(state, _batch(i, torch.bfloat16))
+        skipped = i >= 2  # the count stays at 2: its value skips every step from there
+        assert bool(metrics["found_inf"]) == skipped, i
+        same = all(torch.equal(state.params[k], before[k]) for k in params)
+        assert same == skipped, i
+    assert int(state.opt_state.count) == 2  # a skipped step does not count

@@ -399,8 +399,10 @@ def from_torch(
     0-d tensor betas are translated where funcamp's optimizer takes them (Adam, AdamW, NAdam,
     RAdam, Adamax) and torch's step does. What has no translation is refused by name: tensor
     betas elsewhere or on a foreach step that fails on them, a group key no translator knows,
-    a param in no group or in two, a scheduler stepped already or one that cycles the
-    momentum, ``SparseAdam``. A ``ReduceLROnPlateau`` wraps the
+    a param in no group or in two, a scheduler stepped already, one that cycles the momentum
+    inside a ``SequentialLR``/``ChainedScheduler``, ``SparseAdam``. ``OneCycleLR`` and
+    ``CyclicLR`` that cycle the momentum (their default) make it a schedule of the group's
+    ``momentum`` or first beta. A ``ReduceLROnPlateau`` wraps the
     optimizer in :func:`funcamp.optim.reduce_on_plateau` (feed it with
     :func:`funcamp.optim.plateau_step`).
 
