@@ -287,8 +287,9 @@ class _GroupWriter:
 
 
 def _table(values: list[float]):
+    """The schedule of ``values``, one a count (``index_select``: it compiles)."""
     table = torch.tensor(values, dtype=torch.float64)
-    return lambda count: table[count.long()]
+    return lambda count: torch.index_select(table, 0, count.long().reshape(1)).reshape(())
 
 
 #: torch optimizer, its arguments, the funcamp optimizer, {torch group key: (funcamp argument,
