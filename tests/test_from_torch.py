@@ -201,6 +201,18 @@ CONFIGS = {
         lambda m: torch.optim.AdamW(_groups(m, weight_decay=0.1), lr=0.01, betas=(0.8, 0.9)),
         lambda o: LRS.OneCycleLR(o, max_lr=[0.02, 0.01], total_steps=12, cycle_momentum=False),
     ),
+    "adamw_groups_one_cycle_momentum": (
+        lambda m: torch.optim.AdamW(_groups(m, weight_decay=0.1), lr=0.01, betas=(0.8, 0.9)),
+        lambda o: LRS.OneCycleLR(o, max_lr=[0.02, 0.01], total_steps=12),
+    ),
+    "sgd_cyclic_momentum": (
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, nesterov=True),
+        lambda o: LRS.CyclicLR(o, 1e-3, 1e-2, step_size_up=3, mode="triangular2"),
+    ),
+    "rmsprop_one_cycle_momentum": (
+        lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01, momentum=0.5),
+        lambda o: LRS.OneCycleLR(o, max_lr=0.02, total_steps=12, three_phase=True),
+    ),
     "adamw_foreach_cyclic": (
         lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, foreach=True, eps=1e-6),
         lambda o: LRS.CyclicLR(o, 1e-3, 1e-2, step_size_up=3, cycle_momentum=False),
@@ -374,9 +386,13 @@ class _Mine(torch.optim.Optimizer):
             lambda m, p: (
                 o := torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                 p,
-                LRS.OneCycleLR(o, max_lr=0.1, total_steps=5),
+                LRS.SequentialLR(
+                    o,
+                    [LRS.OneCycleLR(o, max_lr=0.1, total_steps=5), LRS.ConstantLR(o)],
+                    [5],
+                ),
             ),
-            r"OneCycleLR\(cycle_momentum=True\) cycles the optimizer's momentum",
+            r"OneCycleLR\(cycle_momentum=True\) inside a SequentialLR has no funcamp",
         ),
         (
             lambda m, p: (

@@ -75,6 +75,16 @@ CASES = [
     for i, (name, desc, kwargs) in enumerate(_configs())
 ]  # fmt: skip
 CASES.append(("Adam", "float16", {"lr": 0.01, "amsgrad": True}, "StepLR", torch.float16))
+# the schedulers that cycle the momentum (SGD's momentum, Adam's beta1), as by default
+SCHEDULERS["OneCycleLR"] = lambda o: LRS.OneCycleLR(o, max_lr=0.05, total_steps=STEPS + 1)
+SCHEDULERS["CyclicLR"] = lambda o: LRS.CyclicLR(o, base_lr=1e-3, max_lr=0.05, step_size_up=4)
+CASES += [
+    ("SGD", "momentum", {"lr": 0.01, "momentum": 0.9}, "OneCycleLR", torch.bfloat16),
+    ("Adam", "float16", {"lr": 0.01}, "OneCycleLR", torch.float16),
+    ("SGD", "nesterov", {"lr": 0.01, "momentum": 0.9, "nesterov": True}, "CyclicLR",
+     torch.bfloat16),
+    ("AdamW", "betas", {"lr": 0.01}, "CyclicLR", torch.bfloat16),
+]  # fmt: skip
 IDS = [f"{n}-{d}-{s}-{'bf16' if t == torch.bfloat16 else 'fp16'}" for n, d, _, s, t in CASES]
 
 

@@ -127,6 +127,71 @@ def learning_rate_fn(api: str, learning_rate: Any) -> LrFn:
     return lambda count: (lr, None)
 
 
+#: ``count -> (value, bad)``: a scheduled hyperparameter's value as a 0-d float64 tensor (the
+#: range's lower end where it is unusable) and a 0-d bool, True when it was NaN or out of range.
+HyperFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+_HYPER_HINT = (
+    "a hyperparameter schedule must take the step count (a 0-d int32 tensor) and return a 0-d "
+    "floating tensor; pass a fixed value as a float"
+)
+
+
+def hyperparameter_fn(
+    api: str,
+    name: str,
+    schedule: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    low: float = 0.0,
+    high: float | None = None,
+    high_open: bool = True,
+) -> HyperFn:
+    """Validate a hyperparameter schedule when the optimizer is built; return
+    ``count -> (value, bad)`` (see :data:`HyperFn`).
+
+    The schedule is probed once, at the count 0: it must return a 0-d floating tensor whose value
+    lies in ``[low, high)`` (``]`` unless ``high_open``). On the step path each value is checked
+    for its type and shape only (metadata, no host sync). A value outside the range is replaced
+    by ``low`` and flagged: the step is skipped as for an unusable learning rate.
+    """
+    probe = torch.zeros((), dtype=torch.int32)
+    try:
+        value = schedule(probe)
+    except Exception as e:
+        raise TypeError(
+            f"funcamp.{api}: `{name}` schedule raised {type(e).__name__}: {e} when called with "
+            f"the step count 0; {_HYPER_HINT}"
+        ) from e
+
+    def metadata(value: Any, when: str) -> torch.Tensor:
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.dim() != 0
+            or not value.is_floating_point()
+            or value.is_complex()
+        ):
+            raise TypeError(
+                f"funcamp.{api}: `{name}` schedule must return a 0-d floating tensor, got "
+                f"{describe(value)} {when}; {_HYPER_HINT}"
+            )
+        return value
+
+    metadata(value, "for the step count 0")
+    check_real(
+        api, name, float(value.detach().to("cpu", torch.float64)), low=low, high=high,
+        high_open=high_open, hint=" from its schedule at the step count 0",
+    )  # fmt: skip
+
+    def fn(count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v = metadata(schedule(count), "at run time").to(torch.float64)
+        ok = (v >= low) & (v <= torch.finfo(v.dtype).max)  # NaN and infinities fail
+        if high is not None:
+            ok = ok & ((v < high) if high_open else (v <= high))
+        return torch.where(ok, v, torch.full_like(v, low)), ~ok
+
+    return fn
+
+
 def any_flag(flags: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """OR of the non-None 0-d bool flags (None when there are none)."""
     out = None

@@ -20,7 +20,7 @@ import torch
 
 from funcamp._core.checks import check_flag, check_number
 from funcamp.optim import _betas as bt
-from funcamp.optim._base import Optimizer
+from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._fused import fused_adagrad
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
@@ -28,13 +28,20 @@ from funcamp.optim._shared import (
     Tensors,
     _add_scaled,
     _build,
-    _checked,
+    _checked_scheduled,
     _f64,
     _kept,
     _map,
     _prologue,
     _steps,
+    addcmul,
+    at,
     check_fused_modes,
+    hyperparameter,
+    hyperparameters,
+    operand,
+    refuse_scheduled,
+    scheduled,
 )
 from funcamp.optim._states import (
     AdadeltaState,
@@ -50,27 +57,43 @@ __all__ = ["adadelta", "adagrad", "adamax", "rmsprop"]
 
 
 def _rmsprop_step(
-    alpha: float, eps: float, weight_decay: float, momentum: float, centered: bool, maximize: bool
+    alpha: Any, eps: Any, weight_decay: Any, momentum: Any, centered: bool, maximize: bool
 ) -> Any:
-    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+    cfg = (alpha, eps, weight_decay, momentum)
+    moves = scheduled(momentum) or momentum > 0
+
+    def step(
+        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, hyper: Any = None
+    ) -> Any:
         # torch.optim.RMSprop: square_avg.mul_(alpha).addcmul_(grad, grad, value=1 - alpha);
         # centered: grad_avg.lerp_(grad, 1 - alpha), avg = square_avg.addcmul(grad_avg,
         # grad_avg, value=-1).sqrt_(); else avg = square_avg.sqrt(); avg.add_(eps); momentum:
         # buf.mul_(momentum).addcdiv_(grad, avg), p.add_(buf, alpha=-lr); else
         # p.addcdiv_(grad, avg, value=-lr).
+        alpha, eps, weight_decay, momentum = (at(hyper, x) for x in cfg)
         g = _prologue(ops, g, p, maximize, weight_decay)
-        sa = ops.addcmul(ops.mul(buffers["square_avg"], alpha), g, g, 1.0 - alpha)
+        sa = addcmul(ops, ops.mul(buffers["square_avg"], operand(ops, alpha)), g, g, 1.0 - alpha)
         new: dict[str, Tensors] = {}
         if centered:
-            ga = ops.lerp(buffers["grad_avg"], g, 1.0 - alpha)
+            ga = ops.lerp(buffers["grad_avg"], g, operand(ops, 1.0 - alpha))
             avg = ops.sqrt(ops.addcmul(sa, ga, ga, -1.0))
         else:
             avg = ops.sqrt(sa)
-        avg = ops.add(avg, eps, into=avg)
+        avg = ops.add(avg, operand(ops, eps), into=avg)
         neg_lr = ops.scalar(-lr)
-        if momentum > 0:
-            buf = ops.add(ops.mul(buffers["momentum_buffer"], momentum), ops.div(g, avg))
+        if moves:
+            old = buffers["momentum_buffer"]
+            buf = ops.add(ops.mul(old, operand(ops, momentum)), ops.div(g, avg))
             deltas = _add_scaled(ops, buf, neg_lr, p)  # p.add_(buf, alpha=-lr)
+            if isinstance(momentum, torch.Tensor):  # torch's step without momentum where 0
+                on = momentum > 0
+                plain = ops.div(ops.mul(g, neg_lr), avg)
+                if p is None:
+                    deltas = ops.where(on, deltas, plain)
+                else:  # p.add_(buf, alpha=-lr), or p.addcdiv_: p + the rounded quotient
+                    moved = ops.fma(buf, neg_lr, p)
+                    deltas = NewParams(ops.where(on, moved, ops.add(p, plain)))
+                buf = ops.where(on, buf, old)
             new.update(_kept(ops, buffers, momentum_buffer=buf))
         else:
             deltas = ops.div(ops.mul(g, neg_lr), avg)
@@ -127,11 +150,11 @@ def rmsprop(
     """
     api = "rmsprop"
     check_flag(api, "centered", centered)
-    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
-    alpha = check_number(api, "alpha", alpha, maximum=1.0, maximum_open=False)
-    momentum = check_number(api, "momentum", momentum)
+    eps, weight_decay = _checked_scheduled(api, maximize, eps, weight_decay)
+    alpha = hyperparameter(api, "alpha", alpha, maximum=1.0, maximum_open=False)
+    momentum = hyperparameter(api, "momentum", momentum)
     buffers = ["square_avg"]
-    if momentum > 0:
+    if scheduled(momentum) or momentum > 0:
         buffers.append("momentum_buffer")
     if centered:
         buffers.append("grad_avg")
@@ -139,7 +162,8 @@ def rmsprop(
     modes = (master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, RmspropState, step, learning_rate, modes, buffers=buffers,
-        needs_params=weight_decay > 0,
+        needs_params=scheduled(weight_decay) or weight_decay > 0,
+        hyper=hyperparameters(alpha, eps, weight_decay, momentum),
     )  # fmt: skip
 
 
@@ -147,16 +171,21 @@ def rmsprop(
 # adagrad
 
 
-def _adagrad_step(lr_decay: float, weight_decay: float, eps: float, maximize: bool) -> Any:
-    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+def _adagrad_step(lr_decay: Any, weight_decay: Any, eps: Any, maximize: bool) -> Any:
+    cfg = (lr_decay, weight_decay, eps)
+
+    def step(
+        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, hyper: Any = None
+    ) -> Any:
         # torch.optim.Adagrad: clr = lr / (1 + (step - 1) * lr_decay) (double);
         # state_sum.addcmul_(grad, grad, value=1); std = state_sum.sqrt().add_(eps);
         # p.addcdiv_(grad, std, value=-clr).
+        lr_decay, weight_decay, eps = (at(hyper, x) for x in cfg)
         g = _prologue(ops, g, p, maximize, weight_decay)
         neg_clr = ops.scalar(-(_f64(lr) / (1.0 + count.to(torch.float64) * lr_decay)))
         s = ops.addcmul(buffers["sum"], g, g, 1.0)
         std = ops.sqrt(s)
-        std = ops.add(std, eps, into=std)
+        std = ops.add(std, operand(ops, eps), into=std)
         deltas = ops.div(ops.mul(g, neg_clr), std)
         return deltas, _kept(ops, buffers, sum=s)
 
@@ -209,20 +238,26 @@ def adagrad(
         ({'w': tensor([-0.5000,  0.5000])}, {'w': tensor([1., 4.])})
     """
     api = "adagrad"
-    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
-    lr_decay = check_number(api, "lr_decay", lr_decay)
+    eps, weight_decay = _checked_scheduled(api, maximize, eps, weight_decay)
+    lr_decay = hyperparameter(api, "lr_decay", lr_decay)
+    hyper = hyperparameters(lr_decay, weight_decay, eps)
     iav = check_number(api, "initial_accumulator_value", initial_accumulator_value)
     step = _adagrad_step(lr_decay, weight_decay, eps, maximize)
     modes = (master_weights, kahan, stochastic_rounding, seed)
     check_flag(api, "fused", fused)
+    if fused:
+        refuse_scheduled(
+            api, "torch's fused kernel takes fixed values: pass floats, or fused=False", **hyper
+        )
     in_place, copies = (
         fused_adagrad(lr_decay, weight_decay, eps, maximize) if fused else (None, None)
     )
     if fused:
         check_fused_modes(api, modes)
+    decays = scheduled(weight_decay) or weight_decay > 0
     return _build(
-        api, AdagradState, step, learning_rate, modes, needs_params=weight_decay > 0 or fused,
-        fill={"sum": iav}, fused_kernel=in_place, fused_update=copies,
+        api, AdagradState, step, learning_rate, modes, needs_params=decays or fused,
+        fill={"sum": iav}, fused_kernel=in_place, fused_update=copies, hyper=hyper,
     )  # fmt: skip
 
 
@@ -230,18 +265,24 @@ def adagrad(
 # adadelta
 
 
-def _adadelta_step(rho: float, eps: float, weight_decay: float, maximize: bool) -> Any:
-    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+def _adadelta_step(rho: Any, eps: Any, weight_decay: Any, maximize: bool) -> Any:
+    cfg = (rho, eps, weight_decay)
+
+    def step(
+        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, hyper: Any = None
+    ) -> Any:
         # torch.optim.Adadelta: square_avg.mul_(rho).addcmul_(grad, grad, value=1 - rho);
         # std = square_avg.add(eps).sqrt_(); delta = acc_delta.add(eps).sqrt_();
         # delta.div_(std).mul_(grad); acc_delta.mul_(rho).addcmul_(delta, delta, value=1 - rho);
         # p.add_(delta, alpha=-lr).
+        rho, eps, weight_decay = (at(hyper, x) for x in cfg)
+        r, e = operand(ops, rho), operand(ops, eps)
         g = _prologue(ops, g, p, maximize, weight_decay)
-        sa = ops.addcmul(ops.mul(buffers["square_avg"], rho), g, g, 1.0 - rho)
-        std = ops.sqrt(ops.add(sa, eps))
-        delta = ops.sqrt(ops.add(buffers["acc_delta"], eps))
+        sa = addcmul(ops, ops.mul(buffers["square_avg"], r), g, g, 1.0 - rho)
+        std = ops.sqrt(ops.add(sa, e))
+        delta = ops.sqrt(ops.add(buffers["acc_delta"], e))
         delta = ops.mul(ops.div(delta, std, into=delta), g)
-        acc = ops.addcmul(ops.mul(buffers["acc_delta"], rho), delta, delta, 1.0 - rho)
+        acc = addcmul(ops, ops.mul(buffers["acc_delta"], r), delta, delta, 1.0 - rho)
         deltas = _add_scaled(ops, delta, ops.scalar(-lr), p)
         return deltas, _kept(ops, buffers, square_avg=sa, acc_delta=acc)
 
@@ -288,36 +329,45 @@ def adadelta(
         {'w': tensor([-0.0032,  0.0032])}
     """
     api = "adadelta"
-    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
-    rho = check_number(api, "rho", rho, maximum=1.0, maximum_open=False)
+    eps, weight_decay = _checked_scheduled(api, maximize, eps, weight_decay)
+    rho = hyperparameter(api, "rho", rho, maximum=1.0, maximum_open=False)
     step = _adadelta_step(rho, eps, weight_decay, maximize)
     modes = (master_weights, kahan, stochastic_rounding, seed)
-    return _build(api, AdadeltaState, step, learning_rate, modes, needs_params=weight_decay > 0)
+    return _build(
+        api, AdadeltaState, step, learning_rate, modes,
+        needs_params=scheduled(weight_decay) or weight_decay > 0,
+        hyper=hyperparameters(rho, eps, weight_decay),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
 # adamax
 
 
-def _adamax_step(b1: Any, b2: Any, eps: float, weight_decay: float, maximize: bool) -> Any:
-    w1 = bt.one_minus(b1)  # as torch's kernels read them (float32)
+def _adamax_step(b1: Any, b2: Any, eps: Any, weight_decay: Any, maximize: bool) -> Any:
+    # as torch's kernels read them (float32); a schedule's value is read each step
+    w1 = None if scheduled(b1) else bt.one_minus(b1)
     beta2 = bt.f32(b2) if isinstance(b2, torch.Tensor) else b2
+    cfg = (b1, beta2, eps, weight_decay)
 
-    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+    def step(
+        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, hyper: Any = None
+    ) -> Any:
         # torch.optim.Adamax: exp_avg.lerp_(grad, 1 - b1); torch.maximum(exp_inf.mul_(b2),
         # grad.abs().add_(eps), out=exp_inf); clr = lr / (1 - b1**step) (double; a tensor b1:
         # its dtype, see _betas); p.addcdiv_(exp_avg, exp_inf, value=-clr).
+        beta1, beta2, eps, weight_decay = (at(hyper, x) for x in cfg)
         g = _prologue(ops, g, p, maximize, weight_decay)
         t = _steps(count)
         if isinstance(b1, torch.Tensor):
             neg_clr = ops.scalar(-bt.over(lr, bt.one_minus_power(bt.on(b1, t), t)))
         elif bt.is_tensor_rate(lr):  # torch's tensor lr / a Python float: in lr's dtype
-            neg_clr = ops.scalar(-(lr / (1.0 - torch.pow(b1, t)).to(lr.dtype)))
-        else:
-            neg_clr = ops.scalar(-(_f64(lr) / (1.0 - torch.pow(b1, t))))
-        m = ops.lerp(buffers["exp_avg"], g, w1)
-        norm = ops.add(_map(torch.abs, g), eps)
-        u = ops.maximum(ops.mul(buffers["exp_inf"], beta2), norm, into=norm)
+            neg_clr = ops.scalar(-(lr / (1.0 - torch.pow(beta1, t)).to(lr.dtype)))
+        else:  # a float b1, or a schedule's float64 value (torch's Python float)
+            neg_clr = ops.scalar(-(_f64(lr) / (1.0 - torch.pow(beta1, t))))
+        m = ops.lerp(buffers["exp_avg"], g, operand(ops, 1.0 - beta1) if w1 is None else w1)
+        norm = ops.add(_map(torch.abs, g), operand(ops, eps))
+        u = ops.maximum(ops.mul(buffers["exp_inf"], operand(ops, beta2)), norm, into=norm)
         deltas = ops.div(ops.mul(m, neg_clr), u)
         return deltas, _kept(ops, buffers, exp_avg=m, exp_inf=u)
 
@@ -367,8 +417,13 @@ def adamax(
         {'w': tensor([-0.1000,  0.1000])}
     """
     api = "adamax"
-    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
-    b1, b2 = bt.betas(api, b1, b2)
+    eps, weight_decay = _checked_scheduled(api, maximize, eps, weight_decay)
+    b1 = hyperparameter(api, "b1", b1, maximum=1.0) if callable(b1) else bt.betas(api, b1, 0)[0]
+    b2 = hyperparameter(api, "b2", b2, maximum=1.0) if callable(b2) else bt.betas(api, 0, b2)[1]
     step = _adamax_step(b1, b2, eps, weight_decay, maximize)
     modes = (master_weights, kahan, stochastic_rounding, seed)
-    return _build(api, AdamaxState, step, learning_rate, modes, needs_params=weight_decay > 0)
+    return _build(
+        api, AdamaxState, step, learning_rate, modes,
+        needs_params=scheduled(weight_decay) or weight_decay > 0,
+        hyper=hyperparameters(b1, b2, eps, weight_decay),
+    )  # fmt: skip

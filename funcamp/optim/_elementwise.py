@@ -21,6 +21,8 @@ import optree
 import torch
 
 from funcamp._core.checks import (
+    HyperFn,
+    any_flag,
     check_count,
     check_state_like,
     flatten_grads,
@@ -163,10 +165,15 @@ def build(
     fused_update: FusedUpdate | None = None,
     fill: Mapping[str, float] | None = None,
     scalars: Mapping[str, float] | None = None,
+    hyper: Mapping[str, HyperFn] | None = None,
 ) -> Optimizer:
-    """:func:`elementwise`, plus a fused in-place kernel and a weight-decay mask for the
-    built-in optimizers. With ``mask`` (see :func:`mask_flags`), ``step`` also gets
-    ``mask=``: one Python bool per leaf, or None when ``update`` got no params. With
+    """:func:`elementwise`, plus a fused in-place kernel, a weight-decay mask and scheduled
+    hyperparameters for the built-in optimizers. With ``mask`` (see :func:`mask_flags`),
+    ``step`` also gets ``mask=``: one Python bool per leaf, or None when ``update`` got no
+    params. With ``hyper`` (name -> ``count -> (value, bad)``, see
+    :func:`funcamp._core.checks.hyperparameter_fn`), ``step`` also gets ``hyper=``: each
+    one's 0-d float64 value this step, by name; a value flagged bad skips the step as an
+    unusable learning rate does (the flag joins ``Prepared.unusable_lr``). With
     ``fused_update`` the update is that kernel (float32 params, no ``torch.func`` transforms;
     its update leaves are :class:`SetParam`) and ``step`` only names the algorithm it matches
     to within rounding."""
@@ -189,6 +196,7 @@ def build(
         fused_update,
         filled,
         extra,
+        tuple((hyper or {}).items()),
     )
 
     def init(params: PyTree) -> Any:
@@ -213,14 +221,22 @@ def build(
                     return None, new_state
             return _run(cfg, grads, state, params, writes)
 
-        return Prepared(cfg.lr_fn(state.count)[1], run)
+        return Prepared(_unusable(cfg, state.count), run)
 
     def rate(state: Any) -> torch.Tensor:
         _check_state_type(cfg, state)
         return _as_rate(cfg.lr_fn(state.count)[0], state.count.device)
 
-    kernel = fused_kernel if mode is None else None
+    kernel = fused_kernel if mode is None and not cfg.hyper else None
     return Optimizer(init, update, prepare, rate)
+
+
+def _unusable(cfg: _Config, count: torch.Tensor) -> torch.Tensor | None:
+    """This step's flag: its learning rate, or a scheduled hyperparameter, is unusable."""
+    flag = cfg.lr_fn(count)[1]
+    if not cfg.hyper:
+        return flag
+    return any_flag([flag, *(fn(count)[1] for _, fn in cfg.hyper)])
 
 
 def _as_rate(lr: Any, device: torch.device) -> torch.Tensor:
@@ -279,6 +295,7 @@ class _Config(NamedTuple):
     fused_update: FusedUpdate | None  # the update is this kernel (``fused=True``)
     fill: tuple[tuple[str, float], ...] = ()  # each buffer's initial value
     scalars: tuple[tuple[str, float], ...] = ()  # the 0-d float32 fields, initial values
+    hyper: tuple[tuple[str, HyperFn], ...] = ()  # the scheduled hyperparameters
 
 
 def _init(cfg: _Config, params: PyTree) -> Any:
@@ -352,12 +369,13 @@ def _run(
     low_leaves = optree.tree_leaves(state.low)
     buf_leaves = [x for v in bufs.values() for x in v]
     scalars = [getattr(state, b) for b, _ in cfg.scalars]
+    hyper = {name: fn(count)[0] for name, fn in cfg.hyper}
     pm = math_params(api, cfg.mode, state.low, ps, spec) if ps is not None else None
     # The params too, where the caller installs new params: a float32 param that is its own
     # math param may then receive them in place (with a donated state the step applies).
     own_params = [p for p, m in zip(ps, pm) if p is m] if writes.new_params and pm else []
     ops: Ops = choose_ops(
-        [*gs, *(ps or ()), *buf_leaves, *low_leaves, *scalars, count, lr],
+        [*gs, *(ps or ()), *buf_leaves, *low_leaves, *scalars, count, lr, *hyper.values()],
         owned=_owned_grads(gs, writes.owned),
         device=gs[0].device,
         donated=buf_leaves + (own_params if len(own_params) == len(ps or ()) else []),
@@ -368,10 +386,12 @@ def _run(
     flags = None
     if cfg.mask is not None and ps is not None:  # a callable mask raises here, before the step
         flags = mask_flags(api, cfg.mask, params)
+    extra: dict[str, Any] = {}
     if cfg.mask is not None:
-        deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count, mask=flags)
-    else:
-        deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count)
+        extra["mask"] = flags
+    if cfg.hyper:
+        extra["hyper"] = hyper
+    deltas, new_bufs = cfg.step(ops, g, pm, bufs, lr, count, **extra)
     updates, low = to_updates(
         api, cfg.mode, state.low, count, deltas, ps, spec, new_params=writes.new_params
     )

@@ -5,8 +5,10 @@ optimizer added to funcamp plugs in with one entry."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -241,31 +243,88 @@ def _translator(optimizer: Any) -> Any:
     return OPTIMIZERS.get(cls) or OPTIMIZERS.get(f"{cls.__module__}.{cls.__qualname__}")
 
 
-def _no_momentum_cycle(s: Any) -> None:
-    if s.cycle_momentum:
-        raise _refuse(
-            f"{type(s).__name__}(cycle_momentum=True)",
-            "cycles the optimizer's momentum, which a funcamp schedule cannot: build it with "
-            "cycle_momentum=False",
-        )
+def _cycles_momentum(s: Any) -> bool:
+    return isinstance(s, (LRS.CyclicLR, LRS.OneCycleLR)) and bool(s.cycle_momentum)
+
+
+def _cyclic_shape(s: Any) -> tuple[int, int, Any]:
+    up = round(s.total_size * s.step_ratio)
+    return up, int(s.total_size) - up, s._scale_fn_custom
 
 
 def _cyclic(s: Any, i: int, base: float, n: int | None) -> Any:
-    _no_momentum_cycle(s)
-    up = round(s.total_size * s.step_ratio)
-    custom = s._scale_fn_custom
+    up, down, custom = _cyclic_shape(s)
     return ls.cyclic_lr(
-        s.base_lrs[i], s.max_lrs[i], up, int(s.total_size) - up, s.mode, s.gamma,
-        scale_fn=custom, scale_mode=s.scale_mode,
+        s.base_lrs[i], s.max_lrs[i], up, down, s.mode, s.gamma, scale_fn=custom,
+        scale_mode=s.scale_mode,
     )  # fmt: skip
 
 
+def _one_cycle_record(s: Any) -> tuple[list[list[float]], list[list[float]]]:
+    """OneCycleLR's learning rates and momenta (``[step][group]``) at each of its
+    ``total_steps + 1`` positions: its own ``get_lr`` at each ``last_epoch``, run on a copy
+    whose param groups are copies (its side effect, the momentum, lands there)."""
+    view = copy.copy(s)
+    view.optimizer = SimpleNamespace(param_groups=[dict(g) for g in s.optimizer.param_groups])
+    view._get_lr_called_within_step = True  # get_lr's "use get_last_lr()" warning
+    lrs, momenta = [], []
+    for k in range(int(s.total_steps) + 1):
+        view.last_epoch = k
+        lrs.append([float(x) for x in view.get_lr()])
+        if view.cycle_momentum:  # (use_beta1 is set only then)
+            beta1, groups = view.use_beta1, view.optimizer.param_groups
+            momenta.append([float(g["betas"][0] if beta1 else g["momentum"]) for g in groups])
+    return lrs, momenta
+
+
 def _one_cycle(s: Any, i: int, base: float, n: int | None) -> Any:
-    _no_momentum_cycle(s)
     group = s.optimizer.param_groups[i]
-    phases = [(p["end_step"], group[p["start_lr"]], group[p["end_lr"]]) for p in s._schedule_phases]
-    sched = ls.phased("optim.one_cycle_lr", phases, s._anneal_func_type, s.total_steps)
-    return _mark(sched, group["initial_lr"])
+    lrs = _one_cycle_record(s)[0]
+    return _mark(ls._tabulate("optim.from_torch", [v[i] for v in lrs]), group["initial_lr"])
+
+
+def _cycled_momentum(s: Any, i: int) -> Any:
+    """Group ``i``'s momentum (or first beta) as the scheduler cycles it: CyclicLR's in closed
+    form (its learning rate's, from ``max_momentum`` down to ``base_momentum``: the same
+    doubles), OneCycleLR's recorded at each of its positions."""
+    if isinstance(s, LRS.CyclicLR):
+        up, down, custom = _cyclic_shape(s)
+        return ls.cyclic_lr(
+            s.max_momentums[i], s.base_momentums[i], up, down, s.mode, s.gamma,
+            scale_fn=custom, scale_mode=s.scale_mode,
+        )  # fmt: skip
+    momenta = _one_cycle_record(s)[1]
+    return ls._tabulate("optim.from_torch", [v[i] for v in momenta])
+
+
+def _inner_cycle(s: Any) -> Any:
+    """The first scheduler inside ``s`` (SequentialLR, ChainedScheduler) that cycles the
+    momentum, or None."""
+    for sub in getattr(s, "_schedulers", None) or ():
+        found = sub if _cycles_momentum(sub) else _inner_cycle(sub)
+        if found is not None:
+            return found
+    return None
+
+
+def cycled_group(s: Any, group: Mapping[str, Any], i: int) -> Mapping[str, Any]:
+    """``group`` with the momentum (``"momentum"``, or ``"betas"``' first entry) that the
+    scheduler ``s`` cycles, as a schedule; ``group`` itself where ``s`` cycles none."""
+    if s is None or isinstance(s, LRS.ReduceLROnPlateau):
+        return group
+    inner = _inner_cycle(s)
+    if inner is not None:
+        raise _refuse(
+            f"a {type(inner).__name__}(cycle_momentum=True) inside a {type(s).__name__}",
+            "has no funcamp translation (its momentum schedule would have to be joined with "
+            "the fixed momentum around it): build it with cycle_momentum=False",
+        )
+    if not _cycles_momentum(s):
+        return group
+    momentum = _cycled_momentum(s, i)
+    if s.use_beta1:
+        return {**group, "betas": (momentum, *tuple(group["betas"])[1:])}
+    return {**group, "momentum": momentum}
 
 
 def _sequential(s: Any, i: int, base: float, n: int | None) -> Any:
@@ -357,8 +416,10 @@ def from_torch(
     0-d tensor betas are translated where funcamp's optimizer takes them (Adam, AdamW, NAdam,
     RAdam, Adamax) and torch's step does. What has no translation is refused by name: tensor
     betas elsewhere or on a foreach step that fails on them, a group key no translator knows,
-    a param in no group or in two, a scheduler stepped already or one that cycles the
-    momentum, ``SparseAdam``. A ``ReduceLROnPlateau`` wraps the
+    a param in no group or in two, a scheduler stepped already, one that cycles the momentum
+    inside a ``SequentialLR``/``ChainedScheduler``, ``SparseAdam``. ``OneCycleLR`` and
+    ``CyclicLR`` that cycle the momentum (their default) make it a schedule of the group's
+    ``momentum`` or first beta. A ``ReduceLROnPlateau`` wraps the
     optimizer in :func:`funcamp.optim.reduce_on_plateau` (feed it with
     :func:`funcamp.optim.plateau_step`).
 
@@ -439,7 +500,7 @@ def from_torch(
         lr = group["lr"] if scheduler is None else _schedule(scheduler, i, total_steps)
         if not isinstance(lr, torch.Tensor) and not callable(lr):
             lr = float(lr)
-        parts[label] = translate(group, lr, name, i)
+        parts[label] = translate(cycled_group(scheduler, group, i), lr, name, i)
     missing = [k for k in params if k not in labels]
     if missing:
         raise _refuse(

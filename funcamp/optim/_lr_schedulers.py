@@ -400,9 +400,10 @@ def cyclic_lr(
     """``torch.optim.lr_scheduler.CyclicLR``'s learning rate: cycles between ``base_lr`` and
     ``max_lr``, ``step_size_up`` steps up and ``step_size_down`` down.
 
-    torch's class also cycles the optimizer's momentum (``cycle_momentum=True``); that part
-    has no funcamp equivalent: pass ``cycle_momentum=False`` to torch, or accept a fixed
-    momentum.
+    torch's class also cycles the optimizer's momentum (``cycle_momentum=True``, its default)
+    from ``max_momentum`` down to ``base_momentum``. That is
+    ``cyclic_lr(max_momentum, base_momentum, ...)``, passed as the optimizer's ``momentum``
+    (``b1`` for Adam), the same doubles as torch's.
 
     Args:
         base_lr: the lowest learning rate.
@@ -480,8 +481,9 @@ def one_cycle_lr(
     ``max_lr / div_factor / final_div_factor`` (three phases with ``three_phase``).
 
     torch's ``epochs * steps_per_epoch`` is ``total_steps`` here; torch raises past
-    ``total_steps``, this schedule holds its value at ``total_steps``. The momentum cycling of
-    torch's class (``cycle_momentum=True``) has no funcamp equivalent.
+    ``total_steps``, this schedule holds its value at ``total_steps``. The momentum that
+    torch's class cycles (``cycle_momentum=True``) is translated by
+    :func:`funcamp.optim.from_torch`, which records both from the scheduler itself.
 
     Args:
         max_lr: the peak learning rate.

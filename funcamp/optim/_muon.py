@@ -18,7 +18,18 @@ from funcamp._core.tree import NAMESPACE, PyTree, describe, path_str
 from funcamp.optim import _betas as bt
 from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._paths import Ops
-from funcamp.optim._shared import LearningRate, Tensors, _build, _f64, _kept
+from funcamp.optim._shared import (
+    LearningRate,
+    Tensors,
+    _build,
+    _f64,
+    _kept,
+    at,
+    hyperparameter,
+    hyperparameters,
+    operand,
+    scheduled,
+)
 from funcamp.optim._states import MuonState
 from funcamp.optim._whole import gather_whole, local_part, shard_layouts
 
@@ -81,19 +92,24 @@ def _ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 def _muon_step(
-    momentum: float,
+    momentum: Any,
     nesterov: bool,
-    weight_decay: float,
+    weight_decay: Any,
     ns: tuple[tuple[float, float, float], int, float],
     adjust_lr_fn: str | None,
     shards: list[Any],
 ) -> Any:
-    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+    cfg = (momentum, weight_decay)
+
+    def step(
+        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, hyper: Any = None
+    ) -> Any:
         # torch.optim.Muon: buf.lerp_(grad, 1 - momentum); update = grad.lerp(buf, momentum)
         # (nesterov) or buf; update = NS(update) (bfloat16); adjusted_lr = lr * ratio(shape);
         # p.mul_(1 - lr * weight_decay); p.add_(update, alpha=-adjusted_lr).
-        buf = ops.lerp(buffers["momentum_buffer"], g, 1.0 - momentum)
-        update = ops.lerp(g, buf, momentum) if nesterov else buf
+        momentum, weight_decay = (at(hyper, x) for x in cfg)
+        buf = ops.lerp(buffers["momentum_buffer"], g, operand(ops, 1.0 - momentum))
+        update = ops.lerp(g, buf, operand(ops, momentum)) if nesterov else buf
         dtypes = [x.dtype for x in g]
         on_shards = shards[-1] if shards else None
         if on_shards is None:
@@ -117,7 +133,8 @@ def _muon_step(
         new = _kept(ops, buffers, momentum_buffer=buf)
         if p is None:
             return ops.mul(orth, neg), new
-        new_p = p if weight_decay == 0 else ops.mul(p, factor)
+        decays = isinstance(weight_decay, torch.Tensor) or weight_decay != 0  # p * 1 is p
+        new_p = ops.mul(p, factor) if decays else p
         return NewParams(ops.fma(orth, neg, new_p)), new  # p.add_(O, alpha=-adjusted_lr)
 
     return step
@@ -192,8 +209,8 @@ def muon(
     """
     api = "muon"
     check_flag(api, "nesterov", nesterov)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
-    momentum = check_number(api, "momentum", momentum, maximum=1.0)
+    weight_decay = hyperparameter(api, "weight_decay", weight_decay)
+    momentum = hyperparameter(api, "momentum", momentum, maximum=1.0)
     eps = check_number(api, "eps", eps)
     ns_steps = check_int(api, "ns_steps", ns_steps, minimum=0)
     if ns_steps >= 100:
@@ -218,7 +235,11 @@ def muon(
     ns = (coefficients, ns_steps, eps)
     step = _muon_step(momentum, nesterov, weight_decay, ns, adjust_lr_fn, shards)
     modes = (master_weights, kahan, stochastic_rounding, seed)
-    opt = _build(api, MuonState, step, learning_rate, modes, needs_params=weight_decay > 0)
+    opt = _build(
+        api, MuonState, step, learning_rate, modes,
+        needs_params=scheduled(weight_decay) or weight_decay > 0,
+        hyper=hyperparameters(momentum, weight_decay),
+    )  # fmt: skip
 
     def on_shards(grads: PyTree, run: Any, *args: Any) -> Any:
         shards.append(shard_layouts(api, WHOLE, grads))

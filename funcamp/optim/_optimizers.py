@@ -22,7 +22,19 @@ from funcamp.optim import _betas as bt
 from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._fused import FUSED_ADAM, AdamHyper, SgdHyper, fused_adam, fused_sgd
 from funcamp.optim._paths import Ops
-from funcamp.optim._shared import _beta, _build, _f64, _half_power, check_fused_modes
+from funcamp.optim._shared import (
+    _beta,
+    _build,
+    _f64,
+    _half_power,
+    at,
+    check_fused_modes,
+    hyperparameter,
+    hyperparameters,
+    operand,
+    refuse_scheduled,
+    scheduled,
+)
 from funcamp.optim._states import AdamState, LionState, SgdState
 
 __all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]
@@ -69,6 +81,8 @@ def _added(ops: Ops, p: Any, deltas: Tensors) -> Tensors | NewParams:
 
 def _sgd_step(hyper: SgdHyper) -> Any:
     momentum, dampening, nesterov, weight_decay, maximize = hyper
+    if scheduled(momentum, dampening, weight_decay):
+        return _scheduled_sgd_step(hyper)
 
     def step(ops: Ops, grads: Tensors, params: Any, buffers: dict, lr: Any, count: Any) -> Any:
         # torch.optim.SGD: grad = -grad (maximize); grad.add(p, alpha=weight_decay);
@@ -95,6 +109,46 @@ def _sgd_step(hyper: SgdHyper) -> Any:
         if params is None:  # no params to add to: the rounded step itself
             return ops.mul(d, neg_lr, into=free), new
         return NewParams(ops.fma(d, neg_lr, params, into=ops.target(params, free))), new
+
+    return step
+
+
+def _scheduled_sgd_step(hyper: SgdHyper) -> Any:
+    """SGD with a scheduled momentum, dampening or weight decay: torch's operations on each
+    step's values. The buffer is kept whenever a momentum is given (torch's, when the momentum
+    is 0 at a step, neither moves nor is read: a ``where`` selects that), and the term
+    ``weight_decay * p`` is always added (0 adds nothing)."""
+    momentum, dampening, nesterov, weight_decay, maximize = hyper
+    moves = scheduled(momentum) or momentum > 0
+    decays = scheduled(weight_decay) or weight_decay > 0
+
+    def step(
+        ops: Ops, grads: Tensors, params: Any, buffers: dict, lr: Any, count: Any, hyper: Any
+    ) -> Any:
+        m, damp, wd = at(hyper, momentum), at(hyper, dampening), at(hyper, weight_decay)
+        if maximize:
+            grads = ops.mul(grads, -1.0, into=grads)
+        d, new = grads, {}
+        if decays:
+            d = ops.fma(params, operand(ops, wd), d, into=d)
+        if moves:
+            old = buffers["momentum"]
+            buf = ops.mul(old, operand(ops, m))
+            if scheduled(dampening) or dampening:
+                buf = ops.where(count == 0, d, ops.fma(d, operand(ops, 1.0 - damp), buf))
+            else:
+                buf = ops.add(buf, d, into=buf)
+            direction = ops.fma(buf, operand(ops, m), d) if nesterov else buf
+            if scheduled(momentum):  # torch skips the momentum where it is 0
+                on = m != 0
+                buf = ops.where(on, buf, old)
+                direction = ops.where(on, direction, d)
+            kept = new["momentum"] = ops.kept(buf, replaces=old)
+            d = kept if direction is buf else direction
+        neg_lr = ops.scalar(-lr)
+        if params is None:
+            return ops.mul(d, neg_lr), new
+        return NewParams(ops.fma(d, neg_lr, params, into=ops.target(params))), new
 
     return step
 
@@ -162,9 +216,30 @@ def sgd(
     """
     api = "sgd"
     check_flag(api, "maximize", maximize)
-    momentum = check_number(api, "momentum", momentum)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
-    dampening = check_number(api, "dampening", dampening, maximum=1.0, maximum_open=False)
+    momentum = hyperparameter(api, "momentum", momentum)
+    weight_decay = hyperparameter(api, "weight_decay", weight_decay)
+    dampening = hyperparameter(api, "dampening", dampening, maximum=1.0, maximum_open=False)
+    hyper_fns = hyperparameters(momentum, weight_decay, dampening)
+    if hyper_fns:
+        check_flag(api, "fused", fused)
+        refuse_scheduled(
+            api, "torch's fused kernel takes fixed values: pass floats, or fused=False",
+            **(hyper_fns if fused else {}),
+        )  # fmt: skip
+        if nesterov and (
+            (not scheduled(momentum) and momentum <= 0) or scheduled(dampening) or dampening != 0
+        ):
+            raise ValueError(
+                f"funcamp.{api}: `nesterov` must be False unless momentum > 0 and dampening "
+                "== 0 (a float)"
+            )
+        return _build(
+            api, SgdState, _sgd_step(SgdHyper(momentum, dampening, nesterov, weight_decay,
+                                              maximize)),
+            learning_rate, (master_weights, kahan, stochastic_rounding, seed),
+            buffers=("momentum",) if scheduled(momentum) or momentum > 0 else (),
+            needs_params=scheduled(weight_decay) or weight_decay > 0, hyper=hyper_fns,
+        )  # fmt: skip
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
             f"funcamp.{api}: `nesterov` must be False unless momentum > 0 and dampening == 0, "
@@ -189,15 +264,19 @@ def sgd(
 # adam / adamw
 
 
-def _step_scalars(b1: Any, b2: Any, lr: Any, count: Any) -> tuple[Any, Any]:
+def _step_scalars(
+    b1: Any, b2: Any, lr: Any, count: Any, tensors: tuple[Any, Any]
+) -> tuple[Any, Any]:
     """torch.optim.Adam's ``-step_size`` and ``bias_correction2 ** 0.5``: Python doubles of the
-    step (float64 here), rounded once; tensor math in a tensor beta's dtype (see ``_betas``)."""
+    step (float64 here), rounded once; tensor math in a tensor beta's dtype (see ``_betas``)
+    where the beta given (``tensors``: as configured) is a tensor. A scheduled beta is a
+    float64 0-d tensor standing for torch's Python float."""
     t = (count + 1).to(torch.float64)
-    if isinstance(b1, torch.Tensor):
+    if isinstance(tensors[0], torch.Tensor):
         neg_step = -bt.over(lr, bt.one_minus_power(bt.on(b1, t), t))
     else:
         neg_step = -(_f64(lr) / (1.0 - torch.pow(b1, t)))
-    if isinstance(b2, torch.Tensor):  # tensor ** 0.5 is torch's sqrt kernel
+    if isinstance(tensors[1], torch.Tensor):  # tensor ** 0.5 is torch's sqrt kernel
         return neg_step, torch.sqrt(bt.one_minus_power(bt.on(b2, t), t))
     return neg_step, _half_power(1.0 - torch.pow(b2, t))  # Python's bias_correction2 ** 0.5
 
@@ -217,9 +296,18 @@ def _tensor_step_scalars(b1: Any, b2: Any, eps: float, lr: Any, count: Any) -> t
 
 def _adam_step(hyper: AdamHyper, differentiable: bool = False) -> Any:
     b1, b2, eps, weight_decay, decoupled, amsgrad, maximize = hyper
+    cfg_b1, cfg_b2, cfg_eps, cfg_wd = b1, b2, eps, weight_decay
+    decays = scheduled(weight_decay) or weight_decay > 0
 
     def step(
-        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, mask: Any = None
+        ops: Ops,
+        g: Tensors,
+        p: Any,
+        buffers: dict,
+        lr: Any,
+        count: Any,
+        mask: Any = None,
+        hyper: Any = None,
     ) -> Any:
         # torch.optim.Adam/AdamW: grad = -grad (maximize); grad.add(p, alpha=weight_decay) or
         # p.mul_(1 - lr * wd); exp_avg.lerp_(grad, 1 - b1);
@@ -227,29 +315,40 @@ def _adam_step(hyper: AdamHyper, differentiable: bool = False) -> Any:
         # torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq), the denominator's
         # square then; denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps;
         # p.addcdiv_(exp_avg, denom, value=-step_size), that is p + (-step_size * m) / denom.
+        # A scheduled value is a float64 0-d tensor: torch's Python float, with float math.
+        b1, b2 = at(hyper, cfg_b1), at(hyper, cfg_b2)
+        eps, weight_decay = operand(ops, at(hyper, cfg_eps)), at(hyper, cfg_wd)
         if maximize:  # times -1 is exact: torch's -grad, bit for bit
             g = ops.mul(g, -1.0, into=g)
-        if weight_decay > 0 and not decoupled:
-            g = ops.fma(p, weight_decay, g, into=g)
+        if decays and not decoupled:
+            g = ops.fma(p, operand(ops, weight_decay), g, into=g)
         lr64 = _f64(lr)
-        if differentiable:
-            scale, shift = (ops.scalar(x) for x in _tensor_step_scalars(b1, b2, eps, lr, count))
+        if differentiable:  # fixed values only (refused with schedules when built)
+            scalars = _tensor_step_scalars(cfg_b1, cfg_b2, cfg_eps, lr, count)
+            scale, shift = (ops.scalar(x) for x in scalars)
         else:
-            neg_step, bc2_sqrt = (ops.scalar(x) for x in _step_scalars(b1, b2, lr, count))
+            scalars = _step_scalars(b1, b2, lr, count, tensors=(cfg_b1, cfg_b2))
+            neg_step, bc2_sqrt = (ops.scalar(x) for x in scalars)
         # v first, then m. Where the step is known to apply on a donated state, each is
         # computed in its buffer, as torch.optim does. Elsewhere v goes into a temporary and m
         # into the grads (when the eager path owns them); on a donated state each then goes
         # into its buffer as it is kept, leaving the temporary for the denominator and the
         # grads for the step: torch.optim's memory (one temporary).
         v_old, m_old = buffers["exp_avg_sq"], buffers["exp_avg"]
-        if isinstance(b2, torch.Tensor):  # torch's mul_(beta2).addcmul_(value=1 - beta2)
+        if isinstance(cfg_b2, torch.Tensor):  # torch's mul_(beta2).addcmul_(value=1 - beta2)
             vb = ops.mul(v_old, ops.scalar(b2), into=ops.target(v_old))
             v = ops.fma(ops.mul(g, ops.scalar(1.0 - b2.float())), g, vb, into=vb)
+        elif scheduled(cfg_b2):  # addcmul(value=w) is z + (w * x) * y: one rounding each
+            vb = ops.mul(v_old, ops.scalar(b2), into=ops.target(v_old))
+            v = ops.fma(ops.mul(g, ops.scalar(1.0 - b2)), g, vb, into=vb)
         else:
             vb = ops.mul(v_old, b2, into=ops.target(v_old))
             v = ops.addcmul(vb, g, g, 1.0 - b2, into=vb)
         v = ops.kept(v, replaces=v_old)
-        w1 = ops.scalar(1.0 - b1.float()) if isinstance(b1, torch.Tensor) else 1.0 - b1
+        if isinstance(cfg_b1, torch.Tensor):
+            w1 = ops.scalar(1.0 - b1.float())
+        else:  # a float, or a scheduled value (its double, rounded once)
+            w1 = operand(ops, 1.0 - b1)
         m = ops.kept(ops.lerp(m_old, g, w1, into=ops.target(m_old, g)), replaces=m_old)
         new = {"exp_avg": m, "exp_avg_sq": v}
         sq = v  # what the denominator is the root of
@@ -268,7 +367,7 @@ def _adam_step(hyper: AdamHyper, differentiable: bool = False) -> Any:
             deltas = ops.mul(m, neg_step, into=g)
             deltas = ops.div(deltas, denom, into=deltas)
         on = _decayed(mask)  # the masked-off leaves keep the plain step (weight_decay=0)
-        if not (weight_decay > 0 and decoupled and on != []):
+        if not (decays and decoupled and on != []):
             # p.addcdiv_(...) is p + delta: one rounding either way (in place where it may)
             return _added(ops, p, deltas), new
         # p.mul_(1 - lr * wd), then p.addcdiv_(...): the new params themselves
@@ -308,13 +407,24 @@ def _adam(
     check_flag(api, "amsgrad", amsgrad)
     check_flag(api, "maximize", maximize)
     check_flag(api, "differentiable", differentiable)
-    b1, b2 = _beta(api, "b1", b1), _beta(api, "b2", b2)
-    eps = check_number(api, "eps", eps)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
+    b1 = hyperparameter(api, "b1", b1, maximum=1.0) if callable(b1) else _beta(api, "b1", b1)
+    b2 = hyperparameter(api, "b2", b2, maximum=1.0) if callable(b2) else _beta(api, "b2", b2)
+    eps = hyperparameter(api, "eps", eps)
+    weight_decay = hyperparameter(api, "weight_decay", weight_decay)
     check_flag(api, "fused", fused)
     hyper = AdamHyper(b1, b2, eps, weight_decay, decoupled, amsgrad, maximize)
+    hyper_fns = hyperparameters(b1, b2, eps, weight_decay)
+    if differentiable:
+        refuse_scheduled(
+            api, "the differentiable step takes fixed values: pass floats, or differentiable=False",
+            **hyper_fns,
+        )  # fmt: skip
     kernels: tuple[Any, Any] = (None, None)
     if fused:
+        refuse_scheduled(
+            api, "torch's fused kernel takes fixed values: pass floats, or fused=False",
+            **hyper_fns,
+        )  # fmt: skip
         check_fused_modes(api, modes)
         if differentiable:
             raise ValueError(
@@ -333,8 +443,8 @@ def _adam(
         api, AdamState, _adam_step(hyper, differentiable),
         learning_rate, modes,
         buffers=(*_ADAM_BUFFERS, "max_exp_avg_sq") if amsgrad else _ADAM_BUFFERS,
-        needs_params=weight_decay > 0 or fused, mask=mask, fused_kernel=kernels[0],
-        fused_update=kernels[1],
+        needs_params=scheduled(weight_decay) or weight_decay > 0 or fused, mask=mask,
+        fused_kernel=kernels[0], fused_update=kernels[1], hyper=hyper_fns,
     )  # fmt: skip
 
 

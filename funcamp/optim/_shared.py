@@ -5,17 +5,25 @@
 * the common argument checks;
 * the steps' building blocks: the gradient prologue, ``p.add_(d, alpha=)``, the float64 step
   count and learning rate;
-* :func:`_stateless`: the scaffolding of a stateless gradient transform.
+* :func:`_stateless`: the scaffolding of a stateless gradient transform;
+* scheduled hyperparameters (:class:`Hyper`, :func:`hyperparameter`, :func:`hyperparameters`,
+  :func:`at`, :func:`refuse_scheduled`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from funcamp._core.checks import check_flag, check_number, flatten_grads
+from funcamp._core.checks import (
+    HyperFn,
+    check_flag,
+    check_number,
+    flatten_grads,
+    hyperparameter_fn,
+)
 from funcamp._core.tree import PyTree, describe, unflatten
 from funcamp.optim._base import NewParams, Optimizer, Prepared
 from funcamp.optim._elementwise import build
@@ -24,6 +32,72 @@ from funcamp.optim._paths import Ops, choose_ops
 __all__: list[str] = []
 Tensors = list[torch.Tensor]
 LearningRate = Any
+
+
+class Hyper(NamedTuple):
+    """A hyperparameter that follows a schedule of the step count: its name (the key of the
+    ``hyper`` dict the algorithm's step receives) and ``count -> (value, bad)``."""
+
+    name: str
+    fn: HyperFn
+
+
+def hyperparameter(
+    api: str,
+    name: str,
+    value: Any,
+    *,
+    minimum: float = 0.0,
+    maximum: float | None = None,
+    maximum_open: bool = True,
+) -> float | Hyper:
+    """A float hyperparameter in ``[minimum, maximum)`` (``]`` unless ``maximum_open``), or,
+    for a callable, a :class:`Hyper` (the schedule probed once, at the count 0)."""
+    if callable(value) and not isinstance(value, torch.Tensor):
+        fn = hyperparameter_fn(api, name, value, low=minimum, high=maximum, high_open=maximum_open)
+        return Hyper(name, fn)
+    return check_number(
+        api, name, value, minimum=minimum, maximum=maximum, maximum_open=maximum_open
+    )
+
+
+def scheduled(*values: Any) -> bool:
+    """Whether any of ``values`` is a :class:`Hyper`."""
+    return any(isinstance(v, Hyper) for v in values)
+
+
+def hyperparameters(*values: Any) -> dict[str, Hyper]:
+    """The :class:`Hyper` among ``values``, by name (``build(hyper=)``)."""
+    return {v.name: v for v in values if isinstance(v, Hyper)}
+
+
+def at(hyper: dict[str, torch.Tensor] | None, value: Any) -> Any:
+    """A hyperparameter's value this step: the float itself, or its schedule's 0-d float64
+    value from the ``hyper`` dict the step received."""
+    return hyper[value.name] if isinstance(value, Hyper) else value
+
+
+def operand(ops: Ops, value: Any) -> Any:
+    """A hyperparameter as a step's scalar operand: a Python float as it is (the kernels round
+    it to float32), a schedule's value as a float32 0-d tensor on the update's device (the same
+    float32 number)."""
+    return ops.scalar(value) if isinstance(value, torch.Tensor) else value
+
+
+def addcmul(ops: Ops, z: Tensors, x: Tensors, y: Tensors, value: Any, into: Any = None) -> Tensors:
+    """``torch.addcmul(z, x, y, value=value)``: its kernel's ``z + (value * x) * y``, for a
+    schedule's value too (``(x * value)`` rounded, then ``z + that * y``: the same bits)."""
+    if isinstance(value, torch.Tensor):
+        return ops.fma(ops.mul(x, ops.scalar(value)), y, z, into=into)
+    return ops.addcmul(z, x, y, value, into=into)
+
+
+def refuse_scheduled(api: str, why: str, **values: Any) -> None:
+    """A clear error where a hyperparameter may not follow a schedule (``why`` says what
+    needs it fixed and the way out)."""
+    for name, value in values.items():
+        if isinstance(value, Hyper):
+            raise ValueError(f"funcamp.{api}: `{name}` is a schedule, but {why}")
 
 
 def _build(
@@ -35,14 +109,17 @@ def _build(
     *,
     buffers: Any = None,
     needs_params: bool = False,
+    hyper: dict[str, Hyper] | None = None,
     **options: Any,
 ) -> Optimizer:
     """:func:`funcamp.optim.elementwise` for ``step`` (``build``: with ``options`` such as a
     fused kernel or a weight-decay mask), with the low-precision mode's
-    ``(master_weights, kahan, stochastic_rounding, seed)``."""
+    ``(master_weights, kahan, stochastic_rounding, seed)``; ``hyper``: the scheduled
+    hyperparameters (``step`` then gets ``hyper=``, their values this step, by name)."""
     master_weights, kahan, stochastic_rounding, seed = modes
     return build(
         api, state_type, step, learning_rate, buffers=buffers, needs_params=needs_params,
+        hyper={name: h.fn for name, h in (hyper or {}).items()},
         master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
         seed=seed, **options,
     )  # fmt: skip
@@ -63,6 +140,13 @@ def _checked(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple
     ``weight_decay`` (both >= 0) returned."""
     check_flag(api, "maximize", maximize)
     return check_number(api, "eps", eps), check_number(api, "weight_decay", weight_decay)
+
+
+def _checked_scheduled(api: str, maximize: bool, eps: Any, weight_decay: Any) -> tuple[Any, Any]:
+    """:func:`_checked` where ``eps`` and ``weight_decay`` may follow schedules (see
+    :func:`hyperparameter`)."""
+    check_flag(api, "maximize", maximize)
+    return hyperparameter(api, "eps", eps), hyperparameter(api, "weight_decay", weight_decay)
 
 
 def _kept(ops: Ops, buffers: dict, **values: Tensors) -> dict[str, Tensors]:
@@ -98,12 +182,13 @@ def _steps(count: torch.Tensor) -> torch.Tensor:
     return (count + 1).to(torch.float64)
 
 
-def _prologue(ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: float) -> Tensors:
-    """``grad = -grad`` (maximize; exact), then ``grad.add(param, alpha=weight_decay)``."""
+def _prologue(ops: Ops, g: Tensors, p: Any, maximize: bool, weight_decay: Any) -> Tensors:
+    """``grad = -grad`` (maximize; exact), then ``grad.add(param, alpha=weight_decay)`` (a
+    schedule's value: always added, where 0 adds nothing)."""
     if maximize:
         g = ops.mul(g, -1.0)
-    if weight_decay > 0:
-        g = ops.fma(p, weight_decay, g)
+    if isinstance(weight_decay, torch.Tensor) or weight_decay > 0:
+        g = ops.fma(p, operand(ops, weight_decay), g)
     return g
 
 

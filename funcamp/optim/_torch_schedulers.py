@@ -18,7 +18,7 @@ import torch
 
 from funcamp._core.tree import describe
 from funcamp.optim._base import Optimizer
-from funcamp.optim._from_torch import _schedule, from_torch
+from funcamp.optim._from_torch import _schedule, cycled_group, from_torch
 from funcamp.optim._plateau import PlateauState
 from funcamp.optim._schedules import _mark
 
@@ -82,10 +82,36 @@ def translate(
     view = fresh(scheduler)
     proxy = copy.copy(optimizer)  # the same params and hyperparameters; the lr a schedule
     proxy.param_groups = [
-        {**group, "lr": _shifted(_schedule(view, i, total_steps), by)}
+        {**_cycled(view, group, i, by), "lr": _shifted(_schedule(view, i, total_steps), by)}
         for i, (group, by) in enumerate(zip(optimizer.param_groups, shifts))
     ]
     return from_torch(proxy, params)
+
+
+def _cycled(scheduler: Any, group: Mapping[str, Any], i: int, by: int) -> dict[str, Any]:
+    """``group`` with the momentum the scheduler cycles (OneCycleLR's, CyclicLR's) as its
+    schedule, shifted as the learning rate's."""
+    out = dict(cycled_group(scheduler, group, i))
+    if callable(out.get("momentum")):
+        out["momentum"] = _shifted(out["momentum"], by)
+    betas = out.get("betas")
+    if isinstance(betas, tuple) and callable(betas[0]):
+        out["betas"] = (_shifted(betas[0], by), *betas[1:])
+    return out
+
+
+def momenta(scheduler: Any, optimizer: torch.optim.Optimizer, n: int) -> list[Any]:
+    """The momentum (or first beta) of each group at count ``n`` where the scheduler cycles
+    it (None elsewhere): what torch's groups hold after ``n`` steps."""
+    at = torch.tensor(n)
+    out: list[Any] = []
+    for i, group in enumerate(optimizer.param_groups):
+        cycled = _cycled(fresh(scheduler), group, i, 0)
+        m = cycled.get("momentum")
+        if not callable(m):
+            m = cycled["betas"][0] if isinstance(cycled.get("betas"), tuple) else None
+        out.append(float(m(at)) if callable(m) else None)
+    return out
 
 
 def learning_rates(scheduler: Any, n: int, groups: int) -> list[float]:
@@ -163,6 +189,13 @@ def set_position(api: str, scheduler: Any, optimizer: torch.optim.Optimizer, n: 
     if getattr(scheduler, "optimizer", None) is not optimizer:
         raise ValueError(f"funcamp.{api}: `scheduler` must be an lr_scheduler of `optimizer`")
     _set_lrs(optimizer, learning_rates(scheduler, n, len(optimizer.param_groups)))
+    for group, m in zip(optimizer.param_groups, momenta(scheduler, optimizer, n)):
+        if m is None:
+            continue
+        if getattr(scheduler, "use_beta1", False):
+            group["betas"] = (m, *tuple(group["betas"])[1:])
+        else:
+            group["momentum"] = m
     _write(scheduler, n)
 
 

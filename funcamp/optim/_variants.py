@@ -12,6 +12,7 @@ import torch
 
 from funcamp._core.checks import check_flag, check_number
 from funcamp.optim import _betas as bt
+from funcamp.optim import _shared as hp
 from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
@@ -560,11 +561,19 @@ def asgd(
 # rprop
 
 
-def _rprop_step(etaminus: float, etaplus: float, smin: float, smax: float, maximize: bool) -> Any:
-    def step(ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any) -> Any:
+def _rprop_step(etaminus: Any, etaplus: Any, smin: Any, smax: Any, maximize: bool) -> Any:
+    cfg = (etaminus, etaplus, smin, smax)
+
+    def step(
+        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, hyper: Any = None
+    ) -> Any:
         # torch.optim.Rprop: sign = grad.mul(prev).sign() -> etaplus / etaminus / 1;
         # step_size.mul_(sign).clamp_(min, max) (step_size starts at lr); grad = 0 where the
         # sign flipped; p.addcmul_(grad.sign(), step_size, value=-1); prev.copy_(grad).
+        # (A schedule's value: its float32 number, as torch writes a Python float.)
+        etaminus, etaplus, smin, smax = (hp.operand(ops, hp.at(hyper, x)) for x in cfg)
+        if isinstance(smin, torch.Tensor) or isinstance(smax, torch.Tensor):  # clamp's overload
+            smin, smax = ops.scalar(smin), ops.scalar(smax)
         if maximize:
             g = ops.mul(g, -1.0)
         s = ops.sign(ops.mul(g, buffers["prev"]))
@@ -626,20 +635,24 @@ def rprop(
     check_flag(api, "maximize", maximize)
     etaminus, etaplus = _pair(api, "etas", etas)
     smin, smax = _pair(api, "step_sizes", step_sizes)
-    etaminus = check_number(api, "etas[0]", etaminus)
-    etaplus = check_number(api, "etas[1]", etaplus)
-    if not 0.0 < etaminus < 1.0 < etaplus:
+    # a schedule's values: etaminus in [0, 1), etaplus >= 1 (checked each step)
+    etaminus = hp.hyperparameter(
+        api, "etas[0]", etaminus, maximum=1.0 if callable(etaminus) else None
+    )
+    etaplus = hp.hyperparameter(api, "etas[1]", etaplus, minimum=1.0 if callable(etaplus) else 0.0)
+    if not hp.scheduled(etaminus, etaplus) and not 0.0 < etaminus < 1.0 < etaplus:
         raise ValueError(
             f"funcamp.{api}: `etas` must be (etaminus, etaplus) with 0 < etaminus < 1 < "
             f"etaplus, got {etas!r}"
         )
-    smin = check_number(api, "step_sizes[0]", smin)
-    smax = check_number(api, "step_sizes[1]", smax)
-    if smin > smax:
+    smin = hp.hyperparameter(api, "step_sizes[0]", smin)
+    smax = hp.hyperparameter(api, "step_sizes[1]", smax)
+    if not hp.scheduled(smin, smax) and smin > smax:
         raise ValueError(
             f"funcamp.{api}: `step_sizes` must be (min, max) with min <= max, got {step_sizes!r}"
         )
     step = _rprop_step(etaminus, etaplus, smin, smax, maximize)
     return _build(
-        api, RpropState, step, learning_rate, (master_weights, kahan, stochastic_rounding, seed)
-    )
+        api, RpropState, step, learning_rate, (master_weights, kahan, stochastic_rounding, seed),
+        hyper=hp.hyperparameters(etaminus, etaplus, smin, smax),
+    )  # fmt: skip
