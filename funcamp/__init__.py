@@ -21,17 +21,20 @@ from funcamp.checkpoints.save import checkpoint_info, load, save
 from funcamp.checkpoints.state_dict import load_state_dict, state_dict
 from funcamp.optim._adafactor import adafactor
 from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
+from funcamp.optim._asgd import asgd
 from funcamp.optim._base import Optimizer, apply_updates, chain
 from funcamp.optim._blocks import negate_gradients, scale_by_amsgrad
 from funcamp.optim._lbfgs import lbfgs
+from funcamp.optim._lion import lion
 from funcamp.optim._muon import muon
-from funcamp.optim._optimizers import adam, adamw, lion, sgd
+from funcamp.optim._optimizers import adam, adamw
 from funcamp.optim._schedules import (
     constant_schedule,
     cosine_decay_schedule,
     linear_schedule,
     linear_warmup_cosine_decay,
 )
+from funcamp.optim._sgd import sgd
 from funcamp.optim._transforms import (
     accumulate,
     accumulate_applies,
@@ -39,7 +42,7 @@ from funcamp.optim._transforms import (
     masked,
     multi_transform,
 )
-from funcamp.optim._variants import asgd, nadam, radam, rprop
+from funcamp.optim._variants import nadam, radam, rprop
 from funcamp.policy.fp8 import Fp8Recipe
 from funcamp.policy.ops import OpPolicy, OpRule
 from funcamp.policy.policy import Policy, get_policy

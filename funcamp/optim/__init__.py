@@ -23,11 +23,11 @@ Layout (the package's private modules, one idea each):
 * ``_elementwise``: :func:`elementwise`, an algorithm plus everything around it (validation,
   learning rates, count, buffers, low-precision modes, the fast path);
 * ``_states``: the optimizers' state types;
-* ``_optimizers``: each optimizer's algorithm, written once (``sgd``, ``adam``/``adamw``,
-  ``lion``);
-* ``_adaptive``, ``_variants``: torch.optim's other elementwise optimizers, each built with
-  :func:`elementwise` alone (``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``; ``nadam``,
-  ``radam``, ``asgd``, ``rprop``);
+* ``_sgd``, ``_optimizers``, ``_lion``: ``sgd``, ``adam``/``adamw`` and ``lion``, each
+  algorithm written once;
+* ``_adaptive``, ``_variants``, ``_asgd``: torch.optim's other elementwise optimizers, each
+  built with :func:`elementwise` alone (``rmsprop``, ``adagrad``, ``adadelta``, ``adamax``;
+  ``nadam``, ``radam``, ``rprop``; ``asgd``);
 * ``_shared``: what the built-in elementwise optimizers share (their factory, the common
   checks and step pieces);
 * ``_muon``, ``_adafactor``: ``muon`` (elementwise; its step orthogonalises each matrix) and

@@ -12,7 +12,7 @@ nothing syncs with the host.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.tensor as dtensor
@@ -206,6 +206,79 @@ def _on_shards(
     return out
 
 
+class _Adafactor(NamedTuple):
+    """An :func:`adafactor`'s configuration, as its update reads it."""
+
+    mode: Any
+    lr_fn: Any
+    maximize: bool
+    beta2_decay: float
+    cfg: tuple[Any, ...]
+
+
+def _checked_state(
+    mode: Any, grads: PyTree, state: Any, params: PyTree
+) -> tuple[Any, Any, Any, list]:
+    """The grads, params and buffers of one update, checked against the state's structure."""
+    api = "adafactor"
+    check_state_type(api, state, AdafactorState, "an")
+    gs, ps, spec = flatten_grads(api, grads, params, need_params=True)
+    check_count(api, "count", state.count)
+    bufs = [state_leaves(api, f, getattr(state, f), spec) for f in AdafactorState._fields[1:4]]
+    for i, p in zip(range(len(ps)), ps):
+        for f, want, x in zip(AdafactorState._fields[1:4], _shapes(p), (b[i] for b in bufs)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+                raise ValueError(
+                    f"funcamp.{api}: `state.{f}` leaf {leaf_path(grads, i)} must be a tensor "
+                    f"of shape {want}, got {describe(x)}; build the state with init(params)"
+                )
+    check_mode_state(api, mode, state.low, ps, spec, grads)
+    return gs, ps, spec, bufs
+
+
+def _run(
+    how: _Adafactor, grads: PyTree, state: Any, params: PyTree, new_params: bool
+) -> tuple[PyTree, Any]:
+    """One Adafactor update with the configuration ``how``."""
+    api, mode, lr_fn, maximize, cfg = "adafactor", how.mode, how.lr_fn, how.maximize, how.cfg
+    beta2_decay = how.beta2_decay
+    gs, ps, spec, bufs = _checked_state(mode, grads, state, params)
+    count = state.count
+    if not gs:
+        return unflatten(spec, []), state._replace(count=count + 1)
+    on_shards = shard_layouts(api, WHOLE, grads)
+    lr = lr_fn(count)[0]
+    lr64 = _f64(lr)
+    t = (count + 1).to(torch.float64)
+    # torch's one_minus_beta2_t = step ** beta2_decay and rho_t = min(lr, 1 / step ** 0.5):
+    # Python doubles (C's pow); the lerp weight rounded to float32 by the kernel
+    weight = _python_pow(t, beta2_decay).to(torch.float32)
+    inv_sqrt = 1.0 / _half_power(t)
+    if isinstance(lr64, torch.Tensor):
+        rho = torch.minimum(lr64.to(t.device), inv_sqrt)
+    else:
+        rho = torch.clamp(inv_sqrt, max=lr64)
+    pm = math_params(api, mode, state.low, ps, spec)
+    gs = [-g.to(p.dtype) if maximize else g.to(p.dtype) for g, p in zip(gs, pm)]
+    ws = [_like(weight.to(p.device, p.dtype), p) for p in pm]
+    leaf_bufs = [tuple(b[i] for b in bufs) for i in range(len(gs))]
+    if on_shards is None:
+        results = [_leaf(g, p, b, lr64, w, rho, cfg) for g, p, b, w in zip(gs, pm, leaf_bufs, ws)]
+    else:
+        across, lays = on_shards
+        results = _on_shards(across, lays, gs, pm, leaf_bufs, lr64, ws, rho, cfg)
+    news, new = [], ([], [], [])
+    for new_p, leaf_new in results:
+        news.append(new_p)
+        for out, x in zip(new, leaf_new):
+            out.append(x)
+    updates, low = to_updates(
+        api, mode, state.low, count, NewParams(news), ps, spec, new_params=new_params
+    )
+    trees = [unflatten(spec, xs) for xs in new]
+    return updates, AdafactorState(count + 1, *trees, low)
+
+
 def adafactor(
     learning_rate: LearningRate = 1e-2,
     beta2_decay: float = -0.8,
@@ -300,67 +373,15 @@ def adafactor(
             init_mode(mode, leaves, spec, seed),
         )
 
-    def checked(grads: PyTree, state: Any, params: PyTree) -> tuple[Any, Any, Any, list]:
-        check_state_type(api, state, AdafactorState, "an")
-        gs, ps, spec = flatten_grads(api, grads, params, need_params=True)
-        check_count(api, "count", state.count)
-        bufs = [state_leaves(api, f, getattr(state, f), spec) for f in AdafactorState._fields[1:4]]
-        for i, p in zip(range(len(ps)), ps):
-            for f, want, x in zip(AdafactorState._fields[1:4], _shapes(p), (b[i] for b in bufs)):
-                if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
-                    raise ValueError(
-                        f"funcamp.{api}: `state.{f}` leaf {leaf_path(grads, i)} must be a tensor "
-                        f"of shape {want}, got {describe(x)}; build the state with init(params)"
-                    )
-        check_mode_state(api, mode, state.low, ps, spec, grads)
-        return gs, ps, spec, bufs
-
-    def run(grads: PyTree, state: Any, params: PyTree, new_params: bool) -> tuple[PyTree, Any]:
-        gs, ps, spec, bufs = checked(grads, state, params)
-        count = state.count
-        if not gs:
-            return unflatten(spec, []), state._replace(count=count + 1)
-        on_shards = shard_layouts(api, WHOLE, grads)
-        lr = lr_fn(count)[0]
-        lr64 = _f64(lr)
-        t = (count + 1).to(torch.float64)
-        # torch's one_minus_beta2_t = step ** beta2_decay and rho_t = min(lr, 1 / step ** 0.5):
-        # Python doubles (C's pow); the lerp weight rounded to float32 by the kernel
-        weight = _python_pow(t, beta2_decay).to(torch.float32)
-        inv_sqrt = 1.0 / _half_power(t)
-        if isinstance(lr64, torch.Tensor):
-            rho = torch.minimum(lr64.to(t.device), inv_sqrt)
-        else:
-            rho = torch.clamp(inv_sqrt, max=lr64)
-        pm = math_params(api, mode, state.low, ps, spec)
-        gs = [-g.to(p.dtype) if maximize else g.to(p.dtype) for g, p in zip(gs, pm)]
-        ws = [_like(weight.to(p.device, p.dtype), p) for p in pm]
-        leaf_bufs = [tuple(b[i] for b in bufs) for i in range(len(gs))]
-        if on_shards is None:
-            results = [
-                _leaf(g, p, b, lr64, w, rho, cfg) for g, p, b, w in zip(gs, pm, leaf_bufs, ws)
-            ]
-        else:
-            across, lays = on_shards
-            results = _on_shards(across, lays, gs, pm, leaf_bufs, lr64, ws, rho, cfg)
-        news, new = [], ([], [], [])
-        for new_p, leaf_new in results:
-            news.append(new_p)
-            for out, x in zip(new, leaf_new):
-                out.append(x)
-        updates, low = to_updates(
-            api, mode, state.low, count, NewParams(news), ps, spec, new_params=new_params
-        )
-        trees = [unflatten(spec, xs) for xs in new]
-        return updates, AdafactorState(count + 1, *trees, low)
+    how = _Adafactor(mode, lr_fn, maximize, beta2_decay, cfg)
 
     def update(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-        return run(grads, state, params, False)
+        return _run(how, grads, state, params, False)
 
     def prepare(grads: PyTree, state: Any, params: PyTree = None) -> Prepared:
-        checked(grads, state, params)
+        _checked_state(mode, grads, state, params)
         unusable = lr_fn(state.count)[1]
-        return Prepared(unusable, lambda g, writes: run(g, state, params, writes.new_params))
+        return Prepared(unusable, lambda g, writes: _run(how, g, state, params, writes.new_params))
 
     def rate(state: Any) -> torch.Tensor:
         lr = lr_fn(state.count)[0]

@@ -18,14 +18,17 @@ from funcamp._core.tree import describe
 from funcamp.optim import _lr_schedulers as ls
 from funcamp.optim._adafactor import adafactor
 from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
+from funcamp.optim._asgd import asgd
 from funcamp.optim._base import Optimizer
 from funcamp.optim._lbfgs import lbfgs
+from funcamp.optim._lion import lion
 from funcamp.optim._muon import muon
-from funcamp.optim._optimizers import adam, adamw, lion, sgd
+from funcamp.optim._optimizers import adam, adamw
 from funcamp.optim._plateau import reduce_on_plateau
 from funcamp.optim._schedules import _mark, chained_lr, join_schedules
+from funcamp.optim._sgd import sgd
 from funcamp.optim._transforms import multi_transform
-from funcamp.optim._variants import asgd, nadam, radam, rprop
+from funcamp.optim._variants import nadam, radam, rprop
 
 __all__ = ["OPTIMIZERS", "SCHEDULERS", "from_torch"]
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from funcamp._core.checks import check_flag, check_number
+from funcamp._core.checks import check_flag
 from funcamp._core.tree import PyTree
 from funcamp.optim import _betas as bt
 from funcamp.optim._base import NewParams, Optimizer
-from funcamp.optim._fused import FUSED_ADAM, AdamHyper, SgdHyper, fused_adam, fused_sgd
+from funcamp.optim._fused import FUSED_ADAM, AdamHyper, fused_adam
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
     _beta,
@@ -35,9 +35,9 @@ from funcamp.optim._shared import (
     refuse_scheduled,
     scheduled,
 )
-from funcamp.optim._states import AdamState, LionState, SgdState
+from funcamp.optim._states import AdamState
 
-__all__ = ["AdamState", "LionState", "SgdState", "adam", "adamw", "lion", "sgd"]
+__all__ = ["AdamState", "adam", "adamw"]
 Tensors = list[torch.Tensor]
 #: A learning rate: a Python float (fixed), a 0-d tensor, or a schedule of the step count.
 LearningRate = Any
@@ -73,191 +73,6 @@ def _added(ops: Ops, p: Any, deltas: Tensors) -> Tensors | NewParams:
     (a donated state whose step is known to apply: torch.optim's in-place add)."""
     into = None if p is None else ops.target(p)
     return deltas if into is None else NewParams(ops.add(p, deltas, into=into))
-
-
-# --------------------------------------------------------------------------------------------
-# sgd
-
-
-def _sgd_step(hyper: SgdHyper) -> Any:
-    momentum, dampening, nesterov, weight_decay, maximize = hyper
-    if scheduled(momentum, dampening, weight_decay):
-        return _scheduled_sgd_step(hyper)
-
-    def step(ops: Ops, grads: Tensors, params: Any, buffers: dict, lr: Any, count: Any) -> Any:
-        # torch.optim.SGD: grad = -grad (maximize); grad.add(p, alpha=weight_decay);
-        # buf.mul_(momentum).add_(grad, alpha=1 - dampening) (buf = grad on the first step);
-        # grad.add(buf, alpha=momentum) (nesterov) or grad = buf; p.add_(grad, alpha=-lr).
-        if maximize:  # times -1 is exact: torch's -grad, bit for bit
-            grads = ops.mul(grads, -1.0, into=grads)
-        d, new = grads, {}
-        if weight_decay > 0:
-            d = ops.fma(params, weight_decay, d, into=d)
-        free = d  # dead once the step is known: the result may go into it
-        if momentum > 0:
-            buf = ops.mul(buffers["momentum"], momentum, into=ops.target(buffers["momentum"]))
-            if dampening:
-                buf = ops.where(count == 0, d, ops.fma(d, 1.0 - dampening, buf))
-            else:
-                buf = ops.add(buf, d, into=buf)
-            new["momentum"] = buf = ops.kept(buf, replaces=buffers["momentum"])
-            if nesterov:
-                d = free = ops.fma(buf, momentum, d, into=d)
-            else:  # the step is the kept buffer; the result goes into the dead grads
-                d = buf
-        neg_lr = ops.scalar(-lr)
-        if params is None:  # no params to add to: the rounded step itself
-            return ops.mul(d, neg_lr, into=free), new
-        return NewParams(ops.fma(d, neg_lr, params, into=ops.target(params, free))), new
-
-    return step
-
-
-def _scheduled_sgd_step(hyper: SgdHyper) -> Any:
-    """SGD with a scheduled momentum, dampening or weight decay: torch's operations on each
-    step's values. The buffer is kept whenever a momentum is given (torch's, when the momentum
-    is 0 at a step, neither moves nor is read: a ``where`` selects that), and the term
-    ``weight_decay * p`` is always added (0 adds nothing)."""
-    momentum, dampening, nesterov, weight_decay, maximize = hyper
-    moves = scheduled(momentum) or momentum > 0
-    decays = scheduled(weight_decay) or weight_decay > 0
-
-    def step(
-        ops: Ops, grads: Tensors, params: Any, buffers: dict, lr: Any, count: Any, hyper: Any
-    ) -> Any:
-        m, damp, wd = at(hyper, momentum), at(hyper, dampening), at(hyper, weight_decay)
-        if maximize:
-            grads = ops.mul(grads, -1.0, into=grads)
-        d, new = grads, {}
-        if decays:
-            d = ops.fma(params, operand(ops, wd), d, into=d)
-        if moves:
-            old = buffers["momentum"]
-            buf = ops.mul(old, operand(ops, m))
-            if scheduled(dampening) or dampening:
-                buf = ops.where(count == 0, d, ops.fma(d, operand(ops, 1.0 - damp), buf))
-            else:
-                buf = ops.add(buf, d, into=buf)
-            direction = ops.fma(buf, operand(ops, m), d) if nesterov else buf
-            if scheduled(momentum):  # torch skips the momentum where it is 0
-                on = m != 0
-                buf = ops.where(on, buf, old)
-                direction = ops.where(on, direction, d)
-            kept = new["momentum"] = ops.kept(buf, replaces=old)
-            d = kept if direction is buf else direction
-        neg_lr = ops.scalar(-lr)
-        if params is None:
-            return ops.mul(d, neg_lr), new
-        return NewParams(ops.fma(d, neg_lr, params, into=ops.target(params))), new
-
-    return step
-
-
-def sgd(
-    learning_rate: LearningRate,
-    momentum: float = 0.0,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    dampening: float = 0.0,
-    *,
-    maximize: bool = False,
-    master_weights: bool = False,
-    kahan: bool = False,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
-    fused: bool = False,
-) -> Optimizer:
-    """Stochastic gradient descent with torch.optim.SGD's semantics.
-
-    The direction is ``d = g + weight_decay * p`` (``g`` is negated first with ``maximize``). With
-    momentum, ``buf = momentum * buf + (1 - dampening) * d`` (``buf = d`` on the first step). Then
-    ``d = d + momentum * buf`` (nesterov) or ``d = buf``. The update is ``-lr * d``. Math runs in
-    float32 for half params.
-
-    Args:
-        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
-            built). A value that is NaN, infinite or negative at run time skips the step.
-        momentum: momentum factor (>= 0).
-        nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
-        weight_decay: L2 penalty added to the gradient (>= 0).
-        dampening: dampening for momentum, in [0, 1].
-        maximize: ascend the objective: negate the gradients first, as
-            ``torch.optim.SGD(maximize=True)`` does. The same as
-            ``funcamp.chain(funcamp.negate_gradients(), funcamp.sgd(...))``.
-        master_weights: keep float32 copies of half params (see :mod:`funcamp.optim`).
-        kahan: keep Kahan compensation buffers for half params.
-        stochastic_rounding: round half params stochastically.
-        seed: seed of the stochastic-rounding hash.
-        fused: run torch's fused SGD kernel, bit for bit ``torch.optim.SGD(fused=True)``
-            (with momentum its rounding differs from the default step's). Float32 params on
-            one device; not under ``torch.func`` transforms.
-
-    Returns:
-        An :class:`Optimizer` whose state is a :class:`funcamp.optim.SgdState`.
-
-    Example:
-        >>> import torch, funcamp
-        >>> opt = funcamp.sgd(0.5, momentum=0.9)
-        >>> params = {"w": torch.ones(2)}
-        >>> state = opt.init(params)
-        >>> for _ in range(2):
-        ...     updates, state = opt.update({"w": torch.ones(2)}, state, params)
-        ...     params = funcamp.apply_updates(params, updates)
-        >>> params, state.count
-        ({'w': tensor([-0.4500, -0.4500])}, tensor(2, dtype=torch.int32))
-
-        Gradient ascent, as ``torch.optim.SGD(maximize=True)``:
-
-        >>> opt = funcamp.sgd(0.5, maximize=True)
-        >>> params = {"w": torch.ones(2)}
-        >>> updates, _ = opt.update({"w": torch.ones(2)}, opt.init(params), params)
-        >>> funcamp.apply_updates(params, updates)
-        {'w': tensor([1.5000, 1.5000])}
-    """
-    api = "sgd"
-    check_flag(api, "maximize", maximize)
-    momentum = hyperparameter(api, "momentum", momentum)
-    weight_decay = hyperparameter(api, "weight_decay", weight_decay)
-    dampening = hyperparameter(api, "dampening", dampening, maximum=1.0, maximum_open=False)
-    hyper_fns = hyperparameters(momentum, weight_decay, dampening)
-    if hyper_fns:
-        check_flag(api, "fused", fused)
-        refuse_scheduled(
-            api, "torch's fused kernel takes fixed values: pass floats, or fused=False",
-            **(hyper_fns if fused else {}),
-        )  # fmt: skip
-        if nesterov and (
-            (not scheduled(momentum) and momentum <= 0) or scheduled(dampening) or dampening != 0
-        ):
-            raise ValueError(
-                f"funcamp.{api}: `nesterov` must be False unless momentum > 0 and dampening "
-                "== 0 (a float)"
-            )
-        return _build(
-            api, SgdState, _sgd_step(SgdHyper(momentum, dampening, nesterov, weight_decay,
-                                              maximize)),
-            learning_rate, (master_weights, kahan, stochastic_rounding, seed),
-            buffers=("momentum",) if scheduled(momentum) or momentum > 0 else (),
-            needs_params=scheduled(weight_decay) or weight_decay > 0, hyper=hyper_fns,
-        )  # fmt: skip
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError(
-            f"funcamp.{api}: `nesterov` must be False unless momentum > 0 and dampening == 0, "
-            f"got nesterov=True with momentum={momentum!r}, dampening={dampening!r}"
-        )
-    hyper = SgdHyper(momentum, dampening, nesterov, weight_decay, maximize)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
-    check_flag(api, "fused", fused)
-    in_place, copies = fused_sgd(hyper)
-    if fused:
-        check_fused_modes(api, modes)
-    elif momentum > 0:  # the kernel's momentum rounds otherwise than the default step
-        in_place = None
-    return _build(
-        api, SgdState, _sgd_step(hyper), learning_rate, modes,
-        buffers=("momentum",) if momentum > 0 else (), needs_params=weight_decay > 0 or fused,
-        fused_kernel=in_place, fused_update=copies if fused else None,
-    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -613,104 +428,3 @@ def adamw(
         "adamw", learning_rate, b1, b2, eps, weight_decay, True, modes, mask, fused, amsgrad,
         maximize, differentiable,
     )  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------
-# lion
-
-
-def _lion_step(b1: float, b2: float, weight_decay: float) -> Any:
-    def step(
-        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, mask: Any = None
-    ) -> Any:
-        # Chen et al. 2023, Program 1, with decoupled weight decay done as torch does it:
-        # p.mul_(1 - lr * wd); p.add_(sign(b1 * m + (1 - b1) * g), alpha=-lr);
-        # m = b2 * m + (1 - b2) * g. Each `mul(b) + x * (1 - b)` is one fused multiply-add.
-        m = buffers["exp_avg"]
-        direction = ops.mul(m, b1)
-        direction = ops.fma(g, 1.0 - b1, direction, into=direction)
-        direction = ops.sign(direction, into=direction)
-        new_m = ops.mul(m, b2, into=ops.target(m))  # m is read: the direction is known
-        new_m = ops.kept(ops.fma(g, 1.0 - b2, new_m, into=new_m), replaces=m)
-        neg_lr = ops.scalar(-lr)
-        on = _decayed(mask) if weight_decay > 0 else []
-        if on == []:  # -lr * (+-1 or 0) is exact: apply_updates adds it as torch does
-            return _added(ops, p, ops.mul(direction, neg_lr, into=direction)), {"exp_avg": new_m}
-        # p.mul_(1 - lr * wd), then p.add_(sign, alpha=-lr): the new params themselves
-        lr64 = _f64(lr)
-        pd, dd = _pick(p, on), _pick(direction, on)
-        factor = ops.scalar(1.0 - lr64 * weight_decay)
-        new_p = ops.mul(pd, factor, into=ops.target(pd, _pick(g, on)))  # g is dead
-        decayed = ops.fma(dd, neg_lr, new_p, into=new_p)
-        if on is None:
-            return NewParams(decayed), {"exp_avg": new_m}
-        off = [i for i, flag in zip(range(len(mask)), mask) if not flag]  # no decay
-        po = _pick(p, off)
-        plain = ops.fma(_pick(direction, off), neg_lr, po, into=ops.target(po))
-        return NewParams(_merge(len(direction), (on, decayed), (off, plain))), {"exp_avg": new_m}
-
-    return step
-
-
-def lion(
-    learning_rate: LearningRate,
-    b1: float = 0.9,
-    b2: float = 0.99,
-    weight_decay: float = 1e-3,
-    *,
-    mask: Mask = None,
-    master_weights: bool = False,
-    kahan: bool = False,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
-) -> Optimizer:
-    """Lion: the sign of an interpolation of momentum and gradient, with decoupled weight decay.
-
-    From Chen et al., "Symbolic Discovery of Optimization Algorithms".
-
-    The step is ``p = p * (1 - lr * weight_decay) - lr * sign(b1 * m + (1 - b1) * g)``, then ``m =
-    b2 * m + (1 - b2) * g``. Lion keeps one buffer per param (half Adam's memory). Lion wants a
-    learning rate 3-10x smaller than AdamW's, and a larger weight decay. ``mask`` picks the leaves
-    the weight decay applies to, as optax's ``lion(mask=)`` does (see :func:`funcamp.adamw`).
-
-    The defaults are optax's (``optax.lion``), including ``weight_decay=1e-3``. lion-pytorch's
-    ``Lion`` defaults to ``weight_decay=0.0``; pass ``weight_decay=0.0`` to reproduce it. Its
-    decay, when set, is this one: ``p *= 1 - lr * weight_decay``. With its
-    ``decoupled_weight_decay=True``, pass its ``weight_decay / lr``.
-
-    Args:
-        learning_rate: a float, a 0-d tensor, or a schedule ``count -> lr`` (probed once when
-            built). A value that is NaN, infinite or negative at run time skips the step.
-        b1: interpolation factor of the update direction, in [0, 1).
-        b2: decay of the momentum, in [0, 1).
-        weight_decay: decoupled decay rate (>= 0). 1e-3 by default (optax's; lion-pytorch's is
-            0.0).
-        mask: where the weight decay applies: a pytree of Python bools (or a prefix of the
-            params' structure), or a callable of the leaf path or of the params (see
-            :func:`funcamp.adamw`). ``None`` (default): every leaf.
-        master_weights: keep float32 copies of half params.
-        kahan: keep Kahan compensation buffers for half params.
-        stochastic_rounding: round half params stochastically.
-        seed: seed of the stochastic-rounding hash.
-
-    Returns:
-        An :class:`Optimizer` whose state is a :class:`funcamp.optim.LionState`.
-
-    Example:
-        >>> import torch, funcamp
-        >>> opt = funcamp.lion(0.1, weight_decay=0.0)
-        >>> params = {"w": torch.zeros(3)}
-        >>> g = {"w": torch.tensor([2.0, -0.5, 0.0])}
-        >>> updates, state = opt.update(g, opt.init(params), params)
-        >>> funcamp.apply_updates(params, updates)
-        {'w': tensor([-0.1000,  0.1000,  0.0000])}
-    """
-    api = "lion"
-    b1 = check_number(api, "b1", b1, maximum=1.0)
-    b2 = check_number(api, "b2", b2, maximum=1.0)
-    weight_decay = check_number(api, "weight_decay", weight_decay)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
-    step = _lion_step(b1, b2, weight_decay)
-    return _build(
-        api, LionState, step, learning_rate, modes, needs_params=weight_decay > 0, mask=mask
-    )
