@@ -1,7 +1,7 @@
 """The helpers the built-in elementwise optimizers share.
 
-* :func:`_build`: the factory that builds one from its ``step`` and the low-precision mode's
-  arguments;
+* :func:`_build`: :func:`funcamp.optim.elementwise` with the low-precision mode's arguments
+  as one tuple;
 * the common argument checks;
 * the steps' building blocks: the gradient prologue, ``p.add_(d, alpha=)``, the float64 step
   count and learning rate;
@@ -18,7 +18,7 @@ import torch
 from funcamp._core.checks import check_flag, check_number, flatten_grads
 from funcamp._core.tree import PyTree, describe, unflatten
 from funcamp.optim._base import NewParams, Optimizer, Prepared
-from funcamp.optim._elementwise import build
+from funcamp.optim._elementwise import elementwise
 from funcamp.optim._paths import Ops, choose_ops
 
 __all__: list[str] = []
@@ -37,11 +37,11 @@ def _build(
     needs_params: bool = False,
     **options: Any,
 ) -> Optimizer:
-    """:func:`funcamp.optim.elementwise` for ``step`` (``build``: with ``options`` such as a
-    fused kernel or a weight-decay mask), with the low-precision mode's
-    ``(master_weights, kahan, stochastic_rounding, seed)``."""
+    """:func:`funcamp.optim.elementwise` for ``step``, the low-precision mode given as
+    ``(master_weights, kahan, stochastic_rounding, seed)``; ``options``: elementwise's others
+    (``fused_kernel``, ``mask``, ``fill``, ...)."""
     master_weights, kahan, stochastic_rounding, seed = modes
-    return build(
+    return elementwise(
         api, state_type, step, learning_rate, buffers=buffers, needs_params=needs_params,
         master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
         seed=seed, **options,
