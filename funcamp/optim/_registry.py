@@ -16,7 +16,7 @@ here.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -144,6 +144,34 @@ _ENTRIES = (
        "lion_pytorch.lion_pytorch.Lion", ("exp_avg",)),  # lucidrains' lion-pytorch
 )  # fmt: skip
 
-REGISTRY: Mapping[str, OptimizerEntry] = MappingProxyType({e.name: e for e in _ENTRIES})
-"""funcamp's name -> :class:`OptimizerEntry`, for every built-in optimizer (read only).
-See :class:`OptimizerEntry` for an example."""
+
+class _Registry(Mapping[str, OptimizerEntry]):
+    """funcamp's name -> :class:`OptimizerEntry`, for every built-in optimizer, in a fixed order
+    (read only).
+
+    Example:
+        >>> import funcamp
+        >>> [name for name, e in funcamp.optim.REGISTRY.items() if e.takes("fused")]
+        ['sgd', 'adam', 'adamw', 'adagrad']
+        >>> funcamp.optim.REGISTRY["lion"].torch  # lucidrains' lion-pytorch
+        'lion_pytorch.lion_pytorch.Lion'
+    """
+
+    def __init__(self, entries: tuple[OptimizerEntry, ...]) -> None:
+        self._entries = MappingProxyType({e.name: e for e in entries})
+
+    def __getitem__(self, name: str) -> OptimizerEntry:
+        if name not in self._entries:
+            raise KeyError(
+                f"funcamp.optim.REGISTRY has no optimizer {name!r}; it holds {list(self._entries)}"
+            )
+        return self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+REGISTRY: Mapping[str, OptimizerEntry] = _Registry(_ENTRIES)
