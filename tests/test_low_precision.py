@@ -19,7 +19,7 @@ from funcamp._core.rounding import (
     round_nearest,
     round_stochastic,
 )
-from funcamp.optim import MasterWeightsState, SetParam
+from funcamp.optim import REGISTRY, MasterWeightsState, SetParam
 
 #: The optree namespace funcamp documents for its state types (docs/concepts.md).
 NAMESPACE = "funcamp"
@@ -382,3 +382,24 @@ def test_state_bytes_per_param_match_the_documented_table(name, mode, dtype):
     assert (
         funcamp.optim.__doc__ is not None and "master 12, kahan 10, SR 8" in funcamp.optim.__doc__
     )
+
+
+#: what a mode adds per element of a half param, for every registered optimizer with the modes
+MODE_BYTES = {"master_weights": 4, "kahan": 2, "stochastic_rounding": 0}
+
+
+@pytest.mark.parametrize("mode", sorted(MODE_BYTES))
+@pytest.mark.parametrize("name", [n for n, e in REGISTRY.items() if e.modes])
+def test_a_mode_adds_the_documented_bytes_to_every_optimizer(name, mode):
+    """The docstring's rule, for every registered optimizer (one torch lacks too): a mode adds
+    4 B (master), 2 B (Kahan) or nothing (SR) per element of a half param, and nothing for a
+    float32 param; ``accumulate`` adds its 4 B on top."""
+    entry = REGISTRY[name]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        params = {"a": torch.zeros(8, 6, dtype=dtype), "b": torch.zeros(4, 8, dtype=dtype)}
+        plain = _bytes_per_param(entry.make().init(params), params)
+        moded = entry.make(**MODES[mode])
+        added = MODE_BYTES[mode] if dtype != torch.float32 else 0
+        assert _bytes_per_param(moded.init(params), params) == plain + added, dtype
+        acc = funcamp.accumulate(moded, 2)
+        assert _bytes_per_param(acc.init(params), params) == plain + added + 4, dtype

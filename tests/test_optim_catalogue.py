@@ -1,19 +1,60 @@
-"""torch.optim's other elementwise optimizers (``funcamp.rmsprop``, ``adagrad``, ``adadelta``,
-``adamax``, ``nadam``, ``radam``, ``asgd``, ``rprop``) beyond torch's own configurations
+"""The shared optimizer tests, parametrized by :data:`funcamp.optim.REGISTRY`'s names: every
+registered optimizer -- one torch lacks (``lion``) too -- through the low-precision modes, a
+skipped step, eager against compiled, its bad input. A new optimizer joins them with its registry
+line. Then torch.optim's other optimizers beyond torch's own configurations
 (``tests/test_optim_db.py``): the branches its few steps do not reach (RAdam's rectified step,
-ASGD's averaging), low-precision params, ``accumulate``, ``multi_transform`` and checkpoints.
+ASGD's averaging), ``accumulate``, ``multi_transform``, checkpoints, L-BFGS with a closure.
 """
 
 from __future__ import annotations
 
 import math
 
+import optree
 import pytest
 import torch
 
 import funcamp
+from funcamp.optim import REGISTRY
 from funcamp.testing import assert_trees_equal
-from tests.test_optim_db import _check, _funcamp_opt, _funcamp_run, _grads, _params
+from tests.test_optim_db import MATRICES, SHAPES, _check, _funcamp_run, _grads, _params
+
+#: the registered optimizers of gradients (L-BFGS reads a closure's loss: tested below)
+GRADIENT = [name for name, e in REGISTRY.items() if not e.loss]
+#: those with the low-precision modes
+MODED = [name for name, e in REGISTRY.items() if e.modes]
+STEPS = 4
+BAD_STEP = 2  # an inf in one gradient: the step is skipped (GradScaler's rule)
+
+
+def _shapes(name: str) -> dict[str, tuple[int, ...]]:
+    return MATRICES if REGISTRY[name].matrices else SHAPES
+
+
+def _start(name: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {k: torch.randn(s, generator=gen).to(dtype) for k, s in _shapes(name).items()}
+
+
+def _gradients(name: str, step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {k: torch.randn(s, generator=gen) for k, s in _shapes(name).items()}
+
+
+def _updated(opt, name: str, params: dict, steps: int = STEPS, step_fn=None):
+    """``steps`` updates of ``params`` (``step_fn(params, state, grads)``, else the update and
+    ``apply_updates``)."""
+
+    def plain(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return funcamp.apply_updates(params, updates), state
+
+    step = step_fn or plain
+    state = opt.init(params)
+    for i in range(steps):
+        params, state = step(params, state, _gradients(name, i))
+    return params, state
+
 
 LONG = [  # RAdam rectifies from step 6 (b2 = 0.999); ASGD averages from step t0 + 2
     ("RAdam", {"weight_decay": 0.1, "decoupled_weight_decay": True}, 9),
@@ -30,58 +71,109 @@ def test_longer_runs_match_torch_optim(name, kwargs, steps):
     _check(name, kwargs, params, state, steps=steps)
 
 
-HALF = ["RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adafactor"]
-KWARGS = {
-    "RMSprop": {"centered": True, "momentum": 0.5, "weight_decay": 0.1},
-    "NAdam": {"weight_decay": 0.1, "decoupled_weight_decay": True},
-    "ASGD": {"t0": 1},
-    "Adafactor": {"weight_decay": 0.1},
-}
+#: funcamp.optim's state types that are not an optimizer's own (combinators, modes, wrappers)
+NOT_OPTIMIZERS = {
+    "AccumulateState", "EmaState", "KahanState", "MaskedState", "MasterWeightsState",
+    "MultiTransformState", "PlateauState", "StochasticRoundingState",
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", HALF)
+def test_the_registry_declares_every_optimizer_once():
+    """Every optimizer state type funcamp.optim exports is some registered optimizer's, each
+    entry's factory is ``funcamp.<name>``, and from_torch and the state moves know each torch
+    twin: torch's state keys name fields of the optimizer's state, and each computed key has
+    its function."""
+    from funcamp.optim._from_torch import OPTIMIZERS
+    from funcamp.optim._torch_state import _DERIVED, TORCH_STATES
+
+    made = set()
+    for name, entry in REGISTRY.items():
+        assert entry.name == name and getattr(funcamp, name) is entry.factory
+        state = entry.make().init(_start(name))
+        made.add(type(state).__name__)
+        assert set(entry.state_fields) <= set(state._fields), name
+        assert bool(entry.computed) == (name in _DERIVED), name
+        if entry.torch is not None:
+            assert entry.torch in OPTIMIZERS
+            assert (entry.torch in TORCH_STATES) == bool(entry.torch_state), name
+    exported = {n for n in funcamp.optim.__all__ if n.endswith("State")} - NOT_OPTIMIZERS
+    assert exported == made
+
+
+@pytest.mark.parametrize("name", MODED)
 def test_master_weights_follow_the_float32_run(name):
     """bfloat16 params with ``master_weights=True``: the float32 masters are the float32 run
     from the rounded initial params bit for bit, and the params are the masters rounded."""
-    kwargs = KWARGS.get(name, {})
-    start = {k: v.bfloat16() for k, v in _params().items()}
-    plain = _funcamp_opt(name, kwargs)
-    fl = {k: v.float() for k, v in start.items()}
-    fl_state = plain.init(fl)
-    for i in range(4):
-        updates, fl_state = plain.update(_grads(i), fl_state, fl)
-        fl = funcamp.apply_updates(fl, updates)
-    mw = _with_modes(name, kwargs, master_weights=True)
-    ps, state = start, mw.init(start)
-    for i in range(4):
-        updates, state = mw.update(_grads(i), state, ps)
-        ps = funcamp.apply_updates(ps, updates)
+    entry = REGISTRY[name]
+    start = _start(name, torch.bfloat16)
+    fl, _ = _updated(entry.make(), name, {k: v.float() for k, v in start.items()})
+    ps, state = _updated(entry.make(master_weights=True), name, start)
     assert_trees_equal(state.low.master, fl)
     assert_trees_equal(ps, {k: v.bfloat16() for k, v in fl.items()})
 
 
-def _with_modes(name: str, kwargs: dict, **modes):
-    from tests.test_optim_db import FACTORIES, _torch_defaults
-
-    kw = {**_torch_defaults(name), **kwargs}
-    for flag in ("foreach", "differentiable", "capturable", "fused"):
-        kw.pop(flag, None)
-    lr = kw.pop("lr")
-    if "betas" in kw:
-        kw["b1"], kw["b2"] = kw.pop("betas")
-    return FACTORIES[name](lr, **kw, **modes)
-
-
 @pytest.mark.parametrize("mode", ["kahan", "stochastic_rounding"])
-def test_other_modes_run_for_half_params(mode):
-    for name in HALF:
-        opt = _with_modes(name, KWARGS.get(name, {}), **{mode: True})
-        ps = {k: v.bfloat16() for k, v in _params().items()}
-        state = opt.init(ps)
-        for i in range(3):
-            updates, state = opt.update(_grads(i), state, ps)
-            ps = funcamp.apply_updates(ps, updates)
-        assert all(v.dtype == torch.bfloat16 and v.isfinite().all() for v in ps.values())
+@pytest.mark.parametrize("name", MODED)
+def test_other_modes_run_for_half_params(name, mode):
+    """Kahan summation and stochastic rounding keep bfloat16 params bfloat16 and finite, and
+    move them where the plain bfloat16 run moves them (within a few bfloat16 ulps)."""
+    entry = REGISTRY[name]
+    start = _start(name, torch.bfloat16)
+    ps, _ = _updated(entry.make(**{mode: True}), name, start, steps=3)
+    assert all(v.dtype == torch.bfloat16 and v.isfinite().all() for v in ps.values())
+    fl, _ = _updated(entry.make(), name, {k: v.float() for k, v in start.items()}, steps=3)
+    for k in ps:
+        torch.testing.assert_close(ps[k].float(), fl[k], rtol=2**-6, atol=2**-6)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", [n for n, e in REGISTRY.items() if e.skips])
+def test_an_overflowing_step_keeps_everything_and_the_run_goes_on(name, donate):
+    """``unscale_and_step`` on an overflow keeps the params and the whole state bit for bit
+    (donated or not), and the run is the one that never saw that step, bit for bit."""
+    opt = REGISTRY[name].make()
+    scaler = funcamp.ScalerState.static(1.0)
+
+    def step(params, state, grads):
+        params, state, info = funcamp.unscale_and_step(
+            scaler, opt, grads, state, params, donate_state=donate, grad_norm=False
+        )
+        return params, state, bool(info.found_inf)
+
+    params, state = _start(name), opt.init(_start(name))
+    for i in range(STEPS):
+        grads = _gradients(name, i)
+        if i == BAD_STEP:
+            grads["w"][1, 2] = math.inf
+        before = optree.tree_map(torch.clone, (params, state), namespace="funcamp")
+        params, state, skipped = step(params, state, grads)
+        assert skipped == (i == BAD_STEP)
+        if skipped:
+            assert_trees_equal((params, state), before)
+    ref, ref_state = _start(name), opt.init(_start(name))
+    for i in range(STEPS):
+        if i != BAD_STEP:
+            ref, ref_state, _ = step(ref, ref_state, _gradients(name, i))
+    assert_trees_equal((params, state), (ref, ref_state))
+    assert int(state.count) == STEPS - 1
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_bad_input_names_the_optimizer(name):
+    """A negative learning rate, another optimizer's state and grads of another structure are
+    refused before anything runs, naming the optimizer and the argument."""
+    entry = REGISTRY[name]
+    with pytest.raises(ValueError, match=rf"funcamp\.{name}: `learning_rate` must be >= 0"):
+        entry.make(learning_rate=-1.0)
+    if entry.loss:
+        return
+    opt, params = entry.make(), _start(name)
+    grads = _gradients(name, 0)
+    with pytest.raises(TypeError, match=rf"funcamp\.{name}: `state` must be an? \w+State"):
+        opt.update(grads, (), params)
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=rf"funcamp\.{name}: `grads` must have the structure"):
+        opt.update({"w": grads["w"]}, state, params)
 
 
 def test_accumulate_and_multi_transform_compose():
@@ -264,26 +356,19 @@ def test_sparse_adam_is_refused_naming_the_alternative(name):
     assert not hasattr(funcamp, "no_such_name")
 
 
-BITWISE = [
-    ("RMSprop", {"weight_decay": 0.1, "centered": True, "momentum": 0.1}),
-    ("Adagrad", {"lr_decay": 0.5, "weight_decay": 0.1}),
-    ("Adadelta", {"weight_decay": 0.1}),
-    ("Adamax", {"weight_decay": 0.1}),
-    ("NAdam", {"weight_decay": 0.1, "decoupled_weight_decay": True}),
-    ("RAdam", {"weight_decay": 0.1}),
-    ("ASGD", {"t0": 1, "weight_decay": 0.1}),
-    ("Rprop", {}),
-    ("Muon", {}),
-    ("Adafactor", {"weight_decay": 0.1}),
-]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "kwargs"), BITWISE, ids=[c[0] for c in BITWISE])
-def test_eager_and_compiled_agree_bit_for_bit(name, kwargs):
+@pytest.mark.parametrize("name", GRADIENT)
+def test_eager_and_compiled_agree_bit_for_bit(name):
     """Eight steps (RAdam rectified, ASGD averaging) eager and compiled (aot_eager): the same
     params and state, bit for bit."""
-    eager = _funcamp_run(name, kwargs, steps=8)[1:3]
+    opt = REGISTRY[name].make()
+
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return funcamp.apply_updates(params, updates), state
+
+    eager = _updated(opt, name, _start(name), steps=8)
     torch._dynamo.reset()
-    compiled = _funcamp_run(name, kwargs, backend="aot_eager", steps=8)[1:3]
+    compiled_step = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled = _updated(opt, name, _start(name), steps=8, step_fn=compiled_step)
     assert_trees_equal(eager, compiled)

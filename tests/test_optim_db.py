@@ -32,6 +32,7 @@ from exhaustive import exhaustive
 from torch.testing._internal import common_optimizers
 
 import funcamp
+from funcamp.optim import REGISTRY
 from funcamp.testing import assert_trees_equal
 
 RTOL, ATOL = 1e-6, 1e-7
@@ -39,10 +40,14 @@ STEPS = 4
 ZERO_STEP, ZERO_LEAF = 1, "b"  # this leaf's gradient is all zeros on this step
 SHAPES = {"w": (3, 4), "b": (5,), "v": (2, 1, 3)}
 MATRICES = {"w": (3, 4), "b": (5, 2), "v": (2, 3)}  # Muon's: 2-D params only
-NAMES = (
-    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD",
-    "Rprop", "Muon", "Adafactor",
-)  # fmt: skip
+#: the registered optimizers whose torch twin is in torch.optim, by the twin's name (LBFGS:
+#: tests/test_optim_catalogue.py, with a closure)
+TWINS = {
+    e.torch.__name__: e
+    for e in REGISTRY.values()
+    if isinstance(e.torch, type) and e.torch.__module__.startswith("torch.optim") and not e.loss
+}
+NAMES = tuple(TWINS)
 IMPLS = ("foreach", "differentiable", "fused")
 
 
@@ -65,34 +70,14 @@ def _configs() -> list[tuple[str, str, dict]]:
 
 CONFIGS = _configs()
 IDS = [f"{name}-{desc}" for name, desc, _ in CONFIGS]
-CLASSES = {name: getattr(torch.optim, name) for name in NAMES}
+CLASSES = {name: e.torch for name, e in TWINS.items()}
 #: torch.optim's state per param, by funcamp state field (the buffers of the other optimizers).
 STATE_FIELDS = {
-    "RMSprop": ("square_avg", "momentum_buffer", "grad_avg"),
-    "Adagrad": ("sum",),
-    "Adadelta": ("square_avg", "acc_delta"),
-    "Adamax": ("exp_avg", "exp_inf"),
-    "NAdam": ("exp_avg", "exp_avg_sq", "mu_product"),
-    "RAdam": ("exp_avg", "exp_avg_sq"),
-    "ASGD": ("ax",),
-    "Rprop": ("prev", "step_size"),
-    "Muon": ("momentum_buffer",),
-    "Adafactor": ("row_var", "col_var", "variance"),
+    name: e.state_fields for name, e in TWINS.items() if name not in ("SGD", "Adam", "AdamW")
 }
-#: funcamp's optimizer for each of them, and torch's keyword arguments it takes under another
-#: name (``betas`` is split into ``b1, b2``).
-FACTORIES = {
-    "RMSprop": funcamp.rmsprop,
-    "Adagrad": funcamp.adagrad,
-    "Adadelta": funcamp.adadelta,
-    "Adamax": funcamp.adamax,
-    "NAdam": funcamp.nadam,
-    "RAdam": funcamp.radam,
-    "ASGD": funcamp.asgd,
-    "Rprop": funcamp.rprop,
-    "Muon": funcamp.muon,
-    "Adafactor": funcamp.adafactor,
-}
+#: funcamp's optimizer for each of them, whose arguments are torch's by name (``betas`` is
+#: split into ``b1, b2``).
+FACTORIES = {name: e.factory for name, e in TWINS.items() if name in STATE_FIELDS}
 
 
 def _impl(kwargs: dict) -> str:

@@ -24,13 +24,18 @@ import torch.nn as nn
 from torch.testing._internal import common_optimizers
 
 import funcamp
+from funcamp.optim import REGISTRY
 
 STEPS = 30
 INF_STEP = 7  # float16 runs: this step's batch holds an inf (GradScaler skips it)
-NAMES = (
-    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD",
-    "Rprop", "Muon", "Adafactor",
-)  # fmt: skip
+#: every registered optimizer whose twin is in torch.optim, by the twin's name, but L-BFGS (a
+#: closure's loss)
+TWINS = {
+    e.torch.__name__: e
+    for e in REGISTRY.values()
+    if isinstance(e.torch, type) and e.torch.__module__.startswith("torch.optim") and not e.loss
+}
+NAMES = tuple(TWINS)
 IMPLS = ("foreach", "differentiable", "fused")
 POLICIES = {
     torch.bfloat16: "params=float32,compute=bfloat16,output=float32,ops=autocast_cpu",
@@ -38,7 +43,7 @@ POLICIES = {
 }
 #: funcamp's state field for torch's per-param state key, where the names differ; torch keys
 #: funcamp computes from the count instead of keeping (ASGD's eta and mu) map to None.
-FIELDS = {"SGD": {"momentum_buffer": "momentum"}, "ASGD": {"eta": None, "mu": None}}
+FIELDS = {name: {**e.renamed, **dict.fromkeys(e.computed)} for name, e in TWINS.items()}
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,8 @@ An optimizer is ``init(params) -> state`` and ``update(grads, state, params) -> 
 ``funcamp``: ``sgd``, ``adam``, ``adamw``, ``lion``, and torch.optim's others (``rmsprop``,
 ``adagrad``, ``adadelta``, ``adamax``, ``nadam``, ``radam``, ``asgd``, ``rprop``). So are the
 combinators: ``chain``, ``clip_by_global_norm``, ``accumulate``, ``masked``, ``multi_transform``.
-This module holds their state types and the :class:`SetParam` update leaf. It also holds the
+This module holds their state types, the :class:`SetParam` update leaf and :data:`REGISTRY`
+(each built-in optimizer's factory, torch twin and capabilities). It also holds the
 fast-path hook's :class:`Prepared` and :class:`Writes`, and the building blocks for writing an
 optimizer: :func:`elementwise` and the :class:`Ops` its algorithm uses.
 
@@ -43,6 +44,9 @@ Layout (the package's private modules, one idea each):
   count;
 * ``_plateau``: ``reduce_on_plateau``/``plateau_step`` (``ReduceLROnPlateau``);
 * ``_ema``: ``with_ema``, an average of the weights in the optimizer state;
+* ``_registry``: :data:`REGISTRY`, every built-in optimizer declared once (factory, torch
+  twin, torch's state keys, an example configuration), which the tables below and the shared
+  optimizer tests read;
 * ``_from_torch``: ``from_torch``, a torch.optim optimizer and scheduler, by table.
 * ``_torch_state``, ``_torch_schedulers``: torch.optim's per-param state and an
   lr_scheduler's position as funcamp's state and count, and back (what
@@ -142,6 +146,7 @@ from funcamp.optim._modes import KahanState, MasterWeightsState, StochasticRound
 from funcamp.optim._muon import newton_schulz
 from funcamp.optim._paths import Ops
 from funcamp.optim._plateau import PlateauState, plateau_step, reduce_on_plateau
+from funcamp.optim._registry import REGISTRY, OptimizerEntry
 from funcamp.optim._schedules import chained_lr, join_schedules
 from funcamp.optim._states import (
     AdadeltaState,
@@ -180,8 +185,10 @@ __all__ = [
     "NadamState",
     "NewParams",
     "Ops",
+    "OptimizerEntry",
     "PlateauState",
     "Prepared",
+    "REGISTRY",
     "RadamState",
     "RmspropState",
     "RpropState",

@@ -16,7 +16,7 @@ import torch
 from funcamp._core.checks import check_number
 from funcamp._core.tree import PyTree
 from funcamp.optim._base import Optimizer
-from funcamp.optim._elementwise import build
+from funcamp.optim._elementwise import elementwise
 from funcamp.optim._fused import AdamHyper
 from funcamp.optim._optimizers import _adam_step
 from funcamp.optim._paths import Ops
@@ -109,17 +109,12 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> O
     b1 = check_number(api, "b1", b1, maximum=1.0)
     b2 = check_number(api, "b2", b2, maximum=1.0)
     eps = check_number(api, "eps", eps)
-    opt = build(
+    opt = elementwise(
         api,
         AdamState,
         _amsgrad_direction(b1, b2, eps),
         1.0,
         buffers=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-        needs_params=False,
-        master_weights=False,
-        kahan=False,
-        stochastic_rounding=False,
-        seed=0,
     )
     # no learning rate of its own: a chain reports the one of the optimizer after it
     return opt._replace(learning_rate=None)

@@ -72,8 +72,12 @@ def elementwise(
     kahan: bool = False,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    fused_kernel: FusedKernel | None = None,
+    mask: Any = None,
+    fused_update: FusedUpdate | None = None,
     fill: Mapping[str, float] | None = None,
     scalars: Mapping[str, float] | None = None,
+    hyper: Mapping[str, HyperFn] | None = None,
 ) -> Optimizer:
     """Build an :class:`~funcamp.Optimizer` from an elementwise algorithm, written once.
 
@@ -95,6 +99,11 @@ def elementwise(
     makes it the new value of buffer ``buf``, written into it at once on a donated eager step.
     ``into=xs`` lets an op reuse a dead list's memory.
 
+    The fast path: ``unscale_and_step`` and the train step run ``fused_kernel`` in place of
+    ``step`` where they donate the state and every param and buffer is a contiguous float32
+    tensor on one device. The kernel reads the skip flag itself and must give the algorithm's
+    numbers (see the guide to writing an optimizer).
+
     Args:
         name: the optimizer's name in error messages (``funcamp.<name>: ...``).
         state: a NamedTuple class whose fields are ``count``, the buffer names, and ``low``
@@ -113,6 +122,16 @@ def elementwise(
         scalars: state fields holding one 0-d float32 tensor for all leaves, by name, with
             their initial value (NAdam's ``mu_product``). ``step`` receives and returns each in
             ``buffers`` as the tensor itself.
+        fused_kernel: the fast path's in-place kernel, or None: ``kernel(params, grads,
+            state, lr, skip, mask) -> new_state | None`` on a donated state (None: the leaves
+            do not fit it; the algorithm runs instead). Not used with a low-precision mode.
+        mask: a weight-decay mask (a pytree of bools, or a callable; see :func:`mask_flags`).
+            ``step`` then also gets ``mask=``: one bool per leaf, None without params.
+        fused_update: the update *is* this kernel, run on copies (float32 params, no
+            ``torch.func`` transforms; its update leaves are :class:`SetParam`).
+        hyper: scheduled hyperparameters, name -> ``count -> (value, bad)``. ``step`` then also
+            gets ``hyper=``: each one's 0-d float64 value this step; a bad value skips the step,
+            as an unusable learning rate does.
 
     Returns:
         An :class:`~funcamp.Optimizer` whose state is a ``state``, with its fast path
@@ -132,51 +151,7 @@ def elementwise(
         >>> funcamp.apply_updates(params, updates), state.count
         ({'w': tensor([-0.1000,  0.1000])}, tensor(1, dtype=torch.int32))
     """
-    return build(
-        name,
-        state,
-        step,
-        learning_rate,
-        buffers=buffers,
-        needs_params=needs_params,
-        master_weights=master_weights,
-        kahan=kahan,
-        stochastic_rounding=stochastic_rounding,
-        seed=seed,
-        fill=fill,
-        scalars=scalars,
-    )
-
-
-def build(
-    api: str,
-    state_type: type,
-    step: Step,
-    learning_rate: Any,
-    *,
-    buffers: Sequence[str] | None,
-    needs_params: bool,
-    master_weights: bool,
-    kahan: bool,
-    stochastic_rounding: bool,
-    seed: int,
-    fused_kernel: FusedKernel | None = None,
-    mask: Any = None,
-    fused_update: FusedUpdate | None = None,
-    fill: Mapping[str, float] | None = None,
-    scalars: Mapping[str, float] | None = None,
-    hyper: Mapping[str, HyperFn] | None = None,
-) -> Optimizer:
-    """:func:`elementwise`, plus a fused in-place kernel, a weight-decay mask and scheduled
-    hyperparameters for the built-in optimizers. With ``mask`` (see :func:`mask_flags`),
-    ``step`` also gets ``mask=``: one Python bool per leaf, or None when ``update`` got no
-    params. With ``hyper`` (name -> ``count -> (value, bad)``, see
-    :func:`funcamp._core.checks.hyperparameter_fn`), ``step`` also gets ``hyper=``: each
-    one's 0-d float64 value this step, by name; a value flagged bad skips the step as an
-    unusable learning rate does (the flag joins ``Prepared.unusable_lr``). With
-    ``fused_update`` the update is that kernel (float32 params, no ``torch.func`` transforms;
-    its update leaves are :class:`SetParam`) and ``step`` only names the algorithm it matches
-    to within rounding."""
+    api, state_type = name, state
     if not isinstance(api, str) or not api:
         raise TypeError(f"funcamp.optim.elementwise: `name` must be a non-empty str, got {api!r}")
     if not callable(step):
@@ -280,7 +255,7 @@ def _state_fields(
 
 
 class _Config(NamedTuple):
-    """An elementwise optimizer, as :func:`build` checked it (plain values: a compiled step is
+    """An elementwise optimizer, as :func:`elementwise` checked it (plain values: a compiled step is
     specialised on them, and a step kept on disk compares them when it is loaded)."""
 
     api: str

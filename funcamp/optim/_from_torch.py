@@ -1,7 +1,9 @@
 """``funcamp.optim.from_torch``: a torch.optim optimizer (and its lr_scheduler) as a funcamp
 optimizer, through two tables: :data:`OPTIMIZERS` (torch class -> translator of one param
-group) and :data:`SCHEDULERS` (scheduler class -> translator of one group's schedule). An
-optimizer added to funcamp plugs in with one entry."""
+group) and :data:`SCHEDULERS` (scheduler class -> translator of one group's schedule).
+:data:`OPTIMIZERS` is derived from :data:`funcamp.optim.REGISTRY`: a registered optimizer with a
+torch twin whose arguments are torch's by name (``betas`` as ``b1, b2``) needs nothing here;
+one whose arguments differ has its translator in ``_TRANSLATORS``."""
 
 from __future__ import annotations
 
@@ -16,19 +18,14 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from funcamp._core.tree import describe
 from funcamp.optim import _lr_schedulers as ls
-from funcamp.optim._adafactor import adafactor
-from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
-from funcamp.optim._asgd import asgd
 from funcamp.optim._base import Optimizer
-from funcamp.optim._lbfgs import lbfgs
 from funcamp.optim._lion import lion
-from funcamp.optim._muon import muon
 from funcamp.optim._optimizers import adam, adamw
 from funcamp.optim._plateau import reduce_on_plateau
+from funcamp.optim._registry import REGISTRY
 from funcamp.optim._schedules import _mark, chained_lr, join_schedules
 from funcamp.optim._sgd import sgd
 from funcamp.optim._transforms import multi_transform
-from funcamp.optim._variants import nadam, radam, rprop
 
 __all__ = ["OPTIMIZERS", "SCHEDULERS", "from_torch"]
 
@@ -189,22 +186,11 @@ def _same_names(
         }
         if "betas" in kwargs:
             kwargs["b1"], kwargs["b2"] = kwargs.pop("betas")
-        if "foreach" in kwargs:  # the step torch runs: foreach=None resolved as torch does
+        if "foreach" in keys:  # the step torch runs: foreach=None resolved as torch does
             kwargs["foreach"] = _foreach(group)
         return make(lr, **kwargs)
 
     return translate
-
-
-def _with_foreach(make: Callable[..., Optimizer]) -> Translator:
-    """:func:`_same_names` for a ``make`` that takes ``foreach``: the flag torch resolves
-    for the group's params (:func:`_foreach`), whose numbers ``make`` then gives."""
-    translate = _same_names(make)
-
-    def resolved(group: Mapping[str, Any], lr: Any, name: str, i: int = 0) -> Optimizer:
-        return translate({**group, "foreach": _foreach(group)}, lr, name, i)
-
-    return resolved
 
 
 def _refused(alternative: str) -> Callable[..., Optimizer]:
@@ -214,30 +200,29 @@ def _refused(alternative: str) -> Callable[..., Optimizer]:
     return translate
 
 
+#: the translators of the registered optimizers whose arguments are not torch's by name
+_TRANSLATORS: dict[str, Translator] = {
+    "sgd": _sgd,
+    "adam": _adam_like(False),
+    "adamw": _adam_like(True),
+    "lion": _lion,
+}
+
 #: optimizer class (or, for one outside torch, ``"module.QualName"``) -> translator of one
-#: param group.
+#: param group: every registered optimizer's torch twin (LBFGS's ``update`` takes the
+#: closure's loss as a function: ``update(None, state, params, value_fn=loss_fn)``), and the
+#: refused ones.
 OPTIMIZERS: dict[type | str, Callable[..., Optimizer]] = {
-    torch.optim.SGD: _sgd,
-    torch.optim.Adam: _adam_like(False),
-    torch.optim.AdamW: _adam_like(True),
-    torch.optim.RMSprop: _same_names(rmsprop),
-    torch.optim.Adagrad: _same_names(adagrad),
-    torch.optim.Adadelta: _same_names(adadelta),
-    torch.optim.Adamax: _same_names(adamax, tensor_betas=True),
-    torch.optim.NAdam: _same_names(nadam, tensor_betas=True),
-    torch.optim.RAdam: _same_names(radam, tensor_betas=True),
-    torch.optim.ASGD: _with_foreach(asgd),
-    torch.optim.Rprop: _same_names(rprop),
-    torch.optim.Adafactor: _with_foreach(adafactor),
-    torch.optim.Muon: _same_names(muon),
-    # update(None, state, params, value_fn=loss_fn): the closure's loss, as a function
-    torch.optim.LBFGS: _same_names(lbfgs),
+    **{
+        e.torch: _TRANSLATORS.get(e.name) or _same_names(e.factory, tensor_betas=e.tensor_betas)
+        for e in REGISTRY.values()
+        if e.torch is not None
+    },
     torch.optim.SparseAdam: _refused(
         "takes sparse gradients (embeddings with sparse=True), which funcamp's optimizers do "
         "not: use dense gradients and funcamp.adam (its moments decay on every row, where "
         "SparseAdam's move only on the rows a step's gradient holds)"
     ),
-    "lion_pytorch.lion_pytorch.Lion": _lion,  # lucidrains' lion-pytorch (not in torch)
 }
 
 

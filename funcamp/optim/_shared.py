@@ -1,7 +1,7 @@
 """The helpers the built-in elementwise optimizers share.
 
-* :func:`_build`: the factory that builds one from its ``step`` and the low-precision mode's
-  arguments;
+* :func:`_build`: :func:`funcamp.optim.elementwise` with the low-precision mode's arguments
+  as one tuple;
 * the common argument checks;
 * the steps' building blocks: the gradient prologue, ``p.add_(d, alpha=)``, the float64 step
   count and learning rate;
@@ -26,7 +26,7 @@ from funcamp._core.checks import (
 )
 from funcamp._core.tree import PyTree, describe, unflatten
 from funcamp.optim._base import NewParams, Optimizer, Prepared
-from funcamp.optim._elementwise import build
+from funcamp.optim._elementwise import elementwise
 from funcamp.optim._paths import Ops, choose_ops
 
 __all__: list[str] = []
@@ -112,12 +112,12 @@ def _build(
     hyper: dict[str, Hyper] | None = None,
     **options: Any,
 ) -> Optimizer:
-    """:func:`funcamp.optim.elementwise` for ``step`` (``build``: with ``options`` such as a
-    fused kernel or a weight-decay mask), with the low-precision mode's
+    """:func:`funcamp.optim.elementwise` for ``step``, the low-precision mode given as
     ``(master_weights, kahan, stochastic_rounding, seed)``; ``hyper``: the scheduled
-    hyperparameters (``step`` then gets ``hyper=``, their values this step, by name)."""
+    hyperparameters (``step`` then gets ``hyper=``, their values this step, by name);
+    ``options``: elementwise's others (``fused_kernel``, ``mask``, ``fill``, ...)."""
     master_weights, kahan, stochastic_rounding, seed = modes
-    return build(
+    return elementwise(
         api, state_type, step, learning_rate, buffers=buffers, needs_params=needs_params,
         hyper={name: h.fn for name, h in (hyper or {}).items()},
         master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,

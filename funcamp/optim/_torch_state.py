@@ -1,12 +1,12 @@
 """torch.optim's per-param state as funcamp's optimizer state, and back, by one table.
 
 :data:`TORCH_STATES` maps a torch optimizer class to the keys torch keeps for each param, in
-torch's order, and to funcamp's field for each (the same name unless renamed). A funcamp field
-that is a params-shaped dict takes each param's tensor; a 0-d field (NAdam's ``mu_product``)
-takes the value every param holds; ``step`` is funcamp's one ``count`` per param group; a key
-funcamp computes from the count instead of keeping (ASGD's ``eta`` and ``mu``) is written back
-by the entry's ``derived`` function. An optimizer added to :data:`funcamp.optim.OPTIMIZERS`
-moves with one more line here.
+torch's order, and to funcamp's field for each (the same name unless renamed). It is derived
+from :data:`funcamp.optim.REGISTRY` (each entry's ``torch_state``, ``renamed``, ``computed``).
+A funcamp field that is a params-shaped dict takes each param's tensor; a 0-d field (NAdam's
+``mu_product``) takes the value every param holds; ``step`` is funcamp's one ``count`` per param
+group; a key funcamp computes from the count instead of keeping (ASGD's ``eta`` and ``mu``) is
+written back by its function in ``_DERIVED``.
 
 The funcamp state is the one :func:`funcamp.optim.from_torch`'s optimizer builds: a group's
 state alone, a :class:`~funcamp.optim.MultiTransformState` of ``"group<i>"`` states, or a
@@ -24,6 +24,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from funcamp._core.tree import describe
 from funcamp.optim._plateau import PlateauState
+from funcamp.optim._registry import REGISTRY
 from funcamp.optim._transforms import MultiTransformState
 
 __all__ = [
@@ -82,24 +83,14 @@ def _foreach_group(group: Mapping[str, Any]) -> bool:
     return _default_to_fused_or_foreach(params, bool(group.get("differentiable")), False)[1]
 
 
-_ADAM = StateKeys(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+#: registered name -> ``(group, count) -> {key: value}`` for its computed keys
+_DERIVED: dict[str, Callable[[Mapping[str, Any], int], dict[str, Any]]] = {"asgd": _asgd}
 
 #: torch optimizer class (or, for one outside torch, ``"module.QualName"``) -> its state keys.
 TORCH_STATES: dict[type | str, StateKeys] = {
-    torch.optim.SGD: StateKeys(("momentum_buffer",), {"momentum_buffer": "momentum"}),
-    torch.optim.Adam: _ADAM,
-    torch.optim.AdamW: _ADAM,
-    torch.optim.RMSprop: StateKeys(("step", "square_avg", "momentum_buffer", "grad_avg")),
-    torch.optim.Adagrad: StateKeys(("step", "sum")),
-    torch.optim.Adadelta: StateKeys(("step", "square_avg", "acc_delta")),
-    torch.optim.Adamax: StateKeys(("step", "exp_avg", "exp_inf")),
-    torch.optim.NAdam: StateKeys(("step", "mu_product", "exp_avg", "exp_avg_sq")),
-    torch.optim.RAdam: StateKeys(("step", "exp_avg", "exp_avg_sq")),
-    torch.optim.ASGD: StateKeys(("step", "eta", "mu", "ax"), derived=_asgd),
-    torch.optim.Rprop: StateKeys(("step", "prev", "step_size")),
-    torch.optim.Adafactor: StateKeys(("step", "row_var", "col_var", "variance")),
-    torch.optim.Muon: StateKeys(("momentum_buffer",)),
-    "lion_pytorch.lion_pytorch.Lion": StateKeys(("exp_avg",)),
+    e.torch: StateKeys(e.torch_state, dict(e.renamed), _DERIVED.get(e.name))
+    for e in REGISTRY.values()
+    if e.torch is not None and e.torch_state
 }
 
 
