@@ -25,13 +25,13 @@ import torch
 
 from funcamp.optim._adafactor import adafactor
 from funcamp.optim._adaptive import adadelta, adagrad, adamax, rmsprop
+from funcamp.optim._asgd import asgd
 from funcamp.optim._base import Optimizer
 from funcamp.optim._lbfgs import lbfgs
-from funcamp.optim._muon import muon
 from funcamp.optim._lion import lion
+from funcamp.optim._muon import muon
 from funcamp.optim._optimizers import adam, adamw
 from funcamp.optim._sgd import sgd
-from funcamp.optim._asgd import asgd
 from funcamp.optim._variants import nadam, radam, rprop
 
 __all__ = ["REGISTRY", "OptimizerEntry"]
