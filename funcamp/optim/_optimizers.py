@@ -171,7 +171,21 @@ def _adam_step(hyper: AdamHyper, differentiable: bool = False) -> Any:
             old = buffers["max_exp_avg_sq"]
             x = ops.maximum(old, v, into=ops.target(old, vb))
             sq = new["max_exp_avg_sq"] = ops.kept(x, replaces=old)
-        denom = ops.sqrt(sq, into=ops.target(vb))
+        on = _decayed(mask)  # the masked-off leaves keep the plain step (weight_decay=0)
+        decoupled_decay = decays and decoupled and on != []
+        # Known to apply on a donated CPU state: torch's in-place `p.addcdiv_` (the denominator
+        # in the dead grads), no temporary of the params' size.
+        in_place = not differentiable and (on is None or not decoupled_decay) and ops.writable(p)
+        denom = ops.sqrt(sq, into=ops.target(vb, g) if in_place else ops.target(vb))
+        if in_place:
+            denom = ops.div(denom, bc2_sqrt, into=denom)
+            denom = ops.add(denom, eps, into=denom)
+            if decoupled_decay:  # p.mul_(1 - lr * wd), then p.addcdiv_(...)
+                factor = ops.scalar(1.0 - lr64 * weight_decay)
+                new_p = ops.mul(p, factor, into=ops.target(p))
+            else:
+                new_p = ops.target(p)
+            return NewParams(ops.addcdiv(new_p, m, denom, neg_step, into=new_p)), new
         if differentiable:  # (sqrt / (bc2_sqrt * step_size_neg)).add_(eps / step_size_neg)
             denom = ops.div(denom, scale, into=denom)
             denom = ops.add(denom, shift, into=denom)
@@ -181,8 +195,7 @@ def _adam_step(hyper: AdamHyper, differentiable: bool = False) -> Any:
             denom = ops.add(denom, eps, into=denom)
             deltas = ops.mul(m, neg_step, into=g)
             deltas = ops.div(deltas, denom, into=deltas)
-        on = _decayed(mask)  # the masked-off leaves keep the plain step (weight_decay=0)
-        if not (decays and decoupled and on != []):
+        if not decoupled_decay:
             # p.addcdiv_(...) is p + delta: one rounding either way (in place where it may)
             return _added(ops, p, deltas), new
         # p.mul_(1 - lr * wd), then p.addcdiv_(...): the new params themselves

@@ -206,6 +206,20 @@ class Ops:
         ``exp_avg_sq.addcmul_(grad, grad, value=1 - b2)``). ``value`` is a Python float."""
         raise NotImplementedError
 
+    def addcdiv(
+        self, zs: Tensors, xs: Tensors, ys: Tensors, value: Scalar, into: Tensors | None = None
+    ) -> Tensors:
+        """``torch.addcdiv(z, x, y, value=value)`` leaf by leaf, that is ``z + (value * x) / y``
+        with one rounding each (torch.optim.Adam's ``p.addcdiv_(exp_avg, denom,
+        value=-step_size)``). ``value`` is a Python float or a 0-d tensor."""
+        d = self.mul(xs, value)
+        return self.add(zs, self.div(d, ys, into=d), into=into)
+
+    def writable(self, xs: Tensors | None) -> bool:
+        """Whether :meth:`target` would give ``xs`` (asked before computing into it, without
+        marking the first write into a donated state)."""
+        return False
+
     def where(self, cond: torch.Tensor, xs: Tensors, ys: Tensors) -> Tensors:
         """``torch.where(cond, x, y)`` leaf by leaf (``cond`` a 0-d bool tensor)."""
         return [torch.where(c, x, y) for c, x, y in zip(spread(cond, len(xs)), xs, ys)]
@@ -401,6 +415,24 @@ class EagerOps(Ops):
     ) -> Tensors:
         v = _python_float("addcmul", "value", value)
         return self._foreach("addcmul", [zs, xs, ys], v, into, _addcmul)
+
+    def addcdiv(
+        self, zs: Tensors, xs: Tensors, ys: Tensors, value: Scalar, into: Tensors | None = None
+    ) -> Tensors:
+        # In place on the CPU: torch's own kernel, with no temporary (a 0-d tensor value is
+        # read by the kernel as a list of scalars: on the CPU, no device to wait for).
+        v = _scalar(value)
+        if into is zs and zs and self._owns(zs) and all(z.is_cpu for z in zs):
+            if isinstance(v, float):
+                torch._foreach_addcdiv_(zs, xs, ys, v)
+                return zs
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_cpu:
+                torch._foreach_addcdiv_(zs, xs, ys, v.reshape(1).expand(len(zs)).contiguous())
+                return zs
+        return super().addcdiv(zs, xs, ys, value, into)
+
+    def writable(self, xs: Tensors | None) -> bool:
+        return xs is not None and self._owns(xs)
 
     def where(self, cond: torch.Tensor, xs: Tensors, ys: Tensors) -> Tensors:
         return self._fresh(super().where(cond, xs, ys))
