@@ -25,10 +25,11 @@ from funcamp.optim._fused import fused_adagrad
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
     LearningRate,
+    LowPrecision,
     Tensors,
     _add_scaled,
     _build,
-    _checked_scheduled,
+    _common_args_scheduled,
     _f64,
     _kept,
     _map,
@@ -150,7 +151,7 @@ def rmsprop(
     """
     api = "rmsprop"
     check_flag(api, "centered", centered)
-    eps, weight_decay = _checked_scheduled(api, maximize, eps, weight_decay)
+    eps, weight_decay = _common_args_scheduled(api, maximize, eps, weight_decay)
     alpha = hyperparameter(api, "alpha", alpha, maximum=1.0, maximum_open=False)
     momentum = hyperparameter(api, "momentum", momentum)
     buffers = ["square_avg"]
@@ -159,7 +160,7 @@ def rmsprop(
     if centered:
         buffers.append("grad_avg")
     step = _rmsprop_step(alpha, eps, weight_decay, momentum, centered, maximize)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, RmspropState, step, learning_rate, modes, buffers=buffers,
         needs_params=scheduled(weight_decay) or weight_decay > 0,
@@ -238,12 +239,12 @@ def adagrad(
         ({'w': tensor([-0.5000,  0.5000])}, {'w': tensor([1., 4.])})
     """
     api = "adagrad"
-    eps, weight_decay = _checked_scheduled(api, maximize, eps, weight_decay)
+    eps, weight_decay = _common_args_scheduled(api, maximize, eps, weight_decay)
     lr_decay = hyperparameter(api, "lr_decay", lr_decay)
     hyper = hyperparameters(lr_decay, weight_decay, eps)
     iav = check_number(api, "initial_accumulator_value", initial_accumulator_value)
     step = _adagrad_step(lr_decay, weight_decay, eps, maximize)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     check_flag(api, "fused", fused)
     if fused:
         refuse_scheduled(
@@ -329,10 +330,10 @@ def adadelta(
         {'w': tensor([-0.0032,  0.0032])}
     """
     api = "adadelta"
-    eps, weight_decay = _checked_scheduled(api, maximize, eps, weight_decay)
+    eps, weight_decay = _common_args_scheduled(api, maximize, eps, weight_decay)
     rho = hyperparameter(api, "rho", rho, maximum=1.0, maximum_open=False)
     step = _adadelta_step(rho, eps, weight_decay, maximize)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, AdadeltaState, step, learning_rate, modes,
         needs_params=scheduled(weight_decay) or weight_decay > 0,
@@ -417,11 +418,11 @@ def adamax(
         {'w': tensor([-0.1000,  0.1000])}
     """
     api = "adamax"
-    eps, weight_decay = _checked_scheduled(api, maximize, eps, weight_decay)
+    eps, weight_decay = _common_args_scheduled(api, maximize, eps, weight_decay)
     b1 = hyperparameter(api, "b1", b1, maximum=1.0) if callable(b1) else bt.betas(api, b1, 0)[0]
     b2 = hyperparameter(api, "b2", b2, maximum=1.0) if callable(b2) else bt.betas(api, 0, b2)[1]
     step = _adamax_step(b1, b2, eps, weight_decay, maximize)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, AdamaxState, step, learning_rate, modes,
         needs_params=scheduled(weight_decay) or weight_decay > 0,

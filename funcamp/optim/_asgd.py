@@ -13,6 +13,7 @@ from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
     LearningRate,
+    LowPrecision,
     Tensors,
     _build,
     _f64,
@@ -136,5 +137,5 @@ def asgd(
     if foreach is not None:
         check_flag(api, "foreach", foreach)
     step = _asgd_step(lambd, alpha, t0, weight_decay, maximize, bool(foreach))
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _build(api, AsgdState, step, learning_rate, modes, needs_params=True)

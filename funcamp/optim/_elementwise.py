@@ -187,7 +187,7 @@ def elementwise(
             # (docs/benchmarks.md, "Compile time").
             _check_state_type(cfg, state)
         else:
-            _checked(cfg, grads, state, params)
+            _flattened(cfg, grads, state, params)
 
         def run(grads: PyTree, writes: Writes) -> tuple[PyTree | None, Any]:
             if writes.kernels and writes.skip is not None and kernel is not None:
@@ -300,7 +300,7 @@ def _check_state_type(cfg: _Config, state: Any) -> None:
         )
 
 
-def _checked(
+def _flattened(
     cfg: _Config, grads: PyTree, state: Any, params: PyTree
 ) -> tuple[Tensors, Tensors | None, Any]:
     """Flatten the inputs, checking the state against them (metadata only)."""
@@ -333,7 +333,7 @@ def _run(
     grads; with a skip, the donated state's buffers receive their new values as the algorithm
     keeps them)."""
     api = cfg.api
-    gs, ps, spec = _checked(cfg, grads, state, params)
+    gs, ps, spec = _flattened(cfg, grads, state, params)
     count = state.count
     if not gs:
         return unflatten(spec, []), state._replace(count=count + 1)

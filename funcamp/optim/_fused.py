@@ -271,7 +271,7 @@ def _lr_args(lr: Any, device: torch.device) -> tuple[float, torch.Tensor | None]
     return float(lr), None
 
 
-def _advance(state: Any, skip: Any = None, **buffers: Any) -> Any:
+def _stepped_state(state: Any, skip: Any = None, **buffers: Any) -> Any:
     """The state with its count advanced (kept where ``skip`` skips) and ``buffers`` replaced."""
     count = state.count + 1
     if skip is not None:
@@ -300,7 +300,8 @@ def fused_sgd(hyper: SgdHyper) -> tuple[Any, Any]:
     with ``dampening`` that differs from the later steps' formula, so the copies run the kernel
     both ways and select on the count (the in-place kernel declines those).
     """
-    momentum, dampening, nesterov, weight_decay, maximize = hyper
+    momentum, dampening, nesterov = hyper.momentum, hyper.dampening, hyper.nesterov
+    weight_decay, maximize = hyper.weight_decay, hyper.maximize
     if FUSED_SGD is None or FUSED_SGD_COPIES is None:  # pragma: no cover - older torch
         return None, None
 
@@ -319,12 +320,12 @@ def fused_sgd(hyper: SgdHyper) -> tuple[Any, Any]:
         found = skip.flag(ps[0].device)
         if compiling():
             FUSED_SGD(*args(ps, grads, state, lr, False, found))
-            return _advance(state, skip)
+            return _stepped_state(state, skip)
         try:  # a torch whose fused SGD has no kernel for this device raises before writing
             _sgd_kernel(*args(ps, grads, state, lr, False, found))
         except NotImplementedError:  # pragma: no cover - depends on the torch build
             return None
-        return _advance(state, skip)
+        return _stepped_state(state, skip)
 
     def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
         no_inf = torch.zeros((), dtype=torch.float32, device=ps[0].device)
@@ -336,9 +337,9 @@ def fused_sgd(hyper: SgdHyper) -> tuple[Any, Any]:
             out = [torch.where(at_first, a, b) for a, b in zip(first, out)]
         n = len(ps)
         if momentum == 0:
-            return out, _advance(state)
+            return out, _stepped_state(state)
         spec = flatten(state.momentum)[1]
-        return out[:n], _advance(state, momentum=unflatten(spec, out[n:]))
+        return out[:n], _stepped_state(state, momentum=unflatten(spec, out[n:]))
 
     return in_place, copies
 
@@ -363,14 +364,14 @@ def fused_adagrad(lr_decay: float, weight_decay: float, eps: float, maximize: bo
     def in_place(ps: Tensors, grads: Tensors, state: Any, lr: Any, skip: Any, mask: Any) -> Any:
         kernel = FUSED_ADAGRAD if compiling() else _adagrad_kernel
         kernel(*args(ps, grads, state, lr, skip.flag(ps[0].device)))
-        return _advance(state, skip)
+        return _stepped_state(state, skip)
 
     def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
         no_inf = torch.zeros((), dtype=torch.float32, device=ps[0].device)
         kernel = FUSED_ADAGRAD_COPIES if compiling() else _adagrad_copies
         out = kernel(*args(ps, grads, state, lr, no_inf))
         n, spec = len(ps), flatten(state.sum)[1]
-        return out[:n], _advance(state, sum=unflatten(spec, out[n:]))
+        return out[:n], _stepped_state(state, sum=unflatten(spec, out[n:]))
 
     return in_place, copies
 
@@ -396,7 +397,8 @@ def fused_adam(hyper: AdamHyper) -> tuple[Any, Any]:
     ``amsgrad`` and ``maximize`` included. A weight-decay mask splits the leaves into two calls,
     as two param groups would.
     """
-    b1, b2, eps, weight_decay, decoupled, amsgrad, maximize = hyper
+    b1, b2, eps, weight_decay = hyper.b1, hyper.b2, hyper.eps, hyper.weight_decay
+    decoupled, amsgrad, maximize = hyper.decoupled, hyper.amsgrad, hyper.maximize
 
     def groups(n: int, mask: Any) -> list[tuple[list[int], float]]:
         if mask is None or weight_decay == 0:
@@ -425,7 +427,7 @@ def fused_adam(hyper: AdamHyper) -> tuple[Any, Any]:
         kernel = FUSED_ADAM if compiling() else _adam_kernel  # eager: no custom-op dispatch
         for _, args in calls(ps, grads, state, lr, skip.flag(ps[0].device), mask):
             kernel(*args)
-        return _advance(state, skip)
+        return _stepped_state(state, skip)
 
     def copies(ps: Tensors, grads: Tensors, state: Any, lr: Any, mask: Any) -> Any:
         no_inf = torch.zeros((), dtype=torch.float32, device=ps[0].device)
@@ -443,6 +445,6 @@ def fused_adam(hyper: AdamHyper) -> tuple[Any, Any]:
         buffers = {"exp_avg": unflatten(spec, new_ms), "exp_avg_sq": unflatten(spec, new_vs)}
         if amsgrad:
             buffers["max_exp_avg_sq"] = unflatten(spec, new_xs)
-        return new_ps, _advance(state, **buffers)
+        return new_ps, _stepped_state(state, **buffers)
 
     return in_place, copies

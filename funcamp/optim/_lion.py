@@ -9,7 +9,7 @@ from funcamp._core.checks import check_number
 from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._optimizers import LearningRate, Mask, Tensors, _added, _decayed, _merge, _pick
 from funcamp.optim._paths import Ops
-from funcamp.optim._shared import _build, _f64
+from funcamp.optim._shared import LowPrecision, _build, _f64
 from funcamp.optim._states import LionState
 
 __all__ = ["LionState", "lion"]
@@ -105,7 +105,7 @@ def lion(
     b1 = check_number(api, "b1", b1, maximum=1.0)
     b2 = check_number(api, "b2", b2, maximum=1.0)
     weight_decay = check_number(api, "weight_decay", weight_decay)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     step = _lion_step(b1, b2, weight_decay)
     return _build(
         api, LionState, step, learning_rate, modes, needs_params=weight_decay > 0, mask=mask

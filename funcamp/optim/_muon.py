@@ -20,6 +20,7 @@ from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
     LearningRate,
+    LowPrecision,
     Tensors,
     _build,
     _f64,
@@ -234,7 +235,7 @@ def muon(
     shards: list[Any] = []
     ns = (coefficients, ns_steps, eps)
     step = _muon_step(momentum, nesterov, weight_decay, ns, adjust_lr_fn, shards)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     opt = _build(
         api, MuonState, step, learning_rate, modes,
         needs_params=scheduled(weight_decay) or weight_decay > 0,

@@ -23,6 +23,7 @@ from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._fused import FUSED_ADAM, AdamHyper, fused_adam
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
+    LowPrecision,
     _beta,
     _build,
     _f64,
@@ -109,21 +110,16 @@ def _tensor_step_scalars(b1: Any, b2: Any, eps: float, lr: Any, count: Any) -> t
     return bias_correction2.sqrt() * step_size_neg, eps / step_size_neg
 
 
-def _adam_step(hyper: AdamHyper, differentiable: bool = False) -> Any:
-    b1, b2, eps, weight_decay, decoupled, amsgrad, maximize = hyper
-    cfg_b1, cfg_b2, cfg_eps, cfg_wd = b1, b2, eps, weight_decay
-    decays = scheduled(weight_decay) or weight_decay > 0
+def _adam_step(cfg: AdamHyper, differentiable: bool = False) -> Any:
+    """Adam's algorithm for the hyperparameters ``cfg`` (read by name: a fingerprint of the
+    optimizer names each one), torch.optim's single-tensor step or its differentiable one."""
+    decoupled, amsgrad, maximize = cfg.decoupled, cfg.amsgrad, cfg.maximize
+    decays = scheduled(cfg.weight_decay) or cfg.weight_decay > 0
 
     def step(
-        ops: Ops,
-        g: Tensors,
-        p: Any,
-        buffers: dict,
-        lr: Any,
-        count: Any,
-        mask: Any = None,
+        ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, mask: Any = None,
         hyper: Any = None,
-    ) -> Any:
+    ) -> Any:  # fmt: skip
         # torch.optim.Adam/AdamW: grad = -grad (maximize); grad.add(p, alpha=weight_decay) or
         # p.mul_(1 - lr * wd); exp_avg.lerp_(grad, 1 - b1);
         # exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2); with amsgrad
@@ -131,18 +127,18 @@ def _adam_step(hyper: AdamHyper, differentiable: bool = False) -> Any:
         # square then; denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps;
         # p.addcdiv_(exp_avg, denom, value=-step_size), that is p + (-step_size * m) / denom.
         # A scheduled value is a float64 0-d tensor: torch's Python float, with float math.
-        b1, b2 = at(hyper, cfg_b1), at(hyper, cfg_b2)
-        eps, weight_decay = operand(ops, at(hyper, cfg_eps)), at(hyper, cfg_wd)
+        b1, b2 = at(hyper, cfg.b1), at(hyper, cfg.b2)
+        eps, weight_decay = operand(ops, at(hyper, cfg.eps)), at(hyper, cfg.weight_decay)
         if maximize:  # times -1 is exact: torch's -grad, bit for bit
             g = ops.mul(g, -1.0, into=g)
         if decays and not decoupled:
             g = ops.fma(p, operand(ops, weight_decay), g, into=g)
         lr64 = _f64(lr)
         if differentiable:  # fixed values only (refused with schedules when built)
-            scalars = _tensor_step_scalars(cfg_b1, cfg_b2, cfg_eps, lr, count)
+            scalars = _tensor_step_scalars(cfg.b1, cfg.b2, cfg.eps, lr, count)
             scale, shift = (ops.scalar(x) for x in scalars)
         else:
-            scalars = _step_scalars(b1, b2, lr, count, tensors=(cfg_b1, cfg_b2))
+            scalars = _step_scalars(b1, b2, lr, count, tensors=(cfg.b1, cfg.b2))
             neg_step, bc2_sqrt = (ops.scalar(x) for x in scalars)
         # v first, then m. Where the step is known to apply on a donated state, each is
         # computed in its buffer, as torch.optim does. Elsewhere v goes into a temporary and m
@@ -150,17 +146,17 @@ def _adam_step(hyper: AdamHyper, differentiable: bool = False) -> Any:
         # into its buffer as it is kept, leaving the temporary for the denominator and the
         # grads for the step: torch.optim's memory (one temporary).
         v_old, m_old = buffers["exp_avg_sq"], buffers["exp_avg"]
-        if isinstance(cfg_b2, torch.Tensor):  # torch's mul_(beta2).addcmul_(value=1 - beta2)
+        if isinstance(cfg.b2, torch.Tensor):  # torch's mul_(beta2).addcmul_(value=1 - beta2)
             vb = ops.mul(v_old, ops.scalar(b2), into=ops.target(v_old))
             v = ops.fma(ops.mul(g, ops.scalar(1.0 - b2.float())), g, vb, into=vb)
-        elif scheduled(cfg_b2):  # addcmul(value=w) is z + (w * x) * y: one rounding each
+        elif scheduled(cfg.b2):  # addcmul(value=w) is z + (w * x) * y: one rounding each
             vb = ops.mul(v_old, ops.scalar(b2), into=ops.target(v_old))
             v = ops.fma(ops.mul(g, ops.scalar(1.0 - b2)), g, vb, into=vb)
         else:
             vb = ops.mul(v_old, b2, into=ops.target(v_old))
             v = ops.addcmul(vb, g, g, 1.0 - b2, into=vb)
         v = ops.kept(v, replaces=v_old)
-        if isinstance(cfg_b1, torch.Tensor):
+        if isinstance(cfg.b1, torch.Tensor):
             w1 = ops.scalar(1.0 - b1.float())
         else:  # a float, or a scheduled value (its double, rounded once)
             w1 = operand(ops, 1.0 - b1)
@@ -225,7 +221,7 @@ def _adam(
     eps: float,
     weight_decay: float,
     decoupled: bool,
-    modes: tuple[bool, bool, bool, int],
+    modes: LowPrecision,
     mask: Mask = None,
     fused: bool = False,
     amsgrad: bool = False,
@@ -342,7 +338,7 @@ def adam(
         >>> funcamp.apply_updates(params, updates)
         {'w': tensor([-0.1000,  0.1000])}
     """
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _adam(
         "adam", learning_rate, b1, b2, eps, weight_decay, False, modes, None, fused, amsgrad,
         maximize, differentiable,
@@ -436,7 +432,7 @@ def adamw(
         >>> torch.equal(funcamp.apply_updates(params, updates)["w"], p.detach())
         True
     """
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _adam(
         "adamw", learning_rate, b1, b2, eps, weight_decay, True, modes, mask, fused, amsgrad,
         maximize, differentiable,

@@ -11,6 +11,7 @@ from funcamp.optim._fused import SgdHyper, fused_sgd
 from funcamp.optim._optimizers import LearningRate, Tensors
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
+    LowPrecision,
     _build,
     at,
     check_fused_modes,
@@ -26,7 +27,8 @@ __all__ = ["SgdState", "sgd"]
 
 
 def _sgd_step(hyper: SgdHyper) -> Any:
-    momentum, dampening, nesterov, weight_decay, maximize = hyper
+    momentum, dampening, nesterov = hyper.momentum, hyper.dampening, hyper.nesterov
+    weight_decay, maximize = hyper.weight_decay, hyper.maximize
     if scheduled(momentum, dampening, weight_decay):
         return _scheduled_sgd_step(hyper)
 
@@ -64,7 +66,8 @@ def _scheduled_sgd_step(hyper: SgdHyper) -> Any:
     step's values. The buffer is kept whenever a momentum is given (torch's, when the momentum
     is 0 at a step, neither moves nor is read: a ``where`` selects that), and the term
     ``weight_decay * p`` is always added (0 adds nothing)."""
-    momentum, dampening, nesterov, weight_decay, maximize = hyper
+    momentum, dampening, nesterov = hyper.momentum, hyper.dampening, hyper.nesterov
+    weight_decay, maximize = hyper.weight_decay, hyper.maximize
     moves = scheduled(momentum) or momentum > 0
     decays = scheduled(weight_decay) or weight_decay > 0
 
@@ -182,7 +185,7 @@ def sgd(
         return _build(
             api, SgdState, _sgd_step(SgdHyper(momentum, dampening, nesterov, weight_decay,
                                               maximize)),
-            learning_rate, (master_weights, kahan, stochastic_rounding, seed),
+            learning_rate, LowPrecision(master_weights, kahan, stochastic_rounding, seed),
             buffers=("momentum",) if scheduled(momentum) or momentum > 0 else (),
             needs_params=scheduled(weight_decay) or weight_decay > 0, hyper=hyper_fns,
         )  # fmt: skip
@@ -192,7 +195,7 @@ def sgd(
             f"got nesterov=True with momentum={momentum!r}, dampening={dampening!r}"
         )
     hyper = SgdHyper(momentum, dampening, nesterov, weight_decay, maximize)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     check_flag(api, "fused", fused)
     in_place, copies = fused_sgd(hyper)
     if fused:

@@ -100,12 +100,22 @@ def refuse_scheduled(api: str, why: str, **values: Any) -> None:
             raise ValueError(f"funcamp.{api}: `{name}` is a schedule, but {why}")
 
 
+class LowPrecision(NamedTuple):
+    """An optimizer's low-precision mode, as its factory's keywords give it (see
+    :mod:`funcamp.optim`): read by name, never by position."""
+
+    master_weights: bool = False
+    kahan: bool = False
+    stochastic_rounding: bool = False
+    seed: int = 0
+
+
 def _build(
     api: str,
     state_type: type,
     step: Callable[..., Any],
     learning_rate: LearningRate,
-    modes: tuple[bool, bool, bool, int],
+    modes: LowPrecision,
     *,
     buffers: Any = None,
     needs_params: bool = False,
@@ -113,19 +123,18 @@ def _build(
     **options: Any,
 ) -> Optimizer:
     """:func:`funcamp.optim.elementwise` for ``step``, the low-precision mode given as
-    ``(master_weights, kahan, stochastic_rounding, seed)``; ``hyper``: the scheduled
+    :class:`LowPrecision`; ``hyper``: the scheduled
     hyperparameters (``step`` then gets ``hyper=``, their values this step, by name);
     ``options``: elementwise's others (``fused_kernel``, ``mask``, ``fill``, ...)."""
-    master_weights, kahan, stochastic_rounding, seed = modes
     return elementwise(
         api, state_type, step, learning_rate, buffers=buffers, needs_params=needs_params,
         hyper={name: h.fn for name, h in (hyper or {}).items()},
-        master_weights=master_weights, kahan=kahan, stochastic_rounding=stochastic_rounding,
-        seed=seed, **options,
+        master_weights=modes.master_weights, kahan=modes.kahan,
+        stochastic_rounding=modes.stochastic_rounding, seed=modes.seed, **options,
     )  # fmt: skip
 
 
-def check_fused_modes(api: str, modes: tuple[bool, bool, bool, int]) -> None:
+def check_fused_modes(api: str, modes: LowPrecision) -> None:
     """``fused=True`` runs torch's kernel on float32 params: no low-precision mode."""
     on = [m for m, flag in zip(("master_weights", "kahan", "stochastic_rounding"), modes) if flag]
     if on:
@@ -135,15 +144,17 @@ def check_fused_modes(api: str, modes: tuple[bool, bool, bool, int]) -> None:
         )
 
 
-def _checked(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple[float, float]:
+def _common_args(api: str, maximize: bool, eps: float, weight_decay: float) -> tuple[float, float]:
     """The arguments most of these optimizers take: ``maximize`` checked, ``eps`` and
     ``weight_decay`` (both >= 0) returned."""
     check_flag(api, "maximize", maximize)
     return check_number(api, "eps", eps), check_number(api, "weight_decay", weight_decay)
 
 
-def _checked_scheduled(api: str, maximize: bool, eps: Any, weight_decay: Any) -> tuple[Any, Any]:
-    """:func:`_checked` where ``eps`` and ``weight_decay`` may follow schedules (see
+def _common_args_scheduled(
+    api: str, maximize: bool, eps: Any, weight_decay: Any
+) -> tuple[Any, Any]:
+    """:func:`_common_args` where ``eps`` and ``weight_decay`` may follow schedules (see
     :func:`hyperparameter`)."""
     check_flag(api, "maximize", maximize)
     return hyperparameter(api, "eps", eps), hyperparameter(api, "weight_decay", weight_decay)

@@ -17,9 +17,10 @@ from funcamp.optim._base import NewParams, Optimizer
 from funcamp.optim._paths import Ops
 from funcamp.optim._shared import (
     LearningRate,
+    LowPrecision,
     Tensors,
     _build,
-    _checked,
+    _common_args,
     _decayed_prologue,
     _f64,
     _half_power,
@@ -230,7 +231,7 @@ def nadam(
     """
     api = "nadam"
     check_flag(api, "decoupled_weight_decay", decoupled_weight_decay)
-    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
+    eps, weight_decay = _common_args(api, maximize, eps, weight_decay)
     b1, b2 = bt.betas(api, b1, b2)
     momentum_decay = check_number(api, "momentum_decay", momentum_decay)
     foreach = _implementation(api, foreach, {"b1": b1, "b2": b2}, differentiable)
@@ -243,7 +244,7 @@ def nadam(
         b1, b2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize, foreach,
         differentiable,
     )  # fmt: skip
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, NadamState, step, learning_rate, modes, buffers=("exp_avg", "exp_avg_sq"),
         needs_params=weight_decay > 0, scalars={"mu_product": 1.0},
@@ -426,11 +427,11 @@ def radam(
     """
     api = "radam"
     check_flag(api, "decoupled_weight_decay", decoupled_weight_decay)
-    eps, weight_decay = _checked(api, maximize, eps, weight_decay)
+    eps, weight_decay = _common_args(api, maximize, eps, weight_decay)
     b1, b2 = bt.betas(api, b1, b2)
     foreach = _implementation(api, foreach, {"b2": b2})
     step = _radam_step(b1, b2, eps, weight_decay, decoupled_weight_decay, maximize, foreach)
-    modes = (master_weights, kahan, stochastic_rounding, seed)
+    modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, RadamState, step, learning_rate, modes, needs_params=weight_decay > 0 or foreach
     )
@@ -532,6 +533,6 @@ def rprop(
         )
     step = _rprop_step(etaminus, etaplus, smin, smax, maximize)
     return _build(
-        api, RpropState, step, learning_rate, (master_weights, kahan, stochastic_rounding, seed),
+        api, RpropState, step, learning_rate, LowPrecision(master_weights, kahan, stochastic_rounding, seed),
         hyper=hp.hyperparameters(etaminus, etaplus, smin, smax),
     )  # fmt: skip

@@ -58,8 +58,8 @@ class StepInfo(NamedTuple):
             skipped.
         grad_norm: 0-d float32, the global L2 norm of the unscaled gradients, summed in the
             grads dict's order (as ``clip_grad_norm_``). ``None`` with ``grad_norm=False``.
-        user_skip: 0-d bool, the answer of ``skip_if``: True when it skipped the step. ``None``
-            without ``skip_if``.
+        user_skip: 0-d bool, the answer of ``skip_if``: True when it skipped the step (False
+            without ``skip_if``).
 
     Example:
         >>> import torch, funcamp
@@ -280,7 +280,8 @@ def unscale_and_step(
         opt_state_out = close_window(opt_state_out, window, skip, found_inf, donate_state)
         if accumulated:  # the accumulated gradient's norm on the micro-step that applies
             norm = torch.where(window.applies.to(norm.device), accumulated[0], norm)
-    return params_out, opt_state_out, StepInfo(found_inf, norm, asked.answer)
+    user_skip = asked.answer if asked.answer is not None else torch.zeros_like(found_inf)
+    return params_out, opt_state_out, StepInfo(found_inf, norm, user_skip)
 
 
 class _Asked:

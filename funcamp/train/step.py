@@ -226,7 +226,7 @@ def _apply_step(
         opts.has_aux,
         room,
         lr,
-        info.user_skip,
+        info.user_skip if opts.skip_if is not None else None,
     )
     # The frozen params are the input's own: the wrapper puts them back (no graph output).
     return TrainState(params, new_buffers, opt_state, new_scaler, new_fp8), metrics
