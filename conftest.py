@@ -21,3 +21,19 @@ def pytest_cmdline_main(config):
     option = config.option
     if getattr(option, "numprocesses", None) and getattr(option, "dist", "no") == "no":
         option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Tell each xdist worker that the run groups: a worker parses the command line again
+    (``-n 2``, no ``--dist``) and sets its ``loadgroup`` option before this file's
+    ``pytest_cmdline_main`` could run there, so without this it never tags its tests with their
+    group, and every test of a group is scheduled alone (a module's fixture built once per
+    worker, and again after each test of another module in between)."""
+    node.workerinput["funcamp_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and workerinput.get("funcamp_loadgroup"):
+        config.option.loadgroup = True  # read by xdist's worker when it collects
