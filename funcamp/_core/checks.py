@@ -50,7 +50,11 @@ _PROBE_HINT = (
 )
 
 
-def _check_lr_metadata(api: str, value: Any, when: str) -> torch.Tensor:
+def _check_schedule_metadata(
+    api: str, value: Any, when: str, name: str = "learning_rate", hint: str = _PROBE_HINT
+) -> torch.Tensor:
+    """A schedule's value, checked for its type and shape only (no host sync): a 0-d floating
+    tensor."""
     if (
         not isinstance(value, torch.Tensor)
         or value.dim() != 0
@@ -58,8 +62,8 @@ def _check_lr_metadata(api: str, value: Any, when: str) -> torch.Tensor:
         or value.is_complex()
     ):
         raise TypeError(
-            f"funcamp.{api}: `learning_rate` schedule must return a 0-d floating tensor, got "
-            f"{describe(value)} {when}; {_PROBE_HINT}"
+            f"funcamp.{api}: `{name}` schedule must return a 0-d floating tensor, got "
+            f"{describe(value)} {when}; {hint}"
         )
     return value
 
@@ -105,11 +109,11 @@ def learning_rate_fn(api: str, learning_rate: Any) -> LrFn:
                 f"funcamp.{api}: `learning_rate` schedule raised {type(e).__name__}: {e} when "
                 f"called with the step count 0; {_PROBE_HINT}"
             ) from e
-        _check_lr_metadata(api, value, "for the step count 0")
+        _check_schedule_metadata(api, value, "for the step count 0")
         _check_lr_value(api, value, " from the schedule at step count 0")
 
         def fn(count: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
-            return _guard_lr(_check_lr_metadata(api, schedule(count), "at run time"))
+            return _guard_lr(_check_schedule_metadata(api, schedule(count), "at run time"))
 
         return fn
     if (
@@ -164,17 +168,7 @@ def hyperparameter_fn(
         ) from e
 
     def metadata(value: Any, when: str) -> torch.Tensor:
-        if (
-            not isinstance(value, torch.Tensor)
-            or value.dim() != 0
-            or not value.is_floating_point()
-            or value.is_complex()
-        ):
-            raise TypeError(
-                f"funcamp.{api}: `{name}` schedule must return a 0-d floating tensor, got "
-                f"{describe(value)} {when}; {_HYPER_HINT}"
-            )
-        return value
+        return _check_schedule_metadata(api, value, when, name, _HYPER_HINT)
 
     metadata(value, "for the step count 0")
     check_real(
