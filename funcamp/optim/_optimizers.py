@@ -134,12 +134,16 @@ def _adam_step(cfg: AdamHyper, differentiable: bool = False) -> Any:
         if decays and not decoupled:
             g = ops.fma(p, operand(ops, weight_decay), g, into=g)
         lr64 = _f64(lr)
-        if differentiable:  # fixed values only (refused with schedules when built)
+        # denom = sqrt / divisor + offset: torch's `sqrt / bias_correction2_sqrt + eps`, or
+        # its differentiable step's `(sqrt / (bc2_sqrt * step_size_neg)).add_(eps /
+        # step_size_neg)` (fixed values only: refused with schedules when built)
+        if differentiable:
             scalars = _tensor_step_scalars(cfg.b1, cfg.b2, cfg.eps, lr, count)
-            scale, shift = (ops.scalar(x) for x in scalars)
+            divisor, offset = (ops.scalar(x) for x in scalars)
         else:
             scalars = _step_scalars(b1, b2, lr, count, tensors=(cfg.b1, cfg.b2))
-            neg_step, bc2_sqrt = (ops.scalar(x) for x in scalars)
+            neg_step, divisor = (ops.scalar(x) for x in scalars)
+            offset = eps
         # v first, then m. Where the step is known to apply on a donated state, each is
         # computed in its buffer, as torch.optim does. Elsewhere v goes into a temporary and m
         # into the grads (when the eager path owns them); on a donated state each then goes
@@ -173,29 +177,21 @@ def _adam_step(cfg: AdamHyper, differentiable: bool = False) -> Any:
         # in the dead grads), no temporary of the params' size.
         in_place = not differentiable and (on is None or not decoupled_decay) and ops.writable(p)
         denom = ops.sqrt(sq, into=ops.target(vb, g) if in_place else ops.target(vb))
+        denom = ops.div(denom, divisor, into=denom)
+        denom = ops.add(denom, offset, into=denom)
+        # with decoupled decay torch's p.mul_(1 - lr * wd) comes first: the new params themselves
+        factor = ops.scalar(1.0 - lr64 * weight_decay) if decoupled_decay else None
         if in_place:
-            denom = ops.div(denom, bc2_sqrt, into=denom)
-            denom = ops.add(denom, eps, into=denom)
-            if decoupled_decay:  # p.mul_(1 - lr * wd), then p.addcdiv_(...)
-                factor = ops.scalar(1.0 - lr64 * weight_decay)
-                new_p = ops.mul(p, factor, into=ops.target(p))
-            else:
-                new_p = ops.target(p)
+            new_p = ops.mul(p, factor, into=ops.target(p)) if decoupled_decay else ops.target(p)
             return NewParams(ops.addcdiv(new_p, m, denom, neg_step, into=new_p)), new
-        if differentiable:  # (sqrt / (bc2_sqrt * step_size_neg)).add_(eps / step_size_neg)
-            denom = ops.div(denom, scale, into=denom)
-            denom = ops.add(denom, shift, into=denom)
+        if differentiable:
             deltas = ops.div(m, denom, into=g)  # p.addcdiv_(exp_avg, denom): value 1
         else:
-            denom = ops.div(denom, bc2_sqrt, into=denom)
-            denom = ops.add(denom, eps, into=denom)
             deltas = ops.mul(m, neg_step, into=g)
             deltas = ops.div(deltas, denom, into=deltas)
         if not decoupled_decay:
             # p.addcdiv_(...) is p + delta: one rounding either way (in place where it may)
             return _added(ops, p, deltas), new
-        # p.mul_(1 - lr * wd), then p.addcdiv_(...): the new params themselves
-        factor = ops.scalar(1.0 - lr64 * weight_decay)
         if on is None:
             new_p = ops.mul(p, factor, into=ops.target(p, denom))
             return NewParams(ops.add(new_p, deltas, into=new_p)), new
