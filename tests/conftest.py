@@ -26,6 +26,17 @@ def pytest_report_header(config):
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    for tiny models, two threads on shared cores make every autocast cast an OpenMP region that
+    costs milliseconds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def single_rank_group():
     """A 1-rank gloo process group in this process (functional collectives run for real)."""
     if dist.is_initialized():

@@ -32,12 +32,7 @@ FUNCAMP = {"ASGD": funcamp.asgd, "Adafactor": funcamp.adafactor}
 KEYS = {"ASGD": ("ax",), "Adafactor": ("row_var", "col_var", "variance")}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
 def _params(dtype: torch.dtype) -> dict[str, torch.Tensor]:

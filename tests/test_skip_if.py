@@ -36,12 +36,7 @@ LR = 1e-2
 POLICY = "params=float32,compute=float16,output=float32,ops=autocast_cpu"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
 class Net(nn.Module):

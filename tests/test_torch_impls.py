@@ -16,12 +16,7 @@ STEPS = 40
 SHAPES = {"w": (6, 8), "b": (3,), "v": (8, 8)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
 def _copy(x):

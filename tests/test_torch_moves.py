@@ -88,12 +88,7 @@ CASES += [
 IDS = [f"{n}-{d}-{s}-{'bf16' if t == torch.bfloat16 else 'fp16'}" for n, d, _, s, t in CASES]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
 class Torch:

@@ -46,14 +46,7 @@ POLICIES = {
 FIELDS = {name: {**e.renamed, **dict.fromkeys(e.computed)} for name, e in TWINS.items()}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these models are tiny, and two threads on shared cores make every
-    autocast cast an OpenMP region that costs milliseconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
 def _configs() -> list[tuple[str, str, dict]]:
