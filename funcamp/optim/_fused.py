@@ -273,9 +273,7 @@ def _lr_args(lr: Any, device: torch.device) -> tuple[float, torch.Tensor | None]
 
 def _stepped_state(state: Any, skip: Any = None, **buffers: Any) -> Any:
     """The state with its count advanced (kept where ``skip`` skips) and ``buffers`` replaced."""
-    count = state.count + 1
-    if skip is not None:
-        count = skip.keep(state.count, count)
+    count = state.count + 1 if skip is None else skip.advance(state.count)
     return state._replace(count=count.to(state.count.dtype), **buffers)
 
 

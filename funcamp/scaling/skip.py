@@ -135,12 +135,20 @@ class Skip:
                 self._decided = bool(flag)
         return self._decided
 
-    def keep(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """One tensor: ``where(found_inf, old, new)``."""
+    def also(self, flag: torch.Tensor) -> Skip:
+        """A skip of this step where ``found_inf`` or ``flag`` holds (a condition known only
+        after the update ran)."""
+        return Skip(self.found_inf | flag.to(self.found_inf.device))
+
+    def advance(self, count: torch.Tensor) -> torch.Tensor:
+        """The count of updates applied after this step: ``count + 1``, or ``count`` where
+        skipped. (An optimizer that writes its state itself asks; a returned state's count is
+        selected with the rest of the tree.)"""
+        new = count + 1
         decided = self.decided
         if decided is not None:
-            return old if decided else new
-        return torch.where(self.found_inf.to(old.device), old, new)
+            return count if decided else new
+        return torch.where(self.found_inf.to(count.device), count, new)
 
     def select(
         self,

@@ -396,7 +396,7 @@ def _step(
     with summing_across(across), reporting_accumulated(report):
         updates, new_opt_state = prepared.run(unscaled, writes)
     if late is not None:
-        skip = Skip(skip.found_inf | late().to(skip.found_inf.device))
+        skip = skip.also(late())
         if skip.decided:
             return params, opt_state
     if updates is None:  # a fused kernel updated the donated params and state in place
