@@ -1047,6 +1047,14 @@ def _signum_step(ops, grads, params, buffers, lr, count):  # docs/guides/writing
     return ops.mul(direction, ops.scalar(-lr), into=direction), {"momentum": momentum}
 
 
+def _signum_rereads(ops, grads, params, buffers, lr, count):
+    """Signum reading its buffer again after ``kept``: the new values, on every path."""
+    new = ops.fma(grads, 1.0 - 0.9, ops.mul(buffers["momentum"], 0.9))
+    ops.kept(new, replaces=buffers["momentum"])
+    direction = ops.sign(buffers["momentum"])
+    return ops.mul(direction, ops.scalar(-lr), into=direction), {"momentum": buffers["momentum"]}
+
+
 _DONATING = {
     "adam": lambda: funcamp.adam(1e-2),
     "adam-l2": lambda: funcamp.adam(1e-2, weight_decay=0.1),
@@ -1063,6 +1071,9 @@ _DONATING = {
     ),
     "chain": lambda: funcamp.chain(funcamp.clip_by_global_norm(1.0), funcamp.adamw(1e-2)),
     "signum": lambda: funcamp.optim.elementwise("signum", _SignumState, _signum_step, 1e-2),
+    "signum-rereads": lambda: funcamp.optim.elementwise(
+        "signum", _SignumState, _signum_rereads, 1e-2
+    ),
 }
 
 

@@ -96,7 +96,8 @@ def elementwise(
     All arithmetic goes through ``ops`` (:class:`~funcamp.optim.Ops`), which runs it on the eager
     or the traced path. A Python scalar is rounded to float32 as torch's kernels round it.
     ``ops.kept(xs)`` marks a list that goes into the new state. ``ops.kept(xs, replaces=buf)``
-    makes it the new value of buffer ``buf``, written into it at once on a donated eager step.
+    makes it the new value of buffer ``buf``, written into it at once on a donated eager step;
+    ``buf`` holds the new values afterwards on every path.
     ``into=xs`` lets an op reuse a dead list's memory.
 
     The fast path: ``unscale_and_step`` and the train step run ``fused_kernel`` in place of

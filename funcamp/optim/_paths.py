@@ -98,6 +98,19 @@ def _each(y: Scalar, n: int) -> Sequence[Scalar]:
     return y if isinstance(y, (list, tuple)) else spread(y, n)
 
 
+def _replace_items(xs: Tensors, replaces: Tensors | None) -> Tensors:
+    """``replaces`` (a list) holding ``xs``'s tensors, or ``xs`` where nothing is replaced."""
+    if replaces is None or replaces is xs:
+        return xs
+    if not isinstance(replaces, list) or len(replaces) != len(xs):
+        raise TypeError(
+            "funcamp.optim: `ops.kept(xs, replaces=buf)` takes the state buffer's list of "
+            f"tensors, one per leaf of `xs` ({len(xs)}), got {type(replaces).__name__}"
+        )
+    replaces[:] = xs
+    return replaces
+
+
 class Ops:
     """Leaf-wise arithmetic on lists of tensors, as an optimizer's algorithm sees it.
 
@@ -154,11 +167,14 @@ class Ops:
         ``replaces`` is the state buffer whose new value ``xs`` is. On a donated eager step the
         caller gave up its state (:class:`~funcamp.optim.Writes`' ``skip``). There the new values
         are written into that buffer at once through ``skip.write``, and the buffer is returned.
-        A skipped step leaves it bit-identical. ``xs`` is then dead (free for ``into=``). Use
-        only the returned list afterwards, never ``replaces``. Call it once nothing that can
-        raise is left. Elsewhere ``xs`` is returned.
+        A skipped step leaves it bit-identical. ``xs`` is then dead (free for ``into=``). Call it
+        once nothing that can raise is left. Elsewhere ``xs`` is returned.
+
+        On every path the list ``replaces`` holds the new values afterwards (its tensors are
+        replaced, on a donated step written into): an algorithm that reads it again reads the
+        same numbers everywhere, never the old buffer on one path and the new one on another.
         """
-        return xs
+        return _replace_items(xs, replaces)
 
     def add(self, xs: Tensors, y: Scalar, into: Tensors | None = None) -> Tensors:
         return self._binary("add", xs, y, into)
@@ -297,7 +313,7 @@ class EagerOps(Ops):
             return replaces
         for x in xs:
             self._owned.pop(id(x), None)
-        return xs
+        return _replace_items(xs, replaces)
 
     def _commits(self, xs: Tensors, replaces: Tensors) -> bool:
         """Whether ``xs`` goes into the donated buffers ``replaces`` now: every one of them
