@@ -74,6 +74,19 @@ def test_bundled_kernels_give_the_same_bits_from_fewer_builds(per_kernel):
     assert sum(len(re.findall(r"namespace funcamp_k\d+ \{", s)) for s in units) == len(alone)
 
 
+def test_one_compile_thread_gets_the_kernels_themselves(per_kernel):
+    """With one compile thread (a one-core machine, ``TORCHINDUCTOR_COMPILE_THREADS=1``) the
+    graph's module waits for no future: it is handed the bundled kernels themselves."""
+    expected, alone = per_kernel
+    with torch._inductor.config.patch(compile_threads=1):
+        out, built = compiled_once(True)
+    for a, b in zip(out, expected):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    units = [s for s in built if "namespace funcamp_k0" in s]
+    assert len(units) == 1
+    assert len(re.findall(r"namespace funcamp_k\d+ \{", units[0])) == len(alone)
+
+
 def test_a_unit_that_fails_to_build_falls_back_to_one_build_per_kernel(
     per_kernel, monkeypatch, caplog
 ):

@@ -352,6 +352,8 @@ def _patch() -> bool:
         log = getattr(_async_compile, "kernel_code_log", None)
         if log is not None:
             log.info("CPP+Bindings Kernel (funcamp bundle):\n%s", source_code)
+        if _async_compile.get_compile_threads() <= 1:  # inductor's `wait` resolves no future
+            return slot.get()  # then: the kernel itself, as inductor's own single-thread path
         return _codecache.LambdaFuture(slot.get)
 
     cpp_pybinding.__wrapped__ = original  # type: ignore[attr-defined]
