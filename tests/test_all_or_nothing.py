@@ -26,6 +26,7 @@ import tempfile
 
 import pytest
 import torch
+from exhaustive import exhaustive
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcamp
@@ -168,7 +169,14 @@ _OPTIMIZERS = {
     [pytest.param(name, torch.float32, id=f"{name}-f32") for name in _OPTIMIZERS]
     + [
         # fused Adam takes float32 params only (bfloat16 ones with master weights)
-        pytest.param(name, torch.bfloat16, id=f"{name}-bf16", marks=_SLOW)
+        # bfloat16 params: one point in the suite (the write path is the optimizers' common
+        # one); every optimizer in the exhaustive sweep
+        pytest.param(
+            name,
+            torch.bfloat16,
+            id=f"{name}-bf16",
+            marks=[_SLOW] if name == "sgd-momentum" else [_SLOW, exhaustive],
+        )
         for name in _OPTIMIZERS
         if "fused" not in name
     ],
@@ -375,13 +383,13 @@ def _compiled_fault_at_every_line(backend: str, name: str) -> None:
     assert intact == 0  # every fault inside the graph leaves a marked state
 
 
-@pytest.mark.parametrize("name", ["adam", pytest.param("sgd", marks=_SLOW)])
+@pytest.mark.parametrize("name", ["adam", pytest.param("sgd", marks=[_SLOW, exhaustive])])
 def test_compiled_aot_eager_fault_at_every_op(name):
     _compiled_fault_at_every_line("aot_eager", name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["adamw", "adam-fused"])
+@pytest.mark.parametrize("name", [pytest.param("adamw", marks=exhaustive), "adam-fused"])
 def test_compiled_inductor_fault_at_every_kernel(name):
     _compiled_fault_at_every_line("inductor", name)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from exhaustive import exhaustive
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -430,7 +431,11 @@ def counting_compile(step_fn_builder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["current", "delayed"])
+@pytest.mark.parametrize(
+    # current scaling compiled: in the suite through test_device_parity's FP8 training test
+    "recipe",
+    [pytest.param("current", marks=exhaustive), "delayed"],
+)
 def test_compiled_step_is_one_graph_no_recompile_and_matches_eager(recipe: str) -> None:
     r = Fp8Recipe.current() if recipe == "current" else Fp8Recipe.delayed(4)
     _, policy, loss_fn, opt, state, batches = make_problem(recipe=r)

@@ -10,6 +10,7 @@ import io
 import optree
 import pytest
 import torch
+from exhaustive import exhaustive
 
 import funcamp
 import funcamp.distributed as fd
@@ -80,7 +81,8 @@ def _check_against(model, state, ref, start):
 
 
 @pytest.mark.parametrize(
-    ("compile", "donate"), [(False, True), (False, False), (True, True), (True, False)]
+    ("compile", "donate"),
+    [(False, True), (False, False), (True, True), pytest.param(True, False, marks=exhaustive)],
 )
 def test_frozen_params_stay_put_and_the_rest_trains_as_torch_optim(compile, donate):
     model = _model()

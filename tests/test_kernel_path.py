@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exhaustive import exhaustive
 from tiny_step import batches, cnn_step, model_step, recording_backend
 
 import funcamp
@@ -43,7 +44,12 @@ OPTIMIZERS = {
 
 # Donation changes how the step writes its outputs, not the update each optimizer traces: every
 # optimizer donated (the default), and two of them (one with a clip in its chain) not donated.
-KERNEL_CASES = [(name, True) for name in OPTIMIZERS] + [("adamw", False), ("clip_adam", False)]
+KERNEL_CASES = [(name, True) for name in OPTIMIZERS] + [
+    pytest.param(
+        "adamw", False, marks=exhaustive
+    ),  # AdamW's trace: donated; not donated: clip_adam
+    ("clip_adam", False),
+]
 
 
 @pytest.mark.parametrize(("name", "donate_state"), KERNEL_CASES)

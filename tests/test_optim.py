@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.utils._pytree as torch_pytree
 from bitwise import same_bits
+from exhaustive import exhaustive
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -543,6 +544,7 @@ def test_update_vmaps_over_a_batch_of_states():
 
 
 @pytest.mark.slow
+@exhaustive  # in the suite: test_compile_many_leaves's vmapped update under inductor
 def test_compiled_vmapped_update_stays_close_to_eager():
     """vmap (an ensemble of optimizer states) under inductor: the compiled ensemble update
     stays within the compiled step's bound of eager's."""

@@ -23,6 +23,7 @@ import torch
 import torch._dynamo.testing
 import torch.distributed as dist
 from bitwise import assert_bitwise
+from exhaustive import exhaustive
 
 import funcamp
 import funcamp.distributed as fd
@@ -289,6 +290,7 @@ def test_adafactor_on_shards_of_every_dim_is_the_whole_computation(single_rank_g
 
 
 @pytest.mark.slow
+@exhaustive  # in the suite: test_whole_leaf_optimizers_compile_under_sharded[muon], two ranks
 def test_muon_compiles_under_sharded_on_one_rank(single_rank_group):
     """Compiled (aot_eager), the check for shards is in the one graph: no break, no refusal."""
     from torch.distributed.device_mesh import init_device_mesh

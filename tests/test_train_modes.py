@@ -17,6 +17,7 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from exhaustive import exhaustive
 from torch._dynamo.utils import counters
 from torch.func import functional_call
 
@@ -81,7 +82,12 @@ def _check_modes(model, states, losses, modes, start):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("modes", [TRAIN_EVAL, EVAL_TRAIN], ids=["train-first", "eval-first"])
+@pytest.mark.parametrize(
+    "modes",
+    # eval first: in the suite through test_data_parallel_step_follows_the_mode
+    [TRAIN_EVAL, pytest.param(EVAL_TRAIN, marks=exhaustive)],
+    ids=["train-first", "eval-first"],
+)
 def test_compiled_step_follows_the_mode_bit_for_bit(modes):
     model = _model()
     loss_fn = _loss(model)
