@@ -41,6 +41,7 @@ from funcamp.optim._shared import (
     hyperparameter,
     hyperparameters,
     operand,
+    positive,
     refuse_scheduled,
     scheduled,
 )
@@ -61,7 +62,7 @@ def _rmsprop_step(
     alpha: Any, eps: Any, weight_decay: Any, momentum: Any, centered: bool, maximize: bool
 ) -> Any:
     cfg = (alpha, eps, weight_decay, momentum)
-    moves = scheduled(momentum) or momentum > 0
+    moves = positive(momentum)
 
     def step(
         ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, hyper: Any = None
@@ -155,7 +156,7 @@ def rmsprop(
     alpha = hyperparameter(api, "alpha", alpha, maximum=1.0, maximum_open=False)
     momentum = hyperparameter(api, "momentum", momentum)
     buffers = ["square_avg"]
-    if scheduled(momentum) or momentum > 0:
+    if positive(momentum):
         buffers.append("momentum_buffer")
     if centered:
         buffers.append("grad_avg")
@@ -163,7 +164,7 @@ def rmsprop(
     modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, RmspropState, step, learning_rate, modes, buffers=buffers,
-        needs_params=scheduled(weight_decay) or weight_decay > 0,
+        needs_params=positive(weight_decay),
         hyper=hyperparameters(alpha, eps, weight_decay, momentum),
     )  # fmt: skip
 
@@ -255,7 +256,7 @@ def adagrad(
     )
     if fused:
         check_fused_modes(api, modes)
-    decays = scheduled(weight_decay) or weight_decay > 0
+    decays = positive(weight_decay)
     return _build(
         api, AdagradState, step, learning_rate, modes, needs_params=decays or fused,
         fill={"sum": iav}, fused_kernel=in_place, fused_update=copies, hyper=hyper,
@@ -336,7 +337,7 @@ def adadelta(
     modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, AdadeltaState, step, learning_rate, modes,
-        needs_params=scheduled(weight_decay) or weight_decay > 0,
+        needs_params=positive(weight_decay),
         hyper=hyperparameters(rho, eps, weight_decay),
     )  # fmt: skip
 
@@ -425,6 +426,6 @@ def adamax(
     modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     return _build(
         api, AdamaxState, step, learning_rate, modes,
-        needs_params=scheduled(weight_decay) or weight_decay > 0,
+        needs_params=positive(weight_decay),
         hyper=hyperparameters(b1, b2, eps, weight_decay),
     )  # fmt: skip

@@ -29,7 +29,7 @@ from funcamp.optim._shared import (
     hyperparameter,
     hyperparameters,
     operand,
-    scheduled,
+    positive,
 )
 from funcamp.optim._states import MuonState
 from funcamp.optim._whole import gather_whole, local_part, shard_layouts
@@ -238,7 +238,7 @@ def muon(
     modes = LowPrecision(master_weights, kahan, stochastic_rounding, seed)
     opt = _build(
         api, MuonState, step, learning_rate, modes,
-        needs_params=scheduled(weight_decay) or weight_decay > 0,
+        needs_params=positive(weight_decay),
         hyper=hyperparameters(momentum, weight_decay),
     )  # fmt: skip
 

@@ -33,6 +33,7 @@ from funcamp.optim._shared import (
     hyperparameter,
     hyperparameters,
     operand,
+    positive,
     refuse_scheduled,
     scheduled,
 )
@@ -114,7 +115,7 @@ def _adam_step(cfg: AdamHyper, differentiable: bool = False) -> Any:
     """Adam's algorithm for the hyperparameters ``cfg`` (read by name: a fingerprint of the
     optimizer names each one), torch.optim's single-tensor step or its differentiable one."""
     decoupled, amsgrad, maximize = cfg.decoupled, cfg.amsgrad, cfg.maximize
-    decays = scheduled(cfg.weight_decay) or cfg.weight_decay > 0
+    decays = positive(cfg.weight_decay)
 
     def step(
         ops: Ops, g: Tensors, p: Any, buffers: dict, lr: Any, count: Any, mask: Any = None,
@@ -263,7 +264,7 @@ def _adam(
         api, AdamState, _adam_step(hyper, differentiable),
         learning_rate, modes,
         buffers=(*_ADAM_BUFFERS, "max_exp_avg_sq") if amsgrad else _ADAM_BUFFERS,
-        needs_params=scheduled(weight_decay) or weight_decay > 0 or fused, mask=mask,
+        needs_params=positive(weight_decay) or fused, mask=mask,
         fused_kernel=kernels[0], fused_update=kernels[1], hyper=hyper_fns,
     )  # fmt: skip
 

@@ -18,6 +18,7 @@ from funcamp.optim._shared import (
     hyperparameter,
     hyperparameters,
     operand,
+    positive,
     refuse_scheduled,
     scheduled,
 )
@@ -68,8 +69,8 @@ def _scheduled_sgd_step(hyper: SgdHyper) -> Any:
     ``weight_decay * p`` is always added (0 adds nothing)."""
     momentum, dampening, nesterov = hyper.momentum, hyper.dampening, hyper.nesterov
     weight_decay, maximize = hyper.weight_decay, hyper.maximize
-    moves = scheduled(momentum) or momentum > 0
-    decays = scheduled(weight_decay) or weight_decay > 0
+    moves = positive(momentum)
+    decays = positive(weight_decay)
 
     def step(
         ops: Ops, grads: Tensors, params: Any, buffers: dict, lr: Any, count: Any, hyper: Any
@@ -186,8 +187,8 @@ def sgd(
             api, SgdState, _sgd_step(SgdHyper(momentum, dampening, nesterov, weight_decay,
                                               maximize)),
             learning_rate, LowPrecision(master_weights, kahan, stochastic_rounding, seed),
-            buffers=("momentum",) if scheduled(momentum) or momentum > 0 else (),
-            needs_params=scheduled(weight_decay) or weight_decay > 0, hyper=hyper_fns,
+            buffers=("momentum",) if positive(momentum) else (),
+            needs_params=positive(weight_decay), hyper=hyper_fns,
         )  # fmt: skip
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(

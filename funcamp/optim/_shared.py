@@ -66,6 +66,12 @@ def scheduled(*values: Any) -> bool:
     return any(isinstance(v, Hyper) for v in values)
 
 
+def positive(value: Any) -> bool:
+    """Whether a hyperparameter may be above 0 at a step: a schedule, or a float > 0 (the
+    buffer or the param it needs is then kept)."""
+    return isinstance(value, Hyper) or value > 0
+
+
 def hyperparameters(*values: Any) -> dict[str, Hyper]:
     """The :class:`Hyper` among ``values``, by name (``build(hyper=)``)."""
     return {v.name: v for v in values if isinstance(v, Hyper)}
@@ -136,7 +142,7 @@ def _build(
 
 def check_fused_modes(api: str, modes: LowPrecision) -> None:
     """``fused=True`` runs torch's kernel on float32 params: no low-precision mode."""
-    on = [m for m, flag in zip(("master_weights", "kahan", "stochastic_rounding"), modes) if flag]
+    on = [m for m in ("master_weights", "kahan", "stochastic_rounding") if getattr(modes, m)]
     if on:
         raise ValueError(
             f"funcamp.{api}: `fused=True` runs torch's fused kernel on float32 params and "
